@@ -1,0 +1,82 @@
+"""Tuning configurations for every kernel, in one place.
+
+Each kernel gets a list of candidate `triton.Config`s, a `prune` function that drops the ones that cannot
+fit (shared memory, registers) or make no sense for the problem, and an autotune key. Autotuning caches the
+best config per key: sequence lengths are bucketed to powers of two so that a varlen batch or odd lengths do
+not trigger a new tuning run for every length.
+
+Under Triton's interpreter (CPU) nothing is tuned: one config is used, chosen to be quick to interpret.
+"""
+
+from __future__ import annotations
+
+import triton
+
+from ._env import INTERPRET
+
+
+def seqlen_bucket(seqlen: int) -> int:
+    """Power-of-two bucket used in autotune keys (16 … 65536+)."""
+    return min(max(16, triton.next_power_of_2(max(int(seqlen), 1))), 1 << 16)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dims are padded inside the kernels to a power of two of at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------------
+FWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "IS_CAUSAL", "IS_VARLEN"]
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): a curated space around what FlashAttention-2 and Triton's
+# tutorial use, with BLOCK_M in {32, 64, 128}. Pruned per problem below; `flashtriton tune` sweeps it.
+FWD_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [
+        (128, 128, 8, 2), (128, 128, 8, 3),
+        (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 3),
+        (64, 128, 4, 3),
+        (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3),
+        (32, 64, 4, 3), (32, 32, 4, 2), (32, 32, 2, 3),
+    ]
+]
+
+# The one config the interpreter uses (and the one `tune --no-autotune` style callers can force).
+FWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+
+def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    warps, stages = config.num_warps, config.num_stages
+    # Shared memory: Q tile plus `stages` buffers of K and V tiles; H100/H200 allow 227 KiB per block,
+    # A100 163 KiB; keep to the smaller so one table serves both.
+    smem = elem_bytes * head_dim_padded * (bm + 2 * bn * max(stages - 1, 1))
+    if smem > 160 * 1024:
+        return False
+    # Registers: the fp32 accumulator (BM x D) and scores (BM x BN) spread over the warps' threads.
+    acc_regs_per_thread = (bm * head_dim_padded + bm * bn) / (warps * 32)
+    if acc_regs_per_thread > 160:
+        return False
+    # Too many warps for a tiny tile wastes the machine; too few for a big one spills.
+    if bm == 32 and warps == 8:
+        return False
+    if bm == 128 and warps == 4 and head_dim_padded >= 128 and bn >= 128:
+        return False
+    if bn > bm * 2:
+        return False
+    return True
+
+
+def prune_fwd_configs(configs, named_args, **kwargs):
+    head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
+    elem_bytes = named_args["Q"].element_size()
+    if elem_bytes == 4:  # fp32 runs the exact (IEEE) dot: small tiles only
+        kept = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64]
+    else:
+        kept = [c for c in configs if _fwd_fits(c, head_dim_padded, elem_bytes)]
+    # Short sequences: a BLOCK_N wider than the keys only multiplies masked work.
+    seqlen_k_bucket = named_args["TUNE_SEQLEN_K"]
+    kept = [c for c in kept if c.kwargs["BLOCK_N"] <= max(32, seqlen_k_bucket)] or kept
+    return kept or configs[:1]

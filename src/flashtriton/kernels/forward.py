@@ -1,0 +1,278 @@
+"""FlashAttention-2 forward: the Triton kernel and its launcher.
+
+One program computes one BLOCK_M tile of query rows for one (batch, query head): it keeps the tile of Q in
+registers, streams K/V in BLOCK_N tiles and keeps the online-softmax state per row (running max `m_i`,
+denominator `l_i`, fp32 accumulator `acc`) so the (Sq, Sk) score matrix never exists. Scores are kept in
+base 2: log2(e) is folded into the scale, so the softmax uses exp2.
+
+Causal attention is bottom-right aligned (flash-attn >= 2.1): query i sees key j iff j <= i + Sk - Sq
+(or top-left, j <= i, torch SDPA's convention, with CAUSAL_BOTTOM_RIGHT=False). K tiles entirely past the
+diagonal are never visited; tiles entirely before it run without masks; only the tiles that straddle the
+diagonal or the end of the keys pay for masking.
+
+Varlen: with IS_VARLEN, sequences are packed along one token axis and `cu_seqlens_q/k` (int32, B + 1) give
+each sequence's start; program (m, b·h) handles sequence b.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import configs
+from .._env import INTERPRET
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _attn_fwd_tile(
+    acc, l_i, m_i, q,
+    k_ptrs, v_ptrs, stride_kn, stride_vn,
+    offs_m, offs_n, offs_d,
+    start_n, end_n, seqlen_k, causal_offset, qk_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold K/V tiles [start_n, end_n) into the running (acc, l_i, m_i) of one Q tile."""
+    k_ptrs += start_n * stride_kn
+    v_ptrs += start_n * stride_vn
+    for n in range(start_n, end_n, BLOCK_N):
+        cols = n + offs_n  # (BLOCK_N,) key indices
+        if MASKED:
+            kv_mask = cols[:, None] < seqlen_k
+            if BLOCK_D != HEAD_DIM:
+                kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+        if MASKED:
+            visible = cols[None, :] < seqlen_k
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            qk = qk - m_new[:, None]
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_new[:, None]
+        p = tl.math.exp2(qk)  # (BLOCK_M, BLOCK_N)
+        alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if UPCAST_DOT:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE,
+    CU_SEQLENS_Q, CU_SEQLENS_K,
+    qk_scale,  # softmax_scale * log2(e)
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    NUM_HEADS, GROUP_SIZE,  # query heads; query heads per kv head
+    SEQLEN_Q, SEQLEN_K,  # dense: the lengths; varlen: unused (read from cu_seqlens)
+    TUNE_SEQLEN_Q, TUNE_SEQLEN_K,  # power-of-two buckets, autotune key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // NUM_HEADS
+    off_h = pid_bh % NUM_HEADS
+    off_hk = off_h // GROUP_SIZE  # GQA: the kv head this query head reads
+
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_b).to(tl.int64)
+        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1).to(tl.int32) - q_start.to(tl.int32)
+        k_start = tl.load(CU_SEQLENS_K + off_b).to(tl.int64)
+        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1).to(tl.int32) - k_start.to(tl.int32)
+        batch_q = q_start * stride_qm
+        batch_k = k_start * stride_kn
+        batch_v = k_start * stride_vn
+        batch_o = q_start * stride_om
+        batch_l = q_start
+    else:
+        seqlen_q = SEQLEN_Q
+        seqlen_k = SEQLEN_K
+        batch_q = off_b.to(tl.int64) * stride_qb
+        batch_k = off_b.to(tl.int64) * stride_kb
+        batch_v = off_b.to(tl.int64) * stride_vb
+        batch_o = off_b.to(tl.int64) * stride_ob
+        batch_l = off_b.to(tl.int64) * stride_lb
+
+    # Causal tiles near the end of the queries do the most work: hand them out first.
+    start_m = tl.num_programs(0) - 1 - pid_m if IS_CAUSAL else pid_m
+    if start_m * BLOCK_M >= seqlen_q:  # varlen: this sequence is shorter than the longest
+        return
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = Q + batch_q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+
+    q_mask = offs_m[:, None] < seqlen_q
+    if BLOCK_D != HEAD_DIM:
+        q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key range this tile sees: [0, hi). Keys [0, lo) are visible to every row of the tile and fully
+    # inside the sequence, so they need no mask; [lo, hi) are masked (diagonal and/or sequence end).
+    if IS_CAUSAL:
+        causal_offset = seqlen_k - seqlen_q if CAUSAL_BOTTOM_RIGHT else 0
+        hi = tl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
+        lo = tl.minimum(start_m * BLOCK_M + causal_offset + 1, seqlen_k)
+    else:
+        causal_offset = 0
+        hi = seqlen_k
+        lo = seqlen_k
+    hi = tl.maximum(hi, 0)
+    lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
+    lo = tl.minimum(lo, hi)
+
+    acc, l_i, m_i = _attn_fwd_tile(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        0, lo, seqlen_k, causal_offset, qk_scale,
+        False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attn_fwd_tile(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        lo, hi, seqlen_k, causal_offset, qk_scale,
+        True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+    )
+
+    # Rows that saw no key (causal with Sq > Sk): output 0 and lse -inf, never NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+
+    row_ok = offs_m < seqlen_q
+    tl.store(LSE + batch_l + off_h * stride_lh + offs_m, lse, mask=row_ok)
+    o_ptrs = O + batch_o + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_mask = row_ok[:, None]
+    if BLOCK_D != HEAD_DIM:
+        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=configs.FWD_CONFIGS,
+    key=configs.FWD_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": configs.prune_fwd_configs},
+    cache_results=True,
+)(_attn_fwd)
+
+
+def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST_DOT, DOT_PRECISION) for an input dtype.
+
+    fp32 inputs use the exact IEEE dot (no TF32 rounding): full fp32 accuracy, at CUDA-core speed.
+    Under the interpreter bf16 tiles are upcast before tl.dot, whose bf16 path is wrong there.
+    """
+    upcast = INTERPRET and dtype == torch.bfloat16
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return upcast, precision
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    causal_bottom_right: bool = True,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs (the public API checks them).
+
+    Dense:  q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D)  ->  out (B, Sq, Hq, D), lse (B, Hq, Sq) fp32
+    Varlen: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens int32 (B + 1,)
+                                                      ->  out (total_q, Hq, D), lse (Hq, total_q) fp32
+    Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
+    "num_stages"} instead of autotuning (always so under the interpreter).
+    """
+    varlen = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        total_q, heads_q = q.shape[0], q.shape[1]
+        heads_kv = k.shape[1]
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
+        # Add a zero batch stride so one kernel signature serves both layouts.
+        q_strides = (0, *q.stride())
+        k_strides = (0, *k.stride())
+        v_strides = (0, *v.stride())
+        o_strides = (0, *out.stride())
+        l_strides = (0, lse.stride(0))
+    else:
+        batch, seqlen_q, heads_q, _ = q.shape
+        seqlen_k, heads_kv = k.shape[1], k.shape[2]
+        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        q_strides, k_strides, v_strides, o_strides = q.stride(), k.stride(), v.stride(), out.stride()
+        l_strides = (lse.stride(0), lse.stride(1))
+    if out.numel() == 0 or seqlen_q == 0:
+        return out, lse.fill_(float("-inf"))
+
+    upcast, precision = dot_settings(q.dtype)
+    args = (
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E,
+        *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
+        heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
+        configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
+    )
+    constexprs = dict(
+        HEAD_DIM=head_dim, BLOCK_D=configs.padded_head_dim(head_dim),
+        IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision,
+    )
+
+    def grid(meta):
+        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)
+
+    if config is None and INTERPRET:
+        config = configs.FWD_INTERPRETER_CONFIG
+    if config is None:
+        _attn_fwd_tuned[grid](*args, **constexprs)
+    else:
+        _attn_fwd[grid](*args, **constexprs, **config)
+    return out, lse

@@ -1,0 +1,82 @@
+"""Pure-PyTorch attention in high precision: the ground truth for tests, `check` and `bench`.
+
+Materialises the (Sq, Sk) score matrix, so use it on small problems only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, bottom_right: bool = True, device=None) -> torch.Tensor:
+    """Boolean (Sq, Sk) mask, True where query i may see key j.
+
+    bottom_right (flash-attn >= 2.1):  j <= i + Sk - Sq      top-left (torch SDPA):  j <= i
+        Sq=2, Sk=5:  1 1 1 1 0                                1 0 0 0 0
+                     1 1 1 1 1                                1 1 0 0 0
+    """
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    offset = seqlen_k - seqlen_q if bottom_right else 0
+    return j <= i + offset
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    bottom_right: bool = True,
+    dtype: torch.dtype = torch.float64,
+    return_lse: bool = False,
+):
+    """Exact attention in `dtype` (float64 by default) for (B, S, H, D) inputs, flash-attn's layout.
+
+    q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq a multiple of Hkv (GQA: each group of Hq/Hkv query
+    heads shares one kv head). Returns out (B, Sq, Hq, D) in `dtype` and, when asked, the natural-log
+    log-sum-exp (B, Hq, Sq). A query row that sees no key gives out 0 and lse -inf. Differentiable.
+    """
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    group = heads_q // heads_kv
+    qh = q.to(dtype).transpose(1, 2)  # (B, Hq, Sq, D)
+    kh = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, D)
+    vh = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, D)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # (B, Hq, Sq, Sk)
+    if causal:
+        allowed = causal_mask(seqlen_q, seqlen_k, bottom_right, device=q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, Sq), -inf on rows that see no key
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - safe_lse[..., None])  # exp(-inf) = 0 on masked entries
+    out = torch.matmul(probs, vh).transpose(1, 2)  # (B, Sq, Hq, D)
+    return (out, lse) if return_lse else out
+
+
+def sdpa_reference(q, k, v, softmax_scale=None, is_causal=False, dtype=torch.float64):
+    """The same in torch SDPA's (B, H, S, D) layout and top-left causal alignment."""
+    out = attention_reference(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        softmax_scale=softmax_scale, causal=is_causal, bottom_right=False, dtype=dtype,
+    )
+    return out.transpose(1, 2)
+
+
+def attention_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool = False,
+                    mode: str = "fwd", seqlen_k: int | None = None) -> float:
+    """FLOPs by the FlashAttention papers' convention: 4·B·H·Sq·Sk·D forward (Sk = Sq unless given),
+    halved when causal; backward 2.5× forward, forward+backward 3.5×."""
+    seqlen_k = seqlen if seqlen_k is None else seqlen_k
+    flops = 4.0 * batch * heads * seqlen * seqlen_k * head_dim
+    if causal:
+        flops /= 2
+    return flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
+
+
+def attention_bytes(batch: int, heads: int, seqlen: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    """Fewest bytes the forward moves: Q, K, V read once and O written once (the notebook's count)."""
+    return dtype_bytes * batch * heads * head_dim * (seqlen + 2 * seqlen + seqlen)
