@@ -221,6 +221,25 @@ def attention_forward(
     max_seqlen_k: int | None = None,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel; see `launch_forward`."""
+    out, lse, _ = launch_forward(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, config)
+    return out, lse
+
+
+def launch_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    causal_bottom_right: bool = True,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    config: dict | None = None,
+):
     """Launch the forward kernel on validated inputs (the public API checks them).
 
     Dense:  q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D)  ->  out (B, Sq, Hq, D), lse (B, Hq, Sq) fp32
@@ -228,6 +247,8 @@ def attention_forward(
                                                       ->  out (total_q, Hq, D), lse (Hq, total_q) fp32
     Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
     "num_stages"} instead of autotuning (always so under the interpreter).
+    Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
+    returned when a config is forced on a GPU, for `flashtriton tune`.
     """
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
@@ -251,7 +272,7 @@ def attention_forward(
         q_strides, k_strides, v_strides, o_strides = q.stride(), k.stride(), v.stride(), out.stride()
         l_strides = (lse.stride(0), lse.stride(1))
     if out.numel() == 0 or seqlen_q == 0:
-        return out, lse.fill_(float("-inf"))
+        return out, lse.fill_(float("-inf")), None
 
     upcast, precision = dot_settings(q.dtype)
     args = (
@@ -273,6 +294,6 @@ def attention_forward(
         config = configs.FWD_INTERPRETER_CONFIG
     if config is None:
         _attn_fwd_tuned[grid](*args, **constexprs)
-    else:
-        _attn_fwd[grid](*args, **constexprs, **config)
-    return out, lse
+        return out, lse, None
+    compiled = _attn_fwd[grid](*args, **constexprs, **config)
+    return out, lse, compiled

@@ -1,0 +1,23 @@
+"""flashtriton: exact attention (FlashAttention-2) in Triton for PyTorch on Ampere and Hopper GPUs.
+
+    import flashtriton
+    out = flashtriton.flash_attn_func(q, k, v, causal=True)             # (B, S, H, D), flash-attn's API
+    out = flashtriton.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, D), torch's API
+
+On a machine without a GPU, set TRITON_INTERPRET=1 before importing to run the kernels on CPU tensors
+through Triton's interpreter (slow; for testing).
+"""
+
+from ._version import __version__
+from .interface import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
+from .reference import attention_bytes, attention_flops, attention_reference
+
+__all__ = [
+    "__version__",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "scaled_dot_product_attention",
+    "attention_reference",
+    "attention_flops",
+    "attention_bytes",
+]

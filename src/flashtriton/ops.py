@@ -1,0 +1,120 @@
+"""The attention kernels as PyTorch operators: `torch.ops.flashtriton.fwd` and `torch.ops.flashtriton.bwd`.
+
+Registering them through `torch.library` gives autograd (the backward kernels), fake implementations
+(shapes only, for torch.compile / torch.export tracing) and opaque calls inside compiled graphs: a model
+that calls flashtriton compiles with `fullgraph=True` and no graph break.
+
+The ops take validated inputs (see interface.py); the host-side check of cu_seqlens' values lives inside the
+op so that it runs eagerly even under torch.compile.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kernels.forward import attention_forward
+from .validation import check_cu_seqlens_values
+
+
+@torch.library.custom_op("flashtriton::fwd", mutates_args=())
+def attention_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    causal_bottom_right: bool,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out like q; lse fp32 (B, Hq, Sq) dense or (Hq, total_q) varlen."""
+    if cu_seqlens_q is not None:
+        covers_q = check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+        out, lse = attention_forward(
+            q, k, v, softmax_scale, causal, causal_bottom_right,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        )
+        if not covers_q:  # tokens outside every sequence: define them as 0 / -inf rather than leave garbage
+            covered = _covered_rows(cu_seqlens_q, q.shape[0])
+            out[~covered] = 0
+            lse[:, ~covered] = float("-inf")
+        return out, lse
+    return attention_forward(q, k, v, softmax_scale, causal, causal_bottom_right)
+
+
+@attention_fwd_op.register_fake
+def _(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    out = torch.empty_like(q)
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("flashtriton::bwd", mutates_args=())
+def attention_bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    causal_bottom_right: bool,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) shaped like (q, k, v); dk/dv summed over each GQA group."""
+    from .kernels.backward import attention_backward
+
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    return attention_backward(
+        dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    )
+
+
+@attention_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.args = (softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k)
+    ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not differentiated
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k = ctx.args
+    dq, dk, dv = attention_bwd_op(
+        dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _covered_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Boolean (total,) mask of the tokens that belong to some sequence."""
+    values = cu_seqlens.tolist()
+    covered = torch.zeros(total, dtype=torch.bool, device=cu_seqlens.device)
+    for start, end in zip(values[:-1], values[1:]):
+        covered[start:end] = True
+    return covered

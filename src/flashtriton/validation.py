@@ -1,0 +1,131 @@
+"""Argument checks shared by every public function: bad input gets a clear error, never a wrong answer.
+
+Every message names the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._env import INTERPRET
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+MIN_CAPABILITY = (8, 0)
+
+
+def not_implemented(name: str, value, default) -> None:
+    """Raise for an argument whose feature is not built yet, unless it has its neutral value."""
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, torch.Tensor) or value != default:
+        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        raise NotImplementedError(
+            f"flashtriton does not support {name}={shown} yet (only {name}={default!r}); "
+            "it is never silently ignored."
+        )
+
+
+def check_tensors(names: tuple[str, ...], tensors: tuple, ndim: int, layout: str) -> None:
+    """Type, rank, dtype and device of the attention inputs."""
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dims {layout}, got {t.dim()} dims with shape {tuple(t.shape)}")
+    dtypes = {n: t.dtype for n, t in zip(names, tensors)}
+    for name, dtype in dtypes.items():
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtype}")
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(f"{', '.join(names)} must share one dtype, got " + ", ".join(f"{n}={d}" for n, d in dtypes.items()))
+    check_device(names, tensors)
+
+
+def check_device(names: tuple[str, ...], tensors: tuple) -> None:
+    devices = {n: t.device for n, t in zip(names, tensors)}
+    if len(set(devices.values())) > 1:
+        raise ValueError("all inputs must be on one device, got " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+    device = tensors[0].device
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_CAPABILITY:
+            raise RuntimeError(
+                f"flashtriton needs a GPU of compute capability >= 8.0 (Ampere or newer); "
+                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
+            )
+    elif device.type == "cpu":
+        if not INTERPRET:
+            raise ValueError(
+                f"{names[0]} is on the CPU but Triton's interpreter is off: move the tensors to a CUDA GPU, "
+                "or set the environment variable TRITON_INTERPRET=1 before importing flashtriton to run the "
+                "kernels on the CPU through Triton's interpreter (slow; for testing)"
+            )
+    else:
+        raise ValueError(f"{names[0]} is on {device}; flashtriton runs on CUDA GPUs (or the CPU under TRITON_INTERPRET=1)")
+
+
+def check_heads_and_dims(q_heads: int, kv_heads: int, head_dim: int, v_head_dim: int, k_heads_v: int) -> None:
+    if kv_heads != k_heads_v:
+        raise ValueError(f"k and v must have the same number of heads, got k: {kv_heads}, v: {k_heads_v}")
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(
+            f"the number of query heads must be a multiple of the number of key/value heads (GQA/MQA), "
+            f"got q: {q_heads} heads, k/v: {kv_heads} heads"
+        )
+    if head_dim != v_head_dim:
+        raise ValueError(f"q, k and v must have the same head dim, got q/k: {head_dim}, v: {v_head_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def check_same(what: str, **values: int) -> None:
+    if len(set(values.values())) > 1:
+        raise ValueError(f"{what} must match, got " + ", ".join(f"{n}: {v}" for n, v in values.items()))
+
+
+def check_scale(name: str, scale) -> None:
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take any strides but a contiguous last dim; copy only when that is not so."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen, max_name: str, batch: int | None,
+                     device: torch.device) -> int:
+    """Static checks on a cu_seqlens tensor; returns the batch size. Values are checked by `check_cu_seqlens_values`."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor of shape (batch + 1,), got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"{name} must be 1-D of length batch + 1 >= 1, got shape {tuple(cu_seqlens.shape)}")
+    if batch is not None and cu_seqlens.numel() != batch + 1:
+        raise ValueError(f"{name} must have length batch + 1 = {batch + 1} (like the other cu_seqlens), got {cu_seqlens.numel()}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{name} must be on {device} like q, k and v, got {cu_seqlens.device}")
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be a non-negative Python int, got {max_seqlen!r}")
+    return cu_seqlens.numel() - 1
+
+
+def check_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> bool:
+    """Host-side check of cu_seqlens' values (one small copy to the CPU).
+
+    Returns True when the sequences cover every token (cu[0] == 0 and cu[-1] == total)."""
+    values = cu_seqlens.tolist()
+    if values[0] < 0:
+        raise ValueError(f"{name}[0] must be >= 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values[:-1], values[1:])]
+    if any(n < 0 for n in lengths):
+        i = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"{name} must be non-decreasing, got {name}[{i}]={values[i]} > {name}[{i + 1}]={values[i + 1]}")
+    if values[-1] > total:
+        raise ValueError(f"{name}[-1]={values[-1]} is past the end of the packed tensor ({total} tokens)")
+    longest = max(lengths, default=0)
+    if longest > max_seqlen:
+        raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence in {name} ({longest})")
+    return values[0] == 0 and values[-1] == total
