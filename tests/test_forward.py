@@ -1,0 +1,132 @@
+"""Forward pass: flashtriton against float64, judged relative to torch's own error in the same dtype."""
+
+import math
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton.kernels.forward import attention_forward
+from flashtriton.reference import attention_reference, sdpa_reference
+
+from accuracy import assert_close_to_exact, torch_attention
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape_q, shape_k = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_kv, head_dim)
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+               for s in (shape_q, shape_k, shape_k))
+    return q, k, v
+
+
+def check_forward(q, k, v, causal, softmax_scale=None):
+    out, lse, _ = flashtriton.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                              return_attn_probs=True)
+    exact, exact_lse = attention_reference(q, k, v, softmax_scale, causal, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close_to_exact(out, torch_attention(q, k, v, softmax_scale, causal), exact, q.dtype)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    seen = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "lse must be -inf exactly on rows that see no key"
+    torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=1e-3, rtol=1e-3)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [1, 17, 64, 257])
+def test_sequence_lengths(seqlen, causal, device):
+    check_forward(*make_qkv(2, seqlen, seqlen, 2, 2, 64, torch.float16, device), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 64), (64, 17), (1, 100), (100, 1), (33, 250)])
+def test_seqlen_q_differs_from_seqlen_k(seqlen_q, seqlen_k, causal, device):
+    check_forward(*make_qkv(2, seqlen_q, seqlen_k, 2, 2, 40, torch.float16, device), causal)
+
+
+@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 80, 96, 111, 128, 200, 256])
+def test_head_dims(head_dim, device):
+    check_forward(*make_qkv(1, 33, 47, 2, 2, head_dim, torch.float16, device), causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_dtypes(dtype, head_dim, device):
+    check_forward(*make_qkv(2, 65, 80, 2, 2, head_dim, dtype, device), causal=True)
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (4, 1), (6, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_and_multi_query(heads_q, heads_kv, causal, device):
+    check_forward(*make_qkv(2, 40, 70, heads_q, heads_kv, 64, torch.bfloat16, device), causal)
+
+
+def test_softmax_scale(device):
+    check_forward(*make_qkv(1, 30, 30, 2, 2, 32, torch.float16, device), causal=False, softmax_scale=0.3)
+
+
+def test_rows_that_see_no_key_give_zero_and_minus_inf(device):
+    q, k, v = make_qkv(1, 50, 20, 2, 2, 64, torch.float16, device)
+    out, lse = check_forward(q, k, v, causal=True)
+    # bottom-right: query i sees keys j <= i - 30, so rows 0..29 see nothing
+    assert torch.all(out[:, :30] == 0) and torch.all(lse[:, :, :30] == float("-inf"))
+    assert torch.isfinite(lse[:, :, 30:]).all()
+
+
+def test_packed_qkv_slices_need_no_copy(device):
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 37, 3, 4, 64, generator=gen).to(device=device, dtype=torch.float16)
+    q, k, v = qkv.unbind(dim=2)  # (B, S, H, D) views with stride 3*H*D along S
+    assert not q.is_contiguous()
+    check_forward(q, k, v, causal=True)
+
+
+def test_non_contiguous_last_dim_is_accepted(device):
+    q, k, v = make_qkv(1, 20, 20, 2, 2, 32, torch.float16, device)
+    q_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, last-dim stride != 1
+    assert q_strided.stride(-1) != 1
+    torch.testing.assert_close(flashtriton.flash_attn_func(q_strided, k, v), flashtriton.flash_attn_func(q, k, v))
+
+
+@pytest.mark.parametrize("config", [(32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 4, 2), (16, 16, 1, 1)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(100, 100), (40, 130), (130, 40)])
+def test_forced_tile_configs_cover_the_masking_stages(config, seqlen_q, seqlen_k, device):
+    block_m, block_n, warps, stages = config
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 2, 1, 48, torch.float16, device)
+    out, lse = attention_forward(q, k, v, 1 / math.sqrt(48), True,
+                                 config=dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages))
+    exact = attention_reference(q, k, v, causal=True)
+    assert_close_to_exact(out, torch_attention(q, k, v, causal=True), exact, torch.float16)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(40, 40), (20, 60), (60, 20)])
+def test_sdpa_api_is_top_left_causal_in_bhsd_layout(seqlen_q, seqlen_k, device):
+    q, k, v = (t.transpose(1, 2) for t in make_qkv(2, seqlen_q, seqlen_k, 4, 2, 64, torch.float16, device))
+    out = flashtriton.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.shape == q.shape
+    assert_close_to_exact(out, torch_out, sdpa_reference(q, k, v, is_causal=True), torch.float16)
+
+
+@pytest.mark.parametrize("shape", [(0, 16, 16), (2, 0, 16), (2, 16, 0)])
+def test_empty_inputs_return_shaped_results(shape, device):
+    batch, seqlen_q, seqlen_k = shape
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, 2, 2, 32, torch.float16, device)
+    out, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (batch, 2, seqlen_q)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch,seqlen,heads,head_dim", [(2, 4096, 16, 128), (1, 16384, 8, 64), (2, 2048, 8, 256),
+                                                         (4, 1000, 12, 80)])
+def test_large_shapes(batch, seqlen, heads, head_dim, causal, dtype, device):
+    check_forward(*make_qkv(batch, seqlen, seqlen, heads, heads, head_dim, dtype, device), causal)
+
+
+@pytest.mark.gpu
+def test_large_gqa_uneven_lengths(device):
+    check_forward(*make_qkv(2, 3000, 5001, 32, 8, 128, torch.bfloat16, device), causal=True)

@@ -1,0 +1,171 @@
+"""Every input flashtriton does not accept gets a clear error naming the argument; nothing is ignored."""
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton import validation
+
+
+def qkv(device, b=1, s=8, h=2, d=16, dtype=torch.float16):
+    return tuple(torch.randn(b, s, h, d, device=device, dtype=dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize("name,value", [("dropout_p", 0.1), ("window_size", (4, 0)), ("softcap", 30.0)])
+def test_unbuilt_features_raise_not_implemented(name, value, device):
+    with pytest.raises(NotImplementedError, match=name):
+        flashtriton.flash_attn_func(*qkv(device), **{name: value})
+
+
+def test_alibi_slopes_raise_not_implemented(device):
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        flashtriton.flash_attn_func(*qkv(device), alibi_slopes=torch.ones(2, device=device))
+
+
+def test_window_size_given_as_list_of_defaults_is_fine(device):
+    flashtriton.flash_attn_func(*qkv(device), window_size=[-1, -1])
+
+
+def test_sdpa_attn_mask_and_dropout_raise(device):
+    q, k, v = (t.transpose(1, 2) for t in qkv(device))
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=device))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flashtriton.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+
+def test_wrong_number_of_dims(device):
+    q, k, v = qkv(device)
+    with pytest.raises(ValueError, match=r"q must have 4 dims"):
+        flashtriton.flash_attn_func(q[0], k, v)
+
+
+def test_not_a_tensor(device):
+    q, k, v = qkv(device)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        flashtriton.flash_attn_func(q, k.tolist(), v)
+
+
+@pytest.mark.parametrize("which,change,match", [
+    ("k", lambda t: t[:, :5], "sequence lengths of k and v"),
+    ("q", lambda t: torch.cat([t, t]), "batch sizes"),
+    ("v", lambda t: t[..., :8], "head dim"),
+    ("k", lambda t: t[..., :8], "head dim"),
+    ("v", lambda t: t[:, :, :1], "same number of heads"),
+])
+def test_shape_mismatches(which, change, match, device):
+    tensors = dict(zip("qkv", qkv(device)))
+    tensors[which] = change(tensors[which])
+    with pytest.raises(ValueError, match=match):
+        flashtriton.flash_attn_func(tensors["q"], tensors["k"], tensors["v"])
+
+
+def test_query_heads_not_a_multiple_of_kv_heads(device):
+    q = torch.randn(1, 8, 3, 16, device=device, dtype=torch.float16)
+    k = v = torch.randn(1, 8, 2, 16, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads.*q: 3.*k/v: 2"):
+        flashtriton.flash_attn_func(q, k, v)
+
+
+def test_head_dim_above_256(device):
+    with pytest.raises(ValueError, match="head dim must be between 1 and 256, got 272"):
+        flashtriton.flash_attn_func(*qkv(device, d=272))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.int8])
+def test_unsupported_dtypes(dtype, device):
+    q, k, v = qkv(device)
+    with pytest.raises(TypeError, match="q must be float16, bfloat16 or float32"):
+        flashtriton.flash_attn_func(q.to(dtype), k, v)
+
+
+def test_mixed_dtypes(device):
+    q, k, v = qkv(device)
+    with pytest.raises(TypeError, match="share one dtype.*v=torch.bfloat16"):
+        flashtriton.flash_attn_func(q, k, v.bfloat16())
+
+
+def test_tensors_on_different_devices(device):
+    q, k, v = qkv(device)
+    with pytest.raises(ValueError, match="one device.*q on .*k on meta"):
+        flashtriton.flash_attn_func(q, k.to("meta"), v)
+
+
+def test_cpu_tensors_without_the_interpreter_say_what_to_do(monkeypatch):
+    monkeypatch.setattr(validation, "INTERPRET", False)
+    q, k, v = qkv("cpu")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        flashtriton.flash_attn_func(q, k, v)
+
+
+def test_gpu_below_ampere_names_its_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    fake = torch.empty(0)
+    with pytest.raises(RuntimeError, match="compute capability >= 8.0.*Tesla T4 has 7.5"):
+        validation.check_device(("q",), (_CudaLooking(fake),))
+
+
+class _CudaLooking:
+    """Stands in for a CUDA tensor on a machine without one: only `.device` is read."""
+
+    def __init__(self, tensor):
+        self.device = torch.device("cuda", 0)
+
+
+def test_softmax_scale_type(device):
+    with pytest.raises(TypeError, match="softmax_scale must be a float"):
+        flashtriton.flash_attn_func(*qkv(device), softmax_scale="0.1")
+
+
+def test_sdpa_gqa_needs_enable_gqa(device):
+    q = torch.randn(1, 4, 8, 16, device=device, dtype=torch.float16)
+    k = v = torch.randn(1, 2, 8, 16, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        flashtriton.scaled_dot_product_attention(q, k, v)
+
+
+class TestVarlenCuSeqlens:
+    def setup(self, device, cu=(0, 3, 8), total=8):
+        x = torch.randn(total, 2, 16, device=device, dtype=torch.float16)
+        return x, torch.tensor(cu, dtype=torch.int32, device=device)
+
+    def test_not_int32(self, device):
+        x, cu = self.setup(device)
+        with pytest.raises(TypeError, match="cu_seqlens_k must have dtype torch.int32"):
+            flashtriton.flash_attn_varlen_func(x, x, x, cu, cu.long(), 5, 5)
+
+    def test_decreasing(self, device):
+        x, cu = self.setup(device, cu=(0, 5, 3))
+        with pytest.raises(ValueError, match="non-decreasing"):
+            flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 5, 5)
+
+    def test_past_the_end(self, device):
+        x, cu = self.setup(device, cu=(0, 3, 9))
+        with pytest.raises(ValueError, match="past the end"):
+            flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 6, 6)
+
+    def test_wrong_length(self, device):
+        x, cu = self.setup(device)
+        with pytest.raises(ValueError, match="length batch \\+ 1 = 3"):
+            flashtriton.flash_attn_varlen_func(x, x, x, cu, cu[:2], 5, 5)
+
+    def test_max_seqlen_too_small(self, device):
+        x, cu = self.setup(device)
+        with pytest.raises(ValueError, match="max_seqlen_k=4 is smaller than the longest sequence"):
+            flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 5, 4)
+
+    def test_max_seqlen_not_an_int(self, device):
+        x, cu = self.setup(device)
+        with pytest.raises(TypeError, match="max_seqlen_q must be a non-negative Python int"):
+            flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, torch.tensor(5), 5)
+
+    def test_other_device(self, device):
+        x, cu = self.setup(device)
+        with pytest.raises(ValueError, match="cu_seqlens_q must be on"):
+            flashtriton.flash_attn_varlen_func(x, x, x, cu.to("meta"), cu, 5, 5)
+
+    def test_block_table_not_built(self, device):
+        x, cu = self.setup(device)
+        with pytest.raises(NotImplementedError, match="block_table"):
+            flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 5, 5, block_table=cu)
