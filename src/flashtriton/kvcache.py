@@ -1,0 +1,253 @@
+"""KV-cache decoding: flash-attn's `flash_attn_with_kvcache` (contiguous or paged cache, split-KV).
+
+Inference only: there is no backward. See `flash_attn_with_kvcache` for the arguments and
+`flashtriton.kernels.decode` for the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import validation as V
+from .kernels.decode import decode_attention
+
+_CACHE_LAYOUT = "(batch_cache, seqlen_cache, nheads_k, headdim) or paged (num_pages, page_size, nheads_k, headdim)"
+
+
+def _check_int32_tensor(name: str, t, shape: tuple[int, ...], shape_text: str, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor of shape {shape_text}, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape_text} = {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {t.device}")
+
+
+def _check_no_grad(**tensors) -> None:
+    if not torch.is_grad_enabled():
+        return
+    needing = [n for n, t in tensors.items() if t is not None and t.requires_grad]
+    if needing:
+        raise NotImplementedError(
+            f"flash_attn_with_kvcache is inference-only (no backward), but {', '.join(needing)} "
+            f"require{'s' if len(needing) == 1 else ''} grad: call it under torch.no_grad() or "
+            "torch.inference_mode(), or pass detached tensors"
+        )
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """Attention of a few new queries against a KV cache, appending new keys/values first (flash-attn's API).
+
+    If k and v are not None, k_cache and v_cache are updated *in place* with them, at positions
+    cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b, and attention then covers the updated
+    cache: cache_seqlens[b] + seqlen_new keys. This is incremental decoding in one call: pass the cache of the
+    previous steps and the new step's keys/values. The cache must have room for them (checked): pre-allocate
+    it for the longest sequence and track each sequence's length with cache_seqlens.
+
+    Supports multi-query and grouped-query attention (MQA/GQA) with fewer KV heads than Q heads: nheads must
+    be a multiple of nheads_k. With 6 Q heads and 2 KV heads, Q heads 0, 1, 2 attend to KV head 0 and Q heads
+    3, 4, 5 to KV head 1. The query heads of one KV head are processed together: its cache is read once.
+
+    If causal=True, the causal mask is aligned to the bottom-right corner of the attention matrix (query i of
+    seqlen_q sees key j iff j <= i + seqlen_k - seqlen_q, seqlen_k = cache_seqlens[b] + seqlen_new).
+    For seqlen_q = 2, seqlen_k = 5 (1 = keep, 0 = masked out):      For seqlen_q = 5, seqlen_k = 2:
+        1 1 1 1 0                                                       0 0
+        1 1 1 1 1                                                       0 0
+                                                                        0 0
+                                                                        1 0
+                                                                        1 1
+    If a row of the mask is all zero (or the sequence has no key), its output is zero and its lse -inf.
+
+    Split-KV: the keys of each sequence are cut into `num_splits` chunks read by parallel programs, whose
+    partial results are merged through their log-sum-exps ("flash-decoding"), so a small batch still fills
+    the GPU.
+
+    Inference only (no backward): with grad mode on, inputs that require grad raise NotImplementedError; call
+    it under torch.no_grad() / torch.inference_mode() (the result then does not require grad).
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim); any seqlen_q (decoding: 1 or a few).
+        k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) if there is no block_table,
+            or (num_pages, page_size, nheads_k, headdim) if there is one (paged KV cache);
+            page_size must be a multiple of 16. Last dim contiguous (it is written in place: never copied).
+        v_cache: same shape as k_cache.
+        k [optional]: (batch_size, seqlen_new, nheads_k, headdim). If not None, written into k_cache starting
+            at the positions given by cache_seqlens (through block_table when paged).
+        v [optional]: (batch_size, seqlen_new, nheads_k, headdim). Like k; k and v come together.
+        cache_seqlens: int, or (batch_size,) torch.int32 tensor: the number of keys already in the cache for
+            each sequence (0 .. capacity). None means the whole cache (seqlen_cache, or max_num_pages ·
+            page_size when paged). A tensor is checked on the host: one small device-to-host copy per call.
+        cache_batch_idx [optional]: (batch_size,) torch.int32: the row of k_cache / v_cache each sequence
+            uses (contiguous cache only). None means rows 0 .. batch_size - 1 (batch_size_cache may be
+            larger). If indices repeat and k, v are given, which sequence's new values land is unspecified.
+        block_table [optional]: (batch_size, max_num_pages) torch.int32: block_table[b, p] is the page that
+            holds keys p · page_size .. (p + 1) · page_size - 1 of sequence b. Only the pages covering the
+            sequence's keys are read (and checked to be in range).
+            The host checks of cache_seqlens, cache_batch_idx and block_table values are skipped while a CUDA
+            graph is captured (warm up, which also autotunes, before capturing).
+        softmax_scale: float. The scaling of QK^T before the softmax. Default 1 / sqrt(headdim).
+        causal: bool. Whether to apply the bottom-right causal mask drawn above.
+        window_size, softcap, alibi_slopes: not supported yet; any non-default value raises
+            NotImplementedError.
+        num_splits: int. If > 1, split each sequence's keys into this many chunks (at most 128). If 1, no
+            split. If 0 (default), chosen from the shape and the GPU's SM count.
+        return_softmax_lse: bool. Whether to also return the log-sum-exp of the attention scores.
+
+    Dtypes: q, k_cache, v_cache, k, v all fp16, all bf16 or all fp32 (fp32 accumulation); headdim 1..256.
+
+    Return:
+        out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
+        softmax_lse [optional, if return_softmax_lse=True]: (batch_size, nheads, seqlen_q) fp32, the natural
+            log-sum-exp of each row of QK^T · softmax_scale (-inf for a row that sees no key).
+    """
+    V.not_implemented("window_size", window_size, (-1, -1))
+    V.not_implemented("softcap", softcap, 0.0)
+    V.not_implemented("alibi_slopes", alibi_slopes, None)
+
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v must be given together, got k={'None' if k is None else 'a tensor'}, "
+                         f"v={'None' if v is None else 'a tensor'}")
+    names = ("q", "k_cache", "v_cache") + (("k", "v") if k is not None else ())
+    tensors = (q, k_cache, v_cache) + ((k, v) if k is not None else ())
+    V.check_tensors(names, tensors, 4, "(q, k, v: (batch, seqlen, nheads, headdim); caches: " + _CACHE_LAYOUT + ")")
+    device = q.device
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    heads_kv = k_cache.shape[2]
+    V.check_heads_and_dims(heads_q, heads_kv, head_dim, v_cache.shape[3], v_cache.shape[2])
+    V.check_same("head dims of q and k_cache", q=head_dim, k_cache=k_cache.shape[3])
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (it is updated in place), got strides {t.stride()}")
+    V.check_scale("softmax_scale", softmax_scale)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= 128:
+        raise ValueError(f"num_splits must be an int in 0..128 (0 = choose), got {num_splits!r}")
+
+    seqlen_new = 0
+    if k is not None:
+        seqlen_new = k.shape[1]
+        expected = (batch, seqlen_new, heads_kv, head_dim)
+        if tuple(k.shape) != expected:
+            raise ValueError(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = {expected}, got {tuple(k.shape)}")
+        if tuple(v.shape) != expected:
+            raise ValueError(f"v must have the shape of k {expected}, got {tuple(v.shape)}")
+
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx is for a contiguous cache; with block_table (paged cache) it must be None")
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            got = f"shape {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+            raise (ValueError if isinstance(block_table, torch.Tensor) else TypeError)(
+                f"block_table must be a 2-D int32 tensor (batch_size, max_num_pages), got {got}")
+        _check_int32_tensor("block_table", block_table, (batch, block_table.shape[1]), "(batch_size, max_num_pages)", device)
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        if page_size % 16 != 0 or page_size == 0:
+            raise ValueError(f"the page size (k_cache.shape[1]) must be a positive multiple of 16 with block_table, got {page_size}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        batch_cache, capacity = k_cache.shape[0], k_cache.shape[1]
+        if cache_batch_idx is not None:
+            _check_int32_tensor("cache_batch_idx", cache_batch_idx, (batch,), "(batch_size,)", device)
+        elif batch_cache < batch:
+            raise ValueError(
+                f"k_cache has {batch_cache} rows (batch_size_cache) but q has batch {batch}: pass cache_batch_idx "
+                "or a cache with at least batch_size rows")
+
+    # cache_seqlens -> int32 tensor of keys already in the cache; host-side range checks (one sync), skipped
+    # while a CUDA graph is being captured (a sync cannot be captured): the caller vouches for the values.
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    stats, labels = [], []
+    if cache_seqlens is None:
+        cache_seqlens_t = torch.full((batch,), capacity, dtype=torch.int32, device=device)
+        max_cached = capacity
+    elif isinstance(cache_seqlens, torch.Tensor):
+        _check_int32_tensor("cache_seqlens", cache_seqlens, (batch,), "(batch_size,)", device)
+        cache_seqlens_t = cache_seqlens
+        max_cached = max(capacity - seqlen_new, 0) if capturing else None
+        if batch and not capturing:
+            stats += [cache_seqlens.min(), cache_seqlens.max()]
+            labels += ["seqlens_min", "seqlens_max"]
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity:
+            raise ValueError(f"cache_seqlens must be in 0..{capacity} (the cache capacity), got {cache_seqlens}")
+        cache_seqlens_t = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+        max_cached = cache_seqlens
+    else:
+        raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor (batch_size,), got {type(cache_seqlens).__name__}")
+
+    if batch and cache_batch_idx is not None and not capturing:
+        stats += [cache_batch_idx.min(), cache_batch_idx.max()]
+        labels += ["bidx_min", "bidx_max"]
+    if batch and paged and not capturing:
+        seqlens_total = cache_seqlens_t.long() + seqlen_new
+        pages_needed = (seqlens_total + page_size - 1) // page_size  # (B,)
+        used = torch.arange(block_table.shape[1], device=device)[None, :] < pages_needed[:, None]
+        if block_table.numel():
+            stats += [torch.where(used, block_table, 0).min(), torch.where(used, block_table, 0).max()]
+            labels += ["page_min", "page_max"]
+    values = dict(zip(labels, torch.stack([s.to(torch.int64) for s in stats]).tolist())) if stats else {}
+
+    if "seqlens_min" in values:
+        if values["seqlens_min"] < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got a minimum of {values['seqlens_min']}")
+        max_cached = values["seqlens_max"]
+    if batch and max_cached + seqlen_new > capacity:
+        raise ValueError(
+            f"the cache is too small: cache_seqlens (max {max_cached}) + seqlen_new ({seqlen_new}) = "
+            f"{max_cached + seqlen_new} keys, but the cache holds {capacity} per sequence"
+            + (f" (block_table: {block_table.shape[1]} pages of {page_size})" if paged else " (k_cache.shape[1])"))
+    if "bidx_min" in values and not (0 <= values["bidx_min"] and values["bidx_max"] < k_cache.shape[0]):
+        raise ValueError(f"cache_batch_idx must be in 0..{k_cache.shape[0] - 1} (rows of k_cache), got values in "
+                         f"{values['bidx_min']}..{values['bidx_max']}")
+    if "page_min" in values and not (0 <= values["page_min"] and values["page_max"] < num_pages):
+        raise ValueError(f"block_table entries used by the sequences must be in 0..{num_pages - 1} (pages of "
+                         f"k_cache), got values in {values['page_min']}..{values['page_max']}")
+
+    _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+    q = V.last_dim_contiguous(q)
+
+    # Append the new keys/values in place (through the page table when paged).
+    if seqlen_new and batch:
+        pos = cache_seqlens_t.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # (B, S_new)
+        if paged:
+            index = (block_table.long().gather(1, pos // page_size), pos % page_size)
+        else:
+            rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=device)
+            index = (rows[:, None].expand(batch, seqlen_new), pos)
+        k_cache.index_put_(index, k)
+        v_cache.index_put_(index, v)
+
+    # The kernels index these 1-D tensors (and block_table's rows) with unit stride.
+    seqlens_k = (cache_seqlens_t + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens_t.contiguous()
+    if cache_batch_idx is not None:
+        cache_batch_idx = cache_batch_idx.contiguous()
+    if paged and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    out, lse = decode_attention(
+        q, k_cache, v_cache, seqlens_k, max_cached + seqlen_new if batch else 0, scale, bool(causal),
+        cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits,
+    )
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,408 @@
+"""flash_attn_with_kvcache: contiguous and paged caches, appends, split-KV, GQA/MQA, causal, lse, bad input.
+
+Each case builds its expected cache independently (the old cache with the new keys written at
+cache_seqlens[b]..), checks that the call left exactly that in k_cache/v_cache, and compares the output per
+batch element with the float64 reference on the valid prefix of the expected cache. The error against float64
+must be within 2x torch's own same-dtype error plus a small floor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashtriton.kernels.decode import choose_num_splits, decode_attention
+from flashtriton.kvcache import flash_attn_with_kvcache
+from flashtriton.reference import attention_reference
+
+FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+
+
+def _logical_cache(cache, block_table, batch_idx, batch):
+    """(B, capacity, Hkv, D): each sequence's cache in key order (through the page table when paged)."""
+    if block_table is not None:
+        return cache[block_table.long()].flatten(1, 2)
+    rows = batch_idx.long() if batch_idx is not None else torch.arange(batch)
+    return cache[rows]
+
+
+def _expected_cache(cache, new, seqlens, block_table, batch_idx):
+    """The cache after writing `new` (B, S_new, Hkv, D) at positions seqlens[b].. of each sequence."""
+    expected = cache.clone()
+    if new is None:
+        return expected
+    for b in range(new.shape[0]):
+        for j in range(new.shape[1]):
+            pos = int(seqlens[b]) + j
+            if block_table is not None:
+                page_size = cache.shape[1]
+                expected[int(block_table[b, pos // page_size]), pos % page_size] = new[b, j]
+            else:
+                row = int(batch_idx[b]) if batch_idx is not None else b
+                expected[row, pos] = new[b, j]
+    return expected
+
+
+def run_case(batch=2, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64, capacity=80, dtype=torch.float16,
+             seqlens=None, seqlen_new=0, causal=False, num_splits=0, page_size=None, batch_cache=None,
+             use_batch_idx=False, seqlens_as="tensor", softmax_scale=None, check_lse=True, strided_q=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q = randn(batch, seqlen_q, heads_q, head_dim)
+    if strided_q:  # a (B, H, S, D) tensor seen as (B, S, H, D): strided, last dim contiguous
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    block_table = batch_idx = None
+    if page_size is not None:
+        pages_per_seq = math.ceil(capacity / page_size)
+        capacity = pages_per_seq * page_size
+        num_pages = batch * pages_per_seq + 3  # a few pages no sequence uses
+        block_table = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq]
+        block_table = block_table.reshape(batch, pages_per_seq).to(torch.int32)
+        k_cache = randn(num_pages, page_size, heads_kv, head_dim)
+    else:
+        batch_cache = batch_cache or batch
+        k_cache = randn(batch_cache, capacity, heads_kv, head_dim)
+        if use_batch_idx:
+            batch_idx = torch.randperm(batch_cache, generator=gen)[:batch].to(torch.int32)
+    v_cache = randn(*k_cache.shape)
+    if seqlens is None:
+        seqlens = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=gen).tolist()
+    k = randn(batch, seqlen_new, heads_kv, head_dim) if seqlen_new else None
+    v = randn(batch, seqlen_new, heads_kv, head_dim) if seqlen_new else None
+
+    exp_k = _expected_cache(k_cache, k, seqlens, block_table, batch_idx)
+    exp_v = _expected_cache(v_cache, v, seqlens, block_table, batch_idx)
+    if seqlens_as == "tensor":
+        cache_seqlens = torch.tensor(seqlens, dtype=torch.int32)
+    elif seqlens_as == "int":
+        assert len(set(seqlens)) == 1
+        cache_seqlens = seqlens[0]
+    else:  # None: the whole cache
+        assert all(s == capacity for s in seqlens) and not seqlen_new
+        cache_seqlens = None
+
+    with torch.no_grad():
+        out, lse = flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx,
+            block_table=block_table, softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+            return_softmax_lse=True,
+        )
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == torch.float32
+    # The cache holds exactly the appended values where expected, and nothing else changed.
+    assert torch.equal(k_cache, exp_k) and torch.equal(v_cache, exp_v)
+
+    keys = _logical_cache(exp_k, block_table, batch_idx, batch)
+    values = _logical_cache(exp_v, block_table, batch_idx, batch)
+    for b in range(batch):
+        n = seqlens[b] + seqlen_new
+        args = (q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n], softmax_scale, causal)
+        ref, ref_lse = attention_reference(*args, bottom_right=True, dtype=torch.float64, return_lse=True)
+        same = attention_reference(*args, bottom_right=True, dtype=dtype)
+        err = (out[b:b + 1].double() - ref).abs().max().item()
+        torch_err = (same.double() - ref).abs().max().item()
+        assert not out[b].isnan().any()
+        assert err <= 2 * torch_err + FLOOR[dtype], f"batch {b} (keys {n}): err {err:.3g}, torch {torch_err:.3g}"
+        if check_lse:
+            got = lse[b:b + 1].double()
+            assert torch.equal(torch.isinf(got), torch.isinf(ref_lse)), f"batch {b}: -inf rows differ"
+            finite = ~torch.isinf(ref_lse)
+            assert (got[finite] - ref_lse[finite]).abs().max().item() <= 1e-3 if finite.any() else True
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------------
+# contiguous cache
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "dtype,head_dim,heads_q,heads_kv,seqlen_q,causal,num_splits,seqlen_new",
+    [
+        (torch.float16, 64, 4, 2, 1, False, 1, 0),
+        (torch.float16, 64, 4, 2, 1, True, 3, 1),
+        (torch.float16, 128, 8, 1, 1, False, 0, 1),  # MQA
+        (torch.float16, 40, 6, 2, 3, True, 3, 3),  # padded head dim, GQA, Sq > 1
+        (torch.float16, 40, 2, 2, 4, True, 1, 2),
+        (torch.float16, 64, 3, 3, 2, False, 0, 0),
+        (torch.bfloat16, 64, 4, 2, 1, True, 0, 1),
+        (torch.bfloat16, 128, 4, 1, 2, True, 3, 2),
+        (torch.bfloat16, 40, 4, 4, 1, False, 1, 0),
+        (torch.float32, 64, 4, 2, 2, True, 3, 1),
+    ],
+)
+def test_contiguous(dtype, head_dim, heads_q, heads_kv, seqlen_q, causal, num_splits, seqlen_new):
+    # Lengths 0, 1, a middle one and the full capacity (the append fills the cache to the end).
+    capacity = 70
+    seqlens = [0, 1, 37, capacity - seqlen_new]
+    run_case(batch=4, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+             capacity=capacity, seqlens=seqlens, seqlen_new=seqlen_new, causal=causal, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("seqlen_new", [0, 2])
+def test_cache_batch_idx(num_splits, seqlen_new):
+    run_case(batch=3, batch_cache=5, use_batch_idx=True, heads_q=4, heads_kv=1, capacity=50,
+             seqlens=[5, 0, 48 - seqlen_new + 2], seqlen_new=seqlen_new, causal=True, num_splits=num_splits)
+
+
+def test_larger_cache_than_batch_without_batch_idx():
+    run_case(batch=2, batch_cache=4, capacity=40, seqlens=[10, 40], num_splits=1)
+
+
+@pytest.mark.parametrize("seqlens_as", ["int", "none"])
+def test_cache_seqlens_int_or_none(seqlens_as):
+    capacity = 48
+    if seqlens_as == "int":
+        run_case(batch=2, capacity=capacity, seqlens=[20, 20], seqlen_new=3, seqlens_as="int", causal=True)
+    else:
+        run_case(batch=2, capacity=capacity, seqlens=[capacity] * 2, seqlens_as="none", num_splits=3)
+
+
+@pytest.mark.parametrize("seqlen_q,heads_q,heads_kv", [(70, 1, 1), (20, 4, 2)])
+def test_long_query_several_m_tiles(seqlen_q, heads_q, heads_kv):
+    """Sq x group > 64 stacked rows: several M tiles, causal with rows that see no key (Sk < Sq)."""
+    run_case(batch=2, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=40, capacity=90,
+             seqlens=[5, 90 - seqlen_q], seqlen_new=seqlen_q, causal=True, num_splits=2)
+
+
+def test_softmax_scale_and_strided_q():
+    run_case(batch=2, seqlen_q=2, heads_q=4, heads_kv=2, capacity=40, seqlens=[12, 33], softmax_scale=0.3,
+             causal=True, strided_q=True, num_splits=3)
+
+
+def test_more_splits_than_tiles_and_empty_sequences():
+    """Splits with no keys (lse -inf) merge to the right answer; a sequence with no key at all gives 0."""
+    out, lse = run_case(batch=3, capacity=40, seqlens=[0, 1, 40], num_splits=7)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# paged cache
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "page_size,dtype,head_dim,heads_q,heads_kv,seqlen_q,causal,num_splits,seqlen_new",
+    [
+        (16, torch.float16, 64, 4, 2, 1, False, 1, 0),
+        (16, torch.float16, 128, 4, 1, 1, True, 3, 1),
+        (16, torch.bfloat16, 40, 6, 3, 2, True, 0, 2),
+        (32, torch.float16, 64, 4, 4, 1, True, 0, 1),
+        (32, torch.bfloat16, 64, 8, 2, 3, True, 3, 3),
+        (32, torch.float16, 40, 2, 1, 1, False, 3, 0),
+        (64, torch.float16, 64, 4, 2, 2, True, 3, 2),  # page wider than the interpreter's key tile
+    ],
+)
+def test_paged(page_size, dtype, head_dim, heads_q, heads_kv, seqlen_q, causal, num_splits, seqlen_new):
+    capacity = 96
+    seqlens = [0, 1, 45, capacity - seqlen_new]
+    run_case(batch=4, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+             capacity=capacity, page_size=page_size, seqlens=seqlens, seqlen_new=seqlen_new, causal=causal,
+             num_splits=num_splits)
+
+
+def test_paged_forced_wide_tile():
+    """A key tile wider than a page (several page look-ups per tile) through the launcher's config."""
+    torch.manual_seed(1)
+    page_size, pages, heads_kv, group, head_dim = 16, 6, 2, 2, 64
+    k_cache = torch.randn(pages + 2, page_size, heads_kv, head_dim, dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(pages + 2)[:pages].reshape(2, 3).to(torch.int32)
+    q = torch.randn(2, 1, heads_kv * group, head_dim, dtype=torch.float16)
+    seqlens = torch.tensor([48, 21], dtype=torch.int32)
+    out, lse = decode_attention(q, k_cache, v_cache, seqlens, 48, 0.125, False, block_table=block_table,
+                                num_splits=1, config={"BLOCK_N": 64, "num_warps": 4, "num_stages": 1})
+    keys = k_cache[block_table.long()].flatten(1, 2)
+    values = v_cache[block_table.long()].flatten(1, 2)
+    for b in range(2):
+        n = int(seqlens[b])
+        ref = attention_reference(q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n], 0.125)
+        assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# split heuristic, autograd, bad input
+# ---------------------------------------------------------------------------------------------------------
+def test_choose_num_splits():
+    cpu = torch.device("cpu")
+    # H200-like (132 SMs): batch 8 x 8 kv heads on a 32k cache splits; a full GPU's worth does not.
+    s = choose_num_splits(64, 32768, cpu, num_sms=132)
+    assert 2 <= s <= 128 and 64 * s >= 0.8 * 264
+    assert choose_num_splits(512, 32768, cpu, num_sms=132) == 1
+    assert choose_num_splits(4, 100, cpu, num_sms=132) == 1  # too few keys to split
+    assert 1 <= choose_num_splits(2, 4096, cpu) <= 8
+
+
+def test_prune_decode_configs_keeps_one():
+    from flashtriton import configs
+
+    for dtype in (torch.float16, torch.float32):
+        for block_d in (16, 64, 128, 256):
+            for block_m in (16, 32, 64):
+                for bucket in (16, 1024, 65536):
+                    kept = configs.prune_decode_configs(
+                        configs.DECODE_CONFIGS, {"Q": torch.empty(1, dtype=dtype), "TUNE_SEQLEN_K": bucket},
+                        BLOCK_D=block_d, BLOCK_M=block_m)
+                    assert kept, (dtype, block_d, block_m, bucket)
+                    if bucket >= 1024 and dtype == torch.float16 and block_d <= 128:
+                        assert any(c.kwargs["BLOCK_N"] >= 64 for c in kept)
+
+
+def test_requires_grad_raises_and_no_grad_runs():
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float16, requires_grad=True)
+    k_cache = torch.randn(1, 32, 2, 16, dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    with pytest.raises(NotImplementedError, match="inference-only.*q requires grad"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
+    with torch.no_grad():
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
+    assert not out.requires_grad
+    with torch.inference_mode():
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
+
+
+def _inputs(**over):
+    d = dict(
+        q=torch.randn(2, 1, 4, 32, dtype=torch.float16),
+        k_cache=torch.randn(2, 64, 2, 32, dtype=torch.float16),
+        v_cache=torch.randn(2, 64, 2, 32, dtype=torch.float16),
+        cache_seqlens=torch.tensor([3, 10], dtype=torch.int32),
+    )
+    d.update(over)
+    return d
+
+
+def _paged(**over):
+    d = _inputs(k_cache=torch.randn(6, 16, 2, 32, dtype=torch.float16),
+                v_cache=torch.randn(6, 16, 2, 32, dtype=torch.float16),
+                block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32))
+    d.update(over)
+    return d
+
+
+_h = torch.float16
+BAD = [
+    ("window", NotImplementedError, "window_size", _inputs(window_size=(8, 0))),
+    ("softcap", NotImplementedError, "softcap", _inputs(softcap=30.0)),
+    ("alibi", NotImplementedError, "alibi_slopes", _inputs(alibi_slopes=torch.ones(4))),
+    ("q 3d", ValueError, "q must have 4 dims", _inputs(q=torch.randn(2, 4, 32, dtype=_h))),
+    ("q not tensor", TypeError, "q must be a torch.Tensor", _inputs(q=[1.0])),
+    ("dtype int", TypeError, "float16, bfloat16 or float32", _inputs(q=torch.ones(2, 1, 4, 32, dtype=torch.int32))),
+    ("dtype mix", TypeError, "share one dtype", _inputs(q=torch.randn(2, 1, 4, 32, dtype=torch.bfloat16))),
+    ("heads", ValueError, "multiple of the number of key/value heads", _inputs(q=torch.randn(2, 1, 3, 32, dtype=_h))),
+    ("head dim", ValueError, "head dim", _inputs(q=torch.randn(2, 1, 4, 16, dtype=_h))),
+    ("head dim 512", ValueError, "between 1 and 256", _inputs(
+        q=torch.randn(1, 1, 2, 512, dtype=_h), k_cache=torch.randn(1, 16, 2, 512, dtype=_h),
+        v_cache=torch.randn(1, 16, 2, 512, dtype=_h), cache_seqlens=4)),
+    ("v_cache shape", ValueError, "v_cache must have the shape", _inputs(v_cache=torch.randn(2, 32, 2, 32, dtype=_h))),
+    ("cache last dim", ValueError, "k_cache must have a contiguous last dim",
+     _inputs(k_cache=torch.randn(2, 64, 32, 2, dtype=_h).transpose(2, 3))),
+    ("k without v", ValueError, "k and v must be given together", _inputs(k=torch.randn(2, 1, 2, 32, dtype=_h))),
+    ("k shape", ValueError, "k must have shape", _inputs(k=torch.randn(2, 1, 4, 32, dtype=_h),
+                                                        v=torch.randn(2, 1, 4, 32, dtype=_h))),
+    ("v shape", ValueError, "v must have the shape of k", _inputs(k=torch.randn(2, 1, 2, 32, dtype=_h),
+                                                                 v=torch.randn(2, 2, 2, 32, dtype=_h))),
+    ("k dtype", TypeError, "share one dtype", _inputs(k=torch.randn(2, 1, 2, 32), v=torch.randn(2, 1, 2, 32))),
+    ("seqlens dtype", TypeError, "cache_seqlens must have dtype torch.int32",
+     _inputs(cache_seqlens=torch.tensor([3, 10]))),
+    ("seqlens length", ValueError, r"cache_seqlens must have shape \(batch_size,\)",
+     _inputs(cache_seqlens=torch.tensor([3, 10, 4], dtype=torch.int32))),
+    ("seqlens type", TypeError, "cache_seqlens must be None, an int", _inputs(cache_seqlens=3.0)),
+    ("seqlens negative", ValueError, "cache_seqlens must be >= 0",
+     _inputs(cache_seqlens=torch.tensor([-1, 10], dtype=torch.int32))),
+    ("seqlens int too big", ValueError, "cache_seqlens must be in 0..64", _inputs(cache_seqlens=65)),
+    ("seqlens too big", ValueError, "the cache is too small",
+     _inputs(cache_seqlens=torch.tensor([3, 65], dtype=torch.int32))),
+    ("append overflow", ValueError, r"cache_seqlens \(max 63\) \+ seqlen_new \(2\)",
+     _inputs(cache_seqlens=torch.tensor([3, 63], dtype=torch.int32), k=torch.randn(2, 2, 2, 32, dtype=_h),
+             v=torch.randn(2, 2, 2, 32, dtype=_h))),
+    ("append to full cache", ValueError, "the cache is too small",
+     _inputs(cache_seqlens=None, k=torch.randn(2, 1, 2, 32, dtype=_h), v=torch.randn(2, 1, 2, 32, dtype=_h))),
+    ("batch cache small", ValueError, "pass cache_batch_idx", _inputs(
+        k_cache=torch.randn(1, 64, 2, 32, dtype=_h), v_cache=torch.randn(1, 64, 2, 32, dtype=_h))),
+    ("batch idx dtype", TypeError, "cache_batch_idx must have dtype torch.int32",
+     _inputs(cache_batch_idx=torch.tensor([0, 1]))),
+    ("batch idx shape", ValueError, "cache_batch_idx must have shape",
+     _inputs(cache_batch_idx=torch.tensor([0], dtype=torch.int32))),
+    ("batch idx range", ValueError, r"cache_batch_idx must be in 0..1",
+     _inputs(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))),
+    ("num_splits", ValueError, "num_splits must be an int in 0..128", _inputs(num_splits=-1)),
+    ("num_splits big", ValueError, "num_splits", _inputs(num_splits=129)),
+    ("scale", TypeError, "softmax_scale", _inputs(softmax_scale="0.1")),
+    ("bt dtype", TypeError, "block_table must have dtype torch.int32",
+     _paged(block_table=torch.tensor([[0, 1, 2], [3, 4, 5]]))),
+    ("bt dims", ValueError, "block_table must be a 2-D", _paged(block_table=torch.arange(6, dtype=torch.int32))),
+    ("bt type", TypeError, "block_table must be a 2-D", _paged(block_table=[[0, 1, 2], [3, 4, 5]])),
+    ("bt batch", ValueError, "block_table must have shape",
+     _paged(block_table=torch.tensor([[0, 1, 2]], dtype=torch.int32))),
+    ("bt range", ValueError, "block_table entries used by the sequences must be in 0..5",
+     _paged(block_table=torch.tensor([[0, 1, 2], [9, 4, 5]], dtype=torch.int32))),
+    ("page size", ValueError, "multiple of 16", _paged(
+        k_cache=torch.randn(6, 8, 2, 32, dtype=_h), v_cache=torch.randn(6, 8, 2, 32, dtype=_h))),
+    ("paged overflow", ValueError, "the cache is too small.*3 pages of 16",
+     _paged(cache_seqlens=torch.tensor([3, 48], dtype=torch.int32), k=torch.randn(2, 1, 2, 32, dtype=_h),
+            v=torch.randn(2, 1, 2, 32, dtype=_h))),
+    ("paged batch idx", ValueError, "cache_batch_idx is for a contiguous cache",
+     _paged(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32))),
+]
+
+
+@pytest.mark.parametrize("name,exc,match,kwargs", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(name, exc, match, kwargs):
+    kwargs = dict(kwargs)
+    before = {n: t.clone() for n, t in kwargs.items() if n in ("k_cache", "v_cache")}
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**kwargs)
+    for n, t in before.items():  # a rejected call leaves the cache alone
+        assert torch.equal(kwargs[n], t)
+
+
+def test_bad_page_entries_unused_are_ignored():
+    """Entries past a sequence's pages are never read, so they need not be valid (e.g. -1 padding)."""
+    kw = _paged(block_table=torch.tensor([[0, -1, -1], [3, 4, 5]], dtype=torch.int32),
+                cache_seqlens=torch.tensor([3, 40], dtype=torch.int32))
+    with torch.no_grad():
+        out = flash_attn_with_kvcache(**kw)
+    assert not out.isnan().any()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# large shapes (GPU only)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_large_decode(page_size, dtype):
+    batch, heads_q, heads_kv, head_dim, capacity = 8, 32, 8, 128, 32768
+    device = "cuda"
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, 1, heads_q, head_dim, device=device, dtype=dtype, generator=gen)
+    if page_size:
+        pages = capacity // page_size
+        block_table = torch.randperm(batch * pages, device=device, generator=gen).reshape(batch, pages).int()
+        k_cache = torch.randn(batch * pages, page_size, heads_kv, head_dim, device=device, dtype=dtype, generator=gen)
+    else:
+        block_table = None
+        k_cache = torch.randn(batch, capacity, heads_kv, head_dim, device=device, dtype=dtype, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    k = torch.randn(batch, 1, heads_kv, head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn_like(k)
+    seqlens = torch.tensor([0, 1, 1000, 4097, 20000, 32000, 32766, 32767], dtype=torch.int32, device=device)
+    for num_splits in (0, 1, 5):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        with torch.no_grad():
+            out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=block_table,
+                                               causal=True, num_splits=num_splits, return_softmax_lse=True)
+        keys = kc[block_table.long()].flatten(1, 2) if page_size else kc
+        values = vc[block_table.long()].flatten(1, 2) if page_size else vc
+        for b in range(batch):
+            n = int(seqlens[b]) + 1
+            args = (q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n], None, True)
+            ref, ref_lse = attention_reference(*args, dtype=torch.float64, return_lse=True)
+            same = attention_reference(*args, dtype=dtype)
+            err = (out[b:b + 1].double() - ref).abs().max().item()
+            torch_err = (same.double() - ref).abs().max().item()
+            assert err <= 2 * torch_err + FLOOR[dtype], (num_splits, b, err, torch_err)
+            assert (lse[b:b + 1].double() - ref_lse).abs().max().item() < 1e-3

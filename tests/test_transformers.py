@@ -1,0 +1,193 @@
+"""Hugging Face transformers integration: attn_implementation="flashtriton" matches "sdpa".
+
+Tiny randomly initialised models built from configs (no downloads), fp32 (flashtriton's fp32 path uses exact
+fp32 dots), on the CPU through the interpreter or on a GPU.
+"""
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashtriton._env import INTERPRET  # noqa: E402
+from flashtriton.integrations import transformers as ft_hf  # noqa: E402
+
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+ATOL = 2e-5
+HAS_BACKWARD = importlib.util.find_spec("flashtriton.kernels.backward") is not None
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=128, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+CONFIGS = {
+    "llama": lambda **kw: LlamaConfig(**{**TINY, **kw}),
+    "qwen2": lambda **kw: Qwen2Config(**{**TINY, "use_sliding_window": False, **kw}),
+    "mistral": lambda **kw: MistralConfig(**{**TINY, "sliding_window": None, **kw}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _register():
+    ft_hf.register()
+
+
+def _pair(kind: str, **overrides):
+    """(flashtriton model, sdpa model) with the same random weights, in eval mode, on the test device."""
+    config = CONFIGS[kind](**overrides)
+    torch.manual_seed(0)
+    # from_config stores the implementation in the config it is given: one copy per model
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="flashtriton")
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ref.load_state_dict(ours.state_dict())
+    return ours.to(DEVICE).eval(), ref.to(DEVICE).eval()
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def models(request):
+    return _pair(request.param)
+
+
+def _batch(device, lengths=(9, 6, 4), seqlen=9, left=True, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, TINY["vocab_size"], (len(lengths), seqlen), generator=g)
+    mask = torch.zeros(len(lengths), seqlen, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if left:
+            mask[b, seqlen - n:] = 1
+        else:
+            mask[b, :n] = 1
+    ids = ids.masked_fill(mask == 0, TINY["pad_token_id"])
+    return ids.to(device), mask.to(device)
+
+
+def test_register_is_idempotent_and_complete():
+    ft_hf.register()
+    ft_hf.register()
+    assert ft_hf.is_registered()
+    assert AttentionInterface()["flashtriton"] is ft_hf.flashtriton_attention_forward
+    assert AttentionMaskInterface()["flashtriton"] is ft_hf.flashtriton_mask
+
+
+def test_from_config_and_set_attn_implementation(device):
+    ours, ref = _pair("llama")
+    assert ours.config._attn_implementation == "flashtriton"
+    ids, _ = _batch(device, lengths=(7,), seqlen=7)
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits
+        ref.set_attn_implementation("flashtriton")
+        assert ref.config._attn_implementation == "flashtriton"
+        got = ref(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_logits_unpadded(models, device):
+    ours, ref = models
+    ids, _ = _batch(device, lengths=(9, 9), seqlen=9)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left_pad", "right_pad"])
+def test_logits_padded(models, device, left):
+    ours, ref = models
+    ids, mask = _batch(device, left=left)
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=mask).logits
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=ATOL, rtol=0)
+    assert torch.all(torch.isfinite(got))
+
+
+def test_generate_padded_batch_matches_sdpa(models, device):
+    ours, ref = models
+    ids, mask = _batch(device, lengths=(8, 5, 3), seqlen=8)
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=TINY["pad_token_id"])
+    with torch.no_grad():
+        got = ours.generate(ids, **kwargs)
+        expected = ref.generate(ids, **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_packed_sequences_from_position_ids(device):
+    """Batch 1 whose position ids restart: each packed sequence attends only to itself."""
+    ours, ref = _pair("qwen2")
+    ids, _ = _batch(device, lengths=(10,), seqlen=10, seed=3)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]], device=device)
+    with torch.no_grad():
+        packed = ours(input_ids=ids, position_ids=position_ids).logits
+        first = ref(input_ids=ids[:, :6]).logits
+        second = ref(input_ids=ids[:, 6:]).logits
+    torch.testing.assert_close(packed, torch.cat([first, second], dim=1), atol=ATOL, rtol=0)
+
+
+def test_attention_function_with_cache_chunk_and_left_padding(device):
+    """Sq < Sk (a chunk of new queries after a cache) with a left-padding mask, vs sdpa with the same mask."""
+    torch.manual_seed(0)
+    batch, hq, hkv, sq, sk, d = 3, 4, 2, 3, 7, 16
+    q = torch.randn(batch, hq, sq, d, device=device)
+    k = torch.randn(batch, hkv, sk, d, device=device)
+    v = torch.randn(batch, hkv, sk, d, device=device)
+    pad = torch.tensor([0, 2, 4], device=device)  # left padding of each sequence
+    mask2d = torch.arange(sk, device=device)[None, :] >= pad[:, None]
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, hq // hkv
+    out, weights = ft_hf.flashtriton_attention_forward(module, q, k, v, mask2d, scaling=0.3)
+    assert weights is None and out.shape == (batch, sq, hq, d)
+    # sdpa reference: query i sits at key position sk - sq + i; it sees real keys j <= that position
+    causal = torch.arange(sk, device=device)[None, :] <= torch.arange(sk - sq, sk, device=device)[:, None]
+    mask4d = (causal[None] & mask2d[:, None, :])[:, None]
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask4d, scaling=0.3)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_sliding_window_raises_only_when_it_matters(device):
+    ours, ref = _pair("mistral", sliding_window=4)
+    ids, _ = _batch(device, lengths=(8,), seqlen=8)
+    with pytest.raises(NotImplementedError, match="sliding"):
+        with torch.no_grad():
+            ours(input_ids=ids)
+    short, _ = _batch(device, lengths=(4,), seqlen=4)  # keys fit in the window: plain causal attention
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=short).logits, ref(input_ids=short).logits, atol=ATOL, rtol=0)
+
+
+def test_unsupported_features_raise(device):
+    q = torch.randn(1, 4, 5, 16, device=device)
+    k = torch.randn(1, 2, 5, 16, device=device)
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="softcap"):
+        ft_hf.flashtriton_attention_forward(module, q, k, k, None, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ft_hf.flashtriton_attention_forward(module, q, k, k, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="4-D|2-D"):
+        ft_hf.flashtriton_attention_forward(module, q, k, k, torch.ones(1, 1, 5, 5, dtype=torch.bool, device=device))
+    ours, _ = _pair("llama", attention_dropout=0.1)
+    ids, _ = _batch(device, lengths=(5,), seqlen=5)
+    ours.train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ours(input_ids=ids)
+
+
+@pytest.mark.skipif(not HAS_BACKWARD, reason="flashtriton's backward kernel is not in this tree yet")
+def test_training_step_gradients_match_sdpa(device):
+    ours, ref = _pair("llama")
+    ids, mask = _batch(device, lengths=(7, 4), seqlen=7)
+    grads = []
+    for model in (ours, ref):
+        model.train()
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-4, rtol=1e-4, msg=name)
