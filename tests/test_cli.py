@@ -1,0 +1,141 @@
+"""The `flashtriton` command: entry points, `check` on the CPU (interpreter), exit statuses, `bench` dispatch.
+
+GPU-only checks SKIP under the interpreter; their table, plot and verdict are tested on made-up rows.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import pytest
+
+import flashtriton
+from flashtriton import checks, cli
+from flashtriton._env import INTERPRET
+
+GPU_CHECKS = ["triton_fa2_at_least_3x_naive", "triton_fa2_fwd_bwd_faster_than_naive", "memory_linear_in_T"]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flashtriton {flashtriton.__version__}"
+
+
+def test_console_script_version():
+    exe = shutil.which("flashtriton", path=os.path.dirname(sys.executable)) or shutil.which("flashtriton")
+    if exe is None:
+        pytest.skip("the flashtriton console script is not installed")
+    result = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == f"flashtriton {flashtriton.__version__}"
+
+
+def test_python_m_tune_restarts_with_interpreter(tmp_path):
+    """`python -m flashtriton` without TRITON_INTERPRET: on a CPU it restarts itself with the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "flashtriton", "tune", "-B", "1", "-H", "2", "-T", "128", "-D", "32",
+           "--causal", "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "tune.json").read_text())
+    statuses = {row["status"] for row in report["rows"]}
+    assert statuses <= {"ok", "pruned"} and "ok" in statuses
+    if INTERPRET:
+        assert report["mode"] == "interpreter-correctness-only"
+        assert "SKIP" in result.stdout
+
+
+def test_check_quick_writes_json(tmp_path):
+    assert cli.main(["check", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "check.json").read_text())
+    results = {c["name"]: c for c in report["checks"]}
+    assert [name for name, _, _ in checks.STEPS] == list(results)
+    fwd = results["triton_fa2_matches_sdpa_within_1e_minus_3"]
+    assert fwd["status"] == "PASS" and fwd["data"]["max_err"] <= fwd["data"]["allowed"]
+    assert results["triton_fa2_grads_match_float64"]["status"] == "PASS"
+    assert results["attention_ai_above_128"]["data"]["ai"] == pytest.approx(512.0)
+    assert results["memory_linear_in_T"]["status"] == "SKIP"
+    if INTERPRET:
+        for name in GPU_CHECKS:
+            assert results[name]["status"] == "SKIP" and "GPU" in results[name]["message"]
+    for key in ("gpu", "torch", "triton", "git_sha", "date", "interpreter"):
+        assert key in report["environment"]
+
+
+def test_failing_check_exits_1(monkeypatch, tmp_path):
+    monkeypatch.setattr(checks.flashtriton, "attention_flops", lambda *a, **k: 0.0)
+    assert cli.main(["check", "--only", "attention_ai_above_128", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "check.json").read_text())
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    assert statuses["attention_ai_above_128"] == "FAIL"
+    assert {s for n, s in statuses.items() if n != "attention_ai_above_128"} == {"SKIP"}
+
+
+def test_check_that_raises_fails(monkeypatch):
+    def broken(env, opts):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(checks, "STEPS", [("attention_ai_above_128", broken, None)])
+    assert cli.main(["check"]) == 1
+
+
+def test_backward_that_does_not_import_fails(monkeypatch, capsys):
+    real_import = checks.importlib.import_module
+
+    def import_module(name, *args):
+        if name == "flashtriton.kernels.backward":
+            raise ImportError("no backward here")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(checks.importlib, "import_module", import_module)
+    assert cli.main(["check", "--only", "triton_fa2_grads_match_float64"]) == 1
+    assert "no backward here" in capsys.readouterr().out
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--no-such-option"])
+    assert exc.value.code == 2
+
+
+def test_bench_passes_its_arguments_through(monkeypatch):
+    fake = types.ModuleType("flashtriton.bench")
+    fake.add_arguments = lambda parser: parser.add_argument("--seqlens", type=int)
+    fake.main = lambda args: 0 if args.seqlens == 7 else 5
+    monkeypatch.setitem(sys.modules, "flashtriton.bench", fake)
+    monkeypatch.setattr(flashtriton, "bench", fake, raising=False)
+    assert cli.main(["bench", "--seqlens", "7"]) == 0
+
+
+def test_bench_missing_exits_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flashtriton.bench", None)
+    monkeypatch.delattr(flashtriton, "bench", raising=False)
+    assert cli.main(["bench"]) == 2
+    assert "no flashtriton.bench" in capsys.readouterr().err
+
+
+def _rows(ft_growth):
+    """Made-up memory sweep rows: flashtriton's extra MiB grows as T**ft_growth, MATH's as T**2."""
+    rows = []
+    for T in (256, 1024, 4096):
+        for mode in checks.MODES:
+            rows.append(dict(T=T, provider="flashtriton", mode=mode, extra_mib=(T / 256) ** ft_growth,
+                             ms=T / 1e3, note=""))
+            fits = T < 4096
+            rows.append(dict(T=T, provider="math", mode=mode, extra_mib=(T / 256) ** 2 if fits else None,
+                             ms=T / 1e2 if fits else None, note="" if fits else "skipped: ~9 GiB estimated"))
+    return rows
+
+
+def test_memory_verdict_table_and_plot(tmp_path):
+    linear = checks.judge_memory("memory_linear_in_T", _rows(1.0))
+    assert linear.status == "PASS" and linear.data["ratios"]["fwd"] == pytest.approx(4.0)
+    assert checks.judge_memory("memory_linear_in_T", _rows(2.0)).status == "FAIL"
+    table = checks.memory_table(_rows(1.0))
+    assert "skipped: ~9 GiB estimated" in table and len(table.splitlines()) == 2 + 3 * len(checks.MODES)
+    path = checks.memory_plot(_rows(1.0), tmp_path / "memory_latency.png")
+    assert path.stat().st_size > 0
