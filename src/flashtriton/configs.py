@@ -83,6 +83,84 @@ def prune_fwd_configs(configs, named_args, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------------
+# Two tuned kernels: dK/dV (one program per BLOCK_N keys, streaming BLOCK_M query rows) and dQ (one program
+# per BLOCK_M query rows, streaming BLOCK_N keys). The small preprocess (delta) kernel is not tuned.
+BWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "IS_CAUSAL", "IS_VARLEN"]
+
+# dK/dV keeps K, V and the fp32 dK, dV accumulators of BLOCK_N keys resident: wide BLOCK_N, narrow BLOCK_M
+# (the shape FlashAttention-2 and Triton's tutorial use).
+BWD_DKDV_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [
+        (32, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+        (32, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2),
+        (32, 64, 8, 2), (16, 64, 4, 3), (32, 32, 4, 2),
+    ]
+]
+
+# dQ keeps Q, dO and the fp32 dQ accumulator of BLOCK_M rows resident: wide BLOCK_M, narrow BLOCK_N.
+BWD_DQ_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [
+        (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 3),
+        (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 2), (64, 32, 4, 2),
+        (32, 64, 4, 2), (32, 32, 4, 2),
+    ]
+]
+
+# The one config the interpreter uses for both kernels.
+BWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+
+# Estimates (to be confirmed on the GPU): fp32 values per thread the compiler must keep live, and shared
+# memory bytes; A100 allows ~163 KiB per block, H100/H200 227 KiB: keep to 160 KiB so one table serves both.
+_BWD_SMEM_LIMIT = 160 * 1024
+_BWD_REGS_LIMIT = 192
+
+
+def _bwd_smem(resident: int, streamed: int, config: triton.Config, head_dim_padded: int, elem_bytes: int) -> int:
+    """Shared memory of one program: the two resident tiles (K, V or Q, dO), the two streamed tiles
+    pipelined over `num_stages`, and the P / dS tiles fed back to tl.dot."""
+    stages = max(config.num_stages - 1, 1)
+    return elem_bytes * (2 * resident * head_dim_padded + 2 * streamed * head_dim_padded * stages
+                         + 2 * resident * streamed)
+
+
+def _bwd_regs(accumulators: int, resident: int, streamed: int, config: triton.Config, head_dim_padded: int) -> float:
+    """fp32 values per thread: the accumulators (resident x D each) and two score tiles (P and dS)."""
+    return (accumulators * resident * head_dim_padded + 2 * resident * streamed) / (config.num_warps * 32)
+
+
+def _prune_bwd(configs, named_args, kwargs, resident_key: str, streamed_key: str, accumulators: int):
+    head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
+    elem_bytes = named_args["Q"].element_size()
+    kept = []
+    for c in configs:
+        resident, streamed = c.kwargs[resident_key], c.kwargs[streamed_key]
+        if elem_bytes == 4 and max(resident, streamed) > 64:  # fp32 runs the exact (IEEE) dot: small tiles
+            continue
+        if _bwd_smem(resident, streamed, c, head_dim_padded, elem_bytes) > _BWD_SMEM_LIMIT:
+            continue
+        if _bwd_regs(accumulators, resident, streamed, c, head_dim_padded) > _BWD_REGS_LIMIT:
+            continue
+        kept.append(c)
+    # Short sequences: tiles much longer than the sequence only multiply masked work.
+    q_bucket, k_bucket = named_args["TUNE_SEQLEN_Q"], named_args["TUNE_SEQLEN_K"]
+    short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(32, q_bucket) and c.kwargs["BLOCK_N"] <= max(32, k_bucket)]
+    kept = short or kept
+    return kept or configs[-1:]
+
+
+def prune_bwd_dkdv_configs(configs, named_args, **kwargs):
+    return _prune_bwd(configs, named_args, kwargs, "BLOCK_N", "BLOCK_M", accumulators=2)
+
+
+def prune_bwd_dq_configs(configs, named_args, **kwargs):
+    return _prune_bwd(configs, named_args, kwargs, "BLOCK_M", "BLOCK_N", accumulators=1)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # decode (flash_attn_with_kvcache)
 # ----------------------------------------------------------------------------------------------------------
 # The split kernel stacks the group's query heads x Sq rows into BLOCK_M (16..64, set by the launcher from

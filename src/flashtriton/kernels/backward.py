@@ -1,0 +1,451 @@
+"""FlashAttention-2 backward: the Triton kernels and their launcher.
+
+With P = softmax(scale · Q Kᵀ) recomputed tile by tile from the forward's saved log-sum-exp (never stored):
+    dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP − delta)      dQ = scale · dS K      dK = scale · dSᵀ Q
+where delta = rowsum(dO ∘ O) (FlashAttention-2 §3.2). Three kernels:
+  1. `_attn_bwd_preprocess`: delta, fp32, laid out like lse.
+  2. `_attn_bwd_dkdv`: one program per (BLOCK_N keys, batch·kv head). It keeps K, V and the fp32 dK, dV
+     accumulators resident and streams Q/dO tiles of every query head of its GQA group, so the group sum
+     happens in registers: no atomics, no copies of K/V.
+  3. `_attn_bwd_dq`: one program per (BLOCK_M query rows, batch·query head), streaming K/V tiles. A
+     separate kernel instead of atomic adds into dQ: the result is bitwise deterministic.
+Scores are in base 2 (log2(e) folded into the scale, exp2). Causal (bottom-right, or top-left with
+CAUSAL_BOTTOM_RIGHT=False): tiles that see nothing are skipped, tiles entirely visible run unmasked, and only
+tiles on the diagonal or at the end of the sequence pay for masks — as in the forward.
+Rows that see no key have lse = -inf: they are given lse = +inf here so that P = 0 and their gradient is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import configs
+from .._env import INTERPRET
+from .forward import LOG2E, dot_settings
+
+PREPROCESS_BLOCK_M = 64
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    O, DO, DELTA, CU_SEQLENS_Q,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_lb, stride_lh,
+    NUM_HEADS, SEQLEN_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32."""
+    pid_m = tl.program_id(0)
+    off_b = tl.program_id(1) // NUM_HEADS
+    off_h = tl.program_id(1) % NUM_HEADS
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_b).to(tl.int64)
+        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1).to(tl.int32) - q_start.to(tl.int32)
+        batch_o = q_start * stride_om
+        batch_do = q_start * stride_dom
+        batch_l = q_start
+    else:
+        seqlen_q = SEQLEN_Q
+        batch_o = off_b.to(tl.int64) * stride_ob
+        batch_do = off_b.to(tl.int64) * stride_dob
+        batch_l = off_b.to(tl.int64) * stride_lb
+    if pid_m * BLOCK_M >= seqlen_q:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + batch_o + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    do = tl.load(DO + batch_do + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BLOCK_M,)
+    tl.store(DELTA + batch_l + off_h * stride_lh + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, MASK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, zero outside [0, n_rows) x [0, HEAD_DIM)."""
+    if MASK_ROWS:
+        mask = rows[:, None] < n_rows
+        if BLOCK_D != HEAD_DIM:
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        return tl.load(ptrs, mask=mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _load_lse_delta(lse_ptrs, delta_ptrs, rows, seqlen_q, MASK_ROWS: tl.constexpr):
+    """(lse · log2(e), delta) of some rows; rows that see no key (lse -inf) or lie past the end get +inf, so
+    that P = exp2(s - lse) = 0 on them."""
+    if MASK_ROWS:
+        lse = tl.load(lse_ptrs, mask=rows < seqlen_q, other=float("-inf"))
+        delta = tl.load(delta_ptrs, mask=rows < seqlen_q, other=0.0)
+    else:
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return lse, delta
+
+
+@triton.jit
+def _attn_bwd_dkdv_tile(
+    dk, dv, k, v,
+    Q, DO, LSE, DELTA,  # scalar pointers at (batch, first query head of the group, row 0)
+    stride_qm, stride_qh, stride_dom, stride_doh, stride_lh,
+    q_offs, do_offs,  # (BLOCK_M, BLOCK_D) offsets of a tile inside one head
+    offs_n, offs_m, offs_d,
+    start_m, end_m, group_size, seqlen_q, causal_offset, qk_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Add the contribution of query rows [start_m, end_m) of each of the group's `group_size` query heads
+    to the resident key tile's dK, dV. One flat loop over (head, row tile): a nested loop over heads costs
+    the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed."""
+    n_tiles = tl.cdiv(end_m - start_m, BLOCK_M)
+    for it in range(0, n_tiles * group_size):
+        g = it // n_tiles
+        m = start_m + (it - g * n_tiles) * BLOCK_M
+        rows = m + offs_m  # (BLOCK_M,) query indices
+        m64 = m.to(tl.int64)
+        q = _load_rows(Q + (g * stride_qh + m64 * stride_qm) + q_offs, rows, seqlen_q, offs_d,
+                       MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        do = _load_rows(DO + (g * stride_doh + m64 * stride_dom) + do_offs, rows, seqlen_q, offs_d,
+                        MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        lse, delta = _load_lse_delta(LSE + (g * stride_lh + m64) + offs_m, DELTA + (g * stride_lh + m64) + offs_m,
+                                     rows, seqlen_q, MASKED)  # (BLOCK_M,)
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) fp32
+        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        if MASKED and IS_CAUSAL:
+            p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    CU_SEQLENS_Q, CU_SEQLENS_K,
+    softmax_scale, qk_scale,  # qk_scale = softmax_scale * log2(e)
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_lb, stride_lh,  # LSE and DELTA share one layout
+    NUM_HEADS_KV, GROUP_SIZE,
+    SEQLEN_Q, SEQLEN_K,
+    TUNE_SEQLEN_Q, TUNE_SEQLEN_K,  # power-of-two buckets, autotune key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    off_b = tl.program_id(1) // NUM_HEADS_KV
+    off_hk = tl.program_id(1) % NUM_HEADS_KV
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_b).to(tl.int64)
+        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1).to(tl.int32) - q_start.to(tl.int32)
+        k_start = tl.load(CU_SEQLENS_K + off_b).to(tl.int64)
+        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1).to(tl.int32) - k_start.to(tl.int32)
+        batch_q, batch_do, batch_l = q_start * stride_qm, q_start * stride_dom, q_start
+        batch_k, batch_v = k_start * stride_kn, k_start * stride_vn
+        batch_dk, batch_dv = k_start * stride_dkn, k_start * stride_dvn
+    else:
+        seqlen_q = SEQLEN_Q
+        seqlen_k = SEQLEN_K
+        b64 = off_b.to(tl.int64)
+        batch_q, batch_do, batch_l = b64 * stride_qb, b64 * stride_dob, b64 * stride_lb
+        batch_k, batch_v = b64 * stride_kb, b64 * stride_vb
+        batch_dk, batch_dv = b64 * stride_dkb, b64 * stride_dvb
+    start_n = pid_n * BLOCK_N  # causal: the first key tiles see the most queries and start first
+    if start_n >= seqlen_k:  # varlen: this sequence is shorter than the longest
+        return
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key indices
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    # Keys past the end load as 0; they only touch their own dK/dV rows, which are never stored.
+    k = _load_rows(k_ptrs, offs_n, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    v = _load_rows(v_ptrs, offs_n, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query rows this key tile sees: [lo, seqlen_q). Tiles from `mid` on see every key of the tile; tiles
+    # from `full` on may reach past the end of the queries. Masked: [lo, mid) and [full, seqlen_q).
+    if IS_CAUSAL:
+        causal_offset = seqlen_k - seqlen_q if CAUSAL_BOTTOM_RIGHT else 0
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M
+    else:
+        causal_offset = 0
+        lo = 0
+        mid = 0
+    full = seqlen_q // BLOCK_M * BLOCK_M
+    mid = tl.maximum(tl.minimum(mid, full), lo)
+    full = tl.maximum(full, mid)
+
+    # Pointers at the group's first query head; the tile loops step over heads and rows.
+    q_head = Q + batch_q + (off_hk * GROUP_SIZE) * stride_qh
+    do_head = DO + batch_do + (off_hk * GROUP_SIZE) * stride_doh
+    lse_head = LSE + batch_l + (off_hk * GROUP_SIZE) * stride_lh
+    delta_head = DELTA + batch_l + (off_hk * GROUP_SIZE) * stride_lh
+    q_offs = offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, BLOCK_D)
+    do_offs = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, BLOCK_D)
+    for stage in tl.static_range(3):  # masked [lo, mid), unmasked [mid, full), masked [full, seqlen_q)
+        start = lo if stage == 0 else (mid if stage == 1 else full)
+        end = mid if stage == 0 else (full if stage == 1 else seqlen_q)
+        dk, dv = _attn_bwd_dkdv_tile(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+            stride_qm, stride_qh, stride_dom, stride_doh, stride_lh, q_offs, do_offs, offs_n, offs_m, offs_d,
+            start, end, GROUP_SIZE, seqlen_q, causal_offset, qk_scale,
+            stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST_DOT, DOT_PRECISION,
+        )
+
+    n_mask = offs_n[:, None] < seqlen_k
+    if BLOCK_D != HEAD_DIM:
+        n_mask = n_mask & (offs_d[None, :] < HEAD_DIM)
+    dk_ptrs = DK + batch_dk + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + batch_dv + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=n_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_tile(
+    dq, q, do, lse, delta,
+    k_ptrs, v_ptrs, stride_kn, stride_vn,
+    offs_m, offs_n, offs_d,
+    start_n, end_n, seqlen_k, causal_offset, qk_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Add the contribution of keys [start_n, end_n) to the resident query tile's dQ."""
+    k_ptrs += start_n * stride_kn
+    v_ptrs += start_n * stride_vn
+    for n in range(start_n, end_n, BLOCK_N):
+        cols = n + offs_n  # (BLOCK_N,) key indices
+        k = _load_rows(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        v = _load_rows(v_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            visible = cols[None, :] < seqlen_k
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    CU_SEQLENS_Q, CU_SEQLENS_K,
+    softmax_scale, qk_scale,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    stride_lb, stride_lh,
+    NUM_HEADS, GROUP_SIZE,
+    SEQLEN_Q, SEQLEN_K,
+    TUNE_SEQLEN_Q, TUNE_SEQLEN_K,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    off_b = tl.program_id(1) // NUM_HEADS
+    off_h = tl.program_id(1) % NUM_HEADS
+    off_hk = off_h // GROUP_SIZE
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_b).to(tl.int64)
+        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1).to(tl.int32) - q_start.to(tl.int32)
+        k_start = tl.load(CU_SEQLENS_K + off_b).to(tl.int64)
+        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1).to(tl.int32) - k_start.to(tl.int32)
+        batch_q, batch_do, batch_dq, batch_l = q_start * stride_qm, q_start * stride_dom, q_start * stride_dqm, q_start
+        batch_k, batch_v = k_start * stride_kn, k_start * stride_vn
+    else:
+        seqlen_q = SEQLEN_Q
+        seqlen_k = SEQLEN_K
+        b64 = off_b.to(tl.int64)
+        batch_q, batch_do, batch_dq, batch_l = b64 * stride_qb, b64 * stride_dob, b64 * stride_dqb, b64 * stride_lb
+        batch_k, batch_v = b64 * stride_kb, b64 * stride_vb
+
+    # Causal tiles near the end of the queries do the most work: hand them out first.
+    start_m = tl.num_programs(0) - 1 - pid_m if IS_CAUSAL else pid_m
+    if start_m * BLOCK_M >= seqlen_q:
+        return
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + batch_q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = DO + batch_do + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    q = _load_rows(q_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    do = _load_rows(do_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    lse, delta = _load_lse_delta(LSE + batch_l + off_h * stride_lh + offs_m,
+                                 DELTA + batch_l + off_h * stride_lh + offs_m, offs_m, seqlen_q, True)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Keys [0, lo) are visible to every row and inside the sequence (unmasked); [lo, hi) are masked.
+    if IS_CAUSAL:
+        causal_offset = seqlen_k - seqlen_q if CAUSAL_BOTTOM_RIGHT else 0
+        hi = tl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
+        lo = tl.minimum(start_m * BLOCK_M + causal_offset + 1, seqlen_k)
+    else:
+        causal_offset = 0
+        hi = seqlen_k
+        lo = seqlen_k
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(tl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi)
+
+    dq = _attn_bwd_dq_tile(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        0, lo, seqlen_k, causal_offset, qk_scale,
+        False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+    )
+    dq = _attn_bwd_dq_tile(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        lo, hi, seqlen_k, causal_offset, qk_scale,
+        True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+    )
+
+    dq_ptrs = DQ + batch_dq + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    dq_mask = offs_m[:, None] < seqlen_q
+    if BLOCK_D != HEAD_DIM:
+        dq_mask = dq_mask & (offs_d[None, :] < HEAD_DIM)
+    tl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=dq_mask)
+
+
+_attn_bwd_dkdv_tuned = triton.autotune(
+    configs=configs.BWD_DKDV_CONFIGS,
+    key=configs.BWD_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": configs.prune_bwd_dkdv_configs},
+    cache_results=True,
+)(_attn_bwd_dkdv)
+
+_attn_bwd_dq_tuned = triton.autotune(
+    configs=configs.BWD_DQ_CONFIGS,
+    key=configs.BWD_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": configs.prune_bwd_dq_configs},
+    cache_results=True,
+)(_attn_bwd_dq)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    causal_bottom_right: bool = True,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels on validated inputs (what `attention_forward` took and returned).
+
+    Dense:  dout, q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse (B, Hq, Sq) fp32
+    Varlen: dout, q, out (total_q, Hq, D); k, v (total_k, Hkv, D); lse (Hq, total_q); cu_seqlens int32 (B + 1,)
+    Returns dq like q and dk, dv like k, v (GQA: summed over each kv head's query heads). Deterministic.
+    Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    for both kernels, or {"dkdv": {...}, "dq": {...}} one each, instead of autotuning.
+    """
+    varlen = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    alloc = torch.zeros if varlen else torch.empty  # varlen: tokens outside every sequence get 0
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        heads_q, heads_kv = q.shape[1], k.shape[1]
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        strides = [(0, *t.stride()) for t in (q, k, v, dout, dq, dk, dv, out)]  # zero batch stride
+    else:
+        batch, seqlen_q, heads_q, _ = q.shape
+        seqlen_k, heads_kv = k.shape[1], k.shape[2]
+        strides = [t.stride() for t in (q, k, v, dout, dq, dk, dv, out)]
+    if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
+        return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
+    q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s, o_s = strides
+
+    lse = lse.contiguous()  # already so as the forward returns it
+    delta = torch.empty_like(lse)  # rowsum(dO * O), fp32, laid out like lse
+    l_s = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    block_d = configs.padded_head_dim(head_dim)
+
+    _attn_bwd_preprocess[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads_q)](
+        out, dout, delta, cu_seqlens_q, *o_s, *do_s, *l_s, heads_q, seqlen_q,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
+    )
+
+    upcast, precision = dot_settings(q.dtype)
+    common = (softmax_scale, softmax_scale * LOG2E, *q_s, *k_s, *v_s, *do_s)
+    tail = (seqlen_q, seqlen_k, configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
+    constexprs = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision,
+    )
+    if config is None and INTERPRET:
+        config = configs.BWD_INTERPRETER_CONFIG
+    if config is not None and "dkdv" not in config:
+        config = {"dkdv": config, "dq": config}
+
+    def grid_dkdv(meta):
+        return (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv)
+
+    def grid_dq(meta):
+        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)
+
+    args_dkdv = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s, *l_s,
+                 heads_kv, heads_q // heads_kv, *tail)
+    args_dq = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common, *dq_s, *l_s,
+               heads_q, heads_q // heads_kv, *tail)
+    if config is None:
+        _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
+        _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
+    else:
+        _attn_bwd_dkdv[grid_dkdv](*args_dkdv, **constexprs, **config["dkdv"])
+        _attn_bwd_dq[grid_dq](*args_dq, **constexprs, **config["dq"])
+    return dq, dk, dv
