@@ -1,0 +1,339 @@
+"""`flashtriton bench`: flashtriton against torch SDPA's backends, FlexAttention and flash-attn, side by side.
+
+    flashtriton bench                                   # the standard sweep: fwd+bwd, fp16, D 64/128, causal 0/1
+    flashtriton bench --modes fwd --dtypes bf16 --head-dims 128,256 --out benchmarks/DATE-h200 --append
+    flashtriton bench --suite varlen | decode | all     # serving features (varlen packing, KV-cache decode)
+    python -m flashtriton.bench --quick                 # a small subset
+
+Each provider is checked on every shape before it is timed (output and, for bwd, gradients against float32
+attention on batch 0 and the first heads); one that fails is reported as FAIL, never as a speed, and one that
+raises is reported with its error. Timing is `triton.testing.do_bench` (median, p20/p80). `--out DIR`
+writes long-format rows (bench.json, bench.csv) and plots; see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from . import bench_core as C
+from . import bench_providers as P
+
+SUITES = ("standard", "varlen", "decode", "all")
+STANDARD_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `flashtriton bench` (also `python -m flashtriton.bench`)."""
+    a = parser.add_argument
+    a("--suite", choices=SUITES, default="standard", help="standard sweep, varlen packing, KV-cache decode, or all")
+    a("--providers", default=None, help=f"comma list from {','.join(P.PROVIDERS)} (default: all but seed)")
+    a("--modes", default=None, help="comma list of fwd,bwd,fwd_bwd (default fwd,bwd; decode is always fwd)")
+    a("--dtypes", default=None, help="comma list of fp16,bf16 (default fp16)")
+    a("--causal", default=None, help="comma list of 0,1 (default 0,1)")
+    a("--head-dims", default=None, help="standard sweep head dims (default 64,128; the sweep also has 256)")
+    a("--seqlens", default=None, help="standard sweep T values (default 512,...,16384; 1k style allowed)")
+    a("--tokens", type=int, default=16384, help="standard sweep: B*T (default 16384)")
+    a("--hidden", type=int, default=2048, help="standard sweep: H*D (default 2048)")
+    a("--shape", action="append", default=None, metavar="B,H,T,D", help="explicit shape (repeatable); replaces the sweep")
+    a("--quick", action="store_true", help="a small subset: T 1k,4k, D 128; shorter timing; smaller varlen/decode")
+    a("--warmup", type=int, default=None, help="do_bench warmup in ms (default 25, quick 10)")
+    a("--rep", type=int, default=None, help="do_bench repetition time in ms (default 100, quick 30)")
+    a("--check-heads", type=int, default=2, help="heads of batch 0 checked against float32 attention (default 2)")
+    a("--math-max-gib", type=float, default=8.0, help="skip sdpa_math when its T x T scores exceed this (GiB)")
+    a("--flex-seqlens", default="1024,4096,16384",
+      help="T values at which flex runs (each shape costs a torch.compile); 'all' for every T")
+    a("--varlen-n", type=int, default=None, help="varlen: number of sequences (default 64, quick 16)")
+    a("--varlen-max", type=int, default=4096, help="varlen: lengths uniform in 1..this (default 4096)")
+    a("--varlen-heads", type=int, default=16, help="varlen: heads (default 16)")
+    a("--varlen-head-dim", type=int, default=128, help="varlen: head dim (default 128)")
+    a("--decode-batches", default=None, help="decode: batch sizes (default 1,8,16,64)")
+    a("--decode-seqlens", default=None, help="decode: cache lengths (default 1k,4k,16k,32k,64k,128k)")
+    a("--decode-heads", default="32,8", help="decode: query heads, kv heads (default 32,8)")
+    a("--decode-head-dim", type=int, default=128, help="decode: head dim (default 128)")
+    a("--max-cache-gib", type=float, default=40.0, help="decode: skip caches (K+V) larger than this (GiB)")
+    a("--seed", type=int, default=0, help="random seed of inputs and varlen lengths")
+    a("--out", default=None, metavar="DIR", help="write bench.json, bench.csv and PNG plots to DIR")
+    a("--append", action="store_true", help="with --out: merge into DIR's existing bench.json (same key: replaced)")
+    a("--no-plots", action="store_true", help="with --out: skip the PNG plots")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the defaults that depend on --quick; parse the comma lists."""
+    quick = args.quick
+    args.modes_list = [m.strip() for m in (args.modes or "fwd,bwd").split(",") if m.strip()]
+    for m in args.modes_list:
+        if m not in C.MODES:
+            raise ValueError(f"unknown mode {m!r}; choose from {', '.join(C.MODES)}")
+    args.dtype_list = []
+    for d in (args.dtypes or "fp16").split(","):
+        if d.strip() not in C.DTYPES:
+            raise ValueError(f"unknown dtype {d!r}; choose from {', '.join(C.DTYPES)}")
+        args.dtype_list.append(d.strip())
+    args.causal_list = [bool(int(c)) for c in C.parse_int_list(args.causal or "0,1")]
+    head_dims = C.parse_int_list(args.head_dims) if args.head_dims else ([128] if quick else [64, 128])
+    seqlens = C.parse_int_list(args.seqlens) if args.seqlens else ([1024, 4096] if quick else STANDARD_SEQLENS)
+    if args.shape:
+        args.shapes = [C.parse_shape(s) for s in args.shape]
+    else:
+        args.shapes = C.standard_shapes(seqlens, head_dims, args.tokens, args.hidden)
+    args.flex_seqlens = None if str(args.flex_seqlens).strip() == "all" else set(C.parse_int_list(args.flex_seqlens))
+    args.warmup = args.warmup if args.warmup is not None else (10 if quick else 25)
+    args.rep = args.rep if args.rep is not None else (30 if quick else 100)
+    args.varlen_n = args.varlen_n if args.varlen_n is not None else (16 if quick else 64)
+    args.decode_batch_list = C.parse_int_list(args.decode_batches or ("1,16" if quick else "1,8,16,64"))
+    args.decode_seqlen_list = C.parse_int_list(args.decode_seqlens or ("4k,32k" if quick else "1k,4k,16k,32k,64k,128k"))
+    args.decode_hq, args.decode_hkv = C.parse_int_list(args.decode_heads)
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checking then timing one provider on one problem, every mode (shared by the standard and varlen suites)
+# ----------------------------------------------------------------------------------------------------------
+def measure(prepared: P.Prepared, modes, ref, to_ref, make_dout, dtype, args) -> tuple[dict, dict]:
+    """Check `prepared` against `ref`, then time each mode that passed.
+
+    ref: {"out", "dq", "dk", "dv"} reference tensors (None: no check possible); to_ref maps the provider's
+    {"out", "dq", "dk", "dv"} (its layout) onto ref's slices; make_dout(out) builds the output gradient in
+    the provider's layout with out's strides. Returns ({mode: row fields}, extra fields).
+    """
+    extra, fwd_err, bwd_err, fwd_chk, bwd_chk = {}, None, None, None, None
+    leaves = prepared.leaves
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = prepared.forward()
+        C.free_memory()
+        extra["first_call_s"] = round(time.perf_counter() - start, 3)
+        if ref is not None:
+            fwd_chk = C.compare(to_ref({"out": out}), {"out": ref["out"]}, dtype)
+        del out
+    except Exception as exc:  # noqa: BLE001  (reported in the row; the run goes on)
+        fwd_err = C.short_error(exc)
+        C.free_memory()
+    if fwd_err is None and any(m != "fwd" for m in modes):
+        try:
+            out = prepared.forward()
+            out.backward(make_dout(out))
+            got = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+            if ref is not None:
+                bwd_chk = C.compare(to_ref(got), ref, dtype)
+            del out, got
+        except Exception as exc:  # noqa: BLE001
+            bwd_err = C.short_error(exc)
+        finally:
+            for t in leaves:
+                t.grad = None
+            C.free_memory()
+    results = {}
+    for mode in modes:
+        error = fwd_err or (bwd_err if mode != "fwd" else None)
+        chk = fwd_chk if mode == "fwd" else bwd_chk
+        fields = dict(status="ok", error=error)
+        if chk is not None:
+            fields.update(check_passed=bool(chk[0]), max_err=chk[1], rel_err=chk[2])
+        if error:
+            fields["status"] = "error"
+        elif chk is not None and not chk[0]:
+            fields["status"] = "check_failed"
+        else:
+            try:
+                fields["ms_p20"], fields["ms_p50"], fields["ms_p80"] = time_mode(prepared, mode, make_dout, args)
+            except Exception as exc:  # noqa: BLE001
+                fields.update(status="error", error=C.short_error(exc))
+            finally:
+                for t in leaves:
+                    t.grad = None
+                C.free_memory()
+        results[mode] = fields
+    return results, extra
+
+
+def time_mode(prepared: P.Prepared, mode: str, make_dout, args):
+    if mode == "fwd":
+        with torch.no_grad():
+            return C.time_fn(prepared.forward, args.warmup, args.rep)
+    out = prepared.forward()
+    dout = make_dout(out)
+    if mode == "bwd":  # backward alone: the graph is kept and re-run; grads set to None between runs
+        return C.time_fn(lambda: out.backward(dout, retain_graph=True), args.warmup, args.rep,
+                         grad_to_none=prepared.leaves)
+    del out
+    return C.time_fn(lambda: prepared.forward().backward(dout), args.warmup, args.rep, grad_to_none=prepared.leaves)
+
+
+def measure_rows(name, modes, skip_for, prepare_fn, ref, to_ref, make_dout, dtype, flops_for, env, base, args):
+    """Rows of one provider on one problem: skipped modes, errors, failed checks and timings.
+
+    skip_for(mode) -> reason or None; prepare_fn(grad) -> Prepared; to_ref(prepared, got) and
+    make_dout(prepared) -> (out -> dout) adapt `measure`'s callbacks to the provider; flops_for(mode).
+    """
+    base = dict(base)
+    base_extra = base.pop("extra", None) or {}
+    rows, run_modes = [], []
+    for mode in modes:
+        reason = skip_for(mode)
+        if reason:
+            rows.append(C.make_row(env, **base, mode=mode, provider=name, status="skipped", error=reason,
+                                   extra=dict(base_extra)))
+        else:
+            run_modes.append(mode)
+    if not run_modes:
+        return rows
+    try:
+        prepared = prepare_fn(any(m != "fwd" for m in run_modes))
+    except Exception as exc:  # noqa: BLE001
+        C.free_memory()
+        return rows + [C.make_row(env, **base, mode=m, provider=name, status="error", error=C.short_error(exc),
+                                  extra=dict(base_extra)) for m in run_modes]
+    results, extra = measure(prepared, run_modes, ref, lambda got: to_ref(prepared, got), make_dout(prepared),
+                             dtype, args)
+    del prepared
+    C.free_memory()
+    for mode in run_modes:
+        fields = results[mode]
+        fields["tflops"] = C.tflops(flops_for(mode), fields.get("ms_p50"))
+        rows.append(C.make_row(env, **base, mode=mode, provider=name, **fields, extra={**base_extra, **extra}))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the standard sweep
+# ----------------------------------------------------------------------------------------------------------
+def standard_problems(args) -> list[tuple]:
+    return [(dt, shape, causal) for dt in args.dtype_list for shape in args.shapes for causal in args.causal_list]
+
+
+def emit(sink, rows) -> list[dict]:
+    """Hand new rows to the run's Results (which writes them out at once), return them."""
+    if sink is not None:
+        sink.add(rows)
+    return rows
+
+
+def run_standard(args, env, providers, bar=None, sink=None) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for dt, shape, causal in standard_problems(args):
+        dtype = C.DTYPES[dt]
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        q, k, v, dout = (torch.randn(shape.B, shape.T, shape.H, shape.D, device=device, dtype=dtype, generator=gen)
+                         for _ in range(4))  # (B, T, H, D)
+        base = dict(op="attention", suite="standard", B=shape.B, H=shape.H, H_kv=shape.H, T=shape.T, T_k=shape.T,
+                    D=shape.D, causal=int(causal), dtype=dt)
+        try:
+            ref = C.reference_slices(q, k, v, dout, causal, args.check_heads, any(m != "fwd" for m in args.modes_list))
+        except Exception as exc:  # noqa: BLE001  (timed without a check; the rows say so)
+            ref, base["extra"] = None, {"reference_error": C.short_error(exc)}
+            C.free_memory()
+        for name in providers:
+            if bar is not None:
+                bar.set_postfix_str(f"{dt} D={shape.D} T={shape.T} c={int(causal)} {name}", refresh=False)
+
+            def prepare_fn(grad, name=name):
+                return P.prepare(name, q, k, v, causal, grad)
+
+            def make_dout(prepared):
+                return lambda out: torch.empty_like(out).copy_(prepared.from_bshd(dout))
+
+            def to_ref(prepared, got):
+                return C.slice_like({n: prepared.to_bshd(t) for n, t in got.items()}, ref)
+
+            new = measure_rows(
+                name, args.modes_list,
+                lambda mode, name=name: P.skip_reason(name, device, shape.B, shape.H, shape.T, shape.D, mode, args),
+                prepare_fn, ref, to_ref, make_dout, dtype,
+                lambda mode: C.mode_flops(shape, causal, mode), env, base, args,
+            )
+            report_problems(new, bar)
+            rows += emit(sink, new)
+            if bar is not None:
+                bar.update(1)
+        del q, k, v, dout, ref
+        C.free_memory()
+    return rows
+
+
+def report_problems(rows, bar=None) -> None:
+    for row in rows:
+        if row["status"] in ("error", "check_failed"):
+            what = row["error"] if row["status"] == "error" else f"check failed, max err {row['max_err']:.3g}"
+            msg = (f"  {row['provider']} {row['mode']} {row['dtype']} B={row['B']} H={row['H']} T={row['T']} "
+                   f"D={row['D']} causal={row['causal']}: {what}")
+            if bar is not None:
+                bar.write(msg)
+            else:
+                print(msg, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# entry points
+# ----------------------------------------------------------------------------------------------------------
+def main(args: argparse.Namespace) -> int:
+    """Run the chosen suites, print the tables, write the files. 0 unless nothing could be measured or
+    some provider failed its accuracy check (then 1)."""
+    from tqdm import tqdm
+
+    from . import bench_report as R
+    from . import bench_suites as S
+
+    try:
+        args = resolve(args)
+    except ValueError as exc:
+        print(f"flashtriton bench: {exc}", file=sys.stderr)
+        return 2
+    env = C.environment()
+    print(f"# flashtriton bench: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+          f"flashtriton {env['flashtriton']} ({env['git_sha']}), {env['date']}", flush=True)
+    suites = ("standard", "varlen", "decode") if args.suite == "all" else (args.suite,)
+    results = R.Results(args.out, args.append)
+    try:
+        if torch.cuda.is_available():
+            results.add(S.run_ceilings(args, env))
+            print(R.ceilings_text(results.rows), flush=True)
+        if "standard" in suites:
+            providers = P.parse_providers(args.providers)
+            total = len(standard_problems(args)) * len(providers)
+            with tqdm(total=total, desc="standard", mininterval=1 if sys.stderr.isatty() else 30) as bar:
+                run_standard(args, env, providers, bar, results)
+            print("\n" + R.standard_table(results.rows), flush=True)
+        if "varlen" in suites:
+            S.run_varlen(args, env, results)
+            print("\n" + R.varlen_table(results.rows), flush=True)
+        if "decode" in suites:
+            copy = [r["gbps"] for r in results.rows if r["op"] == "copy" and r["status"] == "ok"]
+            S.run_decode(args, env, copy[0] if copy else None, results)
+            print("\n" + R.decode_table(results.rows), flush=True)
+    finally:
+        if args.out and results.rows:
+            paths, all_rows = results.write()
+            if not args.no_plots:
+                paths += R.write_plots(all_rows, args.out)
+            print("\nwrote " + ", ".join(paths), flush=True)
+    rows = results.rows
+    measured = [r for r in rows if r["status"] == "ok" and r["op"] not in ("copy", "matmul")]
+    failed = [r for r in rows if r["status"] == "check_failed"]
+    if failed:
+        print(f"\n{len(failed)} measurement(s) failed the accuracy check (FAIL above)", file=sys.stderr)
+    return 1 if failed or not measured else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m flashtriton.bench", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    from ._env import INTERPRET, enable_interpreter_if_no_cuda
+
+    # The package (and its @triton.jit kernels) was imported before this line ran; when the interpreter has
+    # to be switched on, start again with TRITON_INTERPRET set so that the kernels are defined under it.
+    if enable_interpreter_if_no_cuda() and not INTERPRET:
+        os.execv(sys.executable, [sys.executable, "-m", "flashtriton.bench", *sys.argv[1:]])
+    sys.exit(main(_parser().parse_args()))

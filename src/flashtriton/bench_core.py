@@ -1,0 +1,265 @@
+"""The pure parts of `flashtriton bench`: shape sweeps, FLOP and padding accounting, the long-format row
+schema, the environment stamp, timing and the accuracy check.
+
+Every measurement becomes one row (Liger-Kernel's long format): `op, mode, provider, shape, dtype,
+ms p20/p50/p80, tflops, check, environment`. A provider that was skipped, raised, or failed its accuracy
+check still gets a row, with `status` and `error` saying why, and no speed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .reference import attention_flops, attention_reference
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+MODES = ("fwd", "bwd", "fwd_bwd")
+# Relative tolerance of the accuracy check: max |x - ref| <= RTOL * max(1, max |ref|), per tensor, against
+# float32 attention on the same (low-precision) inputs. Loose enough for any correct kernel (a few ulps of
+# the largest value), tight enough to catch a wrong mask, scale or tile (errors of order 1).
+RTOL = {torch.float16: 2e-2, torch.bfloat16: 8e-2, torch.float32: 1e-4}
+
+ROW_FIELDS = [
+    "op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "causal", "dtype",
+    "ms_p20", "ms_p50", "ms_p80", "tflops", "gbps", "status", "check_passed", "max_err", "rel_err", "error",
+    "extra", "gpu", "torch", "triton", "cudnn", "flashtriton", "git_sha", "date",
+]
+# What identifies a measurement (rows with the same key replace each other when results are appended).
+ROW_KEY = ("op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "causal", "dtype")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention problem: (B, H, T, D), self-attention (Tq = Tk), H query and key heads."""
+
+    B: int
+    H: int
+    T: int
+    D: int
+
+
+def standard_shapes(seqlens, head_dims, tokens: int = 16384, hidden: int = 2048) -> list[Shape]:
+    """The FlashAttention papers' sweep: B·T = tokens, H·D = hidden, for each D then each T."""
+    shapes = []
+    for d in head_dims:
+        if hidden % d:
+            raise ValueError(f"hidden size {hidden} is not a multiple of head dim {d}")
+        for t in seqlens:
+            shapes.append(Shape(B=max(1, tokens // t), H=hidden // d, T=t, D=d))
+    return shapes
+
+
+def parse_shape(text: str) -> Shape:
+    """'B,H,T,D' -> Shape."""
+    parts = [p for p in text.replace("x", ",").split(",") if p.strip()]
+    if len(parts) != 4:
+        raise ValueError(f"--shape wants B,H,T,D (four integers), got {text!r}")
+    b, h, t, d = (int(p) for p in parts)
+    if min(b, h, t, d) < 1:
+        raise ValueError(f"--shape values must be positive, got {text!r}")
+    return Shape(b, h, t, d)
+
+
+def parse_int_list(text: str) -> list[int]:
+    """'512,1k,2K,64' -> [512, 1024, 2048, 64]."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+    return out
+
+
+def mode_flops(shape: Shape, causal: bool, mode: str) -> float:
+    return attention_flops(shape.B, shape.H, shape.T, shape.D, causal, mode)
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return None if not ms else flops / (ms * 1e-3) / 1e12
+
+
+def padding_stats(seqlens) -> dict:
+    """What padding a batch of sequences to its longest one wastes.
+
+    token_padding_frac = 1 - sum(T_i) / (N * Tmax)       (memory, projections)
+    flop_padding_frac  = 1 - sum(T_i^2) / (N * Tmax^2)   (attention: work grows with T^2; the same with a
+                                                          causal mask, which halves both sides)
+    ideal_speedup = 1 / (1 - flop_padding_frac): what skipping the padding could save at equal efficiency.
+    """
+    lens = [int(t) for t in seqlens]
+    if not lens or max(lens) <= 0:
+        raise ValueError("padding_stats needs at least one non-empty sequence")
+    n, tmax = len(lens), max(lens)
+    real_tokens, real_sq = sum(lens), sum(t * t for t in lens)
+    token_frac = 1.0 - real_tokens / (n * tmax)
+    flop_frac = 1.0 - real_sq / (n * tmax * tmax)
+    return dict(
+        n=n, max_seqlen=tmax, real_tokens=real_tokens, padded_tokens=n * tmax,
+        sum_sq=real_sq, padded_sum_sq=n * tmax * tmax,
+        token_padding_frac=token_frac, flop_padding_frac=flop_frac,
+        ideal_speedup=1.0 / (1.0 - flop_frac),
+    )
+
+
+def varlen_flops(seqlens, heads: int, head_dim: int, causal: bool, mode: str) -> float:
+    """Useful FLOPs of a varlen batch: the FlashAttention count summed over sequences."""
+    return sum(attention_flops(1, heads, int(t), head_dim, causal, mode) for t in seqlens)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# environment
+# ----------------------------------------------------------------------------------------------------------
+def git_sha() -> str:
+    """HEAD of the checkout this file lives in, '+dirty' if it has changes; 'unknown' without git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except Exception:  # noqa: BLE001  (no git, not a checkout: the stamp says so)
+        return os.environ.get("FLASHTRITON_GIT_SHA", "unknown")
+
+
+def environment() -> dict:
+    import triton
+
+    from ._version import __version__
+
+    cuda = torch.cuda.is_available()
+    return dict(
+        gpu=torch.cuda.get_device_name(0) if cuda else "cpu (triton interpreter)",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cudnn=str(torch.backends.cudnn.version()) if cuda and torch.backends.cudnn.is_available() else "",
+        flashtriton=__version__,
+        git_sha=git_sha(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+
+
+def make_row(env: dict, **fields) -> dict:
+    """A row with every schema field (missing ones None), extra fields folded into `extra`."""
+    row = {f: None for f in ROW_FIELDS}
+    extra = dict(fields.pop("extra", None) or {})
+    for name, value in fields.items():
+        if name in row:
+            row[name] = value
+        else:
+            extra[name] = value
+    row["extra"] = extra
+    row.update({k: env.get(k) for k in ("gpu", "torch", "triton", "cudnn", "flashtriton", "git_sha", "date")})
+    return row
+
+
+def short_error(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first[:limit]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------------------
+def time_fn(fn, warmup: int = 25, rep: int = 100, grad_to_none=None) -> tuple[float, float, float]:
+    """(p20, p50, p80) milliseconds of fn().
+
+    On a GPU: `triton.testing.do_bench` (L2 flushed before each run, grads set to None between runs).
+    On the CPU (interpreter): wall clock, a few runs; only there to exercise the code path.
+    """
+    if torch.cuda.is_available():
+        import triton.testing
+
+        p20, p50, p80 = triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
+                                                quantiles=[0.2, 0.5, 0.8])
+        return float(p20), float(p50), float(p80)
+    times = []
+    fn()
+    for _ in range(max(3, min(20, rep))):
+        if grad_to_none is not None:
+            for t in grad_to_none:
+                t.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    qs = statistics.quantiles(times, n=10, method="inclusive")
+    return qs[1], statistics.median(times), qs[7]
+
+
+def free_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# accuracy
+# ----------------------------------------------------------------------------------------------------------
+def compare(got: dict, ref: dict, dtype: torch.dtype) -> tuple[bool, float, float]:
+    """(passed, max abs error, max relative error) of tensors `got` against `ref` (same names, shapes).
+
+    Relative error of a tensor = max |got - ref| / max(1, max |ref|); passes when <= RTOL[dtype]. NaN or a
+    missing tensor fails.
+    """
+    max_err, rel_err = 0.0, 0.0
+    for name, r in ref.items():
+        g = got.get(name)
+        if g is None or tuple(g.shape) != tuple(r.shape):
+            return False, math.inf, math.inf
+        diff = (g.float() - r.float()).abs().max().item() if r.numel() else 0.0
+        if math.isnan(diff):
+            return False, math.nan, math.nan
+        scale = max(1.0, r.abs().max().item() if r.numel() else 0.0)
+        max_err, rel_err = max(max_err, diff), max(rel_err, diff / scale)
+    return rel_err <= RTOL[dtype], max_err, rel_err
+
+
+def reference_slices(q, k, v, dout, causal: bool, heads: int, with_grad: bool, batch_index: int = 0) -> dict:
+    """float32 attention (and gradients) on batch `batch_index`, the first `heads` query heads.
+
+    q: (B, T, H, D), k, v: (B, T, Hkv, D), dout like q, flash-attn's layout. With GQA the slice keeps the
+    kv heads those query heads read. Heads are independent, so the slice is exact for outputs and
+    gradients alike; computing it one head at a time keeps the T x T float32 scores at 1 GiB for T = 16k.
+    Returns {"out": (1, T, heads', D)} and with_grad also "dq", "dk", "dv" for the same slices, where heads'
+    is `heads` rounded up to whole GQA groups (so that dk, dv sum over all their query heads);
+    `slice_like` cuts a provider's full tensors the same way.
+    """
+    group = q.shape[2] // k.shape[2]
+    kv_heads = min(k.shape[2], -(-max(1, heads) // group))  # whole GQA groups, so dk and dv are exact
+    heads = kv_heads * group
+    outs, dqs, dks, dvs = [], [], [], []
+    for kh in range(kv_heads):
+        hs = slice(kh * group, (kh + 1) * group)
+        qs = q[batch_index:batch_index + 1, :, hs].float().detach().requires_grad_(with_grad)
+        ks = k[batch_index:batch_index + 1, :, kh:kh + 1].float().detach().requires_grad_(with_grad)
+        vs = v[batch_index:batch_index + 1, :, kh:kh + 1].float().detach().requires_grad_(with_grad)
+        with torch.set_grad_enabled(with_grad):
+            out = attention_reference(qs, ks, vs, causal=causal, dtype=torch.float32)
+            if with_grad:
+                out.backward(dout[batch_index:batch_index + 1, :, hs].float())
+        outs.append(out.detach())
+        if with_grad:
+            dqs.append(qs.grad)
+            dks.append(ks.grad)
+            dvs.append(vs.grad)
+        del out
+    ref = {"out": torch.cat(outs, dim=2)}
+    if with_grad:
+        ref.update(dq=torch.cat(dqs, dim=2), dk=torch.cat(dks, dim=2), dv=torch.cat(dvs, dim=2))
+    return ref
+
+
+def slice_like(got: dict, ref: dict, batch_index: int = 0) -> dict:
+    """Cut full (B, T, H, D) tensors to the slices `reference_slices` computed (batch, leading heads)."""
+    return {name: got[name][batch_index:batch_index + 1, :, :r.shape[2]] for name, r in ref.items() if name in got}

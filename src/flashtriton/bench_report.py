@@ -1,0 +1,319 @@
+"""What `flashtriton bench` prints and writes: markdown tables, bench.json / bench.csv (long format), plots.
+
+Merging runs made separately (on the GPU each call writes its own directory), on any machine:
+
+    python -m flashtriton.bench_report DEST SRC [SRC ...]     # DEST/bench.json|csv + plots; later SRC wins
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections import OrderedDict
+
+from .bench_core import MODES, ROW_FIELDS, ROW_KEY
+from .bench_providers import PROVIDERS
+
+OURS = "flashtriton"
+
+
+def _cell(row, show) -> str:
+    """show(row) for a measured row, else FAIL / err / - (skipped)."""
+    status = row["status"]
+    if status == "ok":
+        return show(row)
+    return {"check_failed": "FAIL", "error": "err", "skipped": "-"}.get(status, status)
+
+
+def _num(x) -> str:
+    """123.4, 12.3, 1.23, 0.00123: one decimal from 10 up, three significant digits below."""
+    return "" if x is None else (f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}")
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a and b else ""
+
+
+def _markdown(header: list[str], body: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
+    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"] + [line(r) for r in body])
+
+
+def _notes(rows) -> str:
+    """Distinct errors and skip reasons under a table, one line each, with how many measurements they hit."""
+    seen: OrderedDict = OrderedDict()
+    for r in rows:
+        if r["status"] in ("error", "skipped", "check_failed"):
+            text = r["error"] if r["status"] != "check_failed" else (
+                f"accuracy check failed (max err {r['max_err']:.3g}, relative {r['rel_err']:.3g})"
+                if r["max_err"] is not None and r["rel_err"] is not None else "accuracy check failed")
+            key = (r["provider"], r["status"], text)
+            seen[key] = seen.get(key, 0) + 1
+    return "\n".join(f"- {p} {status} ×{n}: {text}" for (p, status, text), n in seen.items())
+
+
+def _order(providers) -> list[str]:
+    known = [p for p in PROVIDERS if p in providers]
+    return known + sorted(p for p in providers if p not in known)
+
+
+def standard_table(rows) -> str:
+    """TFLOP/s per shape/mode/dtype/causal, a column per provider, and flashtriton's ratios."""
+    rows = [r for r in rows if r["op"] == "attention"]
+    if not rows:
+        return "(no attention rows)"
+    providers = _order({r["provider"] for r in rows})
+    groups: OrderedDict = OrderedDict()
+    order = lambda r: (MODES.index(r["mode"]), r["dtype"], r["D"], r["causal"], r["T"], r["B"], r["H"])  # noqa: E731
+    for r in sorted(rows, key=order):
+        groups.setdefault((r["mode"], r["dtype"], r["causal"], r["D"], r["B"], r["H"], r["T"]), {})[r["provider"]] = r
+    body = []
+    for key, by_provider in groups.items():
+        cells = [by_provider.get(p) for p in providers]
+        speeds = {p: r["tflops"] for p, r in by_provider.items() if r["status"] == "ok" and r["tflops"]}
+        ours = speeds.get(OURS)
+        others = [s for p, s in speeds.items() if p != OURS]
+        body.append([*key] + [_cell(r, lambda r: _num(r["tflops"])) if r else "" for r in cells]
+                    + [_ratio(ours, max(others) if others else None), _ratio(ours, speeds.get("sdpa_cudnn"))])
+    header = ["mode", "dtype", "causal", "D", "B", "H", "T"] + providers + ["ours/best_other", "ours/cudnn"]
+    notes = _notes(rows)
+    return ("TFLOP/s (FlashAttention count: fwd 4·B·H·T²·D, /2 causal; bwd ×2.5; fwd_bwd ×3.5), median\n"
+            + _markdown(header, body) + ("\n\n" + notes if notes else ""))
+
+
+def varlen_table(rows) -> str:
+    rows = [r for r in rows if r["op"] == "attention_varlen"]
+    if not rows:
+        return "(no varlen rows)"
+    providers = list(OrderedDict.fromkeys(r["provider"] for r in rows))
+    groups: OrderedDict = OrderedDict()
+    for r in rows:
+        groups.setdefault((r["mode"], r["dtype"], r["causal"]), {})[r["provider"]] = r
+    stats = rows[0]["extra"]
+    body = []
+    for key, by_provider in groups.items():
+        ours = by_provider.get(OURS)
+        extra = ours["extra"] if ours else {}
+        cells = [by_provider.get(p) for p in providers]
+        body.append([*key] + [_cell(r, lambda r: f"{r['ms_p50']:.3f} ({_num(r['tflops'])})") if r else "" for r in cells] + [
+            _fmt(extra.get("speedup_vs_flashtriton_padded")), _fmt(extra.get("speedup_vs_best_padded")),
+            _fmt(stats.get("ideal_speedup")), _fmt(stats.get("target_speedup"))])
+    header = ["mode", "dtype", "causal"] + providers + [
+        "speedup vs flashtriton_padded", "speedup vs best padded", "ideal 1/(1-pad)", "target 0.9×ideal"]
+    head = (f"varlen: N={stats.get('n')} sequences, max {stats.get('max_seqlen')}, "
+            f"{stats.get('real_tokens')} real of {stats.get('padded_tokens')} padded tokens: padding "
+            f"{stats.get('token_padding_frac', 0):.1%} of tokens, {stats.get('flop_padding_frac', 0):.1%} of "
+            f"attention FLOPs (Σ Tᵢ² vs N·Tmax²)\n"
+            "cells: ms median (useful TFLOP/s, counting only real tokens); padded = dense on the padded batch, no mask\n")
+    notes = _notes(rows)
+    return head + _markdown(header, body) + ("\n\n" + notes if notes else "")
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "" if x is None else format(x, spec)
+
+
+def decode_table(rows) -> str:
+    rows = [r for r in rows if r["op"] == "decode"]
+    if not rows:
+        return "(no decode rows)"
+    providers = _order({r["provider"] for r in rows})
+    groups: OrderedDict = OrderedDict()
+    for r in rows:
+        groups.setdefault((r["dtype"], r["B"], r["H"], r["H_kv"], r["D"], r["T_k"]), {})[r["provider"]] = r
+    body = []
+    for key, by_provider in groups.items():
+        speeds = {p: r["gbps"] for p, r in by_provider.items() if r["status"] == "ok" and r["gbps"]}
+        ours = speeds.get(OURS)
+        others = [s for p, s in speeds.items() if p != OURS]
+        pct = by_provider.get(OURS, {}).get("extra", {}).get("pct_of_copy") if OURS in by_provider else None
+        body.append([*key] + [_cell(r, lambda r: _num(r["gbps"])) if r else "" for r in
+                              (by_provider.get(p) for p in providers)]
+                    + [_fmt(pct, ".0f"), _ratio(ours, max(others) if others else None)])
+    header = ["dtype", "B", "Hq", "Hkv", "D", "cache"] + providers + ["ours % of copy", "ours/best_other"]
+    notes = _notes(rows)
+    return ("decode: GB/s = bytes of K and V read / median time; one query token, full caches\n"
+            + _markdown(header, body) + ("\n\n" + notes if notes else ""))
+
+
+def ceilings_text(rows) -> str:
+    parts = []
+    for r in rows:
+        if r["op"] == "copy" and r["status"] == "ok":
+            parts.append(f"device-to-device copy {r['gbps']:.0f} GB/s (read + write)")
+        elif r["op"] == "matmul" and r["status"] == "ok":
+            parts.append(f"{r['dtype']} matmul 8192³ {r['tflops']:.0f} TFLOP/s")
+        elif r["op"] in ("copy", "matmul"):
+            parts.append(f"{r['op']} {r.get('dtype') or ''}: {r['error']}")
+    return "ceilings: " + "; ".join(parts) if parts else ""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# files
+# ----------------------------------------------------------------------------------------------------------
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def read_rows(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, "bench.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_results(rows, out_dir: str, existing=()) -> tuple[list[str], list[dict]]:
+    """bench.json (a list of rows) and bench.csv (the same, `extra` as a JSON string). Rows in `existing`
+    (a previous bench.json, for --append) are kept unless a new row has the same key. Returns
+    (paths, all rows written)."""
+    os.makedirs(out_dir, exist_ok=True)
+    merged: OrderedDict = OrderedDict()
+    for r in [*existing, *(_clean(r) for r in rows)]:
+        merged[tuple(r.get(k) for k in ROW_KEY)] = r
+    rows = list(merged.values())
+    json_path, csv_path = os.path.join(out_dir, "bench.json"), os.path.join(out_dir, "bench.csv")
+    for path, write in ((json_path, _write_json), (csv_path, _write_csv)):
+        with open(path + ".tmp", "w", newline="") as f:  # a run killed mid-write leaves the last good file
+            write(f, rows)
+        os.replace(path + ".tmp", path)
+    return [json_path, csv_path], rows
+
+
+def _write_json(f, rows) -> None:
+    json.dump(rows, f, indent=1)
+    f.write("\n")
+
+
+def _write_csv(f, rows) -> None:
+    writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({**r, "extra": json.dumps(r.get("extra") or {}, sort_keys=True)})
+
+
+class Results:
+    """Every row of a run; with an output directory, bench.json and bench.csv are rewritten after each
+    batch of rows, so that a run stopped by a time limit still leaves what it measured."""
+
+    def __init__(self, out_dir: str | None = None, append: bool = False):
+        self.out_dir = out_dir
+        self.existing = read_rows(out_dir) if out_dir and append else []
+        self.rows: list[dict] = []
+
+    def add(self, rows) -> None:
+        self.rows += rows
+        if self.out_dir and rows:
+            self.write()
+
+    def write(self) -> tuple[list[str], list[dict]]:
+        return write_results(self.rows, self.out_dir, self.existing)
+
+
+def write_plots(rows, out_dir: str) -> list[str]:
+    """standard_<mode>_<dtype>.png (TFLOP/s vs T, a panel per D and causal, a line per provider) and
+    decode_<dtype>.png (GB/s vs cache length, a panel per batch, the copy bandwidth dashed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+        return []
+    paths = []
+    ok = [r for r in rows if r["status"] == "ok"]
+    attention = [r for r in ok if r["op"] == "attention" and r["tflops"]]
+    for mode, dtype in sorted({(r["mode"], r["dtype"]) for r in attention}, key=lambda x: (MODES.index(x[0]), x[1])):
+        sel = [r for r in attention if r["mode"] == mode and r["dtype"] == dtype]
+        dims, causals = sorted({r["D"] for r in sel}), sorted({r["causal"] for r in sel})
+        fig, axes = plt.subplots(len(dims), len(causals), figsize=(5.5 * len(causals), 3.8 * len(dims)),
+                                 squeeze=False)
+        for i, d in enumerate(dims):
+            for j, c in enumerate(causals):
+                ax = axes[i][j]
+                panel = [r for r in sel if r["D"] == d and r["causal"] == c]
+                for p in _order({r["provider"] for r in panel}):
+                    pts = sorted((r["T"], r["tflops"]) for r in panel if r["provider"] == p)
+                    ax.plot([t for t, _ in pts], [y for _, y in pts], marker="o", label=p,
+                            linewidth=2.5 if p == OURS else 1.2)
+                ax.set_xscale("log", base=2)
+                ax.set_ylim(bottom=0)
+                ax.set_title(f"{mode} {dtype} D={d} causal={c}")
+                ax.set_xlabel("T (sequence length)")
+                ax.set_ylabel("TFLOP/s")
+                ax.grid(alpha=0.3)
+                if panel:
+                    ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"standard_{mode}_{dtype}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    decode = [r for r in ok if r["op"] == "decode" and r["gbps"]]
+    copy = [r["gbps"] for r in ok if r["op"] == "copy" and r["gbps"]]
+    for dtype in sorted({r["dtype"] for r in decode}):
+        sel = [r for r in decode if r["dtype"] == dtype]
+        batches = sorted({r["B"] for r in sel})
+        fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
+        for j, b in enumerate(batches):
+            ax = axes[0][j]
+            panel = [r for r in sel if r["B"] == b]
+            for p in _order({r["provider"] for r in panel}):
+                pts = sorted((r["T_k"], r["gbps"]) for r in panel if r["provider"] == p)
+                ax.plot([t for t, _ in pts], [y for _, y in pts], marker="o", label=p,
+                        linewidth=2.5 if p == OURS else 1.2)
+            if copy:
+                ax.axhline(copy[-1], linestyle="--", color="gray", label="d2d copy")
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"decode {dtype} B={b}")
+            ax.set_xlabel("cache length")
+            ax.set_ylabel("GB/s (K, V read)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"decode_{dtype}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def merge(dest: str, sources, plots: bool = True) -> list[str]:
+    """Merge SRC/bench.json files (and DEST's own, if any) into DEST: rows with the same key are taken from the
+    later source. Rewrites bench.json, bench.csv and the plots; prints the tables."""
+    existing = read_rows(dest)
+    rows = []
+    for src in sources:
+        found = read_rows(src)
+        if not found:
+            raise FileNotFoundError(f"no rows in {os.path.join(src, 'bench.json')}")
+        rows += found
+    paths, all_rows = write_results(rows, dest, existing)
+    for table in (standard_table, varlen_table, decode_table):
+        if any(r["op"] == {standard_table: "attention", varlen_table: "attention_varlen",
+                           decode_table: "decode"}[table] for r in all_rows):
+            print(table(all_rows) + "\n")
+    text = ceilings_text(all_rows)
+    if text:
+        print(text)
+    return paths + (write_plots(all_rows, dest) if plots else [])
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 3:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    print("wrote " + ", ".join(merge(sys.argv[1], sys.argv[2:])))

@@ -1,0 +1,278 @@
+"""`flashtriton bench`: sweep generation, FLOP and padding accounting, tables, row schema, and a smoke run of
+every suite on the CPU (flashtriton through the interpreter; CUDA-only providers reported as skipped)."""
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton import bench, bench_core as C, bench_providers as P, bench_report as R, bench_suites as S
+from flashtriton.reference import attention_reference
+
+CUDA = torch.cuda.is_available()
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.resolve(parser.parse_args(argv))
+
+
+TINY = ["--warmup", "1", "--rep", "1"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pure parts
+# ----------------------------------------------------------------------------------------------------------
+def test_standard_sweep_is_the_papers_sweep():
+    shapes = C.standard_shapes([512, 1024, 2048, 4096, 8192, 16384], [64, 128, 256])
+    assert len(shapes) == 18
+    assert all(s.B * s.T == 16384 and s.H * s.D == 2048 for s in shapes)
+    assert C.Shape(B=32, H=32, T=512, D=64) in shapes and C.Shape(B=1, H=8, T=16384, D=256) in shapes
+    assert C.standard_shapes([32768], [128])[0].B == 1  # never zero
+    with pytest.raises(ValueError):
+        C.standard_shapes([512], [96])  # 2048 is not a multiple of 96
+
+
+def test_default_and_quick_options():
+    args = parse([])
+    assert args.shapes == C.standard_shapes(bench.STANDARD_SEQLENS, [64, 128])
+    assert args.modes_list == ["fwd", "bwd"] and args.dtype_list == ["fp16"] and args.causal_list == [False, True]
+    assert args.flex_seqlens == {1024, 4096, 16384} and (args.warmup, args.rep) == (25, 100)
+    assert args.decode_batch_list == [1, 8, 16, 64] and args.decode_seqlen_list[-1] == 128 * 1024
+    quick = parse(["--quick"])
+    assert [(s.T, s.D) for s in quick.shapes] == [(1024, 128), (4096, 128)] and quick.varlen_n == 16
+    explicit = parse(["--shape", "2,3,100,40", "--shape", "1x4x7x8", "--seqlens", "1k", "--flex-seqlens", "all"])
+    assert explicit.shapes == [C.Shape(2, 3, 100, 40), C.Shape(1, 4, 7, 8)] and explicit.flex_seqlens is None
+    assert C.parse_int_list("512, 1k,2K") == [512, 1024, 2048]
+    for bad in (["--modes", "fwd,sideways"], ["--dtypes", "fp8"], ["--shape", "1,2,3"]):
+        with pytest.raises(ValueError):
+            parse(bad)
+
+
+def test_flop_accounting():
+    shape = C.Shape(B=2, H=3, T=128, D=64)
+    fwd = 4 * 2 * 3 * 128 * 128 * 64
+    assert C.mode_flops(shape, False, "fwd") == fwd
+    assert C.mode_flops(shape, True, "fwd") == fwd / 2
+    assert C.mode_flops(shape, False, "bwd") == 2.5 * fwd
+    assert C.mode_flops(shape, True, "fwd_bwd") == 3.5 * fwd / 2
+    assert C.tflops(2e12, 1000.0) == pytest.approx(2.0) and C.tflops(1.0, None) is None
+    assert C.varlen_flops([3, 5], 2, 8, False, "fwd") == 4 * 2 * 8 * (9 + 25)
+
+
+def test_padding_fraction_math():
+    stats = C.padding_stats([4, 2])
+    assert stats["token_padding_frac"] == pytest.approx(1 - 6 / 8)
+    assert stats["flop_padding_frac"] == pytest.approx(1 - 20 / 32)
+    assert stats["ideal_speedup"] == pytest.approx(32 / 20)
+    assert C.padding_stats([7, 7, 7])["flop_padding_frac"] == 0.0
+    with pytest.raises(ValueError):
+        C.padding_stats([])
+    lens = S.varlen_seqlens(64, 4096, seed=0)
+    assert lens == S.varlen_seqlens(64, 4096, seed=0) != S.varlen_seqlens(64, 4096, seed=1)
+    assert len(lens) == 64 and 1 <= min(lens) and max(lens) <= 4096
+
+
+def test_compare_judges_relative_error():
+    ref = {"out": torch.tensor([[0.5, -3.0]])}
+    assert C.compare({"out": torch.tensor([[0.505, -3.0]])}, ref, torch.float16)[0]
+    ok, max_err, rel = C.compare({"out": torch.tensor([[0.5, -2.7]])}, ref, torch.float16)
+    assert not ok and max_err == pytest.approx(0.3, rel=1e-5) and rel == pytest.approx(0.1, rel=1e-5)
+    assert not C.compare({"out": torch.tensor([[float("nan"), -3.0]])}, ref, torch.float16)[0]
+    assert not C.compare({}, ref, torch.float16)[0]
+
+
+def test_reference_slices_match_full_attention_with_gqa():
+    torch.manual_seed(0)
+    q, dout = torch.randn(2, 9, 4, 8), torch.randn(2, 9, 4, 8)
+    k, v = torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 8)
+    ref = C.reference_slices(q, k, v, dout, True, heads=1, with_grad=True)  # rounds up to one whole group
+    assert ref["out"].shape == (1, 9, 2, 8) and ref["dk"].shape == (1, 9, 1, 8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    full = attention_reference(*leaves, causal=True, dtype=torch.float64)
+    full.backward(dout.double())
+    got = {"out": full.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    ok, max_err, _ = C.compare(C.slice_like(got, ref), ref, torch.float32)
+    assert ok and max_err < 1e-5
+
+
+def test_row_schema_and_files(tmp_path):
+    env = {"gpu": "g", "torch": "t", "triton": "tr", "cudnn": "", "flashtriton": "f", "git_sha": "s", "date": "d"}
+    row = C.make_row(env, op="attention", mode="fwd", provider="flashtriton", B=1, T=8, first_call_s=0.5,
+                     status="ok", max_err=math.inf)
+    assert list(row) == C.ROW_FIELDS and row["extra"] == {"first_call_s": 0.5} and row["gpu"] == "g"
+    R.write_results([row], str(tmp_path))
+    newer = dict(row, ms_p50=2.0, extra={})
+    other = dict(row, provider="sdpa_cudnn")
+    _, merged = R.write_results([newer, other], str(tmp_path), existing=R.read_rows(str(tmp_path)))
+    assert len(merged) == 2 and merged[0]["ms_p50"] == 2.0  # same key replaced, not duplicated
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert rows[0]["max_err"] is None  # non-finite numbers become null, valid JSON
+    with open(tmp_path / "bench.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == C.ROW_FIELDS and len(list(reader)) == 2
+
+
+def _row(provider, tflops, status="ok", mode="fwd", T=1024, error=None):
+    env = dict.fromkeys(("gpu", "torch", "triton", "cudnn", "flashtriton", "git_sha", "date"), "")
+    return C.make_row(env, op="attention", suite="standard", mode=mode, provider=provider, B=16, H=16, H_kv=16,
+                      T=T, T_k=T, D=128, causal=0, dtype="fp16", tflops=tflops, status=status, error=error,
+                      max_err=0.5 if status == "check_failed" else None, rel_err=0.1 if status == "check_failed" else None)
+
+
+def test_markdown_table_ratios_and_marks():
+    rows = [_row("flashtriton", 300.0), _row("sdpa_cudnn", 400.0), _row("sdpa_flash", 250.0),
+            _row("flex", None, status="error", error="BackendCompilerFailed: boom"),
+            _row("sdpa_math", None, status="check_failed"),
+            _row("flashtriton", 120.0, mode="bwd"), _row("sdpa_cudnn", 100.0, mode="bwd")]
+    table = R.standard_table(rows)
+    lines = [l for l in table.splitlines() if l.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[-2:] == ["ours/best_other", "ours/cudnn"] and header.index("flashtriton") < header.index("flex")
+    assert len({l.count("|") for l in lines}) == 1  # every row has every column
+    fwd = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert fwd[0] == "fwd" and fwd[-2:] == ["0.75", "0.75"]
+    assert fwd[header.index("flex")] == "err" and fwd[header.index("sdpa_math")] == "FAIL"
+    bwd = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert bwd[0] == "bwd" and bwd[-2:] == ["1.20", "1.20"]
+    assert "BackendCompilerFailed: boom" in table and "accuracy check failed" in table
+
+
+def test_providers_and_skips():
+    assert P.parse_providers(None) == list(P.DEFAULT_PROVIDERS) and "seed" not in P.DEFAULT_PROVIDERS
+    assert P.parse_providers("ours,cudnn,math,cudnn") == ["flashtriton", "sdpa_cudnn", "sdpa_math"]
+    with pytest.raises(ValueError):
+        P.parse_providers("flashtriton,xformers")
+    args = parse([])
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    # MATH's T x T scores: 16 x 16 x 2048^2 x 4 B = 4 GiB forward runs, x3 with gradients does not.
+    assert P.skip_reason("sdpa_math", gpu, 16, 16, 2048, 128, "fwd", args) is None
+    assert "GiB" in P.skip_reason("sdpa_math", gpu, 16, 16, 2048, 128, "bwd", args)
+    assert "--flex-seqlens" in P.skip_reason("flex", gpu, 8, 16, 2048, 128, "fwd", args)
+    assert P.skip_reason("flex", gpu, 16, 16, 1024, 128, "fwd", args) is None
+    for name in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "flash_attn"):
+        assert "CUDA" in P.skip_reason(name, cpu, 1, 2, 64, 32, "fwd", args)
+    assert P.skip_reason("seed", gpu, 1, 2, 64, 32, "bwd", args) == "forward only"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# smoke runs (CPU: the interpreter; on a GPU the same code paths with real kernels)
+# ----------------------------------------------------------------------------------------------------------
+def test_standard_suite_checks_then_times():
+    args = parse(["--shape", "1,2,64,32", "--modes", "fwd,bwd", "--causal", "1", *TINY])
+    rows = bench.run_standard(args, C.environment(), ["flashtriton", "sdpa_math", "sdpa_cudnn", "flex"])
+    by = {(r["provider"], r["mode"]): r for r in rows}
+    assert len(rows) == 8
+    for mode in ("fwd", "bwd"):
+        ours = by[("flashtriton", mode)]
+        assert ours["status"] == "ok" and ours["check_passed"] and ours["max_err"] < 1e-2
+        assert 0 < ours["ms_p20"] <= ours["ms_p50"] <= ours["ms_p80"] and ours["tflops"] > 0
+        assert by[("sdpa_math", mode)]["status"] == "ok" and by[("sdpa_math", mode)]["check_passed"]
+        if not CUDA:
+            assert by[("sdpa_cudnn", mode)]["status"] == "skipped" and "CUDA" in by[("sdpa_cudnn", mode)]["error"]
+            assert by[("flex", mode)]["status"] == "skipped" and by[("flex", mode)]["tflops"] is None
+
+
+def test_wrong_or_raising_provider_is_marked_not_timed(monkeypatch):
+    real_prepare = P.prepare
+
+    def fake_prepare(name, q, k, v, causal, grad):
+        if name == "sdpa_math":  # stands in for a broken kernel: right shape, wrong values
+            prepared = real_prepare("flashtriton", q, k, v, causal, grad)
+            return P.Prepared(lambda: prepared.forward() * 1.5, prepared.leaves, prepared.to_bshd, prepared.from_bshd)
+        if name == "sdpa_efficient":
+            raise RuntimeError("No available kernel. Aborting execution.\nsecond line")
+        return real_prepare(name, q, k, v, causal, grad)
+
+    monkeypatch.setattr(P, "prepare", fake_prepare)
+    monkeypatch.setattr(P, "skip_reason", lambda *a, **k: None)
+    args = parse(["--shape", "1,2,32,16", "--modes", "fwd", "--causal", "0", *TINY])
+    rows = {r["provider"]: r for r in bench.run_standard(args, C.environment(), ["sdpa_math", "sdpa_efficient"])}
+    wrong, raising = rows["sdpa_math"], rows["sdpa_efficient"]
+    assert wrong["status"] == "check_failed" and wrong["check_passed"] is False and wrong["max_err"] > 0.1
+    assert wrong["ms_p50"] is None and wrong["tflops"] is None
+    assert raising["status"] == "error" and raising["error"] == "RuntimeError: No available kernel. Aborting execution."
+    assert raising["tflops"] is None
+
+
+def test_varlen_suite_matches_dense_per_sequence():
+    args = parse(["--suite", "varlen", "--varlen-n", "3", "--varlen-max", "40", "--varlen-heads", "2",
+                  "--varlen-head-dim", "16", "--modes", "fwd", "--causal", "1", *TINY])
+    rows = S.run_varlen(args, C.environment())
+    by = {r["provider"]: r for r in rows}
+    for name in ("flashtriton", "flashtriton_padded"):
+        assert by[name]["status"] == "ok" and by[name]["check_passed"], by[name]
+    extra = by["flashtriton"]["extra"]
+    lens = S.varlen_seqlens(3, 40, 0)
+    assert extra["seqlens"] == lens and extra["flop_padding_frac"] == C.padding_stats(lens)["flop_padding_frac"]
+    assert extra["speedup_vs_flashtriton_padded"] == pytest.approx(by["flashtriton_padded"]["ms_p50"]
+                                                                   / by["flashtriton"]["ms_p50"])
+    assert by["flashtriton"]["tflops"] == pytest.approx(C.varlen_flops(lens, 2, 16, True, "fwd")
+                                                        / by["flashtriton"]["ms_p50"] / 1e9)
+    assert "speedup vs best padded" in R.varlen_table(rows)
+
+
+def test_decode_suite_bandwidth_and_skips():
+    if S._kvcache_function() is None:
+        pytest.skip("flashtriton.flash_attn_with_kvcache is not there yet")
+    args = parse(["--suite", "decode", "--decode-batches", "2", "--decode-seqlens", "100,300",
+                  "--decode-heads", "4,2", "--decode-head-dim", "16", "--max-cache-gib", str(40000 / 2**30),
+                  "--providers", "flashtriton,sdpa_math,sdpa_cudnn", *TINY])
+    rows = S.run_decode(args, C.environment(), copy_gbps=1.0)
+    by = {(r["provider"], r["T_k"]): r for r in rows}
+    ours = by[("flashtriton", 100)]
+    assert ours["status"] == "ok" and ours["check_passed"]
+    assert ours["gbps"] == pytest.approx(2 * 2 * 100 * 2 * 16 * 2 / ours["ms_p50"] / 1e6)
+    assert ours["extra"]["pct_of_copy"] == pytest.approx(100 * ours["gbps"])
+    assert by[("sdpa_math", 100)]["status"] == "ok"
+    assert all(by[(p, 300)]["status"] == "skipped" for p in ("flashtriton", "sdpa_math"))  # over --max-cache-gib
+    assert "ours % of copy" in R.decode_table(rows)
+
+
+def test_main_writes_rows_and_plots(tmp_path, capsys):
+    argv = ["--shape", "1,2,32,16", "--modes", "fwd", "--causal", "0", "--providers", "flashtriton,math,cudnn",
+            "--out", str(tmp_path), *TINY]
+    assert bench.main(parse_raw(argv)) == 0
+    out = capsys.readouterr().out
+    assert "ours/best_other" in out and "sdpa_math" in out and "CUDA only" in out or CUDA
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["provider"] for r in rows} == {"flashtriton", "sdpa_math", "sdpa_cudnn"} | ({"torch"} if CUDA else set())
+    assert all(list(r) == C.ROW_FIELDS for r in rows)
+    assert rows[0]["flashtriton"] == flashtriton.__version__ and rows[0]["git_sha"]
+    assert (tmp_path / "bench.csv").exists() and (tmp_path / "standard_fwd_fp16.png").stat().st_size > 1000
+
+
+def parse_raw(argv):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_python_m_bench_restarts_with_interpreter(tmp_path):
+    """`python -m flashtriton.bench` without TRITON_INTERPRET on a CPU machine restarts under the interpreter."""
+    if CUDA:
+        pytest.skip("CPU-only behaviour")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "flashtriton.bench", "--shape", "1,1,16,16", "--modes", "fwd", "--causal", "0",
+           "--providers", "flashtriton", "--out", str(tmp_path), *TINY]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "triton interpreter" in result.stdout
+    assert json.loads((tmp_path / "bench.json").read_text())[0]["check_passed"] is True
+
+
+def test_ceilings_rows():
+    rows = S.run_ceilings(parse(TINY), C.environment(), copy_elems=1 << 16, matmul_n=64)
+    copy, mm16, mm_bf16 = rows
+    assert copy["op"] == "copy" and copy["status"] == "ok"
+    assert copy["gbps"] == pytest.approx(2 * 2 * (1 << 16) / copy["ms_p50"] / 1e6)
+    assert mm16["tflops"] == pytest.approx(2 * 64 ** 3 / mm16["ms_p50"] / 1e9) and mm_bf16["dtype"] == "bf16"
+    assert "copy" in R.ceilings_text(rows) and "matmul" in R.ceilings_text(rows)
