@@ -1,18 +1,33 @@
 """Tuning configurations for every kernel, in one place.
 
-Each kernel gets a list of candidate `triton.Config`s, a `prune` function that drops the ones that cannot
-fit (shared memory, registers) or make no sense for the problem, and an autotune key. Autotuning caches the
-best config per key: sequence lengths are bucketed to powers of two so that a varlen batch or odd lengths do
-not trigger a new tuning run for every length.
-
-Under Triton's interpreter (CPU) nothing is tuned: one config is used, chosen to be quick to interpret.
+How a launcher picks its config, in order:
+1. `config=` passed to the launcher (tests, `flashtriton tune`);
+2. under Triton's interpreter (CPU): one fixed config per kernel, quick to interpret;
+3. with autotuning on (`FLASHTRITON_AUTOTUNE=1` in the environment, or `configs.AUTOTUNE = True`): the best
+   of the kernel's candidate list, pruned to what fits, measured once per key (head dim, causal, varlen,
+   dtype and power-of-two buckets of the sequence lengths, so odd lengths do not retune) and cached;
+4. otherwise a heuristic default per (padded head dim, dtype size, GPU generation) — no tuning cost on the
+   first call, which every new (head dim, causal, dtype) would otherwise pay in compiles of every candidate.
 """
 
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 
 from ._env import INTERPRET
+
+AUTOTUNE: bool = os.environ.get("FLASHTRITON_AUTOTUNE", "0") == "1"
+
+
+def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def seqlen_bucket(seqlen: int) -> int:
@@ -45,6 +60,17 @@ FWD_CONFIGS = [
 
 # The one config the interpreter uses (and the one `tune --no-autotune` style callers can force).
 FWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+
+def default_fwd_config(head_dim_padded: int, elem_bytes: int, device: torch.device) -> dict:
+    """Heuristic forward config: 128-row tiles, 64-key tiles, as FlashAttention-2 uses."""
+    if elem_bytes == 4:
+        return _config(32, 32, 4, 2) if head_dim_padded > 128 else _config(64, 32, 4, 2)
+    if head_dim_padded >= 256:
+        return _config(64, 64, 8, 2) if _is_hopper(device) else _config(64, 32, 4, 2)
+    if head_dim_padded >= 128:
+        return _config(128, 64, 8, 3) if _is_hopper(device) else _config(128, 64, 8, 2)
+    return _config(128, 64, 4, 3)
 
 
 def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:
@@ -109,6 +135,18 @@ BWD_DQ_CONFIGS = [
         (32, 64, 4, 2), (32, 32, 4, 2),
     ]
 ]
+
+def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.device) -> dict:
+    """Heuristic backward configs {"dkdv": .., "dq": ..}: wide resident tiles, narrow streamed ones."""
+    if elem_bytes == 4:
+        small = _config(32, 32, 4, 2)
+        return {"dkdv": small, "dq": small}
+    if head_dim_padded >= 256:
+        return {"dkdv": _config(32, 64, 8, 2), "dq": _config(64, 32, 8, 2)}
+    if head_dim_padded >= 128:
+        return {"dkdv": _config(32, 128, 8, 2), "dq": _config(128, 32, 8, 2)}
+    return {"dkdv": _config(32, 128, 4, 3), "dq": _config(128, 32, 4, 3)}
+
 
 # The one config the interpreter uses for both kernels.
 BWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
@@ -176,6 +214,13 @@ DECODE_CONFIGS = [
         (32, 4, 2),
     ]
 ]
+
+def default_decode_config(head_dim_padded: int, elem_bytes: int) -> dict:
+    """Heuristic decode config: wide key tiles, two in flight (the kernel is memory bound)."""
+    if elem_bytes == 4 or head_dim_padded >= 256:
+        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+
 
 # The one config the interpreter uses.
 DECODE_INTERPRETER_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}

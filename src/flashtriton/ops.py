@@ -49,7 +49,7 @@ def attention_fwd_op(
 
 @attention_fwd_op.register_fake
 def _(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # the kernels allocate contiguous outputs, whatever the inputs' strides
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:
@@ -87,7 +87,7 @@ def attention_bwd_op(
 @attention_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):

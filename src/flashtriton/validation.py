@@ -80,7 +80,8 @@ def check_heads_and_dims(q_heads: int, kv_heads: int, head_dim: int, v_head_dim:
 
 
 def check_same(what: str, **values: int) -> None:
-    if len(set(values.values())) > 1:
+    first, *rest = values.values()
+    if any(v != first for v in rest):  # no set(): hashing a SymInt would specialise it under torch.compile
         raise ValueError(f"{what} must match, got " + ", ".join(f"{n}: {v}" for n, v in values.items()))
 
 

@@ -160,17 +160,21 @@ def _teach_flash_loader() -> None:
     if original is None or getattr(original, "_flashtriton", False):
         return
 
+    with_kvcache = hasattr(mfa, "_flash_with_kvcache_fn")  # later 5.x also preload flash_attn_with_kvcache
+
     @functools.wraps(original)
     def _lazy_imports(implementation, *args, **kwargs):
-        if implementation == NAME:
-            try:
-                from ..kvcache import flash_attn_with_kvcache
-            except ImportError:
-                flash_attn_with_kvcache = None
-            pad = getattr(mfa, "_pad_input", _pad)
-            unpad = getattr(mfa, "_unpad_input", None)
-            return flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, pad, unpad
-        return original(implementation, *args, **kwargs)
+        if implementation != NAME:
+            return original(implementation, *args, **kwargs)
+        pad = getattr(mfa, "_pad_input", _pad)
+        unpad = getattr(mfa, "_unpad_input", None)
+        if not with_kvcache:
+            return flash_attn_func, flash_attn_varlen_func, pad, unpad
+        try:
+            from ..kvcache import flash_attn_with_kvcache
+        except ImportError:
+            flash_attn_with_kvcache = None
+        return flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, pad, unpad
 
     _lazy_imports._flashtriton = True
     mfa._lazy_imports = _lazy_imports

@@ -368,6 +368,8 @@ def decode_attention(
     grid = (batch * heads_kv, num_splits, m_tiles)
     if config is None and INTERPRET:
         config = configs.DECODE_INTERPRETER_CONFIG
+    if config is None and not configs.AUTOTUNE:
+        config = configs.default_decode_config(configs.padded_head_dim(head_dim), q.element_size())
     if config is None:
         _decode_split_tuned[grid](*args, **constexprs)
     else:
