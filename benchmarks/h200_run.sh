@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, `flashtriton check`, and the side-by-side benchmarks; everything lands in
+# $OUT/results.tar.gz (the device tool returns at most 8 files). Usage: bash benchmarks/h200_run.sh STEPS...
+# Steps: tests check bench_std bench_extra serving tune. Each step has its own time limit.
+set -u
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+R=/tmp/results; mkdir -p $R
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv | tee $R/nvidia-smi.txt
+git rev-parse HEAD > $R/git_sha.txt 2>/dev/null || echo unknown > $R/git_sha.txt
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests) timeout 230 python -m pytest -q -n 12 -p no:cacheprovider tests 2>&1 | tail -40 > $R/pytest.txt; cat $R/pytest.txt ;;
+    check) timeout 150 python -m flashtriton check --out $R/check 2>&1 | tail -45 | tee $R/check.txt ;;
+    bench_std) timeout 200 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,sdpa_efficient,seed \
+        --modes fwd,bwd --head-dims 64,128 --out $R/bench_std --no-plots 2>&1 | tail -60 > $R/bench_std.txt; tail -52 $R/bench_std.txt ;;
+    bench_extra) timeout 150 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --modes fwd \
+        --dtypes bf16 --head-dims 128 --out $R/bench_bf16 --no-plots 2>&1 | tail -20 > $R/bench_bf16.txt
+      timeout 100 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd \
+        --head-dims 256 --seqlens 512,2048,8192 --out $R/bench_d256 --no-plots 2>&1 | tail -20 > $R/bench_d256.txt; tail -14 $R/bench_bf16.txt $R/bench_d256.txt ;;
+    serving) timeout 200 python -m flashtriton bench --suite all --providers flashtriton,sdpa_flash,sdpa_cudnn,sdpa_efficient \
+        --modes fwd --head-dims 128 --seqlens 4096 --out $R/serving --no-plots 2>&1 | tail -50 > $R/serving.txt; tail -40 $R/serving.txt ;;
+    tune) timeout 120 python -m flashtriton tune --causal --out $R/tune 2>&1 | tail -30 | tee $R/tune.txt ;;
+  esac
+done
+tar czf $OUT/results.tar.gz -C /tmp results
