@@ -18,8 +18,8 @@ for step in "$@"; do
         --dtypes bf16 --head-dims 128 --out $R/bench_bf16 --no-plots 2>&1 | tail -20 > $R/bench_bf16.txt
       timeout 100 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd \
         --head-dims 256 --seqlens 512,2048,8192 --out $R/bench_d256 --no-plots 2>&1 | tail -20 > $R/bench_d256.txt; tail -14 $R/bench_bf16.txt $R/bench_d256.txt ;;
-    serving) timeout 200 python -m flashtriton bench --suite all --providers flashtriton,sdpa_flash,sdpa_cudnn,sdpa_efficient \
-        --modes fwd --head-dims 128 --seqlens 4096 --out $R/serving --no-plots 2>&1 | tail -50 > $R/serving.txt; tail -40 $R/serving.txt ;;
+    serving) timeout 100 python -m flashtriton bench --suite varlen --out $R/varlen --no-plots 2>&1 | tail -30 > $R/varlen.txt
+      timeout 150 python -m flashtriton bench --suite decode --out $R/decode --no-plots 2>&1 | tail -45 > $R/decode.txt; tail -25 $R/varlen.txt $R/decode.txt ;;
     tune) timeout 120 python -m flashtriton tune --causal --out $R/tune 2>&1 | tail -30 | tee $R/tune.txt ;;
   esac
 done

@@ -100,9 +100,9 @@ def flashtriton_attention_forward(
 
 
 def flashtriton_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
+    batch_size: Optional[int] = None,
+    q_length: Optional[int] = None,
+    kv_length: Optional[int] = None,
     q_offset: int = 0,
     kv_offset: int = 0,
     mask_function: Optional[Callable] = None,
@@ -110,9 +110,12 @@ def flashtriton_mask(
     **kwargs,
 ) -> Optional[torch.Tensor]:
     """transformers' mask-function signature: the 2-D padding mask sliced to the keys, or None when no key
-    is padded (then causal attention needs no mask). The same contract as transformers' flash-attention mask."""
+    is padded (then causal attention needs no mask). The same contract as transformers' flash-attention mask.
+    transformers passes everything by keyword (and, before 5.x's q_length/q_offset, a cache_position)."""
     if attention_mask is None:
         return None
+    if kv_length is None:
+        kv_length = attention_mask.shape[-1]
     attention_mask = attention_mask[:, -kv_length:]
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
