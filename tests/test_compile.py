@@ -20,20 +20,6 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 HAS_INDUCTOR = torch.cuda.is_available() or shutil.which("g++") is not None or shutil.which("c++") is not None
 BACKENDS = ["aot_eager"] + (["inductor"] if HAS_INDUCTOR else [])
 
-# Two fixes pending in files this test does not own (see the marks' reasons); the marks are not strict, so the
-# tests report XPASS once the fixes land and the marks can go.
-FAKE_STRIDES = pytest.mark.xfail(
-    reason="ops.py fake impls use empty_like(q) (keeps a view's strides) while the kernels allocate contiguous "
-    "outputs: inductor asserts the strides. Fix: q.new_empty(q.shape) etc.",
-    strict=False,
-)
-HASHED_SIZES = pytest.mark.xfail(
-    reason="validation.check_same puts sizes in a set(): hashing a SymInt specialises it, so every new sequence "
-    "length recompiles. Fix: compare with != instead of set().",
-    strict=False,
-)
-
-
 class Block(torch.nn.Module):
     """Projections + flashtriton in both layouts, GQA, causal; k and v are strided views (no copy), the
     (B, H, S, D) tensors reach the kernels as transposed views."""
@@ -101,9 +87,7 @@ def test_no_graph_breaks():
     assert counter.op_count > 0
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param(b, marks=FAKE_STRIDES) if b == "inductor" else b for b in BACKENDS
-])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_forward_backward_matches_eager(backend):
     torch._dynamo.reset()
     block, x = _block_and_input()
@@ -144,7 +128,6 @@ def test_varlen_bad_cu_seqlens_still_checked_under_compile():
         compiled(q, k, v, bad, cu_k)
 
 
-@HASHED_SIZES
 def test_dynamic_shapes_do_not_recompile():
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
@@ -176,7 +159,6 @@ def test_export_inference():
         torch.testing.assert_close(program.module()(x.detach()), block(x.detach()))
 
 
-@HASHED_SIZES
 def test_export_dynamic_seqlen():
     q = torch.randn(2, 5, 4, 16, device=DEVICE)
     k = torch.randn(2, 7, 2, 16, device=DEVICE)
@@ -214,9 +196,7 @@ OPCHECK_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=FAKE_STRIDES) if c == "dense_transposed_views" else c for c in OPCHECK_CASES
-])
+@pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck(case):
     args = OPCHECK_CASES[case]()
     torch.library.opcheck(torch.ops.flashtriton.fwd.default, args)
