@@ -20,6 +20,9 @@ for step in "$@"; do
         --head-dims 256 --seqlens 512,2048,8192 --out $R/bench_d256 --no-plots 2>&1 | tail -20 > $R/bench_d256.txt; tail -14 $R/bench_bf16.txt $R/bench_d256.txt ;;
     serving) timeout 100 python -m flashtriton bench --suite varlen --out $R/varlen --no-plots 2>&1 | tail -30 > $R/varlen.txt
       timeout 150 python -m flashtriton bench --suite decode --out $R/decode --no-plots 2>&1 | tail -45 > $R/decode.txt; tail -25 $R/varlen.txt $R/decode.txt ;;
+    diag) for f in forward backward varlen kvcache compile transformers cli; do
+        (CUDA_LAUNCH_BLOCKING=1 timeout 200 python -m pytest -x -q -p no:cacheprovider --tb=short tests/test_$f.py > $R/diag_$f.txt 2>&1) &
+      done; wait; for f in forward backward varlen kvcache compile transformers cli; do echo "--- $f"; grep -E "^(E |FAILED|tests/|src/)|passed|failed" $R/diag_$f.txt | head -25; done ;;
     tune) timeout 120 python -m flashtriton tune --causal --out $R/tune 2>&1 | tail -30 | tee $R/tune.txt ;;
   esac
 done
