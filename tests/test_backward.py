@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashtriton
+from flashtriton import configs
 from flashtriton.kernels.backward import attention_backward
 from flashtriton.kernels.forward import attention_forward
 from flashtriton.reference import attention_reference, sdpa_reference
@@ -212,6 +213,21 @@ def test_empty_inputs_give_zero_gradients(shape, device):
     _, (dq, dk, dv) = grads(lambda a, b, c: flashtriton.flash_attn_func(a, b, c, causal=True), q, k, v, dout)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert all(torch.all(g == 0) for g in (dq, dk, dv))
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim_padded", [16, 32, 64, 128, 256])
+def test_config_pruning_keeps_measured_configs(kernel, dtype, head_dim_padded):
+    all_configs = configs.BWD_DKDV_CONFIGS if kernel == "dkdv" else configs.BWD_DQ_CONFIGS
+    prune = configs.prune_bwd_dkdv_configs if kernel == "dkdv" else configs.prune_bwd_dq_configs
+    for bucket in (16, 128, 4096):
+        args = {"Q": torch.empty(1, dtype=dtype), "BLOCK_D": head_dim_padded,
+                "TUNE_SEQLEN_Q": bucket, "TUNE_SEQLEN_K": bucket}
+        kept = prune(all_configs, args)
+        assert kept and all(c in all_configs for c in kept)
+        if bucket == 4096 and head_dim_padded == 256:  # wide tiles cannot hold D=256 accumulators
+            assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 for c in kept)
 
 
 @pytest.mark.gpu

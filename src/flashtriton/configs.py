@@ -111,142 +111,71 @@ def prune_fwd_configs(configs, named_args, **kwargs):
 # ----------------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------------
-# Two tuned kernels: dK/dV (one program per BLOCK_N keys, streaming BLOCK_M query rows) and dQ (one program
-# per BLOCK_M query rows, streaming BLOCK_N keys). The small preprocess (delta) kernel is not tuned.
+# Two tuned kernels: dK/dV (one program per BLOCK_N keys, streaming BLOCK_M query rows of every head of its
+# GQA group) and dQ (one program per BLOCK_M query rows, streaming BLOCK_N keys). The delta kernel is not tuned.
 BWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "IS_CAUSAL", "IS_VARLEN"]
 
-# dK/dV keeps K, V and the fp32 dK, dV accumulators of BLOCK_N keys resident: wide BLOCK_N, narrow BLOCK_M
-# (the shape FlashAttention-2 and Triton's tutorial use).
-BWD_DKDV_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [
-        (32, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
-        (32, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2),
-        (32, 64, 8, 2), (16, 64, 4, 3), (32, 32, 4, 2),
-    ]
-]
+# Candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, input width ("16": fp16/bf16, "32": fp32)
+# and padded head dim (64 stands for 16..64). They were chosen by compiling each kernel offline for sm_80 and
+# sm_90 with triton 3.6 (triton.compile on a GPUTarget, 16-byte-aligned pointers, unit last stride) and
+# reading `cuobjdump -res-usage`: every entry below compiles without register spills (stack <= 16 bytes) on
+# both, except the fp32 lists, measured on sm_90 only. dK/dV keeps two fp32 (BLOCK_N, D) accumulators and K, V
+# resident, dQ one (BLOCK_M, D) accumulator and Q, dO: wide BLOCK_N for dK/dV, wide BLOCK_M for dQ, as in
+# FlashAttention-2 and Triton's tutorial; at D=256 only small tiles fit. Timing picks among them on the GPU.
+_BWD_TABLE = {
+    "dkdv": {
+        ("16", 64): [(32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3),
+                     (64, 64, 4, 3), (64, 64, 8, 2), (32, 32, 4, 2)],
+        ("16", 128): [(32, 128, 8, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 3),
+                      (32, 32, 4, 2)],
+        ("16", 256): [(32, 32, 8, 2), (64, 32, 8, 2), (32, 16, 4, 2), (16, 32, 4, 2), (32, 32, 4, 2)],
+        ("32", 64): [(32, 32, 8, 2), (16, 32, 4, 2), (32, 16, 4, 2)],
+        ("32", 128): [(16, 32, 4, 2), (16, 16, 4, 2)],
+        ("32", 256): [(16, 32, 8, 2), (16, 16, 4, 2)],
+    },
+    "dq": {
+        ("16", 64): [(128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+                     (64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
+        ("16", 128): [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2),
+                      (32, 32, 4, 2)],
+        ("16", 256): [(64, 32, 8, 2), (32, 32, 8, 2), (16, 64, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2)],
+        ("32", 64): [(32, 32, 4, 2), (32, 32, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2)],
+        ("32", 128): [(32, 32, 8, 2), (32, 16, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
+        ("32", 256): [(32, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
+    },
+}
 
-# dQ keeps Q, dO and the fp32 dQ accumulator of BLOCK_M rows resident: wide BLOCK_M, narrow BLOCK_N.
-BWD_DQ_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [
-        (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 3),
-        (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 2), (64, 32, 4, 2),
-        (32, 64, 4, 2), (32, 32, 4, 2),
-    ]
-]
 
-def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.device) -> dict:
-    """Heuristic backward configs {"dkdv": .., "dq": ..}: wide resident tiles, narrow streamed ones."""
-    if elem_bytes == 4:
-        small = _config(32, 32, 4, 2)
-        return {"dkdv": small, "dq": small}
-    if head_dim_padded >= 256:
-        return {"dkdv": _config(32, 64, 8, 2), "dq": _config(64, 32, 8, 2)}
-    if head_dim_padded >= 128:
-        return {"dkdv": _config(32, 128, 8, 2), "dq": _config(128, 32, 8, 2)}
-    return {"dkdv": _config(32, 128, 4, 3), "dq": _config(128, 32, 4, 3)}
+def _bwd_configs(kernel: str) -> list:
+    seen = dict.fromkeys(t for lists in _BWD_TABLE[kernel].values() for t in lists)  # ordered, unique
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in seen]
 
+
+BWD_DKDV_CONFIGS = _bwd_configs("dkdv")
+BWD_DQ_CONFIGS = _bwd_configs("dq")
 
 # The one config the interpreter uses for both kernels.
 BWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 
-# Estimates (to be confirmed on the GPU): fp32 values per thread the compiler must keep live, and shared
-# memory bytes; A100 allows ~163 KiB per block, H100/H200 227 KiB: keep to 160 KiB so one table serves both.
-_BWD_SMEM_LIMIT = 160 * 1024
-_BWD_REGS_LIMIT = 192
+
+def _config_tuple(c: triton.Config) -> tuple:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
 
 
-def _bwd_smem(resident: int, streamed: int, config: triton.Config, head_dim_padded: int, elem_bytes: int) -> int:
-    """Shared memory of one program: the two resident tiles (K, V or Q, dO), the two streamed tiles
-    pipelined over `num_stages`, and the P / dS tiles fed back to tl.dot."""
-    stages = max(config.num_stages - 1, 1)
-    return elem_bytes * (2 * resident * head_dim_padded + 2 * streamed * head_dim_padded * stages
-                         + 2 * resident * streamed)
-
-
-def _bwd_regs(accumulators: int, resident: int, streamed: int, config: triton.Config, head_dim_padded: int) -> float:
-    """fp32 values per thread: the accumulators (resident x D each) and two score tiles (P and dS)."""
-    return (accumulators * resident * head_dim_padded + 2 * resident * streamed) / (config.num_warps * 32)
-
-
-def _prune_bwd(configs, named_args, kwargs, resident_key: str, streamed_key: str, accumulators: int):
+def _prune_bwd(kernel: str, configs, named_args, kwargs):
     head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
-    elem_bytes = named_args["Q"].element_size()
-    kept = []
-    for c in configs:
-        resident, streamed = c.kwargs[resident_key], c.kwargs[streamed_key]
-        if elem_bytes == 4 and max(resident, streamed) > 64:  # fp32 runs the exact (IEEE) dot: small tiles
-            continue
-        if _bwd_smem(resident, streamed, c, head_dim_padded, elem_bytes) > _BWD_SMEM_LIMIT:
-            continue
-        if _bwd_regs(accumulators, resident, streamed, c, head_dim_padded) > _BWD_REGS_LIMIT:
-            continue
-        kept.append(c)
-    # Short sequences: tiles much longer than the sequence only multiply masked work.
+    width = "32" if named_args["Q"].element_size() == 4 else "16"
+    allowed = set(_BWD_TABLE[kernel][(width, max(64, head_dim_padded))])
+    kept = [c for c in configs if _config_tuple(c) in allowed]
+    # Short sequences: tiles longer than the sequence only multiply masked work.
     q_bucket, k_bucket = named_args["TUNE_SEQLEN_Q"], named_args["TUNE_SEQLEN_K"]
     short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(32, q_bucket) and c.kwargs["BLOCK_N"] <= max(32, k_bucket)]
-    kept = short or kept
-    return kept or configs[-1:]
+    return short or kept or configs[-1:]
 
 
 def prune_bwd_dkdv_configs(configs, named_args, **kwargs):
-    return _prune_bwd(configs, named_args, kwargs, "BLOCK_N", "BLOCK_M", accumulators=2)
+    return _prune_bwd("dkdv", configs, named_args, kwargs)
 
 
 def prune_bwd_dq_configs(configs, named_args, **kwargs):
-    return _prune_bwd(configs, named_args, kwargs, "BLOCK_M", "BLOCK_N", accumulators=1)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# decode (flash_attn_with_kvcache)
-# ----------------------------------------------------------------------------------------------------------
-# The split kernel stacks the group's query heads x Sq rows into BLOCK_M (16..64, set by the launcher from
-# the shape, not tuned) and streams BLOCK_N keys per iteration: it is memory bound, so what is tuned is the
-# width of the key tile and how many tiles are in flight (num_stages). Keyed on the bucketed keys per split.
-DECODE_AUTOTUNE_KEY = ["TUNE_SEQLEN_K", "HEAD_DIM", "GROUP_SIZE", "BLOCK_M", "IS_CAUSAL", "PAGED", "PAGE_SIZE"]
-
-DECODE_CONFIGS = [
-    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bn, w, s in [
-        (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
-        (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
-        (32, 4, 2),
-    ]
-]
-
-def default_decode_config(head_dim_padded: int, elem_bytes: int) -> dict:
-    """Heuristic decode config: wide key tiles, two in flight (the kernel is memory bound)."""
-    if elem_bytes == 4 or head_dim_padded >= 256:
-        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
-
-
-# The one config the interpreter uses.
-DECODE_INTERPRETER_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-
-# Split-KV heuristic (kernels.decode.choose_num_splits): the SM count it assumes off the GPU, how many
-# programs it aims to keep resident per SM, the fewest keys worth a split of their own, and the most splits
-# (the merge kernel loops over them).
-DECODE_INTERPRETER_SMS = 4
-DECODE_PROGRAMS_PER_SM = 2
-DECODE_MIN_SPLIT_KEYS = 128
-DECODE_MAX_SPLITS = 128
-
-
-def prune_decode_configs(configs, named_args, **kwargs):
-    head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
-    block_m = kwargs.get("BLOCK_M") or named_args.get("BLOCK_M")
-    elem_bytes = named_args["Q"].element_size()
-    kept = []
-    for c in configs:
-        bn, warps, stages = c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
-        smem = elem_bytes * head_dim_padded * (block_m + 2 * bn * max(stages - 1, 1))
-        # fp32 values per thread: accumulator, scores and one K tile in flight (a rough bound; configs that
-        # still run out of resources are skipped by the autotuner).
-        regs = (block_m * head_dim_padded + block_m * bn + bn * head_dim_padded) / (warps * 32)
-        if smem <= 160 * 1024 and regs <= 192:
-            kept.append(c)
-    # Short splits: a key tile much wider than the split only multiplies masked work.
-    kept = [c for c in kept if c.kwargs["BLOCK_N"] <= max(32, named_args["TUNE_SEQLEN_K"])] or kept
-    return kept or configs[-1:]
+    return _prune_bwd("dq", configs, named_args, kwargs)
