@@ -154,6 +154,19 @@ def _bwd_configs(kernel: str) -> list:
 BWD_DKDV_CONFIGS = _bwd_configs("dkdv")
 BWD_DQ_CONFIGS = _bwd_configs("dq")
 
+
+def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.device) -> dict:
+    """Heuristic backward configs {"dkdv": .., "dq": ..}: wide resident tiles, narrow streamed ones."""
+    if elem_bytes == 4:
+        small = _config(32, 32, 4, 2)
+        return {"dkdv": small, "dq": small}
+    if head_dim_padded >= 256:
+        return {"dkdv": _config(32, 64, 8, 2), "dq": _config(64, 32, 8, 2)}
+    if head_dim_padded >= 128:
+        return {"dkdv": _config(32, 128, 8, 2), "dq": _config(128, 32, 8, 2)}
+    return {"dkdv": _config(32, 128, 4, 3), "dq": _config(128, 32, 4, 3)}
+
+
 # The one config the interpreter uses for both kernels.
 BWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 
@@ -179,3 +192,57 @@ def prune_bwd_dkdv_configs(configs, named_args, **kwargs):
 
 def prune_bwd_dq_configs(configs, named_args, **kwargs):
     return _prune_bwd("dq", configs, named_args, kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# decode (flash_attn_with_kvcache)
+# ----------------------------------------------------------------------------------------------------------
+# The split kernel stacks the group's query heads x Sq rows into BLOCK_M (16..64, set by the launcher from
+# the shape, not tuned) and streams BLOCK_N keys per iteration: it is memory bound, so what is tuned is the
+# width of the key tile and how many tiles are in flight (num_stages). Keyed on the bucketed keys per split.
+DECODE_AUTOTUNE_KEY = ["TUNE_SEQLEN_K", "HEAD_DIM", "GROUP_SIZE", "BLOCK_M", "IS_CAUSAL", "PAGED", "PAGE_SIZE"]
+
+DECODE_CONFIGS = [
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bn, w, s in [
+        (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
+        (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
+        (32, 4, 2),
+    ]
+]
+
+def default_decode_config(head_dim_padded: int, elem_bytes: int) -> dict:
+    """Heuristic decode config: wide key tiles, two in flight (the kernel is memory bound)."""
+    if elem_bytes == 4 or head_dim_padded >= 256:
+        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+
+
+# The one config the interpreter uses.
+DECODE_INTERPRETER_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+# Split-KV heuristic (kernels.decode.choose_num_splits): the SM count it assumes off the GPU, how many
+# programs it aims to keep resident per SM, the fewest keys worth a split of their own, and the most splits
+# (the merge kernel loops over them).
+DECODE_INTERPRETER_SMS = 4
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_MIN_SPLIT_KEYS = 128
+DECODE_MAX_SPLITS = 128
+
+
+def prune_decode_configs(configs, named_args, **kwargs):
+    head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
+    block_m = kwargs.get("BLOCK_M") or named_args.get("BLOCK_M")
+    elem_bytes = named_args["Q"].element_size()
+    kept = []
+    for c in configs:
+        bn, warps, stages = c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+        smem = elem_bytes * head_dim_padded * (block_m + 2 * bn * max(stages - 1, 1))
+        # fp32 values per thread: accumulator, scores and one K tile in flight (a rough bound; configs that
+        # still run out of resources are skipped by the autotuner).
+        regs = (block_m * head_dim_padded + block_m * bn + bn * head_dim_padded) / (warps * 32)
+        if smem <= 160 * 1024 and regs <= 192:
+            kept.append(c)
+    # Short splits: a key tile much wider than the split only multiplies masked work.
+    kept = [c for c in kept if c.kwargs["BLOCK_N"] <= max(32, named_args["TUNE_SEQLEN_K"])] or kept
+    return kept or configs[-1:]

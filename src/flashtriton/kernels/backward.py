@@ -108,9 +108,12 @@ def _attn_bwd_dkdv_tile(
     to the resident key tile's dK, dV. One flat loop over (head, row tile): a nested loop over heads costs
     the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed."""
     n_tiles = tl.cdiv(end_m - start_m, BLOCK_M)
+    # max(.., 1): an empty stage must not divide by zero, even in the addresses the software pipeline
+    # computes ahead of the loop (seen on the H200 as an illegal memory access).
+    n_tiles_safe = tl.maximum(n_tiles, 1)
     for it in range(0, n_tiles * group_size):
-        g = it // n_tiles
-        m = start_m + (it - g * n_tiles) * BLOCK_M
+        g = it // n_tiles_safe
+        m = start_m + (it - g * n_tiles_safe) * BLOCK_M
         rows = m + offs_m  # (BLOCK_M,) query indices
         m64 = m.to(tl.int64)
         q = _load_rows(Q + (g * stride_qh + m64 * stride_qm) + q_offs, rows, seqlen_q, offs_d,
