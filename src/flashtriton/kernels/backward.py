@@ -29,6 +29,20 @@ PREPROCESS_BLOCK_M = 64
 
 
 @triton.jit
+def _sequence(CU_SEQLENS, off_b, SEQLEN, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence `off_b`. Varlen reads cu_seqlens (the launcher passes a zero batch
+    stride); dense sequences start at token 0 of their batch entry (the batch stride locates them)."""
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + off_b)
+        seqlen = tl.load(CU_SEQLENS + off_b + 1) - start
+        start = start.to(tl.int64)
+    else:
+        start = 0
+        seqlen = SEQLEN
+    return start, seqlen
+
+
+@triton.jit
 def _attn_bwd_preprocess(
     O, DO, DELTA, CU_SEQLENS_Q,
     stride_ob, stride_om, stride_oh, stride_od,
@@ -41,17 +55,11 @@ def _attn_bwd_preprocess(
     pid_m = tl.program_id(0)
     off_b = tl.program_id(1) // NUM_HEADS
     off_h = tl.program_id(1) % NUM_HEADS
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + off_b).to(tl.int64)
-        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1).to(tl.int32) - q_start.to(tl.int32)
-        batch_o = q_start * stride_om
-        batch_do = q_start * stride_dom
-        batch_l = q_start
-    else:
-        seqlen_q = SEQLEN_Q
-        batch_o = off_b.to(tl.int64) * stride_ob
-        batch_do = off_b.to(tl.int64) * stride_dob
-        batch_l = off_b.to(tl.int64) * stride_lb
+    q_start, seqlen_q = _sequence(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
+    b64 = off_b.to(tl.int64)
+    batch_o = b64 * stride_ob + q_start * stride_om
+    batch_do = b64 * stride_dob + q_start * stride_dom
+    batch_l = b64 * stride_lb + q_start
     if pid_m * BLOCK_M >= seqlen_q:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -159,21 +167,13 @@ def _attn_bwd_dkdv(
     pid_n = tl.program_id(0)
     off_b = tl.program_id(1) // NUM_HEADS_KV
     off_hk = tl.program_id(1) % NUM_HEADS_KV
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + off_b).to(tl.int64)
-        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1).to(tl.int32) - q_start.to(tl.int32)
-        k_start = tl.load(CU_SEQLENS_K + off_b).to(tl.int64)
-        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1).to(tl.int32) - k_start.to(tl.int32)
-        batch_q, batch_do, batch_l = q_start * stride_qm, q_start * stride_dom, q_start
-        batch_k, batch_v = k_start * stride_kn, k_start * stride_vn
-        batch_dk, batch_dv = k_start * stride_dkn, k_start * stride_dvn
-    else:
-        seqlen_q = SEQLEN_Q
-        seqlen_k = SEQLEN_K
-        b64 = off_b.to(tl.int64)
-        batch_q, batch_do, batch_l = b64 * stride_qb, b64 * stride_dob, b64 * stride_lb
-        batch_k, batch_v = b64 * stride_kb, b64 * stride_vb
-        batch_dk, batch_dv = b64 * stride_dkb, b64 * stride_dvb
+    q_start, seqlen_q = _sequence(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
+    k_start, seqlen_k = _sequence(CU_SEQLENS_K, off_b, SEQLEN_K, IS_VARLEN)
+    b64 = off_b.to(tl.int64)  # int64 base offsets: big batches and packed varlen tensors
+    batch_q, batch_do = b64 * stride_qb + q_start * stride_qm, b64 * stride_dob + q_start * stride_dom
+    batch_l = b64 * stride_lb + q_start
+    batch_k, batch_v = b64 * stride_kb + k_start * stride_kn, b64 * stride_vb + k_start * stride_vn
+    batch_dk, batch_dv = b64 * stride_dkb + k_start * stride_dkn, b64 * stride_dvb + k_start * stride_dvn
     start_n = pid_n * BLOCK_N  # causal: the first key tiles see the most queries and start first
     if start_n >= seqlen_k:  # varlen: this sequence is shorter than the longest
         return
@@ -289,19 +289,12 @@ def _attn_bwd_dq(
     off_b = tl.program_id(1) // NUM_HEADS
     off_h = tl.program_id(1) % NUM_HEADS
     off_hk = off_h // GROUP_SIZE
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + off_b).to(tl.int64)
-        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1).to(tl.int32) - q_start.to(tl.int32)
-        k_start = tl.load(CU_SEQLENS_K + off_b).to(tl.int64)
-        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1).to(tl.int32) - k_start.to(tl.int32)
-        batch_q, batch_do, batch_dq, batch_l = q_start * stride_qm, q_start * stride_dom, q_start * stride_dqm, q_start
-        batch_k, batch_v = k_start * stride_kn, k_start * stride_vn
-    else:
-        seqlen_q = SEQLEN_Q
-        seqlen_k = SEQLEN_K
-        b64 = off_b.to(tl.int64)
-        batch_q, batch_do, batch_dq, batch_l = b64 * stride_qb, b64 * stride_dob, b64 * stride_dqb, b64 * stride_lb
-        batch_k, batch_v = b64 * stride_kb, b64 * stride_vb
+    q_start, seqlen_q = _sequence(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
+    k_start, seqlen_k = _sequence(CU_SEQLENS_K, off_b, SEQLEN_K, IS_VARLEN)
+    b64 = off_b.to(tl.int64)
+    batch_q, batch_do = b64 * stride_qb + q_start * stride_qm, b64 * stride_dob + q_start * stride_dom
+    batch_dq, batch_l = b64 * stride_dqb + q_start * stride_dqm, b64 * stride_lb + q_start
+    batch_k, batch_v = b64 * stride_kb + k_start * stride_kn, b64 * stride_vb + k_start * stride_vn
 
     # Causal tiles near the end of the queries do the most work: hand them out first.
     start_m = tl.num_programs(0) - 1 - pid_m if IS_CAUSAL else pid_m
