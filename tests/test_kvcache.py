@@ -17,6 +17,8 @@ from flashtriton.kernels.decode import choose_num_splits, decode_attention
 from flashtriton.kvcache import flash_attn_with_kvcache
 from flashtriton.reference import attention_reference
 
+from conftest import DEVICE
+
 FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 
 
@@ -24,7 +26,7 @@ def _logical_cache(cache, block_table, batch_idx, batch):
     """(B, capacity, Hkv, D): each sequence's cache in key order (through the page table when paged)."""
     if block_table is not None:
         return cache[block_table.long()].flatten(1, 2)
-    rows = batch_idx.long() if batch_idx is not None else torch.arange(batch)
+    rows = batch_idx.long() if batch_idx is not None else torch.arange(batch, device=cache.device)
     return cache[rows]
 
 
@@ -51,7 +53,7 @@ def run_case(batch=2, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64, capacity=8
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
 
     q = randn(batch, seqlen_q, heads_q, head_dim)
     if strided_q:  # a (B, H, S, D) tensor seen as (B, S, H, D): strided, last dim contiguous
@@ -62,13 +64,13 @@ def run_case(batch=2, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64, capacity=8
         capacity = pages_per_seq * page_size
         num_pages = batch * pages_per_seq + 3  # a few pages no sequence uses
         block_table = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq]
-        block_table = block_table.reshape(batch, pages_per_seq).to(torch.int32)
+        block_table = block_table.reshape(batch, pages_per_seq).to(device=DEVICE, dtype=torch.int32)
         k_cache = randn(num_pages, page_size, heads_kv, head_dim)
     else:
         batch_cache = batch_cache or batch
         k_cache = randn(batch_cache, capacity, heads_kv, head_dim)
         if use_batch_idx:
-            batch_idx = torch.randperm(batch_cache, generator=gen)[:batch].to(torch.int32)
+            batch_idx = torch.randperm(batch_cache, generator=gen)[:batch].to(device=DEVICE, dtype=torch.int32)
     v_cache = randn(*k_cache.shape)
     if seqlens is None:
         seqlens = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=gen).tolist()
@@ -78,7 +80,7 @@ def run_case(batch=2, seqlen_q=1, heads_q=4, heads_kv=2, head_dim=64, capacity=8
     exp_k = _expected_cache(k_cache, k, seqlens, block_table, batch_idx)
     exp_v = _expected_cache(v_cache, v, seqlens, block_table, batch_idx)
     if seqlens_as == "tensor":
-        cache_seqlens = torch.tensor(seqlens, dtype=torch.int32)
+        cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
     elif seqlens_as == "int":
         assert len(set(seqlens)) == 1
         cache_seqlens = seqlens[0]
@@ -212,6 +214,7 @@ def test_paged_forced_wide_tile():
     block_table = torch.randperm(pages + 2)[:pages].reshape(2, 3).to(torch.int32)
     q = torch.randn(2, 1, heads_kv * group, head_dim, dtype=torch.float16)
     seqlens = torch.tensor([48, 21], dtype=torch.int32)
+    q, k_cache, v_cache, block_table, seqlens = (t.to(DEVICE) for t in (q, k_cache, v_cache, block_table, seqlens))
     out, lse = decode_attention(q, k_cache, v_cache, seqlens, 48, 0.125, False, block_table=block_table,
                                 num_splits=1, config={"BLOCK_N": 64, "num_warps": 4, "num_stages": 1})
     keys = k_cache[block_table.long()].flatten(1, 2)
@@ -251,8 +254,8 @@ def test_prune_decode_configs_keeps_one():
 
 
 def test_requires_grad_raises_and_no_grad_runs():
-    q = torch.randn(1, 1, 2, 16, dtype=torch.float16, requires_grad=True)
-    k_cache = torch.randn(1, 32, 2, 16, dtype=torch.float16)
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    k_cache = torch.randn(1, 32, 2, 16, dtype=torch.float16, device=DEVICE)
     v_cache = torch.randn_like(k_cache)
     with pytest.raises(NotImplementedError, match="inference-only.*q requires grad"):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
@@ -280,6 +283,11 @@ def _paged(**over):
                 block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32))
     d.update(over)
     return d
+
+
+def _on_device(kwargs):
+    """The case's tensors on the test device (strides kept), other values as they are."""
+    return {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()}
 
 
 _h = torch.float16
@@ -351,7 +359,7 @@ BAD = [
 
 @pytest.mark.parametrize("name,exc,match,kwargs", BAD, ids=[b[0] for b in BAD])
 def test_bad_input(name, exc, match, kwargs):
-    kwargs = dict(kwargs)
+    kwargs = _on_device(kwargs)
     before = {n: t.clone() for n, t in kwargs.items() if n in ("k_cache", "v_cache")}
     with pytest.raises(exc, match=match):
         flash_attn_with_kvcache(**kwargs)
@@ -364,7 +372,7 @@ def test_bad_page_entries_unused_are_ignored():
     kw = _paged(block_table=torch.tensor([[0, -1, -1], [3, 4, 5]], dtype=torch.int32),
                 cache_seqlens=torch.tensor([3, 40], dtype=torch.int32))
     with torch.no_grad():
-        out = flash_attn_with_kvcache(**kw)
+        out = flash_attn_with_kvcache(**_on_device(kw))
     assert not out.isnan().any()
 
 

@@ -156,15 +156,10 @@ BWD_DQ_CONFIGS = _bwd_configs("dq")
 
 
 def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.device) -> dict:
-    """Heuristic backward configs {"dkdv": .., "dq": ..}: wide resident tiles, narrow streamed ones."""
-    if elem_bytes == 4:
-        small = _config(32, 32, 4, 2)
-        return {"dkdv": small, "dq": small}
-    if head_dim_padded >= 256:
-        return {"dkdv": _config(32, 64, 8, 2), "dq": _config(64, 32, 8, 2)}
-    if head_dim_padded >= 128:
-        return {"dkdv": _config(32, 128, 8, 2), "dq": _config(128, 32, 8, 2)}
-    return {"dkdv": _config(32, 128, 4, 3), "dq": _config(128, 32, 4, 3)}
+    """Heuristic backward configs {"dkdv": .., "dq": ..}: the first (spill-free, widest) entry of each
+    kernel's table for this input width and head dim."""
+    key = ("32" if elem_bytes == 4 else "16", max(64, head_dim_padded))
+    return {kernel: _config(*_BWD_TABLE[kernel][key][0]) for kernel in ("dkdv", "dq")}
 
 
 # The one config the interpreter uses for both kernels.
