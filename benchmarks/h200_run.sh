@@ -12,15 +12,20 @@ for step in "$@"; do
   case $step in
     tests) timeout 240 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests > $R/pytest.txt 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest.txt | head -40 ;;
-    check) timeout 150 python -m flashtriton check --out $R/check 2>&1 | tail -45 | tee $R/check.txt ;;
-    bench_std) timeout 200 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,sdpa_efficient,seed \
-        --modes fwd,bwd --head-dims 64,128 --out $R/bench_std --no-plots 2>&1 | tail -60 > $R/bench_std.txt; tail -52 $R/bench_std.txt ;;
-    bench_extra) timeout 150 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --modes fwd \
-        --dtypes bf16 --head-dims 128 --out $R/bench_bf16 --no-plots 2>&1 | tail -20 > $R/bench_bf16.txt
-      timeout 100 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd \
-        --head-dims 256 --seqlens 512,2048,8192 --out $R/bench_d256 --no-plots 2>&1 | tail -20 > $R/bench_d256.txt; tail -14 $R/bench_bf16.txt $R/bench_d256.txt ;;
-    serving) timeout 100 python -m flashtriton bench --suite varlen --out $R/varlen --no-plots 2>&1 | tail -30 > $R/varlen.txt
-      timeout 150 python -m flashtriton bench --suite decode --out $R/decode --no-plots 2>&1 | tail -45 > $R/decode.txt; tail -25 $R/varlen.txt $R/decode.txt ;;
+    gputests) timeout 60 python -m pytest -q -n 4 -p no:cacheprovider --tb=short -rf -m gpu tests > $R/pytest_gpu.txt 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gpu.txt | head -30 ;;
+    check) timeout 40 python -m flashtriton check --out $R/check 2>&1 | tail -12 | tee $R/check.txt ;;
+    bench_std) timeout 130 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --rep 60 --warmup 15 \
+        --modes fwd,bwd --head-dims 64,128 --out $R/bench_std --no-plots > $R/bench_std.txt 2>&1; grep -v "it/s" $R/bench_std.txt | tail -56 ;;
+    bench_extra) timeout 45 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --modes fwd --rep 60 --warmup 15 \
+        --dtypes bf16 --head-dims 128 --out $R/bench_bf16 --no-plots > $R/bench_bf16.txt 2>&1
+      timeout 40 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 60 --warmup 15 \
+        --head-dims 256 --seqlens 512,2048,8192 --out $R/bench_d256 --no-plots > $R/bench_d256.txt 2>&1
+      grep -v "it/s" $R/bench_bf16.txt | tail -20; grep -v "it/s" $R/bench_d256.txt | tail -16 ;;
+    serving) timeout 30 python -m flashtriton bench --suite varlen --rep 60 --warmup 15 --out $R/varlen --no-plots > $R/varlen.txt 2>&1
+      timeout 45 python -m flashtriton bench --suite decode --rep 60 --warmup 15 --decode-batches 1,8,64 \
+        --decode-seqlens 4096,32768,131072 --out $R/decode --no-plots > $R/decode.txt 2>&1
+      grep -v "it/s" $R/varlen.txt | tail -14; grep -v "it/s" $R/decode.txt | tail -24 ;;
     diag) for f in forward backward varlen kvcache compile transformers cli; do
         (CUDA_LAUNCH_BLOCKING=1 timeout 200 python -m pytest -x -q -p no:cacheprovider --tb=short tests/test_$f.py > $R/diag_$f.txt 2>&1) &
       done; wait; for f in forward backward varlen kvcache compile transformers cli; do echo "--- $f"; grep -E "^(E |FAILED|tests/|src/)|passed|failed" $R/diag_$f.txt | head -25; done ;;

@@ -99,7 +99,7 @@ def test_cpu_tensors_without_the_interpreter_say_what_to_do(monkeypatch):
 
 
 def test_gpu_below_ampere_names_its_capability(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(flashtriton.configs, "capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     fake = torch.empty(0)
     with pytest.raises(RuntimeError, match="compute capability >= 8.0.*Tesla T4 has 7.5"):

@@ -12,6 +12,7 @@ How a launcher picks its config, in order:
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,7 +28,17 @@ def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> dict
 
 
 def _is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, looked up once per device (it is on every call's path)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def seqlen_bucket(seqlen: int) -> int:
@@ -70,7 +81,8 @@ def default_fwd_config(head_dim_padded: int, elem_bytes: int, device: torch.devi
         return _config(64, 64, 8, 2) if _is_hopper(device) else _config(64, 32, 4, 2)
     if head_dim_padded >= 128:
         return _config(128, 64, 8, 3) if _is_hopper(device) else _config(128, 64, 8, 2)
-    return _config(128, 64, 4, 3)
+    # measured on the H200 (`flashtriton tune`, D=64 causal T=4096): 8 warps 375 TFLOP/s, 4 warps 339
+    return _config(128, 64, 8, 3)
 
 
 def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from . import configs
 from ._env import INTERPRET
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -48,7 +49,7 @@ def check_device(names: tuple[str, ...], tensors: tuple) -> None:
         raise ValueError("all inputs must be on one device, got " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
     device = tensors[0].device
     if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
+        capability = configs.capability(device)
         if capability < MIN_CAPABILITY:
             raise RuntimeError(
                 f"flashtriton needs a GPU of compute capability >= 8.0 (Ampere or newer); "
