@@ -26,6 +26,10 @@ for step in "$@"; do
       timeout 45 python -m flashtriton bench --suite decode --rep 60 --warmup 15 --decode-batches 1,8,64 \
         --decode-seqlens 4096,32768,131072 --out $R/decode --no-plots > $R/decode.txt 2>&1
       grep -v "it/s" $R/varlen.txt | tail -14; grep -v "it/s" $R/decode.txt | tail -24 ;;
+    fwdfinal) timeout 65 python -m flashtriton bench --providers flashtriton,sdpa_cudnn,seed --modes fwd --dtypes fp16,bf16 \
+        --head-dims 64,128 --rep 40 --warmup 10 --out $R/fwd_final --no-plots > $R/fwd_final.txt 2>&1; grep -v "it/s" $R/fwd_final.txt | tail -52 ;;
+    gputests_v) timeout 80 python -m pytest -v -n 8 -p no:cacheprovider --tb=line -m gpu tests > $R/pytest_gpu.txt 2>&1
+      grep -cE "PASSED" $R/pytest_gpu.txt; grep -E "FAILED|ERROR|passed|failed" $R/pytest_gpu.txt | head -20 ;;
     diag) for f in forward backward varlen kvcache compile transformers cli; do
         (CUDA_LAUNCH_BLOCKING=1 timeout 200 python -m pytest -x -q -p no:cacheprovider --tb=short tests/test_$f.py > $R/diag_$f.txt 2>&1) &
       done; wait; for f in forward backward varlen kvcache compile transformers cli; do echo "--- $f"; grep -E "^(E |FAILED|tests/|src/)|passed|failed" $R/diag_$f.txt | head -25; done ;;
