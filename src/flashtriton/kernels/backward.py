@@ -23,23 +23,9 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .forward import LOG2E, dot_settings
+from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds
 
 PREPROCESS_BLOCK_M = 64
-
-
-@triton.jit
-def _sequence(CU_SEQLENS, off_b, SEQLEN, IS_VARLEN: tl.constexpr):
-    """(first token, length) of sequence `off_b`. Varlen reads cu_seqlens (the launcher passes a zero batch
-    stride); dense sequences start at token 0 of their batch entry (the batch stride locates them)."""
-    if IS_VARLEN:
-        start = tl.load(CU_SEQLENS + off_b)
-        seqlen = tl.load(CU_SEQLENS + off_b + 1) - start
-        start = start.to(tl.int64)
-    else:
-        start = 0
-        seqlen = SEQLEN
-    return start, seqlen
 
 
 @triton.jit
@@ -55,7 +41,7 @@ def _attn_bwd_preprocess(
     pid_m = tl.program_id(0)
     off_b = tl.program_id(1) // NUM_HEADS
     off_h = tl.program_id(1) % NUM_HEADS
-    q_start, seqlen_q = _sequence(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
     b64 = off_b.to(tl.int64)
     batch_o = b64 * stride_ob + q_start * stride_om
     batch_do = b64 * stride_dob + q_start * stride_dom
@@ -71,20 +57,6 @@ def _attn_bwd_preprocess(
                  mask=mask, other=0.0)  # (BLOCK_M, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BLOCK_M,)
     tl.store(DELTA + batch_l + off_h * stride_lh + offs_m, delta, mask=offs_m < seqlen_q)
-
-
-@triton.jit
-def _load_rows(ptrs, rows, n_rows, offs_d, MASK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Load a (rows, BLOCK_D) tile, zero outside [0, n_rows) x [0, HEAD_DIM)."""
-    if MASK_ROWS:
-        mask = rows[:, None] < n_rows
-        if BLOCK_D != HEAD_DIM:
-            mask = mask & (offs_d[None, :] < HEAD_DIM)
-        return tl.load(ptrs, mask=mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        return tl.load(ptrs)
 
 
 @triton.jit
@@ -124,9 +96,9 @@ def _attn_bwd_dkdv_tile(
         m = start_m + (it - g * n_tiles_safe) * BLOCK_M
         rows = m + offs_m  # (BLOCK_M,) query indices
         m64 = m.to(tl.int64)
-        q = _load_rows(Q + (g * stride_qh + m64 * stride_qm) + q_offs, rows, seqlen_q, offs_d,
+        q = load_tile(Q + (g * stride_qh + m64 * stride_qm) + q_offs, rows, seqlen_q, offs_d,
                        MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
-        do = _load_rows(DO + (g * stride_doh + m64 * stride_dom) + do_offs, rows, seqlen_q, offs_d,
+        do = load_tile(DO + (g * stride_doh + m64 * stride_dom) + do_offs, rows, seqlen_q, offs_d,
                         MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
         lse, delta = _load_lse_delta(LSE + (g * stride_lh + m64) + offs_m, DELTA + (g * stride_lh + m64) + offs_m,
                                      rows, seqlen_q, MASKED)  # (BLOCK_M,)
@@ -167,8 +139,8 @@ def _attn_bwd_dkdv(
     pid_n = tl.program_id(0)
     off_b = tl.program_id(1) // NUM_HEADS_KV
     off_hk = tl.program_id(1) % NUM_HEADS_KV
-    q_start, seqlen_q = _sequence(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
-    k_start, seqlen_k = _sequence(CU_SEQLENS_K, off_b, SEQLEN_K, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(CU_SEQLENS_K, off_b, SEQLEN_K, IS_VARLEN)
     b64 = off_b.to(tl.int64)  # int64 base offsets: big batches and packed varlen tensors
     batch_q, batch_do = b64 * stride_qb + q_start * stride_qm, b64 * stride_dob + q_start * stride_dom
     batch_l = b64 * stride_lb + q_start
@@ -184,8 +156,8 @@ def _attn_bwd_dkdv(
     k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     # Keys past the end load as 0; they only touch their own dK/dV rows, which are never stored.
-    k = _load_rows(k_ptrs, offs_n, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
-    v = _load_rows(v_ptrs, offs_n, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
     if UPCAST_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -246,8 +218,8 @@ def _attn_bwd_dq_tile(
     v_ptrs += start_n * stride_vn
     for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key indices
-        k = _load_rows(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        v = _load_rows(v_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -289,8 +261,8 @@ def _attn_bwd_dq(
     off_b = tl.program_id(1) // NUM_HEADS
     off_h = tl.program_id(1) % NUM_HEADS
     off_hk = off_h // GROUP_SIZE
-    q_start, seqlen_q = _sequence(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
-    k_start, seqlen_k = _sequence(CU_SEQLENS_K, off_b, SEQLEN_K, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(CU_SEQLENS_K, off_b, SEQLEN_K, IS_VARLEN)
     b64 = off_b.to(tl.int64)
     batch_q, batch_do = b64 * stride_qb + q_start * stride_qm, b64 * stride_dob + q_start * stride_dom
     batch_dq, batch_l = b64 * stride_dqb + q_start * stride_dqm, b64 * stride_lb + q_start
@@ -308,8 +280,8 @@ def _attn_bwd_dq(
     do_ptrs = DO + batch_do + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
     k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    q = _load_rows(q_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
-    do = _load_rows(do_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
     lse, delta = _load_lse_delta(LSE + batch_l + off_h * stride_lh + offs_m,
                                  DELTA + batch_l + off_h * stride_lh + offs_m, offs_m, seqlen_q, True)
     if UPCAST_DOT:
@@ -317,17 +289,7 @@ def _attn_bwd_dq(
         do = do.to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Keys [0, lo) are visible to every row and inside the sequence (unmasked); [lo, hi) are masked.
-    if IS_CAUSAL:
-        causal_offset = seqlen_k - seqlen_q if CAUSAL_BOTTOM_RIGHT else 0
-        hi = tl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
-        lo = tl.minimum(start_m * BLOCK_M + causal_offset + 1, seqlen_k)
-    else:
-        causal_offset = 0
-        hi = seqlen_k
-        lo = seqlen_k
-    hi = tl.maximum(hi, 0)
-    lo = tl.minimum(tl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi)
+    lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
 
     dq = _attn_bwd_dq_tile(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,

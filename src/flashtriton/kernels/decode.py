@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .forward import LOG2E, dot_settings
+from .common import LOG2E, dot_settings
 
 
 @triton.jit

@@ -22,9 +22,7 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds
 
 
 @triton.jit
@@ -41,18 +39,8 @@ def _attn_fwd_tile(
     v_ptrs += start_n * stride_vn
     for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key indices
-        if MASKED:
-            kv_mask = cols[:, None] < seqlen_k
-            if BLOCK_D != HEAD_DIM:
-                kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
@@ -106,24 +94,12 @@ def _attn_fwd(
     off_h = pid_bh % NUM_HEADS
     off_hk = off_h // GROUP_SIZE  # GQA: the kv head this query head reads
 
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + off_b).to(tl.int64)
-        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1).to(tl.int32) - q_start.to(tl.int32)
-        k_start = tl.load(CU_SEQLENS_K + off_b).to(tl.int64)
-        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1).to(tl.int32) - k_start.to(tl.int32)
-        batch_q = q_start * stride_qm
-        batch_k = k_start * stride_kn
-        batch_v = k_start * stride_vn
-        batch_o = q_start * stride_om
-        batch_l = q_start
-    else:
-        seqlen_q = SEQLEN_Q
-        seqlen_k = SEQLEN_K
-        batch_q = off_b.to(tl.int64) * stride_qb
-        batch_k = off_b.to(tl.int64) * stride_kb
-        batch_v = off_b.to(tl.int64) * stride_vb
-        batch_o = off_b.to(tl.int64) * stride_ob
-        batch_l = off_b.to(tl.int64) * stride_lb
+    q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(CU_SEQLENS_K, off_b, SEQLEN_K, IS_VARLEN)
+    b64 = off_b.to(tl.int64)
+    batch_q, batch_o = b64 * stride_qb + q_start * stride_qm, b64 * stride_ob + q_start * stride_om
+    batch_k, batch_v = b64 * stride_kb + k_start * stride_kn, b64 * stride_vb + k_start * stride_vn
+    batch_l = b64 * stride_lb + q_start
 
     # Causal tiles near the end of the queries do the most work: hand them out first.
     start_m = tl.num_programs(0) - 1 - pid_m if IS_CAUSAL else pid_m
@@ -138,10 +114,7 @@ def _attn_fwd(
     k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
 
-    q_mask = offs_m[:, None] < seqlen_q
-    if BLOCK_D != HEAD_DIM:
-        q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -149,19 +122,7 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Key range this tile sees: [0, hi). Keys [0, lo) are visible to every row of the tile and fully
-    # inside the sequence, so they need no mask; [lo, hi) are masked (diagonal and/or sequence end).
-    if IS_CAUSAL:
-        causal_offset = seqlen_k - seqlen_q if CAUSAL_BOTTOM_RIGHT else 0
-        hi = tl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
-        lo = tl.minimum(start_m * BLOCK_M + causal_offset + 1, seqlen_k)
-    else:
-        causal_offset = 0
-        hi = seqlen_k
-        lo = seqlen_k
-    hi = tl.maximum(hi, 0)
-    lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
-    lo = tl.minimum(lo, hi)
+    lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
 
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
@@ -178,7 +139,7 @@ def _attn_fwd(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # base 2 -> e
 
     row_ok = offs_m < seqlen_q
     tl.store(LSE + batch_l + off_h * stride_lh + offs_m, lse, mask=row_ok)
@@ -197,33 +158,9 @@ _attn_fwd_tuned = triton.autotune(
 )(_attn_fwd)
 
 
-def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
-    """(UPCAST_DOT, DOT_PRECISION) for an input dtype.
-
-    fp32 inputs use the exact IEEE dot (no TF32 rounding): full fp32 accuracy, at CUDA-core speed.
-    Under the interpreter bf16 tiles are upcast before tl.dot, whose bf16 path is wrong there.
-    """
-    upcast = INTERPRET and dtype == torch.bfloat16
-    precision = "ieee" if dtype == torch.float32 else "tf32"
-    return upcast, precision
-
-
-def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    causal_bottom_right: bool = True,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel; see `launch_forward`."""
-    out, lse, _ = launch_forward(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-                                 max_seqlen_q, max_seqlen_k, config)
+def attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel: (out, lse). Arguments as `launch_forward`."""
+    out, lse, _ = launch_forward(*args, **kwargs)
     return out, lse
 
 

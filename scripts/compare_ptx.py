@@ -1,0 +1,71 @@
+"""Compile the attention kernels offline for sm_90 (no GPU needed) and write their PTX, so that a refactor
+can be shown to leave the generated code unchanged:
+
+    python scripts/compare_ptx.py /tmp/before      # on the old commit
+    python scripts/compare_ptx.py /tmp/after       # on the new one
+    diff -r /tmp/before /tmp/after                 # debug-info labels are already stripped
+
+Pointers are marked 16-byte aligned and the head-dim strides 1, as a real launch specialises them.
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashtriton.kernels import backward, forward
+
+TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+UNALIGNED_INTS = {"NUM_HEADS", "NUM_HEADS_KV", "GROUP_SIZE"}
+
+
+def signature(fn, constexprs):
+    sig = {}
+    for name in fn.arg_names:
+        if name.startswith("stride_") and name.endswith("d"):
+            constexprs[name] = 1
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in TENSORS:
+            sig[name] = "*fp16"
+        elif name in ("LSE", "DELTA"):
+            sig[name] = "*fp32"
+        elif name.startswith("CU_SEQLENS"):
+            sig[name] = "*i32"
+        elif name in ("softmax_scale", "qk_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n not in UNALIGNED_INTS)}
+    return sig, attrs
+
+
+def code_only(ptx: str) -> str:
+    ptx = ptx.split(".section")[0]  # drop debug sections
+    return "\n".join(line for line in ptx.splitlines() if line.strip() and not re.match(r"^\$L__tmp\d+:", line))
+
+
+def main(out_dir: str) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kernels = [(forward._attn_fwd, "fwd", (128, 64, 8, 3)), (backward._attn_bwd_dq, "dq", (128, 32, 8, 2)),
+               (backward._attn_bwd_dkdv, "dkdv", (32, 128, 8, 2))]
+    for head_dim, causal, varlen in [(64, True, False), (128, False, False), (128, True, True), (80, True, False)]:
+        for fn, name, (block_m, block_n, warps, stages) in kernels:
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                              IS_CAUSAL=causal, CAUSAL_BOTTOM_RIGHT=True, IS_VARLEN=varlen, UPCAST_DOT=False,
+                              DOT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n)
+            sig, attrs = signature(fn, constexprs)
+            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                      target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+            path = out / f"{name}_d{head_dim}_causal{int(causal)}_varlen{int(varlen)}.ptx"
+            path.write_text(code_only(compiled.asm["ptx"]))
+            print(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,74 @@
+"""Pieces every attention kernel shares: where a sequence lives, masked tile loads, the causal key range,
+and the dot settings per dtype. `@triton.jit` helpers are inlined into the kernels that call them."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._env import INTERPRET
+
+LOG2E = 1.4426950408889634
+
+
+def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST_DOT, DOT_PRECISION) for an input dtype.
+
+    fp32 inputs use the exact IEEE dot (no TF32 rounding): full fp32 accuracy, at CUDA-core speed.
+    Under the interpreter bf16 tiles are upcast before tl.dot, whose bf16 path is wrong there.
+    """
+    upcast = INTERPRET and dtype == torch.bfloat16
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return upcast, precision
+
+
+@triton.jit
+def sequence_bounds(CU_SEQLENS, off_b, SEQLEN, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence `off_b`. Varlen reads cu_seqlens (the launcher passes a zero batch
+    stride); dense sequences start at token 0 of their batch entry (the batch stride locates them)."""
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + off_b)
+        seqlen = tl.load(CU_SEQLENS + off_b + 1) - start
+        start = start.to(tl.int64)
+    else:
+        start = 0
+        seqlen = SEQLEN
+    return start, seqlen
+
+
+@triton.jit
+def load_tile(ptrs, rows, n_rows, offs_d, MASK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, zero outside [0, n_rows) x [0, HEAD_DIM)."""
+    if MASK_ROWS:
+        mask = rows[:, None] < n_rows
+        if BLOCK_D != HEAD_DIM:
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        return tl.load(ptrs, mask=mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys a tile of BLOCK_M query rows sees: (lo, hi, causal_offset).
+
+    Keys [0, lo) are visible to every row of the tile and inside the sequence, so they need no mask; keys
+    [lo, hi) are masked (they straddle the causal diagonal or the end of the keys); keys from hi on are
+    never visited. Query i sees key j iff j <= i + causal_offset (causal_offset = Sk - Sq bottom-right,
+    0 top-left).
+    """
+    if IS_CAUSAL:
+        causal_offset = seqlen_k - seqlen_q if CAUSAL_BOTTOM_RIGHT else 0
+        hi = tl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
+        lo = tl.minimum(start_m * BLOCK_M + causal_offset + 1, seqlen_k)
+    else:
+        causal_offset = 0
+        hi = seqlen_k
+        lo = seqlen_k
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(tl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi)
+    return lo, hi, causal_offset
