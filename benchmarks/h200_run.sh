@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, `flashtriton check`, and the side-by-side benchmarks; everything lands in
-# $OUT/results.tar.gz (the device tool returns at most 8 files). Usage: bash benchmarks/h200_run.sh STEPS...
-# Steps: tests check bench_std bench_extra serving tune. Each step has its own time limit.
+# One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
+# everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
+# so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
+# Steps: tests (whole suite), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# check, tune, bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), serving (varlen,
+# decode). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
+# check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/results; mkdir -p $R
@@ -12,8 +16,6 @@ for step in "$@"; do
   case $step in
     tests) timeout 240 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests > $R/pytest.txt 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest.txt | head -40 ;;
-    gputests) timeout 60 python -m pytest -q -n 4 -p no:cacheprovider --tb=short -rf -m gpu tests > $R/pytest_gpu.txt 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gpu.txt | head -30 ;;
     check) timeout 40 python -m flashtriton check --out $R/check 2>&1 | tail -12 | tee $R/check.txt ;;
     bench_std) timeout 130 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --rep 60 --warmup 15 \
         --modes fwd,bwd --head-dims 64,128 --out $R/bench_std --no-plots > $R/bench_std.txt 2>&1; grep -v "it/s" $R/bench_std.txt | tail -56 ;;
@@ -28,7 +30,7 @@ for step in "$@"; do
       grep -v "it/s" $R/varlen.txt | tail -14; grep -v "it/s" $R/decode.txt | tail -24 ;;
     fwdfinal) timeout 65 python -m flashtriton bench --providers flashtriton,sdpa_cudnn,seed --modes fwd --dtypes fp16,bf16 \
         --head-dims 64,128 --rep 40 --warmup 10 --out $R/fwd_final --no-plots > $R/fwd_final.txt 2>&1; grep -v "it/s" $R/fwd_final.txt | tail -52 ;;
-    gputests_v) timeout 80 python -m pytest -v -n 8 -p no:cacheprovider --tb=line -m gpu tests > $R/pytest_gpu.txt 2>&1
+    gputests) timeout 80 python -m pytest -v -n 8 -p no:cacheprovider --tb=line -m gpu tests > $R/pytest_gpu.txt 2>&1
       grep -cE "PASSED" $R/pytest_gpu.txt; grep -E "FAILED|ERROR|passed|failed" $R/pytest_gpu.txt | head -20 ;;
     diag) for f in forward backward varlen kvcache compile transformers cli; do
         (CUDA_LAUNCH_BLOCKING=1 timeout 200 python -m pytest -x -q -p no:cacheprovider --tb=short tests/test_$f.py > $R/diag_$f.txt 2>&1) &
