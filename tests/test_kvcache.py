@@ -414,3 +414,18 @@ def test_large_decode(page_size, dtype):
             torch_err = (same.double() - ref).abs().max().item()
             assert err <= 2 * torch_err + FLOOR[dtype], (num_splits, b, err, torch_err)
             assert (lse[b:b + 1].double() - ref_lse).abs().max().item() < 1e-3
+
+
+def test_appending_into_an_expanded_or_shared_cache_is_refused():
+    """Writes into overlapping memory would put several sequences' keys in one place: refuse them."""
+    q = torch.randn(2, 1, 4, 16, dtype=torch.float16, device=DEVICE)
+    k_new = torch.randn(2, 1, 2, 16, dtype=torch.float16, device=DEVICE)
+    expanded = torch.randn(1, 64, 2, 16, dtype=torch.float16, device=DEVICE).expand(2, 64, 2, 16)
+    own = torch.randn(2, 64, 2, 16, dtype=torch.float16, device=DEVICE)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="k_cache overlaps itself"):
+            flash_attn_with_kvcache(q, expanded, own.clone(), k_new, k_new.clone(), cache_seqlens=5)
+        with pytest.raises(ValueError, match="same memory"):
+            flash_attn_with_kvcache(q, own, own, k_new, k_new.clone(), cache_seqlens=5)
+        out = flash_attn_with_kvcache(q, expanded, expanded, cache_seqlens=5)  # reading only: fine
+    assert torch.isfinite(out).all()

@@ -169,3 +169,54 @@ class TestVarlenCuSeqlens:
         x, cu = self.setup(device)
         with pytest.raises(NotImplementedError, match="block_table"):
             flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 5, 5, block_table=cu)
+
+
+@pytest.mark.parametrize("scale,exc", [(-0.5, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+                                       (True, TypeError)])
+def test_softmax_scale_must_be_finite_and_not_negative(scale, exc, device):
+    with pytest.raises(exc, match="softmax_scale"):
+        flashtriton.flash_attn_func(*qkv(device), softmax_scale=scale)
+    q, k, v = (t.transpose(1, 2) for t in qkv(device))
+    with pytest.raises(exc, match="scale"):
+        flashtriton.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def test_softmax_scale_zero_is_uniform_attention(device):
+    q, k, v = qkv(device, s=8)
+    out = flashtriton.flash_attn_func(q, k, v, softmax_scale=0.0)
+    torch.testing.assert_close(out, v.float().mean(dim=1, keepdim=True).expand_as(v).to(v.dtype), atol=2e-3, rtol=0)
+
+
+class _Strided:
+    """Only shape and strides, as check_int32_offsets reads them (a real one would need >= 4 GiB)."""
+
+    def __init__(self, shape, stride):
+        self.shape, self._stride = shape, stride
+
+    def stride(self, dim=None):
+        return self._stride if dim is None else self._stride[dim]
+
+
+@pytest.mark.parametrize("shape,stride", [
+    ((1, 2**20, 32, 128), (2**32, 32 * 128, 128, 1)),  # 1M tokens x 32 heads x 128: S*H*D = 2**32
+    ((1, 2**18, 64, 128), (2**31, 128, 2**25, 1)),  # torch's (B, H, S, D) seen as (B, S, H, D): H x S*D
+    ((2, 1100, 8, 64), (2**32, 2**21, 64, 1)),  # a strided view with huge row strides
+])
+def test_offsets_beyond_int32_are_refused(shape, stride):
+    t = _Strided(shape, stride)
+    with pytest.raises(NotImplementedError, match="32-bit offsets"):
+        validation.check_int32_offsets(("q",), (t,), (shape[1],))
+
+
+def test_offsets_within_int32_pass():
+    validation.check_int32_offsets(("q",), (_Strided((64, 4096, 32, 128), (2**24, 4096, 128, 1)),), (4096,))
+
+
+def test_strided_cu_seqlens_are_read_as_their_values(device):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(10, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
+    cu_strided = torch.tensor([0, 0, 3, 3, 10, 10], dtype=torch.int32, device=device)[::2]  # values 0, 3, 10
+    cu = cu_strided.contiguous()
+    assert not cu_strided.is_contiguous()
+    torch.testing.assert_close(flashtriton.flash_attn_varlen_func(x, x, x, cu_strided, cu_strided, 7, 7),
+                               flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 7, 7))

@@ -74,6 +74,7 @@ def flash_attn_func(
     V.check_same("head dims of q and k", q=q.shape[3], k=k.shape[3])
     V.check_scale("softmax_scale", softmax_scale)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    V.check_int32_offsets(("q", "k", "v"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
     out, lse = attention_fwd_op(
         q, k, v, _default_scale(softmax_scale, q.shape[-1]), bool(causal), True,
         None, None, q.shape[1], k.shape[1],
@@ -123,7 +124,11 @@ def flash_attn_varlen_func(
     V.check_scale("softmax_scale", softmax_scale)
     batch = V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", None, q.device)
     V.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", batch, q.device)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # kernels index them densely
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    V.check_int32_offsets(("q", "k", "v"), (q, k, v), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
+    if q.shape[1] * q.shape[0] >= V.INT32_LIMIT:
+        raise NotImplementedError(f"nheads x total_q = {q.shape[1] * q.shape[0]} must be below 2**31 (32-bit offsets)")
     out, lse = attention_fwd_op(
         q, k, v, _default_scale(softmax_scale, q.shape[-1]), bool(causal), True,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -162,6 +167,7 @@ def scaled_dot_product_attention(
         )
     V.check_scale("scale", scale)
     q, k, v = (V.last_dim_contiguous(t.transpose(1, 2)) for t in (query, key, value))  # (B, S, H, D) views
+    V.check_int32_offsets(("query", "key", "value"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
     out, _ = attention_fwd_op(
         q, k, v, _default_scale(scale, q.shape[-1]), bool(is_causal), False,
         None, None, q.shape[1], k.shape[1],

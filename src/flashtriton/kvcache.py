@@ -140,6 +140,11 @@ def flash_attn_with_kvcache(
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (it is updated in place), got strides {t.stride()}")
+        if k is not None and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} overlaps itself (an expanded tensor, strides {t.stride()}): appending k/v "
+                             "would write several sequences into the same memory; pass a cache with its own storage")
+    if k is not None and k_cache.data_ptr() == v_cache.data_ptr():
+        raise ValueError("k_cache and v_cache are the same memory: appending k and v would overwrite each other")
     V.check_scale("softmax_scale", softmax_scale)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= 128:
         raise ValueError(f"num_splits must be an int in 0..128 (0 = choose), got {num_splits!r}")

@@ -5,6 +5,8 @@ Every message names the argument, what was expected and what came.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import configs
@@ -87,8 +89,31 @@ def check_same(what: str, **values: int) -> None:
 
 
 def check_scale(name: str, scale) -> None:
-    if scale is not None and not isinstance(scale, (int, float)):
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale < 0:
+        # the kernels take the running row maximum of scale * q.k: it must not flip sign
+        raise ValueError(f"{name} must be a finite number >= 0, got {scale}")
+
+
+INT32_LIMIT = 2**31
+
+
+def check_int32_offsets(names: tuple[str, ...], tensors: tuple, seq_len_of: tuple[int, ...]) -> None:
+    """The kernels address one sequence of one batch entry with 32-bit offsets (the batch / sequence start
+    is 64-bit): rows x row stride, heads x head stride and the (S, H, D) output must stay below 2**31."""
+    for name, t, seqlen in zip(names, tensors, seq_len_of):
+        heads, head_dim = t.shape[-2], t.shape[-1]
+        seq_stride, head_stride = abs(t.stride(-3)), abs(t.stride(-2))
+        extent = max(seqlen * seq_stride, heads * head_stride, seqlen * heads * head_dim)
+        if extent >= INT32_LIMIT:
+            raise NotImplementedError(
+                f"{name}: one sequence spans {extent} elements (sequence length {seqlen}, {heads} heads, strides "
+                f"{tuple(t.stride())}); flashtriton's kernels use 32-bit offsets within a sequence, so this must be "
+                f"below 2**31 (split the heads across calls)"
+            )
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

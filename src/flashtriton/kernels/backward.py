@@ -34,13 +34,13 @@ def _attn_bwd_preprocess(
     stride_ob, stride_om, stride_oh, stride_od,
     stride_dob, stride_dom, stride_doh, stride_dod,
     stride_lb, stride_lh,
-    NUM_HEADS, SEQLEN_Q,
+    SEQLEN_Q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32."""
+    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32. Grid (query tiles, heads, batch)."""
     pid_m = tl.program_id(0)
-    off_b = tl.program_id(1) // NUM_HEADS
-    off_h = tl.program_id(1) % NUM_HEADS
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
     q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
     b64 = off_b.to(tl.int64)
     batch_o = b64 * stride_ob + q_start * stride_om
@@ -128,7 +128,7 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_lb, stride_lh,  # LSE and DELTA share one layout
-    NUM_HEADS_KV, GROUP_SIZE,
+    GROUP_SIZE,
     SEQLEN_Q, SEQLEN_K,
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,  # power-of-two buckets, autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -136,9 +136,9 @@ def _attn_bwd_dkdv(
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    off_b = tl.program_id(1) // NUM_HEADS_KV
-    off_hk = tl.program_id(1) % NUM_HEADS_KV
+    pid_n = tl.program_id(0)  # grid (key tiles, kv heads, batch)
+    off_hk = tl.program_id(1)
+    off_b = tl.program_id(2)
     q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(CU_SEQLENS_K, off_b, SEQLEN_K, IS_VARLEN)
     b64 = off_b.to(tl.int64)  # int64 base offsets: big batches and packed varlen tensors
@@ -249,7 +249,7 @@ def _attn_bwd_dq(
     stride_dob, stride_dom, stride_doh, stride_dod,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
-    NUM_HEADS, GROUP_SIZE,
+    GROUP_SIZE,
     SEQLEN_Q, SEQLEN_K,
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -257,9 +257,9 @@ def _attn_bwd_dq(
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    off_b = tl.program_id(1) // NUM_HEADS
-    off_h = tl.program_id(1) % NUM_HEADS
+    pid_m = tl.program_id(0)  # grid (query tiles, heads, batch)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
     off_hk = off_h // GROUP_SIZE
     q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(CU_SEQLENS_K, off_b, SEQLEN_K, IS_VARLEN)
@@ -372,8 +372,8 @@ def attention_backward(
     l_s = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     block_d = configs.padded_head_dim(head_dim)
 
-    _attn_bwd_preprocess[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads_q)](
-        out, dout, delta, cu_seqlens_q, *o_s, *do_s, *l_s, heads_q, seqlen_q,
+    _attn_bwd_preprocess[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), heads_q, batch)](
+        out, dout, delta, cu_seqlens_q, *o_s, *do_s, *l_s, seqlen_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
     )
 
@@ -393,15 +393,15 @@ def attention_backward(
         config = {"dkdv": config, "dq": config}
 
     def grid_dkdv(meta):
-        return (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv)
+        return (triton.cdiv(seqlen_k, meta["BLOCK_N"]), heads_kv, batch)
 
     def grid_dq(meta):
-        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)
+        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
     args_dkdv = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s, *l_s,
-                 heads_kv, heads_q // heads_kv, *tail)
+                 heads_q // heads_kv, *tail)
     args_dq = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common, *dq_s, *l_s,
-               heads_q, heads_q // heads_kv, *tail)
+               heads_q // heads_kv, *tail)
     if config is None:
         _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
         _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)

@@ -80,7 +80,7 @@ def _attn_fwd(
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh,
-    NUM_HEADS, GROUP_SIZE,  # query heads; query heads per kv head
+    GROUP_SIZE,  # query heads per kv head
     SEQLEN_Q, SEQLEN_K,  # dense: the lengths; varlen: unused (read from cu_seqlens)
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,  # power-of-two buckets, autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -89,9 +89,8 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = pid_bh // NUM_HEADS
-    off_h = pid_bh % NUM_HEADS
+    off_h = tl.program_id(1)  # grid (query tiles, heads, batch): each axis within CUDA's limits
+    off_b = tl.program_id(2)
     off_hk = off_h // GROUP_SIZE  # GQA: the kv head this query head reads
 
     q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, off_b, SEQLEN_Q, IS_VARLEN)
@@ -215,7 +214,7 @@ def launch_forward(
     args = (
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E,
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
-        heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
+        heads_q // heads_kv, seqlen_q, seqlen_k,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
     )
     constexprs = dict(
@@ -225,7 +224,7 @@ def launch_forward(
     )
 
     def grid(meta):
-        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)
+        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
     if config is None and INTERPRET:
         config = configs.FWD_INTERPRETER_CONFIG
