@@ -22,6 +22,7 @@ import torch
 
 from . import bench_core as C
 from . import bench_providers as P
+from ._env import INTERPRET
 
 SUITES = ("standard", "varlen", "decode", "all")
 STANDARD_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -33,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--suite", choices=SUITES, default="standard", help="standard sweep, varlen packing, KV-cache decode, or all")
     a("--providers", default=None, help=f"comma list from {','.join(P.PROVIDERS)} (default: all but seed)")
     a("--modes", default=None, help="comma list of fwd,bwd,fwd_bwd (default fwd,bwd; decode is always fwd)")
-    a("--dtypes", default=None, help="comma list of fp16,bf16 (default fp16)")
+    a("--dtypes", default=None, help="comma list of fp16,bf16,fp32 (default fp16)")
     a("--causal", default=None, help="comma list of 0,1 (default 0,1)")
-    a("--head-dims", default=None, help="standard sweep head dims (default 64,128; the sweep also has 256)")
+    a("--head-dims", default=None, help="standard sweep head dims (default 64,128; 256 also works)")
     a("--seqlens", default=None, help="standard sweep T values (default 512,...,16384; 1k style allowed)")
     a("--tokens", type=int, default=16384, help="standard sweep: B*T (default 16384)")
     a("--hidden", type=int, default=2048, help="standard sweep: H*D (default 2048)")
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--flex-seqlens", default="1024,4096,16384",
       help="T values at which flex runs (each shape costs a torch.compile); 'all' for every T")
     a("--varlen-n", type=int, default=None, help="varlen: number of sequences (default 64, quick 16)")
-    a("--varlen-max", type=int, default=4096, help="varlen: lengths uniform in 1..this (default 4096)")
+    a("--varlen-max", type=int, default=None, help="varlen: lengths uniform in 1..this (default 4096)")
     a("--varlen-heads", type=int, default=16, help="varlen: heads (default 16)")
     a("--varlen-head-dim", type=int, default=128, help="varlen: head dim (default 128)")
     a("--decode-batches", default=None, help="decode: batch sizes (default 1,8,16,64)")
@@ -62,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-plots", action="store_true", help="with --out: skip the PNG plots")
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the defaults that depend on --quick; parse the comma lists."""
+def resolve(args: argparse.Namespace, interpreter: bool = False) -> argparse.Namespace:
+    """Fill the defaults that depend on --quick; parse the comma lists. Under Triton's interpreter (no GPU)
+    the default sizes shrink to ones it can run in seconds: it needs minutes for one full-size shape."""
     quick = args.quick
     args.modes_list = [m.strip() for m in (args.modes or "fwd,bwd").split(",") if m.strip()]
     for m in args.modes_list:
@@ -74,19 +76,34 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if d.strip() not in C.DTYPES:
             raise ValueError(f"unknown dtype {d!r}; choose from {', '.join(C.DTYPES)}")
         args.dtype_list.append(d.strip())
-    args.causal_list = [bool(int(c)) for c in C.parse_int_list(args.causal or "0,1")]
-    head_dims = C.parse_int_list(args.head_dims) if args.head_dims else ([128] if quick else [64, 128])
-    seqlens = C.parse_int_list(args.seqlens) if args.seqlens else ([1024, 4096] if quick else STANDARD_SEQLENS)
+    P.parse_providers(args.providers)  # unknown names fail here, before anything runs
+    causal = C.parse_int_list(args.causal or "0,1", "--causal")
+    if any(c not in (0, 1) for c in causal):
+        raise ValueError(f"--causal wants a comma list of 0 and 1, got {args.causal!r}")
+    args.causal_list = [bool(c) for c in causal]
+    if args.append and not args.out:
+        raise ValueError("--append merges into --out DIR's bench.json: give --out")
+    head_dims = C.parse_int_list(args.head_dims, "--head-dims") if args.head_dims else ([128] if quick else [64, 128])
+    seqlens = (C.parse_int_list(args.seqlens, "--seqlens") if args.seqlens
+               else ([1024, 4096] if quick else STANDARD_SEQLENS))
     if args.shape:
         args.shapes = [C.parse_shape(s) for s in args.shape]
+    elif interpreter and not args.seqlens:
+        print("flashtriton bench: no GPU (Triton's interpreter): the sweep's shapes would take hours; running "
+              "B,H,T,D = 1,2,128,64 instead (choose with --shape)", file=sys.stderr)
+        args.shapes = [C.Shape(1, 2, 128, 64)]
     else:
         args.shapes = C.standard_shapes(seqlens, head_dims, args.tokens, args.hidden)
     args.flex_seqlens = None if str(args.flex_seqlens).strip() == "all" else set(C.parse_int_list(args.flex_seqlens))
     args.warmup = args.warmup if args.warmup is not None else (10 if quick else 25)
     args.rep = args.rep if args.rep is not None else (30 if quick else 100)
-    args.varlen_n = args.varlen_n if args.varlen_n is not None else (16 if quick else 64)
-    args.decode_batch_list = C.parse_int_list(args.decode_batches or ("1,16" if quick else "1,8,16,64"))
-    args.decode_seqlen_list = C.parse_int_list(args.decode_seqlens or ("4k,32k" if quick else "1k,4k,16k,32k,64k,128k"))
+    args.varlen_n = args.varlen_n if args.varlen_n is not None else (4 if interpreter else 16 if quick else 64)
+    args.varlen_max = args.varlen_max if args.varlen_max is not None else (128 if interpreter else 4096)
+    small = interpreter and not args.decode_batches and not args.decode_seqlens
+    args.decode_batch_list = C.parse_int_list(args.decode_batches or ("1,2" if small else "1,16" if quick else "1,8,16,64"),
+                                              "--decode-batches")
+    args.decode_seqlen_list = C.parse_int_list(
+        args.decode_seqlens or ("256" if small else "4k,32k" if quick else "1k,4k,16k,32k,64k,128k"), "--decode-seqlens")
     args.decode_hq, args.decode_hkv = C.parse_int_list(args.decode_heads)
     return args
 
@@ -282,7 +299,7 @@ def main(args: argparse.Namespace) -> int:
     from . import bench_suites as S
 
     try:
-        args = resolve(args)
+        args = resolve(args, interpreter=INTERPRET)
     except ValueError as exc:
         print(f"flashtriton bench: {exc}", file=sys.stderr)
         return 2

@@ -63,20 +63,26 @@ def parse_shape(text: str) -> Shape:
     parts = [p for p in text.replace("x", ",").split(",") if p.strip()]
     if len(parts) != 4:
         raise ValueError(f"--shape wants B,H,T,D (four integers), got {text!r}")
-    b, h, t, d = (int(p) for p in parts)
+    try:
+        b, h, t, d = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--shape wants B,H,T,D (four integers), got {text!r}") from None
     if min(b, h, t, d) < 1:
         raise ValueError(f"--shape values must be positive, got {text!r}")
     return Shape(b, h, t, d)
 
 
-def parse_int_list(text: str) -> list[int]:
+def parse_int_list(text: str, option: str = "a list option") -> list[int]:
     """'512,1k,2K,64' -> [512, 1024, 2048, 64]."""
     out = []
     for part in str(text).split(","):
         part = part.strip().lower()
         if not part:
             continue
-        out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+        try:
+            out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+        except ValueError:
+            raise ValueError(f"{option} wants comma-separated integers (1k = 1024), got {text!r}") from None
     return out
 
 

@@ -155,9 +155,11 @@ def check_forward_matches(env: Env, opts) -> Result:
         f"torch fp16 MATH vs float64 = {d['math_err']:.3e}; ours vs MATH = {d['err_vs_math']:.3e}")
     log("  (two correct fp16 results can differ by one fp16 ulp: 1.95e-3 where |o| >= 2)")
     status = PASS if d["max_err"] <= d["allowed"] else FAIL
-    within = "<=" if d["max_err"] <= 1e-3 else ">"
-    return Result(name, status, f"max abs err vs float64 {d['max_err']:.3e} {within} 1e-3 (allowed "
-                  f"{d['allowed']:.2e} = max(1e-3, 2x MATH's {d['math_err']:.2e}))", d)
+    excess = d["max_err"] - 1e-3
+    strict = "within the notebook's 1e-3" if excess <= 0 else f"{excess:.1e} above the notebook's 1e-3"
+    verdict = "within" if status == PASS else "above"
+    return Result(name, status, f"max abs err vs float64 {d['max_err']:.3e}, {verdict} the allowed "
+                  f"{d['allowed']:.2e} = max(1e-3, 2x MATH's own {d['math_err']:.2e}); {strict}", d)
 
 
 def check_grads(env: Env, opts) -> Result:
@@ -227,7 +229,7 @@ def check_memory(env: Env, opts) -> Result:
 # ----------------------------------------------------------------------------------------------------------
 SWEEP_BHD = (1, 8, 64)  # (B, H, D) of the sweep; T varies
 MODES = ("fwd", "fwd_bwd")
-# MATH's extra memory in fp16 (B, H, T, T) matrices: ~5 forward on the H200 (84 MiB at T=1k, 4.9 GiB at
+# MATH's extra memory in fp16 (B, H, T, T) matrices: ~5 forward on the H200 (84 MiB at T=1k, 4928 MiB at
 # 8k); forward+backward keeps the probabilities and builds their gradients: about twice that.
 MATH_MATRICES = {"fwd": 5, "fwd_bwd": 10}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -34,11 +35,11 @@ SMEM_RESERVED_PER_BLOCK = 1024  # the CUDA runtime keeps 1 KiB of shared memory 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", "-B", type=int, default=4)
-    parser.add_argument("--heads", "-H", type=int, default=16)
-    parser.add_argument("--seqlen", "-T", type=int, default=4096)
-    parser.add_argument("--head-dim", "-D", type=int, default=128)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    parser.add_argument("--batch", "-B", type=int, default=4, help="batch size (default 4)")
+    parser.add_argument("--heads", "-H", type=int, default=16, help="heads (default 16)")
+    parser.add_argument("--seqlen", "-T", type=int, default=4096, help="sequence length (default 4096)")
+    parser.add_argument("--head-dim", "-D", type=int, default=128, help="head dim, 1..256 (default 128)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="input dtype (default fp16)")
     parser.add_argument("--causal", action="store_true", help="causal attention (default: not causal)")
     parser.add_argument("--out", metavar="DIR", help="write tune.json here")
 
@@ -164,6 +165,10 @@ def conclusion(rows: list[dict]) -> list[str]:
 
 def main(opts) -> int:
     dtype = DTYPES[opts.dtype]
+    if min(opts.batch, opts.heads, opts.seqlen) < 1 or not 1 <= opts.head_dim <= 256:
+        print(f"flashtriton tune: -B, -H, -T must be >= 1 and -D in 1..256, got "
+              f"{(opts.batch, opts.heads, opts.seqlen, opts.head_dim)}", file=sys.stderr)
+        return 2
     shape = (opts.batch, opts.heads, opts.seqlen, opts.head_dim)
     on_gpu = torch.cuda.is_available() and not INTERPRET
     if not on_gpu:
