@@ -139,3 +139,17 @@ def test_memory_verdict_table_and_plot(tmp_path):
     assert "skipped: ~9 GiB estimated" in table and len(table.splitlines()) == 2 + 3 * len(checks.MODES)
     path = checks.memory_plot(_rows(1.0), tmp_path / "memory_latency.png")
     assert path.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--providers", "foo"], "unknown provider 'foo'"),
+    (["bench", "--causal", "2"], "--causal wants a comma list of 0 and 1"),
+    (["bench", "--append"], "--append merges into --out"),
+    (["bench", "--shape", "a,b,c,d"], "--shape wants B,H,T,D"),
+    (["bench", "--seqlens", "1q"], "--seqlens wants comma-separated integers"),
+    (["tune", "-D", "300"], "-D in 1..256"),
+])
+def test_bad_options_give_one_line_and_exit_2(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
