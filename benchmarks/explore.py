@@ -1,0 +1,323 @@
+"""Sweep kernel variants on the GPU to choose heuristic configs (the experiments behind docs/performance.md).
+
+    python benchmarks/explore.py fwd|bwd|decode|host --out DIR [--jobs N]
+
+Each sweep compiles its variants first in N parallel processes (Triton's on-disk cache then serves the timing
+process), and times them one at a time in one process with `triton.testing.do_bench` (median, L2 flushed).
+Every variant's output is compared with the default config's before it is timed. Writes DIR/<sweep>.json:
+one row per (shape, variant) with ms and TFLOP/s (or GB/s for decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from flashtriton import configs  # noqa: E402
+from flashtriton.kernels import backward as B  # noqa: E402
+from flashtriton.kernels import decode as Dk  # noqa: E402
+from flashtriton.kernels import forward as F  # noqa: E402
+from flashtriton.reference import attention_flops  # noqa: E402
+
+DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# ---------------------------------------------------------------------------------------------------------
+# variant spaces
+# ---------------------------------------------------------------------------------------------------------
+FWD_CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 2),
+               (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3)]
+FWD_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+
+BWD_DKDV = {64: [(32, 128, 8, 2), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 2), (64, 128, 8, 3),
+                 (32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3), (32, 128, 8, 3), (64, 128, 4, 2)],
+            128: [(32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2),
+                  (16, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 3), (64, 128, 8, 1), (32, 64, 4, 2)]}
+BWD_DQ = {64: [(128, 32, 8, 2), (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
+               (128, 32, 8, 3), (64, 32, 4, 3), (128, 16, 4, 3), (64, 64, 4, 2), (128, 64, 4, 2)],
+         128: [(128, 32, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3),
+               (128, 16, 4, 3), (64, 64, 8, 2), (128, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3)]}
+BWD_SEQLENS = [512, 2048, 8192]
+
+DECODE_CONFIGS = [(128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 4), (128, 8, 3)]
+DECODE_POINTS = [(1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (8, 131072), (64, 4096),
+                 (64, 32768), (64, 131072)]
+DECODE_SPLITS = [0, 1, 2, 4, 8, 16, 32, 64, 128]
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if os.environ.get("EXPLORE_SMOKE"):  # logic check on a CPU (TRITON_INTERPRET=1): tiny lists
+    FWD_CONFIGS, FWD_SEQLENS, BWD_SEQLENS = FWD_CONFIGS[:2], [64], [64]
+    BWD_DKDV = {d: v[:1] for d, v in BWD_DKDV.items()}
+    BWD_DQ = {d: v[:1] for d, v in BWD_DQ.items()}
+    DECODE_CONFIGS, DECODE_POINTS, DECODE_SPLITS = DECODE_CONFIGS[:1], [(2, 64)], [0, 2]
+
+
+def cfg(t):
+    return {"BLOCK_M": t[0], "BLOCK_N": t[1], "num_warps": t[2], "num_stages": t[3]}
+
+
+def dcfg(t):
+    return {"BLOCK_N": t[0], "num_warps": t[1], "num_stages": t[2]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------------------
+def fwd_inputs(T, D, dtype, layout="bshd", seed=0):
+    B, H = max(1, 16384 // T), 2048 // D
+    if DEV == "cpu":
+        B, H = 1, 2
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    if layout == "bshd":
+        return [torch.randn(B, T, H, D, device=DEV, dtype=dtype, generator=g) for _ in range(3)]
+    return [torch.randn(B, H, T, D, device=DEV, dtype=dtype, generator=g).transpose(1, 2) for _ in range(3)]
+
+
+def bench(fn, warmup=5, rep=30):
+    import triton.testing
+
+    if DEV == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parallel precompile: run each variant once on a small problem with the same specialisations
+# ---------------------------------------------------------------------------------------------------------
+def _compile_job(job):
+    kind, args = job
+    if DEV == "cuda":
+        torch.cuda.set_device(0)
+    try:
+        if kind == "fwd":
+            D, dtype, causal, c = args
+            q, k, v = fwd_inputs(256, D, DTYPE[dtype])
+            F.launch_forward(q, k, v, D ** -0.5, causal, config=cfg(c))
+        elif kind == "bwd":
+            D, dtype, causal, which, c = args
+            q, k, v = fwd_inputs(256, D, DTYPE[dtype])
+            out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
+            both = configs.default_bwd_configs(D, 2, q.device)
+            both[which] = cfg(c)
+            B.attention_backward(torch.randn_like(out), q, k, v, out, lse, D ** -0.5, causal, config=both)
+        elif kind == "decode":
+            c, splits = args
+            _decode_run(1, 4096, splits, dcfg(c))
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return f"{kind} {args}: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def precompile(jobs, n):
+    t0 = time.time()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(n) as pool:
+        errors = [e for e in pool.map(_compile_job, jobs, chunksize=1) if e]
+    print(f"precompiled {len(jobs)} variants in {time.time() - t0:.0f} s; {len(errors)} errors", flush=True)
+    for e in errors[:10]:
+        print("  ", e, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sweeps
+# ---------------------------------------------------------------------------------------------------------
+def sweep_fwd(opts):
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("seed", Path(__file__).with_name("seed_kernel.py"))
+    seed = module_from_spec(spec)
+    spec.loader.exec_module(seed)
+    jobs = [("fwd", (128, dt, c, x)) for dt, c in (("fp16", False), ("fp16", True), ("bf16", True), ("bf16", False))
+            for x in FWD_CONFIGS]
+    jobs += [("fwd", (64, "fp16", c, x)) for c in (False, True) for x in FWD_CONFIGS[:5]]
+    precompile(jobs, opts.jobs)
+    rows = []
+    plan = [(128, "fp16", c, T) for c in (False, True) for T in FWD_SEQLENS]
+    plan += [(128, "bf16", c, 512) for c in (False, True)] + [(64, "fp16", c, T) for c in (False, True) for T in (512, 1024)]
+    for D, dt, causal, T in plan:
+        cands = FWD_CONFIGS if D == 128 else FWD_CONFIGS[:5]
+        flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
+        for layout in ("bshd", "bhsd"):
+            q, k, v = fwd_inputs(T, D, DTYPE[dt], layout)
+            ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal, config=cfg((64, 64, 4, 3)))
+            for c in cands:
+                try:
+                    o, _ = F.attention_forward(q, k, v, D ** -0.5, causal, config=cfg(c))
+                    err = (o.float() - ref.float()).abs().max().item()
+                    ms = bench(lambda: F.attention_forward(q, k, v, D ** -0.5, causal, config=cfg(c)))
+                    rows.append(dict(D=D, dtype=dt, causal=causal, T=T, layout=layout, variant=str(c), ms=ms,
+                                     tflops=flops / ms / 1e9, err=err))
+                except Exception as exc:  # noqa: BLE001
+                    rows.append(dict(D=D, dtype=dt, causal=causal, T=T, layout=layout, variant=str(c), error=str(exc)[:200]))
+            qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+            if layout == "bhsd":
+                ms = bench(lambda: seed.seed_attention(qb, kb, vb, causal))
+                rows.append(dict(D=D, dtype=dt, causal=causal, T=T, layout="bhsd", variant="seed", ms=ms,
+                                 tflops=flops / ms / 1e9))
+                import flashtriton
+
+                ms = bench(lambda: flashtriton.scaled_dot_product_attention(qb, kb, vb, is_causal=causal))
+                rows.append(dict(D=D, dtype=dt, causal=causal, T=T, layout="bhsd", variant="api_sdpa", ms=ms,
+                                 tflops=flops / ms / 1e9))
+            else:
+                import flashtriton
+
+                ms = bench(lambda: flashtriton.flash_attn_func(q, k, v, causal=causal))
+                rows.append(dict(D=D, dtype=dt, causal=causal, T=T, layout="bshd", variant="api_default", ms=ms,
+                                 tflops=flops / ms / 1e9))
+            here = [r for r in rows if r.get("T") == T and r.get("D") == D and r.get("causal") == causal
+                    and r.get("dtype") == dt and r.get("layout") == layout and "tflops" in r]
+            print(f"fwd D={D} {dt} causal={int(causal)} T={T} {layout}:"
+                  + "".join(f" | {r['variant']} {r['tflops']:.0f}" for r in here), flush=True)
+            del q, k, v
+    return rows
+
+
+def sweep_bwd(opts):
+    jobs = [("bwd", (D, "fp16", c, which, x)) for D in (64, 128) for c in (False, True)
+            for which, table in (("dkdv", BWD_DKDV), ("dq", BWD_DQ)) for x in table[D]]
+    precompile(jobs, opts.jobs)
+    rows = []
+    for D in (64, 128):
+        for causal in (False, True):
+            for T in BWD_SEQLENS:
+                q, k, v = fwd_inputs(T, D, torch.float16)
+                out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
+                do = torch.randn_like(out)
+                flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
+                base = configs.default_bwd_configs(D, 2, q.device)
+                ref = B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal, config=base)
+                for which, table in (("dkdv", BWD_DKDV), ("dq", BWD_DQ)):
+                    for c in table[D]:
+                        both = dict(base)
+                        both[which] = cfg(c)
+                        try:
+                            got = B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal, config=both)
+                            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
+                            ms = bench(lambda: B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal, config=both))
+                            rows.append(dict(D=D, causal=causal, T=T, kernel=which, variant=str(c), ms=ms,
+                                             tflops=flops / ms / 1e9, err=err))
+                        except Exception as exc:  # noqa: BLE001
+                            rows.append(dict(D=D, causal=causal, T=T, kernel=which, variant=str(c), error=str(exc)[:200]))
+                    sel = [r for r in rows[-len(table[D]):] if "tflops" in r]
+                    print(f"bwd D={D} causal={int(causal)} T={T} {which}:"
+                          + "".join(f" | {r['variant']} {r['tflops']:.0f}" for r in sel), flush=True)
+                # the time of each kernel alone, for the default config (torch profiler-free: events)
+                del q, k, v, out, lse, do
+    return rows
+
+
+def _decode_inputs(Bsz, S, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(Bsz, 1, 32, 128, device=DEV, dtype=torch.float16, generator=g)
+    kc = torch.randn(Bsz, S, 8, 128, device=DEV, dtype=torch.float16, generator=g)
+    vc = torch.randn(Bsz, S, 8, 128, device=DEV, dtype=torch.float16, generator=g)
+    seqlens = torch.full((Bsz,), S, dtype=torch.int32, device=DEV)
+    return q, kc, vc, seqlens
+
+
+def _decode_run(Bsz, S, splits, config, inputs=None):
+    q, kc, vc, seqlens = inputs or _decode_inputs(Bsz, S)
+    return Dk.decode_attention(q, kc, vc, seqlens, S, 128 ** -0.5, False, num_splits=splits, config=config)
+
+
+def sweep_decode(opts):
+    jobs = [("decode", (c, s)) for c in DECODE_CONFIGS for s in (1, 2)]
+    precompile(jobs, opts.jobs)
+    rows = []
+    import flashtriton
+
+    for Bsz, S in DECODE_POINTS:
+        inputs = _decode_inputs(Bsz, S)
+        kv_bytes = 2 * Bsz * S * 8 * 128 * 2
+        ref, _ = _decode_run(Bsz, S, 1, dcfg(DECODE_CONFIGS[0]), inputs)
+        for c in DECODE_CONFIGS:
+            for s in DECODE_SPLITS:
+                try:
+                    o, _ = _decode_run(Bsz, S, s, dcfg(c), inputs)
+                    err = (o.float() - ref.float()).abs().max().item()
+                    ms = bench(lambda: _decode_run(Bsz, S, s, dcfg(c), inputs), rep=20)
+                    rows.append(dict(B=Bsz, S=S, variant=str(c), splits=s, ms=ms, gbps=kv_bytes / ms / 1e6, err=err))
+                except Exception as exc:  # noqa: BLE001
+                    rows.append(dict(B=Bsz, S=S, variant=str(c), splits=s, error=str(exc)[:200]))
+        q, kc, vc, seqlens = inputs
+        with torch.no_grad():
+            ms = bench(lambda: flashtriton.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens), rep=20)
+        rows.append(dict(B=Bsz, S=S, variant="api", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qb, kb, vb = q.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+        del kc, vc
+        backend = SDPBackend.CUDNN_ATTENTION if DEV == "cuda" else SDPBackend.MATH
+        with sdpa_kernel([backend]):
+            ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True), rep=20)
+        rows.append(dict(B=Bsz, S=S, variant="sdpa_cudnn", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6))
+        del qb, kb, vb, inputs
+        here = [r for r in rows if r.get("B") == Bsz and r.get("S") == S and "gbps" in r]
+        best = max(here, key=lambda r: r["gbps"])
+        auto = [r for r in here if r["splits"] == 0 and r["variant"] == str(DECODE_CONFIGS[0])]
+        print(f"decode B={Bsz} S={S}: best {best['variant']} splits={best['splits']} {best['gbps']:.0f} GB/s; "
+              f"auto {auto[0]['gbps'] if auto else 0:.0f}; api {here[-2]['gbps']:.0f}; cudnn {here[-1]['gbps']:.0f}",
+              flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_host(opts):
+    """Host time per call of the public forward (no sync), against the kernel's GPU time."""
+    import flashtriton
+
+    rows = []
+    for T, D, causal in ((512, 128, False), (512, 128, True), (512, 64, True)):
+        q, k, v = fwd_inputs(T, D, torch.float16)
+        for name, fn in (("flash_attn_func", lambda: flashtriton.flash_attn_func(q, k, v, causal=causal)),
+                         ("launch_forward", lambda: F.attention_forward(q, k, v, D ** -0.5, causal))):
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            host = (time.perf_counter() - t0) / 200 * 1e3
+            torch.cuda.synchronize()
+            ms = bench(fn)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            graph_ms = bench(lambda: g.replay())
+            rows.append(dict(T=T, D=D, causal=causal, path=name, host_ms=host, ms=ms, graph_ms=graph_ms))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host"])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    opts = ap.parse_args()
+    t0 = time.time()
+    rows = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host}[opts.sweep](opts)
+    Path(opts.out).mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=__import__("triton").__version__,
+                git_sha=os.environ.get("FLASHTRITON_GIT_SHA", "unknown"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                seconds=round(time.time() - t0, 1))
+    (Path(opts.out) / f"{opts.sweep}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"{opts.sweep}: {len(rows)} rows in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
