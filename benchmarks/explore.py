@@ -300,6 +300,36 @@ def sweep_host(opts):
             graph_ms = bench(lambda: g.replay())
             rows.append(dict(T=T, D=D, causal=causal, path=name, host_ms=host, ms=ms, graph_ms=graph_ms))
             print(rows[-1], flush=True)
+    # where the host time goes: cProfile of a forward call and of a decode call (B=1, 4k cache)
+    import cProfile
+    import pstats
+
+    q, k, v = fwd_inputs(512, 128, torch.float16)
+    dq, kc, vc, seqlens = _decode_inputs(1, 4096)
+    calls = {
+        "flash_attn_func": lambda: flashtriton.flash_attn_func(q, k, v, causal=True),
+        "flash_attn_with_kvcache": lambda: flashtriton.flash_attn_with_kvcache(dq, kc, vc, cache_seqlens=seqlens),
+        "decode_attention": lambda: Dk.decode_attention(dq, kc, vc, seqlens, 4096, 128 ** -0.5, False),
+    }
+    with torch.no_grad():
+        for name, fn in calls.items():
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(500):
+                fn()
+            host = (time.perf_counter() - t0) / 500 * 1e3
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(500):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"--- {name}: {host * 1e3:.1f} us per call (no sync)", flush=True)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+            rows.append(dict(path=name, host_us=host * 1e3))
     return rows
 
 

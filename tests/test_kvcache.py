@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flashtriton.kernels.decode import choose_num_splits, decode_attention
+from flashtriton import kvcache
 from flashtriton.kvcache import flash_attn_with_kvcache
 from flashtriton.reference import attention_reference
 
@@ -358,7 +359,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("name,exc,match,kwargs", BAD, ids=[b[0] for b in BAD])
-def test_bad_input(name, exc, match, kwargs):
+def test_bad_input(name, exc, match, kwargs, monkeypatch):
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", True)  # values of device tensors: host checks, ValueError
     kwargs = _on_device(kwargs)
     before = {n: t.clone() for n, t in kwargs.items() if n in ("k_cache", "v_cache")}
     with pytest.raises(exc, match=match):
@@ -367,13 +369,58 @@ def test_bad_input(name, exc, match, kwargs):
         assert torch.equal(kwargs[n], t)
 
 
-def test_bad_page_entries_unused_are_ignored():
+@pytest.mark.parametrize("check_values", [False, True])
+def test_bad_page_entries_unused_are_ignored(check_values, monkeypatch):
     """Entries past a sequence's pages are never read, so they need not be valid (e.g. -1 padding)."""
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", check_values)
     kw = _paged(block_table=torch.tensor([[0, -1, -1], [3, 4, 5]], dtype=torch.int32),
                 cache_seqlens=torch.tensor([3, 40], dtype=torch.int32))
     with torch.no_grad():
         out = flash_attn_with_kvcache(**_on_device(kw))
     assert not out.isnan().any()
+
+
+BAD_VALUES = [  # (name, which sequence is bad, kwargs): device values the kernels must catch without a sync
+    ("seqlens negative", 1, _inputs(cache_seqlens=torch.tensor([5, -3], dtype=torch.int32))),
+    ("seqlens past capacity", 0, _inputs(cache_seqlens=torch.tensor([65, 5], dtype=torch.int32))),
+    ("append overflow", 1, _inputs(cache_seqlens=torch.tensor([5, 63], dtype=torch.int32),
+                                   k=torch.randn(2, 2, 2, 32, dtype=_h), v=torch.randn(2, 2, 2, 32, dtype=_h))),
+    ("batch idx range", 0, _inputs(cache_batch_idx=torch.tensor([7, 1], dtype=torch.int32),
+                                   k=torch.randn(2, 1, 2, 32, dtype=_h), v=torch.randn(2, 1, 2, 32, dtype=_h))),
+    ("page range", 1, _paged(block_table=torch.tensor([[0, 1, 2], [3, 99, 5]], dtype=torch.int32),
+                             cache_seqlens=torch.tensor([20, 20], dtype=torch.int32),
+                             k=torch.randn(2, 1, 2, 32, dtype=_h), v=torch.randn(2, 1, 2, 32, dtype=_h))),
+    ("page negative", 0, _paged(block_table=torch.tensor([[-1, 1, 2], [3, 4, 5]], dtype=torch.int32),
+                                cache_seqlens=torch.tensor([20, 20], dtype=torch.int32))),
+]
+
+
+@pytest.mark.parametrize("name,bad,kwargs", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_bad_values_poison_only_their_sequence(name, bad, kwargs, num_splits, monkeypatch):
+    """Without host checks a bad value never reads or writes out of bounds: that sequence gets NaN (out and
+    lse) and no append; the other sequence is exactly what a call with only it gives."""
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", False)
+    kw = _on_device(kwargs)
+    good = 1 - bad
+    before = {n: kw[n].clone() for n in ("k_cache", "v_cache")}
+    with torch.no_grad():
+        out, lse = flash_attn_with_kvcache(**kw, num_splits=num_splits, return_softmax_lse=True)
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    assert not out[good].isnan().any() and not lse[good].isnan().any()
+    # the good sequence alone (with its own cache, appends included) gives the same result
+    one = {n: (t[good:good + 1] if n in ("q", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table")
+               and isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    one["k_cache"], one["v_cache"] = before["k_cache"].clone(), before["v_cache"].clone()
+    if "block_table" not in kw and "cache_batch_idx" not in kw:  # row `good` of the cache, as in the batch
+        one["cache_batch_idx"] = torch.tensor([good], dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():
+        out1, lse1 = flash_attn_with_kvcache(**one, num_splits=num_splits, return_softmax_lse=True)
+    torch.testing.assert_close(out[good:good + 1], out1, rtol=0, atol=0)
+    torch.testing.assert_close(lse[good:good + 1], lse1, rtol=0, atol=0)
+    # the caches: exactly the good sequence's append, nothing from the bad one
+    torch.testing.assert_close(kw["k_cache"], one["k_cache"], rtol=0, atol=0)
+    torch.testing.assert_close(kw["v_cache"], one["v_cache"], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -73,18 +73,34 @@ FWD_CONFIGS = [
 FWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 
-def default_fwd_config(head_dim_padded: int, elem_bytes: int, device: torch.device, seqlen_q: int = 4096) -> dict:
-    """Heuristic forward config. On the H200 (`flashtriton tune`, T=4096 causal; `flashtriton bench`):
-    D=64 runs best with 128-row tiles and 8 warps (375 TFLOP/s against 339 with 4 warps) at long sequences,
-    D=128 with 64x64 tiles and 4 warps (387 against 379 for 128x64x8); at T <= 1024 the notebook's 64x64
-    tiles beat 128-row ones (fewer idle rows on the causal diagonal, more programs to fill the SMs)."""
+def default_fwd_config(head_dim_padded: int, elem_bytes: int, device: torch.device, seqlen_q: int = 4096,
+                       seqlen_k: int | None = None, causal: bool = False) -> dict:
+    """Heuristic forward config, from the H200 sweep of `benchmarks/explore.py fwd` (B·T = 16384, H·D = 2048;
+    docs/performance.md, benchmarks/2026-11-29-h200/explore/fwd.json):
+
+    - 128-row tiles with 8 warps win whenever there is enough work per (batch, head) to fill the GPU with
+      them: non-causal D=64 at every T, non-causal D=128 from Sk = 2048, causal from Sq = 2048 (D=64) /
+      4096 (D=128); e.g. D=128 non-causal T=16384: 483 TFLOP/s against 434 for 64x64.
+    - Short causal sequences prefer 64-row tiles (fewer idle rows on the diagonal, more programs): D=128
+      causal T=512 64x32 238, 64x64 210, 128x64 194.
+    Other GPUs (Ampere) keep the tiles that fit their 163 KiB of shared memory and smaller register file.
+    """
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
     if elem_bytes == 4:
         return _config(32, 32, 4, 2) if head_dim_padded > 128 else _config(64, 32, 4, 2)
     if head_dim_padded >= 256:
         return _config(64, 64, 8, 2) if _is_hopper(device) else _config(64, 32, 4, 2)
     if head_dim_padded >= 128:
-        return _config(64, 64, 4, 3) if _is_hopper(device) else _config(128, 64, 8, 2)
-    return _config(128, 64, 8, 3) if seqlen_q > 1024 else _config(64, 64, 4, 3)
+        if not _is_hopper(device):
+            return _config(128, 64, 8, 2)
+        if causal:
+            if seqlen_q <= 1024:
+                return _config(64, 32, 4, 3)
+            return _config(64, 64, 4, 3) if seqlen_q <= 2048 else _config(128, 64, 8, 3)
+        return _config(128, 64, 8, 3) if seqlen_k >= 2048 else _config(64, 64, 4, 3)
+    if causal and seqlen_q <= 1024:
+        return _config(64, 64, 4, 3)
+    return _config(128, 64, 8, 3)
 
 
 def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:
@@ -133,15 +149,16 @@ BWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "IS_CAUSAL", "
 # and padded head dim (64 stands for 16..64). They were chosen by compiling each kernel offline for sm_80 and
 # sm_90 with triton 3.6 (triton.compile on a GPUTarget, 16-byte-aligned pointers, unit last stride) and
 # reading `cuobjdump -res-usage`: every entry below compiles without register spills (stack <= 16 bytes) on
-# both, except the fp32 lists, measured on sm_90 only. dK/dV keeps two fp32 (BLOCK_N, D) accumulators and K, V
+# both, except the fp32 lists, measured on sm_90 only, and the Hopper defaults of `default_bwd_configs` (added after
+# the H200 sweep, timed there). dK/dV keeps two fp32 (BLOCK_N, D) accumulators and K, V
 # resident, dQ one (BLOCK_M, D) accumulator and Q, dO: wide BLOCK_N for dK/dV, wide BLOCK_M for dQ, as in
 # FlashAttention-2 and Triton's tutorial; at D=256 only small tiles fit. Timing picks among them on the GPU.
 _BWD_TABLE = {
     "dkdv": {
         ("16", 64): [(32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3),
                      (64, 64, 4, 3), (64, 64, 8, 2), (32, 32, 4, 2)],
-        ("16", 128): [(32, 128, 8, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 3),
-                      (32, 32, 4, 2)],
+        ("16", 128): [(32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2),
+                      (32, 64, 8, 2), (16, 64, 4, 3), (32, 32, 4, 2)],
         ("16", 256): [(32, 32, 8, 2), (64, 32, 8, 2), (32, 16, 4, 2), (16, 32, 4, 2), (32, 32, 4, 2)],
         ("32", 64): [(32, 32, 8, 2), (16, 32, 4, 2), (32, 16, 4, 2)],
         ("32", 128): [(16, 32, 4, 2), (16, 16, 4, 2)],
@@ -169,9 +186,17 @@ BWD_DKDV_CONFIGS = _bwd_configs("dkdv")
 BWD_DQ_CONFIGS = _bwd_configs("dq")
 
 
-def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.device) -> dict:
-    """Heuristic backward configs {"dkdv": .., "dq": ..}: the first (spill-free, widest) entry of each
+def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.device, causal: bool = False) -> dict:
+    """Heuristic backward configs {"dkdv": .., "dq": ..}.
+
+    On Hopper (fp16/bf16, D <= 128) the tiles measured fastest by `benchmarks/explore.py bwd` on the H200
+    (each kernel swept with the other fixed, T = 512 / 2048 / 8192): small tiles with 4 warps and 3 stages,
+    e.g. D=128 non-causal T=8192 dK/dV 32x64x4w 317 TFLOP/s of the whole backward against 254 for 32x128x8w,
+    dQ 64x32x4w 289 against 253 for 128x32x8w. Elsewhere the first (spill-free, widest) entry of each
     kernel's table for this input width and head dim."""
+    if elem_bytes != 4 and head_dim_padded <= 128 and _is_hopper(device):
+        dkdv = (64, 64, 4, 3) if head_dim_padded <= 64 and causal else (32, 64, 4, 3)
+        return {"dkdv": _config(*dkdv), "dq": _config(64, 32, 4, 3)}
     key = ("32" if elem_bytes == 4 else "16", max(64, head_dim_padded))
     return {kernel: _config(*_BWD_TABLE[kernel][key][0]) for kernel in ("dkdv", "dq")}
 

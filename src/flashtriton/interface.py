@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import validation as V
-from .ops import attention_fwd_op
+from .ops import attention
 
 
 def _default_scale(softmax_scale, head_dim: int) -> float:
@@ -75,7 +75,7 @@ def flash_attn_func(
     V.check_scale("softmax_scale", softmax_scale)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     V.check_int32_offsets(("q", "k", "v"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
-    out, lse = attention_fwd_op(
+    out, lse = attention(
         q, k, v, _default_scale(softmax_scale, q.shape[-1]), bool(causal), True,
         None, None, q.shape[1], k.shape[1],
     )
@@ -129,7 +129,7 @@ def flash_attn_varlen_func(
     V.check_int32_offsets(("q", "k", "v"), (q, k, v), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
     if q.shape[1] * q.shape[0] >= V.INT32_LIMIT:
         raise NotImplementedError(f"nheads x total_q = {q.shape[1] * q.shape[0]} must be below 2**31 (32-bit offsets)")
-    out, lse = attention_fwd_op(
+    out, lse = attention(
         q, k, v, _default_scale(softmax_scale, q.shape[-1]), bool(causal), True,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     )
@@ -168,7 +168,7 @@ def scaled_dot_product_attention(
     V.check_scale("scale", scale)
     q, k, v = (V.last_dim_contiguous(t.transpose(1, 2)) for t in (query, key, value))  # (B, S, H, D) views
     V.check_int32_offsets(("query", "key", "value"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
-    out, _ = attention_fwd_op(
+    out, _ = attention(
         q, k, v, _default_scale(scale, q.shape[-1]), bool(is_causal), False,
         None, None, q.shape[1], k.shape[1],
     )

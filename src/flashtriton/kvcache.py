@@ -7,11 +7,16 @@ Inference only: there is no backward. See `flash_attn_with_kvcache` for the argu
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from . import validation as V
-from .kernels.decode import decode_attention
+from .kernels.decode import append_kv, decode_attention
+
+# Check the values of cache_seqlens, cache_batch_idx and block_table on the host (one device-to-host copy per
+# call, a ValueError naming the bad value) instead of in the kernels (no sync; the sequence gets NaN).
+CHECK_VALUES: bool = os.environ.get("FLASHTRITON_CHECK_VALUES", "0") == "1"
 
 _CACHE_LAYOUT = "(batch_cache, seqlen_cache, nheads_k, headdim) or paged (num_pages, page_size, nheads_k, headdim)"
 
@@ -25,6 +30,36 @@ def _check_int32_tensor(name: str, t, shape: tuple[int, ...], shape_text: str, d
         raise ValueError(f"{name} must have shape {shape_text} = {shape}, got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device} like q, got {t.device}")
+
+
+def _check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new: int, capacity: int, cache_rows: int):
+    """Host-side range checks of the device tensors' values: one stacked device-to-host copy."""
+    stats, labels = [cache_seqlens.min(), cache_seqlens.max()], ["seqlens_min", "seqlens_max"]
+    if cache_batch_idx is not None:
+        stats += [cache_batch_idx.min(), cache_batch_idx.max()]
+        labels += ["bidx_min", "bidx_max"]
+    if block_table is not None and block_table.numel():
+        page_size = capacity // block_table.shape[1]
+        lengths = cache_seqlens.long() + seqlen_new
+        pages_needed = (lengths.clamp(min=0) + page_size - 1) // page_size  # (B,)
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_needed[:, None]
+        stats += [torch.where(used, block_table, 0).min(), torch.where(used, block_table, 0).max()]
+        labels += ["page_min", "page_max"]
+    values = dict(zip(labels, torch.stack([s.to(torch.int64) for s in stats]).tolist()))
+    if values["seqlens_min"] < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got a minimum of {values['seqlens_min']}")
+    if values["seqlens_max"] + seqlen_new > capacity:
+        raise ValueError(
+            f"the cache is too small: cache_seqlens (max {values['seqlens_max']}) + seqlen_new ({seqlen_new}) = "
+            f"{values['seqlens_max'] + seqlen_new} keys, but the cache holds {capacity} per sequence"
+            + (f" (block_table: {block_table.shape[1]} pages of {capacity // block_table.shape[1]})"
+               if block_table is not None else " (k_cache.shape[1])"))
+    if "bidx_min" in values and not (0 <= values["bidx_min"] and values["bidx_max"] < cache_rows):
+        raise ValueError(f"cache_batch_idx must be in 0..{cache_rows - 1} (rows of k_cache), got values in "
+                         f"{values['bidx_min']}..{values['bidx_max']}")
+    if "page_min" in values and not (0 <= values["page_min"] and values["page_max"] < cache_rows):
+        raise ValueError(f"block_table entries used by the sequences must be in 0..{cache_rows - 1} (pages of "
+                         f"k_cache), got values in {values['page_min']}..{values['page_max']}")
 
 
 def _check_no_grad(**tensors) -> None:
@@ -96,15 +131,21 @@ def flash_attn_with_kvcache(
         v [optional]: (batch_size, seqlen_new, nheads_k, headdim). Like k; k and v come together.
         cache_seqlens: int, or (batch_size,) torch.int32 tensor: the number of keys already in the cache for
             each sequence (0 .. capacity). None means the whole cache (seqlen_cache, or max_num_pages ·
-            page_size when paged). A tensor is checked on the host: one small device-to-host copy per call.
+            page_size when paged).
         cache_batch_idx [optional]: (batch_size,) torch.int32: the row of k_cache / v_cache each sequence
             uses (contiguous cache only). None means rows 0 .. batch_size - 1 (batch_size_cache may be
             larger). If indices repeat and k, v are given, which sequence's new values land is unspecified.
         block_table [optional]: (batch_size, max_num_pages) torch.int32: block_table[b, p] is the page that
             holds keys p · page_size .. (p + 1) · page_size - 1 of sequence b. Only the pages covering the
             sequence's keys are read (and checked to be in range).
-            The host checks of cache_seqlens, cache_batch_idx and block_table values are skipped while a CUDA
-            graph is captured (warm up, which also autotunes, before capturing).
+            Values of these tensors are checked on the GPU, without a device-to-host sync (decoding stays
+            asynchronous and CUDA-graph friendly): a sequence whose cache_seqlens is negative or leaves no
+            room for seqlen_new, whose cache_batch_idx is not a row of the cache, or whose used block_table
+            entries are not pages of the cache, is never read or written out of bounds: its new keys are not
+            appended and its output and lse are NaN (other sequences are unaffected). Set the environment
+            variable FLASHTRITON_CHECK_VALUES=1 (or flashtriton.kvcache.CHECK_VALUES = True) to check them on
+            the host instead, with a ValueError naming the bad value (one sync per call; skipped while a CUDA
+            graph is captured).
         softmax_scale: float. The scaling of QK^T before the softmax. Default 1 / sqrt(headdim).
         causal: bool. Whether to apply the bottom-right causal mask drawn above.
         window_size, softcap, alibi_slopes: not supported yet; any non-default value raises
@@ -180,20 +221,17 @@ def flash_attn_with_kvcache(
                 f"k_cache has {batch_cache} rows (batch_size_cache) but q has batch {batch}: pass cache_batch_idx "
                 "or a cache with at least batch_size rows")
 
-    # cache_seqlens -> int32 tensor of keys already in the cache; host-side range checks (one sync), skipped
-    # while a CUDA graph is being captured (a sync cannot be captured): the caller vouches for the values.
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    stats, labels = [], []
+    # cache_seqlens -> int32 tensor of keys already in the cache. Python ints are checked here; the values of
+    # device tensors (cache_seqlens, cache_batch_idx, the used block_table entries) are checked by the kernels
+    # without a device-to-host sync (a sequence with a bad value gets NaN and no append), or here with one
+    # sync and a ValueError when CHECK_VALUES is on (never while a CUDA graph is captured).
     if cache_seqlens is None:
         cache_seqlens_t = torch.full((batch,), capacity, dtype=torch.int32, device=device)
         max_cached = capacity
     elif isinstance(cache_seqlens, torch.Tensor):
         _check_int32_tensor("cache_seqlens", cache_seqlens, (batch,), "(batch_size,)", device)
-        cache_seqlens_t = cache_seqlens
-        max_cached = max(capacity - seqlen_new, 0) if capturing else None
-        if batch and not capturing:
-            stats += [cache_seqlens.min(), cache_seqlens.max()]
-            labels += ["seqlens_min", "seqlens_max"]
+        cache_seqlens_t = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
+        max_cached = max(capacity - seqlen_new, 0)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
             raise ValueError(f"cache_seqlens must be in 0..{capacity} (the cache capacity), got {cache_seqlens}")
@@ -201,58 +239,28 @@ def flash_attn_with_kvcache(
         max_cached = cache_seqlens
     else:
         raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor (batch_size,), got {type(cache_seqlens).__name__}")
-
-    if batch and cache_batch_idx is not None and not capturing:
-        stats += [cache_batch_idx.min(), cache_batch_idx.max()]
-        labels += ["bidx_min", "bidx_max"]
-    if batch and paged and not capturing:
-        seqlens_total = cache_seqlens_t.long() + seqlen_new
-        pages_needed = (seqlens_total + page_size - 1) // page_size  # (B,)
-        used = torch.arange(block_table.shape[1], device=device)[None, :] < pages_needed[:, None]
-        if block_table.numel():
-            stats += [torch.where(used, block_table, 0).min(), torch.where(used, block_table, 0).max()]
-            labels += ["page_min", "page_max"]
-    values = dict(zip(labels, torch.stack([s.to(torch.int64) for s in stats]).tolist())) if stats else {}
-
-    if "seqlens_min" in values:
-        if values["seqlens_min"] < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got a minimum of {values['seqlens_min']}")
-        max_cached = values["seqlens_max"]
     if batch and max_cached + seqlen_new > capacity:
         raise ValueError(
-            f"the cache is too small: cache_seqlens (max {max_cached}) + seqlen_new ({seqlen_new}) = "
+            f"the cache is too small: cache_seqlens ({max_cached}) + seqlen_new ({seqlen_new}) = "
             f"{max_cached + seqlen_new} keys, but the cache holds {capacity} per sequence"
             + (f" (block_table: {block_table.shape[1]} pages of {page_size})" if paged else " (k_cache.shape[1])"))
-    if "bidx_min" in values and not (0 <= values["bidx_min"] and values["bidx_max"] < k_cache.shape[0]):
-        raise ValueError(f"cache_batch_idx must be in 0..{k_cache.shape[0] - 1} (rows of k_cache), got values in "
-                         f"{values['bidx_min']}..{values['bidx_max']}")
-    if "page_min" in values and not (0 <= values["page_min"] and values["page_max"] < num_pages):
-        raise ValueError(f"block_table entries used by the sequences must be in 0..{num_pages - 1} (pages of "
-                         f"k_cache), got values in {values['page_min']}..{values['page_max']}")
+    if batch and CHECK_VALUES and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _check_values(cache_seqlens_t, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0])
 
     _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     q = V.last_dim_contiguous(q)
-
-    # Append the new keys/values in place (through the page table when paged).
-    if seqlen_new and batch:
-        pos = cache_seqlens_t.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # (B, S_new)
-        if paged:
-            index = (block_table.long().gather(1, pos // page_size), pos % page_size)
-        else:
-            rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=device)
-            index = (rows[:, None].expand(batch, seqlen_new), pos)
-        k_cache.index_put_(index, k)
-        v_cache.index_put_(index, v)
-
-    # The kernels index these 1-D tensors (and block_table's rows) with unit stride.
-    seqlens_k = (cache_seqlens_t + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens_t.contiguous()
-    if cache_batch_idx is not None:
+    if cache_batch_idx is not None and cache_batch_idx.stride(0) != 1:
         cache_batch_idx = cache_batch_idx.contiguous()
     if paged and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
+
+    if seqlen_new and batch:  # append the new keys/values in place (through the page table when paged)
+        append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, cache_seqlens_t,
+                  cache_batch_idx, block_table)
+
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     out, lse = decode_attention(
-        q, k_cache, v_cache, seqlens_k, max_cached + seqlen_new if batch else 0, scale, bool(causal),
-        cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits,
+        q, k_cache, v_cache, cache_seqlens_t, max_cached + seqlen_new if batch else 0, scale, bool(causal),
+        cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits, seqlen_new=seqlen_new,
     )
     return (out, lse) if return_softmax_lse else out

@@ -6,6 +6,11 @@ that calls flashtriton compiles with `fullgraph=True` and no graph break.
 
 The ops take validated inputs (see interface.py); the host-side check of cu_seqlens' values lives inside the
 op so that it runs eagerly even under torch.compile.
+
+`attention` is what the public functions call. Outside tracing it skips the custom-op dispatcher (tens of
+microseconds of host time per call, which short sequences and decoding feel) and runs the same
+implementation through a plain `torch.autograd.Function`; under torch.compile / export, fake tensors or any
+dispatch mode it calls the registered op.
 """
 
 from __future__ import annotations
@@ -13,9 +18,39 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .kernels.forward import attention_forward
 from .validation import check_cu_seqlens_values
+
+
+def _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
+                  max_seqlen_q, max_seqlen_k):
+    if cu_seqlens_q is not None:
+        covers_q = check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+        out, lse = attention_forward(
+            q, k, v, softmax_scale, causal, causal_bottom_right,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        )
+        if not covers_q:  # tokens outside every sequence: define them as 0 / -inf rather than leave garbage
+            covered = _covered_rows(cu_seqlens_q, q.shape[0])
+            out[~covered] = 0
+            lse[:, ~covered] = float("-inf")
+        return out, lse
+    return attention_forward(q, k, v, softmax_scale, causal, causal_bottom_right)
+
+
+def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    from .kernels.backward import attention_backward
+
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    return attention_backward(
+        dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    )
 
 
 @torch.library.custom_op("flashtriton::fwd", mutates_args=())
@@ -32,19 +67,8 @@ def attention_fwd_op(
     max_seqlen_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out like q; lse fp32 (B, Hq, Sq) dense or (Hq, total_q) varlen."""
-    if cu_seqlens_q is not None:
-        covers_q = check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
-        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
-        out, lse = attention_forward(
-            q, k, v, softmax_scale, causal, causal_bottom_right,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        )
-        if not covers_q:  # tokens outside every sequence: define them as 0 / -inf rather than leave garbage
-            covered = _covered_rows(cu_seqlens_q, q.shape[0])
-            out[~covered] = 0
-            lse[:, ~covered] = float("-inf")
-        return out, lse
-    return attention_forward(q, k, v, softmax_scale, causal, causal_bottom_right)
+    return _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k)
 
 
 @attention_fwd_op.register_fake
@@ -74,14 +98,8 @@ def attention_bwd_op(
     max_seqlen_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) shaped like (q, k, v); dk/dv summed over each GQA group."""
-    from .kernels.backward import attention_backward
-
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    return attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    )
+    return _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
+                          cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @attention_bwd_op.register_fake
@@ -109,6 +127,44 @@ def _backward(ctx, dout, dlse):
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The op's forward and backward without the dispatcher (eager calls only; see `attention`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k):
+        inputs = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k)
+        output = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k = ctx.args
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _plain(*tensors) -> bool:
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: bool, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+    """(out, lse) with autograd, through the registered op when tracing, directly otherwise."""
+    args = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k)
+    if (torch.compiler.is_compiling() or not _plain(q, k, v, cu_seqlens_q, cu_seqlens_k)
+            or _get_current_dispatch_mode() is not None):
+        return attention_fwd_op(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(*args)
+    return _forward_impl(*args)
 
 
 def _covered_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -388,7 +388,7 @@ def attention_backward(
     if config is None and INTERPRET:
         config = configs.BWD_INTERPRETER_CONFIG
     if config is None and not configs.AUTOTUNE:
-        config = configs.default_bwd_configs(block_d, q.element_size(), q.device)
+        config = configs.default_bwd_configs(block_d, q.element_size(), q.device, bool(causal))
     if config is not None and "dkdv" not in config:
         config = {"dkdv": config, "dq": config}
 

@@ -34,27 +34,35 @@ from .common import LOG2E, dot_settings
 
 @triton.jit
 def _decode_tile(
-    acc, l_i, m_i, q, K_base, V_base, BT_row,
+    acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, num_pages,
     stride_kp, stride_kn, stride_vp, stride_vn,
     offs_d, last_key, start_n, end_n, seqlen_k, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Fold key tiles [start_n, end_n) into the running (acc, l_i, m_i) of the stacked query tile."""
+    """Fold key tiles [start_n, end_n) into the running (acc, l_i, m_i) of the stacked query tile.
+    Paged: a page index outside [0, num_pages) is read as page 0 and counted in n_bad (the caller poisons
+    the result), so a bad block table never makes the kernel read outside the cache."""
     offs_n = tl.arange(0, BLOCK_N)
     for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key positions in the sequence
         if PAGED:
             if PAGE_SIZE % BLOCK_N == 0:  # the whole tile lies in one page
-                page = tl.load(BT_row + n // PAGE_SIZE).to(tl.int64)
+                page = tl.load(BT_row + n // PAGE_SIZE)
+                page_ok = (page >= 0) & (page < num_pages)
+                n_bad += tl.where(page_ok, 0, 1)
+                page = tl.where(page_ok, page, 0).to(tl.int64)
                 k_rows = page * stride_kp + (cols % PAGE_SIZE).to(tl.int64) * stride_kn
                 v_rows = page * stride_vp + (cols % PAGE_SIZE).to(tl.int64) * stride_vn
             else:  # the tile spans several pages: look each key row's page up
                 if MASKED:
-                    pages = tl.load(BT_row + cols // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
+                    pages = tl.load(BT_row + cols // PAGE_SIZE, mask=cols < seqlen_k, other=0)
                 else:
-                    pages = tl.load(BT_row + cols // PAGE_SIZE).to(tl.int64)
+                    pages = tl.load(BT_row + cols // PAGE_SIZE)
+                pages_ok = (pages >= 0) & (pages < num_pages)
+                n_bad += tl.sum(tl.where(pages_ok, 0, 1))
+                pages = tl.where(pages_ok, pages, 0).to(tl.int64)
                 k_rows = pages * stride_kp + (cols % PAGE_SIZE).to(tl.int64) * stride_kn
                 v_rows = pages * stride_vp + (cols % PAGE_SIZE).to(tl.int64) * stride_vn
         else:
@@ -98,13 +106,13 @@ def _decode_tile(
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, n_bad
 
 
 @triton.jit
 def _decode_split(
     Q, K, V, O, LSE,
-    SEQLENS_K,  # int32 (B,): keys of each sequence (cache_seqlens + appended)
+    CACHE_SEQLENS,  # int32 (B,): keys already in the cache before this call's append
     BATCH_IDX,  # int32 (B,): cache row of each sequence (contiguous cache, HAS_BATCH_IDX)
     BLOCK_TABLE,  # int32 (B, max_pages) (PAGED)
     qk_scale,  # softmax_scale * log2(e)
@@ -115,6 +123,9 @@ def _decode_split(
     stride_lb, stride_lm, stride_lh, stride_ls,
     stride_btb,
     NUM_HEADS_KV, SEQLEN_Q, NUM_SPLITS,
+    SEQLEN_NEW,  # keys appended by this call: sequence b attends to CACHE_SEQLENS[b] + SEQLEN_NEW keys
+    CAPACITY,  # keys the cache holds per sequence
+    NUM_CACHE_ROWS,  # rows of the contiguous cache (batch_size_cache) or pages of the paged one
     TUNE_SEQLEN_K,  # power-of-two bucket of keys per split: autotune key only
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -127,7 +138,11 @@ def _decode_split(
     pid_m = tl.program_id(2)
     off_b = pid_bh // NUM_HEADS_KV
     off_hk = pid_bh % NUM_HEADS_KV
-    seqlen_k = tl.load(SEQLENS_K + off_b)
+    # Values are checked here, not on the host (no device-to-host sync): a sequence whose cache length or
+    # cache row is out of range reads nothing and gets NaN (see flash_attn_with_kvcache).
+    cached = tl.load(CACHE_SEQLENS + off_b)
+    seqlen_k = cached + SEQLEN_NEW
+    n_bad = ((cached < 0) | (seqlen_k > CAPACITY)).to(tl.int32)
 
     # Stacked rows: r = i * GROUP_SIZE + g  ->  query row i, query head off_hk * GROUP_SIZE + g.
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -152,13 +167,17 @@ def _decode_split(
         BT_row = BLOCK_TABLE + off_b.to(tl.int64) * stride_btb
     else:
         if HAS_BATCH_IDX:
-            cache_b = tl.load(BATCH_IDX + off_b).to(tl.int64)
+            cache_b = tl.load(BATCH_IDX + off_b)
+            row_bad = (cache_b < 0) | (cache_b >= NUM_CACHE_ROWS)
+            n_bad += row_bad.to(tl.int32)
+            cache_b = tl.where(row_bad, 0, cache_b).to(tl.int64)
         else:
             cache_b = off_b.to(tl.int64)
         K_base = K + cache_b * stride_kb + off_hk * stride_kh
         V_base = V + cache_b * stride_vb + off_hk * stride_vh
         BT_row = BLOCK_TABLE  # unused
 
+    seqlen_k = tl.where(n_bad > 0, 0, seqlen_k)
     # This split's keys: whole BLOCK_N tiles, the same number per split, [start, end).
     blocks_per_split = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), NUM_SPLITS)
     start = split * blocks_per_split * BLOCK_N
@@ -181,13 +200,13 @@ def _decode_split(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _decode_tile(
-        acc, l_i, m_i, q, K_base, V_base, BT_row, stride_kb, stride_kn, stride_vb, stride_vn,
+    acc, l_i, m_i, n_bad = _decode_tile(
+        acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
         offs_d, last_key, start, lo, seqlen_k, qk_scale,
         False, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
-    acc, l_i, m_i = _decode_tile(
-        acc, l_i, m_i, q, K_base, V_base, BT_row, stride_kb, stride_kn, stride_vb, stride_vn,
+    acc, l_i, m_i, n_bad = _decode_tile(
+        acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
         offs_d, last_key, lo, end, seqlen_k, qk_scale,
         True, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
@@ -197,6 +216,10 @@ def _decode_split(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    # Invalid values: out NaN; lse NaN, or +inf in a partial result so that the merge gives NaN for both.
+    poison = n_bad > 0
+    out = tl.where(poison, float("nan"), out)
+    lse = tl.where(poison, tl.where(NUM_SPLITS == 1, float("nan"), float("inf")), lse)
 
     q_off = q_idx.to(tl.int64)
     l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + q_off * stride_lm + off_h * stride_lh + split * stride_ls
@@ -207,6 +230,72 @@ def _decode_split(
     if BLOCK_D != HEAD_DIM:
         o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _append_kv(
+    K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE,
+    stride_knb, stride_knm, stride_knh,  # k, v (B, S_new, Hkv, D), last dim contiguous
+    stride_vnb, stride_vnm, stride_vnh,
+    stride_kb, stride_kn, stride_kh,  # caches: kb is the batch row (contiguous) or the page (paged)
+    stride_vb, stride_vn, stride_vh,
+    stride_btb,
+    SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Write k, v rows [t, t + BLOCK_T) of (batch b, kv head h) at cache positions CACHE_SEQLENS[b] + t ...
+    Grid (B, Hkv, token tiles). A sequence whose values are out of range (cache length, cache row, page)
+    writes nothing there: the decode kernel gives it NaN."""
+    off_b = tl.program_id(0)
+    off_h = tl.program_id(1)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,) new-token index
+    offs_d = tl.arange(0, BLOCK_D)
+    cached = tl.load(CACHE_SEQLENS + off_b)
+    rows_ok = (t < SEQLEN_NEW) & (cached >= 0) & (cached + SEQLEN_NEW <= CAPACITY)
+    pos = cached + t  # (BLOCK_T,) position in the sequence
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_btb + pos // PAGE_SIZE, mask=rows_ok, other=0)
+        rows_ok = rows_ok & (page >= 0) & (page < NUM_CACHE_ROWS)
+        k_dst = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_kn
+        v_dst = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE).to(tl.int64) * stride_vn
+    else:
+        if HAS_BATCH_IDX:
+            row = tl.load(BATCH_IDX + off_b)
+            rows_ok = rows_ok & (row >= 0) & (row < NUM_CACHE_ROWS)
+        else:
+            row = off_b
+        k_dst = row.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
+        v_dst = row.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
+    mask = rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    t64 = t.to(tl.int64)
+    k = tl.load(K_NEW + off_b.to(tl.int64) * stride_knb + t64[:, None] * stride_knm + off_h * stride_knh
+                + offs_d[None, :], mask=mask)
+    v = tl.load(V_NEW + off_b.to(tl.int64) * stride_vnb + t64[:, None] * stride_vnm + off_h * stride_vnh
+                + offs_d[None, :], mask=mask)
+    tl.store(K_CACHE + k_dst[:, None] + off_h * stride_kh + offs_d[None, :], k, mask=mask)
+    tl.store(V_CACHE + v_dst[:, None] + off_h * stride_vh + offs_d[None, :], v, mask=mask)
+
+
+def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
+    """Write k, v (B, S_new, Hkv, D) into the caches at cache_seqlens[b].. (through block_table when paged),
+    in place, one launch. Values out of range write nothing (see `_append_kv`)."""
+    batch, seqlen_new, heads_kv, head_dim = k.shape
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    block_d = configs.padded_head_dim(head_dim)
+    block_t = min(triton.next_power_of_2(seqlen_new), max(1, 4096 // block_d))
+    dummy = cache_seqlens
+    _append_kv[(batch, heads_kv, triton.cdiv(seqlen_new, block_t))](
+        k, v, k_cache, v_cache, cache_seqlens,
+        cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        seqlen_new, capacity, k_cache.shape[0],
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+        HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_T=block_t, num_warps=4,
+    )
 
 
 _decode_split_tuned = triton.autotune(
@@ -300,7 +389,7 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    seqlens_k: torch.Tensor,
+    cache_seqlens: torch.Tensor,
     max_seqlen_k: int,
     softmax_scale: float,
     causal: bool,
@@ -308,12 +397,15 @@ def decode_attention(
     block_table: torch.Tensor | None = None,
     num_splits: int = 0,
     config: dict | None = None,
+    seqlen_new: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the decode kernels on validated inputs (`flashtriton.kvcache` checks them and appends new keys).
 
     q (B, Sq, Hq, D); k_cache, v_cache (B_cache, S_cache, Hkv, D), or paged (num_pages, page_size, Hkv, D)
-    with block_table int32 (B, max_pages); seqlens_k int32 (B,): keys each sequence attends to;
-    max_seqlen_k: their maximum (a Python int: sizes the split heuristic and the autotune key);
+    with block_table int32 (B, max_pages); cache_seqlens int32 (B,): keys in the cache before the append of
+    `seqlen_new` keys (already written): sequence b attends to cache_seqlens[b] + seqlen_new keys;
+    max_seqlen_k: an upper bound of those (a Python int: sizes the split heuristic and the autotune key).
+    Out-of-range values (cache lengths, cache rows, pages) give that sequence NaN, never an out-of-bounds read;
     cache_batch_idx int32 (B,) or None (contiguous cache only). Caches must have a contiguous last dim.
     num_splits: 0 chooses, 1 no split, n > 1 n chunks. `config` forces {"BLOCK_N", "num_warps", "num_stages"}.
     Returns out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) fp32 (natural log).
@@ -344,10 +436,11 @@ def decode_attention(
         o_strides = (dst.stride(0), dst.stride(1), dst.stride(2), dst.stride(3))
         l_strides = (dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2), dst_lse.stride(3))
 
-    dummy = seqlens_k  # stands in for absent int32 pointers
+    dummy = cache_seqlens  # stands in for absent int32 pointers
     upcast, precision = dot_settings(q.dtype)
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     args = (
-        q, k_cache, v_cache, dst, dst_lse, seqlens_k,
+        q, k_cache, v_cache, dst, dst_lse, cache_seqlens,
         cache_batch_idx if cache_batch_idx is not None else dummy,
         block_table if paged else dummy,
         softmax_scale * LOG2E,
@@ -356,7 +449,7 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *o_strides, *l_strides,
         block_table.stride(0) if paged else 0,
-        heads_kv, seqlen_q, num_splits,
+        heads_kv, seqlen_q, num_splits, seqlen_new, capacity, k_cache.shape[0],
         configs.seqlen_bucket(triton.cdiv(max(max_seqlen_k, 1), num_splits)),
     )
     constexprs = dict(

@@ -229,7 +229,8 @@ def launch_forward(
     if config is None and INTERPRET:
         config = configs.FWD_INTERPRETER_CONFIG
     if config is None and not configs.AUTOTUNE:
-        config = configs.default_fwd_config(constexprs["BLOCK_D"], q.element_size(), q.device, seqlen_q)
+        config = configs.default_fwd_config(constexprs["BLOCK_D"], q.element_size(), q.device, seqlen_q, seqlen_k,
+                                            bool(causal))
     if config is None:
         _attn_fwd_tuned[grid](*args, **constexprs)
         return out, lse, None
