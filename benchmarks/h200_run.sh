@@ -3,7 +3,7 @@
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
 # Steps: tests (whole suite), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
-# eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), serving (varlen,
+# eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), serving (varlen,
 # decode). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
@@ -31,6 +31,8 @@ for step in "$@"; do
     final) timeout 290 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --modes fwd,bwd \
         --dtypes fp16,bf16 --head-dims 64,128 --rep 40 --warmup 10 --out $R/final --no-plots > $R/final.txt 2>&1
       grep -v "it/s" $R/final.txt | tail -100 ;;
+    d256) timeout 90 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 10 \
+        --dtypes fp16,bf16 --head-dims 256 --out $R/d256 --no-plots > $R/d256.txt 2>&1; grep -v "it/s" $R/d256.txt | tail -30 ;;
     fwdfinal) timeout 65 python -m flashtriton bench --providers flashtriton,sdpa_cudnn,seed --modes fwd --dtypes fp16,bf16 \
         --head-dims 64,128 --rep 40 --warmup 10 --out $R/fwd_final --no-plots > $R/fwd_final.txt 2>&1; grep -v "it/s" $R/fwd_final.txt | tail -52 ;;
     gputests) timeout 80 python -m pytest -v -n 8 -p no:cacheprovider --tb=line -m gpu tests > $R/pytest_gpu.txt 2>&1

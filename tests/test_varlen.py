@@ -38,9 +38,11 @@ def run_varlen(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, causal,
         seen = torch.isfinite(exact_lse[0])
         assert torch.equal(torch.isfinite(lse[:, sq]), seen)
         torch.testing.assert_close(lse[:, sq][seen].double(), exact_lse[0][seen], atol=1e-3, rtol=1e-3)
-        # the dense path on the same sequence gives the same answer
+        # the dense path on the same sequence gives the same answer, up to rounding: its tile config follows
+        # the sequence's own length, the varlen launch's follows max_seqlen (one ulp of bf16 is 2**-8 at 0.5)
         dense = flashtriton.flash_attn_func(qb, kb, vb, causal=causal)
-        torch.testing.assert_close(out[None, sq], dense, atol=2e-3, rtol=2e-3)
+        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}[dtype]
+        torch.testing.assert_close(out[None, sq], dense, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -41,14 +41,24 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host. (`triton.cdiv` is a constexpr function: ~3 us per host call.)"""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1), on the host, like `triton.next_power_of_2` but cheap."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def seqlen_bucket(seqlen: int) -> int:
     """Power-of-two bucket used in autotune keys (16 … 65536+)."""
-    return min(max(16, triton.next_power_of_2(max(int(seqlen), 1))), 1 << 16)
+    return min(max(16, next_power_of_2(max(int(seqlen), 1))), 1 << 16)
 
 
 def padded_head_dim(head_dim: int) -> int:
     """Head dims are padded inside the kernels to a power of two of at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 # ----------------------------------------------------------------------------------------------------------

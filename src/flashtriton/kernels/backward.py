@@ -372,7 +372,7 @@ def attention_backward(
     l_s = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     block_d = configs.padded_head_dim(head_dim)
 
-    _attn_bwd_preprocess[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), heads_q, batch)](
+    _attn_bwd_preprocess[(configs.cdiv(seqlen_q, PREPROCESS_BLOCK_M), heads_q, batch)](
         out, dout, delta, cu_seqlens_q, *o_s, *do_s, *l_s, seqlen_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
     )
@@ -393,10 +393,10 @@ def attention_backward(
         config = {"dkdv": config, "dq": config}
 
     def grid_dkdv(meta):
-        return (triton.cdiv(seqlen_k, meta["BLOCK_N"]), heads_kv, batch)
+        return (configs.cdiv(seqlen_k, meta["BLOCK_N"]), heads_kv, batch)
 
     def grid_dq(meta):
-        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
+        return (configs.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
     args_dkdv = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s, *l_s,
                  heads_q // heads_kv, *tail)

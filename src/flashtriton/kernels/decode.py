@@ -21,6 +21,7 @@ Offsets into the cache are int64.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -284,9 +285,9 @@ def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     block_d = configs.padded_head_dim(head_dim)
-    block_t = min(triton.next_power_of_2(seqlen_new), max(1, 4096 // block_d))
+    block_t = min(configs.next_power_of_2(seqlen_new), max(1, 4096 // block_d))
     dummy = cache_seqlens
-    _append_kv[(batch, heads_kv, triton.cdiv(seqlen_new, block_t))](
+    _append_kv[(batch, heads_kv, configs.cdiv(seqlen_new, block_t))](
         k, v, k_cache, v_cache, cache_seqlens,
         cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -347,10 +348,15 @@ def _decode_merge(
     tl.store(LSE + off_b.to(tl.int64) * stride_lb + off_m.to(tl.int64) * stride_lm + off_h * stride_lh, lse)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda" or INTERPRET:
         return configs.DECODE_INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def choose_num_splits(programs: int, max_seqlen_k: int, device: torch.device, num_sms: int | None = None) -> int:
@@ -362,7 +368,12 @@ def choose_num_splits(programs: int, max_seqlen_k: int, device: torch.device, nu
     the best, with at least `DECODE_MIN_SPLIT_KEYS` keys per split and at most 128 splits. `num_sms`
     overrides the device's SM count (off the GPU a small `configs.DECODE_INTERPRETER_SMS`).
     """
-    slots = configs.DECODE_PROGRAMS_PER_SM * (num_sms or _num_sms(device))
+    return _choose_num_splits(programs, max_seqlen_k, num_sms or _num_sms(device))
+
+
+@functools.lru_cache(maxsize=4096)  # on every decode call's path: decoding repeats a few shapes
+def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int) -> int:
+    slots = configs.DECODE_PROGRAMS_PER_SM * num_sms
     if programs >= 0.8 * slots:
         return 1
     n_blocks = max(1, math.ceil(max_seqlen_k / configs.DECODE_MIN_SPLIT_KEYS))
@@ -382,7 +393,7 @@ def choose_num_splits(programs: int, max_seqlen_k: int, device: torch.device, nu
 
 def decode_block_m(rows: int) -> int:
     """M tile for `rows` = Sq · group stacked query rows: at least 16 (tl.dot), at most 64."""
-    return min(max(16, triton.next_power_of_2(max(rows, 1))), 64)
+    return min(max(16, configs.next_power_of_2(max(rows, 1))), 64)
 
 
 def decode_attention(
@@ -421,7 +432,7 @@ def decode_attention(
     paged = block_table is not None
     rows = seqlen_q * group
     block_m = decode_block_m(rows)
-    m_tiles = triton.cdiv(rows, block_m)
+    m_tiles = configs.cdiv(rows, block_m)
     if num_splits == 0:
         num_splits = choose_num_splits(batch * heads_kv * m_tiles, max_seqlen_k, q.device)
     num_splits = max(1, int(num_splits))
@@ -450,7 +461,7 @@ def decode_attention(
         *o_strides, *l_strides,
         block_table.stride(0) if paged else 0,
         heads_kv, seqlen_q, num_splits, seqlen_new, capacity, k_cache.shape[0],
-        configs.seqlen_bucket(triton.cdiv(max(max_seqlen_k, 1), num_splits)),
+        configs.seqlen_bucket(configs.cdiv(max(max_seqlen_k, 1), num_splits)),
     )
     constexprs = dict(
         GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=configs.padded_head_dim(head_dim),
@@ -477,7 +488,7 @@ def decode_attention(
             lse.stride(0), lse.stride(2), lse.stride(1),
             heads_q, seqlen_q, num_splits,
             HEAD_DIM=head_dim, BLOCK_D=configs.padded_head_dim(head_dim),
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_S=max(2, configs.next_power_of_2(num_splits)),
             num_warps=1 if head_dim <= 64 else 2 if head_dim <= 128 else 4,
         )
     return out, lse

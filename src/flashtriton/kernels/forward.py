@@ -224,7 +224,7 @@ def launch_forward(
     )
 
     def grid(meta):
-        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
+        return (configs.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
     if config is None and INTERPRET:
         config = configs.FWD_INTERPRETER_CONFIG
