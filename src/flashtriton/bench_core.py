@@ -126,7 +126,11 @@ def varlen_flops(seqlens, heads: int, head_dim: int, causal: bool, mode: str) ->
 # environment
 # ----------------------------------------------------------------------------------------------------------
 def git_sha() -> str:
-    """HEAD of the checkout this file lives in, '+dirty' if it has changes; 'unknown' without git."""
+    """The environment variable FLASHTRITON_GIT_SHA when set (a copy of a checkout on another machine, whose
+    .git may be stale or absent), else HEAD of the checkout this file lives in, '+dirty' if it has changes;
+    'unknown' without either."""
+    if os.environ.get("FLASHTRITON_GIT_SHA"):
+        return os.environ["FLASHTRITON_GIT_SHA"]
     root = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
