@@ -252,20 +252,24 @@ def _append_kv(
     off_h = tl.program_id(1)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,) new-token index
     offs_d = tl.arange(0, BLOCK_D)
+    # Scalar validity folds into the number of rows to write (mixing scalar and tensor masks with `&` trips
+    # triton 3.9's interpreter, which then builds int32 masks).
     cached = tl.load(CACHE_SEQLENS + off_b)
-    rows_ok = (t < SEQLEN_NEW) & (cached >= 0) & (cached + SEQLEN_NEW <= CAPACITY)
+    n_new = tl.where((cached >= 0) & (cached + SEQLEN_NEW <= CAPACITY), SEQLEN_NEW, 0)
+    if not PAGED:
+        if HAS_BATCH_IDX:
+            row = tl.load(BATCH_IDX + off_b)
+            n_new = tl.where((row >= 0) & (row < NUM_CACHE_ROWS), n_new, 0)
+        else:
+            row = off_b
+    rows_ok = t < n_new
     pos = cached + t  # (BLOCK_T,) position in the sequence
     if PAGED:
         page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_btb + pos // PAGE_SIZE, mask=rows_ok, other=0)
-        rows_ok = rows_ok & (page >= 0) & (page < NUM_CACHE_ROWS)
+        rows_ok = rows_ok & ((page >= 0) & (page < NUM_CACHE_ROWS))
         k_dst = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_kn
         v_dst = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE).to(tl.int64) * stride_vn
     else:
-        if HAS_BATCH_IDX:
-            row = tl.load(BATCH_IDX + off_b)
-            rows_ok = rows_ok & (row >= 0) & (row < NUM_CACHE_ROWS)
-        else:
-            row = off_b
         k_dst = row.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
         v_dst = row.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
     mask = rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
