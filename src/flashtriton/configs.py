@@ -113,6 +113,22 @@ def default_fwd_config(head_dim_padded: int, elem_bytes: int, device: torch.devi
     return _config(128, 64, 8, 3)
 
 
+# Hopper's TMA forward (kernels.forward._attn_fwd_tma; dense fp16/bf16, head dim 128). FLASHTRITON_TMA=0 turns
+# it off (the portable kernel everywhere, as on Ampere).
+USE_TMA: bool = os.environ.get("FLASHTRITON_TMA", "1") != "0"
+
+
+def default_fwd_tma_config(seqlen_q: int, seqlen_k: int, causal: bool) -> dict:
+    """From the H200 run of benchmarks/experiments/tma_forward.py (f3abb6aa79ad,
+    benchmarks/2026-11-29-h200/experiments/tma_forward.json; D=128 fp16, B·T = 16384): 64x64 tiles with 4
+    warps up to T = 1024 non-causal / 4096 causal (472 TFLOP/s non-causal T=1024 against 404 for the portable
+    kernel; causal T=1024 365 against 305), 128x128 with 8 warps beyond (non-causal T=16384 517 against 480,
+    causal 533 against 487); 3 stages."""
+    if (causal and seqlen_q <= 4096) or (not causal and seqlen_k < 4096):
+        return _config(64, 64, 4, 3)
+    return _config(128, 128, 8, 3)
+
+
 def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:
     bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
     warps, stages = config.num_warps, config.num_stages

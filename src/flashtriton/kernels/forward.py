@@ -157,6 +157,106 @@ _attn_fwd_tuned = triton.autotune(
 )(_attn_fwd)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Hopper: the same kernel with Q, K, V, O moved by TMA (host tensor descriptors over the (B, S, H, D) tensors)
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_fwd_tile_tma(
+    acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk,
+    offs_m, offs_n, start_n, end_n, seqlen_k, causal_offset, qk_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """`_attn_fwd_tile` with K/V tiles loaded by TMA (rows past the tensor's end arrive as zeros)."""
+    for n in range(start_n, end_n, BLOCK_N):
+        cols = n + offs_n  # (BLOCK_N,) key indices
+        k = desc_k.load([off_b, n, off_hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # (BLOCK_N, D)
+        v = desc_v.load([off_b, n, off_hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # (BLOCK_N, D)
+        qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
+        if MASKED:
+            visible = cols[None, :] < seqlen_k
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp2 gives 0, not NaN
+            qk = qk - m_new[:, None]
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_new[:, None]
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_tma(
+    desc_q, desc_k, desc_v, desc_o, LSE,
+    qk_scale, stride_lb, stride_lh, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """`_attn_fwd` for dense fp16/bf16 inputs with HEAD_DIM = 128 on Hopper. Grid (query tiles, heads, batch).
+    Query rows past the end load as zeros and are not stored (TMA clips the store; the lse store is masked)."""
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // GROUP_SIZE
+    start_m = tl.num_programs(0) - 1 - pid_m if IS_CAUSAL else pid_m
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = desc_q.load([off_b, start_m * BLOCK_M, off_h, 0]).reshape(BLOCK_M, HEAD_DIM)  # (BLOCK_M, D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, hi, causal_offset = key_range(start_m, SEQLEN_Q, SEQLEN_K, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, offs_m, offs_n,
+                                       0, lo, SEQLEN_K, causal_offset, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, offs_m, offs_n,
+                                       lo, hi, SEQLEN_K, causal_offset, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N)
+
+    empty = l_i == 0.0  # rows that saw no key: out 0, lse -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + off_b.to(tl.int64) * stride_lb + off_h * stride_lh + offs_m, lse, mask=offs_m < SEQLEN_Q)
+    desc_o.store([off_b, start_m * BLOCK_M, off_h, 0], out.to(desc_o.dtype).reshape(1, BLOCK_M, 1, HEAD_DIM))
+
+
+def _tma_eligible(q, k, v, out, varlen: bool) -> bool:
+    """The Hopper TMA path takes dense fp16/bf16 inputs with head dim 128 whose base addresses and strides are
+    16-byte aligned (TMA's rules); everything else (and FLASHTRITON_TMA=0) takes the portable kernel."""
+    if (varlen or INTERPRET or not configs.USE_TMA or q.device.type != "cuda" or q.shape[-1] != 128
+            or q.dtype not in (torch.float16, torch.bfloat16) or configs.capability(q.device)[0] != 9):
+        return False
+    for t in (q, k, v, out):
+        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]) or min(t.shape) == 0:
+            return False
+    return True
+
+
+def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+
+    def desc(t, rows):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, head_dim])
+
+    _attn_fwd_tma[(configs.cdiv(seqlen_q, bm), heads_q, batch)](
+        desc(q, bm), desc(k, bn), desc(v, bn), desc(out, bm), lse,
+        softmax_scale * LOG2E, lse.stride(0), lse.stride(1), heads_q // heads_kv, seqlen_q, seqlen_k,
+        HEAD_DIM=head_dim, IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
 def attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel: (out, lse). Arguments as `launch_forward`."""
     out, lse, _ = launch_forward(*args, **kwargs)
@@ -182,7 +282,8 @@ def launch_forward(
     Varlen: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens int32 (B + 1,)
                                                       ->  out (total_q, Hq, D), lse (Hq, total_q) fp32
     Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
-    "num_stages"} instead of autotuning (always so under the interpreter).
+    "num_stages"} of the portable kernel instead of autotuning (always so under the interpreter). Without
+    one, dense fp16/bf16 inputs with head dim 128 on Hopper take the TMA kernel (`_attn_fwd_tma`).
     Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """
@@ -209,6 +310,11 @@ def launch_forward(
         l_strides = (lse.stride(0), lse.stride(1))
     if out.numel() == 0 or seqlen_q == 0:
         return out, lse.fill_(float("-inf")), None
+
+    if config is None and _tma_eligible(q, k, v, out, varlen):
+        tma_config = configs.default_fwd_tma_config(seqlen_q, seqlen_k, bool(causal))
+        _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config)
+        return out, lse, None
 
     upcast, precision = dot_settings(q.dtype)
     args = (
