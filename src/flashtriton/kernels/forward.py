@@ -228,8 +228,8 @@ def _attn_fwd_tma(
 
 
 def _tma_eligible(q, k, v, out, varlen: bool) -> bool:
-    """The Hopper TMA path takes dense fp16/bf16 inputs with head dim 128 whose base addresses and strides are
-    16-byte aligned (TMA's rules); everything else (and FLASHTRITON_TMA=0) takes the portable kernel."""
+    """With FLASHTRITON_TMA=1, the Hopper TMA path takes dense fp16/bf16 inputs with head dim 128 whose base
+    addresses and strides are 16-byte aligned (TMA's rules); everything else takes the portable kernel."""
     if (varlen or INTERPRET or not configs.USE_TMA or q.device.type != "cuda" or q.shape[-1] != 128
             or q.dtype not in (torch.float16, torch.bfloat16) or configs.capability(q.device)[0] != 9):
         return False
@@ -283,7 +283,8 @@ def launch_forward(
                                                       ->  out (total_q, Hq, D), lse (Hq, total_q) fp32
     Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
     "num_stages"} of the portable kernel instead of autotuning (always so under the interpreter). Without
-    one, dense fp16/bf16 inputs with head dim 128 on Hopper take the TMA kernel (`_attn_fwd_tma`).
+    one, with FLASHTRITON_TMA=1, dense fp16/bf16 inputs with head dim 128 on Hopper take the TMA kernel
+    (`_attn_fwd_tma`).
     Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """
