@@ -165,12 +165,15 @@ def _attn_fwd_tile_tma(
     acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk,
     offs_m, offs_n, start_n, end_n, seqlen_k, causal_offset, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """`_attn_fwd_tile` with K/V tiles loaded by TMA (rows past the tensor's end arrive as zeros)."""
     for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key indices
         k = desc_k.load([off_b, n, off_hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # (BLOCK_N, D)
         v = desc_v.load([off_b, n, off_hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # (BLOCK_N, D)
+        if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
+            k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
         if MASKED:
             visible = cols[None, :] < seqlen_k
@@ -187,7 +190,10 @@ def _attn_fwd_tile_tma(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        if UPCAST_DOT:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -197,7 +203,7 @@ def _attn_fwd_tma(
     desc_q, desc_k, desc_v, desc_o, LSE,
     qk_scale, stride_lb, stride_lh, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr = False,
 ):
     """`_attn_fwd` for dense fp16/bf16 inputs with HEAD_DIM = 128 on Hopper. Grid (query tiles, heads, batch).
     Query rows past the end load as zeros and are not stored (TMA clips the store; the lse store is masked)."""
@@ -209,15 +215,19 @@ def _attn_fwd_tma(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     q = desc_q.load([off_b, start_m * BLOCK_M, off_h, 0]).reshape(BLOCK_M, HEAD_DIM)  # (BLOCK_M, D)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, hi, causal_offset = key_range(start_m, SEQLEN_Q, SEQLEN_K, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, offs_m, offs_n,
-                                       0, lo, SEQLEN_K, causal_offset, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N)
+                                       0, lo, SEQLEN_K, causal_offset, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N,
+                                       UPCAST_DOT)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, offs_m, offs_n,
-                                       lo, hi, SEQLEN_K, causal_offset, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N)
+                                       lo, hi, SEQLEN_K, causal_offset, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N,
+                                       UPCAST_DOT)
 
     empty = l_i == 0.0  # rows that saw no key: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -253,7 +263,8 @@ def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_
         desc(q, bm), desc(k, bn), desc(v, bn), desc(out, bm), lse,
         softmax_scale * LOG2E, lse.stride(0), lse.stride(1), heads_q // heads_kv, seqlen_q, seqlen_k,
         HEAD_DIM=head_dim, IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(q.dtype)[0],
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
 
