@@ -45,8 +45,11 @@ def signature(fn, constexprs):
 
 
 def code_only(ptx: str) -> str:
-    ptx = ptx.split(".section")[0]  # drop debug sections
-    return "\n".join(line for line in ptx.splitlines() if line.strip() and not re.match(r"^\$L__tmp\d+:", line))
+    """The instructions: debug sections, labels and source positions (.loc / .file, which move with any edit
+    of the file) dropped."""
+    ptx = ptx.split(".section")[0]
+    return "\n".join(line for line in ptx.splitlines()
+                     if line.strip() and not re.match(r"^(\$L__tmp\d+:|\s*\.(loc|file)\b)", line))
 
 
 def main(out_dir: str) -> None:
@@ -63,6 +66,28 @@ def main(out_dir: str) -> None:
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
             path = out / f"{name}_d{head_dim}_causal{int(causal)}_varlen{int(varlen)}.ptx"
+            path.write_text(code_only(compiled.asm["ptx"]))
+            print(path)
+    tma_kernels(out)
+
+
+def tma_kernels(out: Path) -> None:
+    """The Hopper TMA forward, with tensor-descriptor arguments, at its two heuristic tile shapes."""
+    fn = forward._attn_fwd_tma
+    for causal in (False, True):
+        for block_m, block_n, warps, stages in ((64, 64, 4, 3), (128, 128, 8, 3)):
+            constexprs = dict(HEAD_DIM=128, IS_CAUSAL=causal, CAUSAL_BOTTOM_RIGHT=True, BLOCK_M=block_m,
+                              BLOCK_N=block_n, UPCAST_DOT=False)
+            sig = {"desc_q": f"tensordesc<fp16[1,{block_m},1,128]>", "desc_k": f"tensordesc<fp16[1,{block_n},1,128]>",
+                   "desc_v": f"tensordesc<fp16[1,{block_n},1,128]>", "desc_o": f"tensordesc<fp16[1,{block_m},1,128]>",
+                   "LSE": "*fp32", "qk_scale": "fp32"}
+            for name in fn.arg_names:
+                sig.setdefault(name, "constexpr" if name in constexprs else "i32")
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                     if n in ("LSE", "stride_lb", "stride_lh", "SEQLEN_Q", "SEQLEN_K")}
+            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                      target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+            path = out / f"fwd_tma_causal{int(causal)}_{block_m}x{block_n}.ptx"
             path.write_text(code_only(compiled.asm["ptx"]))
             print(path)
 

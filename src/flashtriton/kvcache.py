@@ -32,6 +32,13 @@ def _check_int32_tensor(name: str, t, shape: tuple[int, ...], shape_text: str, d
         raise ValueError(f"{name} must be on {device} like q, got {t.device}")
 
 
+def _cache_too_small(shown: str, cached: int, seqlen_new: int, capacity: int, block_table) -> ValueError:
+    where = (f"block_table: {block_table.shape[1]} pages of {capacity // block_table.shape[1]}"
+             if block_table is not None else "k_cache.shape[1]")
+    return ValueError(f"the cache is too small: cache_seqlens ({shown}) + seqlen_new ({seqlen_new}) = "
+                      f"{cached + seqlen_new} keys, but the cache holds {capacity} per sequence ({where})")
+
+
 def _check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new: int, capacity: int, cache_rows: int):
     """Host-side range checks of the device tensors' values: one stacked device-to-host copy."""
     stats, labels = [cache_seqlens.min(), cache_seqlens.max()], ["seqlens_min", "seqlens_max"]
@@ -49,11 +56,7 @@ def _check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new: int, 
     if values["seqlens_min"] < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got a minimum of {values['seqlens_min']}")
     if values["seqlens_max"] + seqlen_new > capacity:
-        raise ValueError(
-            f"the cache is too small: cache_seqlens (max {values['seqlens_max']}) + seqlen_new ({seqlen_new}) = "
-            f"{values['seqlens_max'] + seqlen_new} keys, but the cache holds {capacity} per sequence"
-            + (f" (block_table: {block_table.shape[1]} pages of {capacity // block_table.shape[1]})"
-               if block_table is not None else " (k_cache.shape[1])"))
+        raise _cache_too_small(f"max {values['seqlens_max']}", values["seqlens_max"], seqlen_new, capacity, block_table)
     if "bidx_min" in values and not (0 <= values["bidx_min"] and values["bidx_max"] < cache_rows):
         raise ValueError(f"cache_batch_idx must be in 0..{cache_rows - 1} (rows of k_cache), got values in "
                          f"{values['bidx_min']}..{values['bidx_max']}")
@@ -208,7 +211,7 @@ def flash_attn_with_kvcache(
             raise (ValueError if isinstance(block_table, torch.Tensor) else TypeError)(
                 f"block_table must be a 2-D int32 tensor (batch_size, max_num_pages), got {got}")
         _check_int32_tensor("block_table", block_table, (batch, block_table.shape[1]), "(batch_size, max_num_pages)", device)
-        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        page_size = k_cache.shape[1]
         if page_size % 16 != 0 or page_size == 0:
             raise ValueError(f"the page size (k_cache.shape[1]) must be a positive multiple of 16 with block_table, got {page_size}")
         capacity = block_table.shape[1] * page_size
@@ -240,10 +243,7 @@ def flash_attn_with_kvcache(
     else:
         raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor (batch_size,), got {type(cache_seqlens).__name__}")
     if batch and max_cached + seqlen_new > capacity:
-        raise ValueError(
-            f"the cache is too small: cache_seqlens ({max_cached}) + seqlen_new ({seqlen_new}) = "
-            f"{max_cached + seqlen_new} keys, but the cache holds {capacity} per sequence"
-            + (f" (block_table: {block_table.shape[1]} pages of {page_size})" if paged else " (k_cache.shape[1])"))
+        raise _cache_too_small(str(max_cached), max_cached, seqlen_new, capacity, block_table)
     if batch and CHECK_VALUES and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _check_values(cache_seqlens_t, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0])
 

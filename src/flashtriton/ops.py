@@ -116,14 +116,18 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not differentiated
 
 
-def _backward(ctx, dout, dlse):
+def _gradients(ctx, dout, backward_fn):
+    """(dq, dk, dv, None...) for the inputs saved by `_setup_context`, through `backward_fn` (the registered
+    op, or its implementation when called eagerly)."""
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k = ctx.args
-    dq, dk, dv = attention_bwd_op(
-        dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    )
+    dq, dk, dv = backward_fn(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
+                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _backward(ctx, dout, dlse):
+    return _gradients(ctx, dout, attention_bwd_op)
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -143,11 +147,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k = ctx.args
-        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
-                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return _gradients(ctx, dout, _backward_impl)
 
 
 def _plain(*tensors) -> bool:

@@ -20,9 +20,55 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side TMA descriptors (triton >= 3.4); without them the TMA path is never taken
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 from .. import configs
 from .._env import INTERPRET
 from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds
+
+
+@triton.jit
+def _softmax_step(
+    acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold one K/V tile into the running (acc, l_i, m_i): qk (BLOCK_M, BLOCK_N) are the raw scores Q Kᵀ of
+    keys `cols`, v (BLOCK_N, BLOCK_D) their values. MASKED tiles hide keys past seqlen_k (and, causal, past
+    each row's diagonal)."""
+    if MASKED:
+        visible = cols[None, :] < seqlen_k
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        qk = qk - m_new[:, None]
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        qk = qk * qk_scale - m_new[:, None]
+    p = tl.math.exp2(qk)  # (BLOCK_M, BLOCK_N)
+    alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if UPCAST_DOT:
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _softmax_finish(acc, l_i, m_i):
+    """(out, lse) of the finished rows; rows that saw no key (causal with Sq > Sk): out 0, lse -inf, never NaN."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # base 2 -> e
+    return out, lse
 
 
 @triton.jit
@@ -44,27 +90,8 @@ def _attn_fwd_tile(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        if MASKED:
-            visible = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            qk = qk - m_new[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_new[:, None]
-        p = tl.math.exp2(qk)  # (BLOCK_M, BLOCK_N)
-        alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if UPCAST_DOT:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DOT_PRECISION)
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
+                                      MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
@@ -134,11 +161,7 @@ def _attn_fwd(
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
 
-    # Rows that saw no key (causal with Sq > Sk): output 0 and lse -inf, never NaN.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # base 2 -> e
+    out, lse = _softmax_finish(acc, l_i, m_i)
 
     row_ok = offs_m < seqlen_q
     tl.store(LSE + batch_l + off_h * stride_lh + offs_m, lse, mask=row_ok)
@@ -175,26 +198,8 @@ def _attn_fwd_tile_tma(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
-        if MASKED:
-            visible = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp2 gives 0, not NaN
-            qk = qk - m_new[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_new[:, None]
-        p = tl.math.exp2(qk)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if UPCAST_DOT:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
+                                      MASKED, IS_CAUSAL, UPCAST_DOT, "tf32")
     return acc, l_i, m_i
 
 
@@ -229,10 +234,7 @@ def _attn_fwd_tma(
                                        lo, hi, SEQLEN_K, causal_offset, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N,
                                        UPCAST_DOT)
 
-    empty = l_i == 0.0  # rows that saw no key: out 0, lse -inf
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    out, lse = _softmax_finish(acc, l_i, m_i)
     tl.store(LSE + off_b.to(tl.int64) * stride_lb + off_h * stride_lh + offs_m, lse, mask=offs_m < SEQLEN_Q)
     desc_o.store([off_b, start_m * BLOCK_M, off_h, 0], out.to(desc_o.dtype).reshape(1, BLOCK_M, 1, HEAD_DIM))
 
@@ -240,8 +242,9 @@ def _attn_fwd_tma(
 def _tma_eligible(q, k, v, out, varlen: bool) -> bool:
     """With FLASHTRITON_TMA=1, the Hopper TMA path takes dense fp16/bf16 inputs with head dim 128 whose base
     addresses and strides are 16-byte aligned (TMA's rules); everything else takes the portable kernel."""
-    if (varlen or INTERPRET or not configs.USE_TMA or q.device.type != "cuda" or q.shape[-1] != 128
-            or q.dtype not in (torch.float16, torch.bfloat16) or configs.capability(q.device)[0] != 9):
+    if (varlen or INTERPRET or not configs.USE_TMA or TensorDescriptor is None or q.device.type != "cuda"
+            or q.shape[-1] != 128 or q.dtype not in (torch.float16, torch.bfloat16)
+            or configs.capability(q.device)[0] != 9):
         return False
     for t in (q, k, v, out):
         if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]) or min(t.shape) == 0:
@@ -250,8 +253,6 @@ def _tma_eligible(q, k, v, out, varlen: bool) -> bool:
 
 
 def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
