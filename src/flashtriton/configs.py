@@ -115,7 +115,7 @@ def default_fwd_config(head_dim_padded: int, elem_bytes: int, device: torch.devi
 
 # Hopper's TMA forward (kernels.forward._attn_fwd_tma; dense fp16/bf16, head dim 128): opt-in with
 # FLASHTRITON_TMA=1 (or configs.USE_TMA = True). Correct on the H200 (the whole suite passed with it on, 1966f480b54d)
-# and 1.07-1.20x the portable kernel at D=128 from T=1024 (runs/1966f480b54d/fwd_tma), but its one full sweep
+# and 1.08-1.20x the portable kernel in the same run (experiments/tma_forward.json), but its one full sweep
 # had fp16 causal T=512 at 176 TFLOP/s against the notebook kernel's 228 (a wide, host-disturbed distribution:
 # p20 0.178 ms, p80 0.215; bf16 at the same point 262): on by default once a clean sweep confirms it.
 USE_TMA: bool = os.environ.get("FLASHTRITON_TMA", "0") == "1"
