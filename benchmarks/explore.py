@@ -1,6 +1,6 @@
 """Sweep kernel variants on the GPU to choose heuristic configs (the experiments behind docs/performance.md).
 
-    python benchmarks/explore.py fwd|bwd|decode|host --out DIR [--jobs N]
+    python benchmarks/explore.py fwd|bwd|decode|host|tma|varlen --out DIR [--jobs N]
 
 Each sweep compiles its variants first in N parallel processes (Triton's on-disk cache then serves the timing
 process), and times them one at a time in one process with `triton.testing.do_bench` (median, L2 flushed).
@@ -53,12 +53,21 @@ DECODE_POINTS = [(1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (8, 
 DECODE_SPLITS = [0, 1, 2, 4, 8, 16, 32, 64, 128]
 
 
+TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2)],
+               64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)]}
+
+VARLEN_FWD = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
+VARLEN_BWD_DKDV = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
+VARLEN_BWD_DQ = [(64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if os.environ.get("EXPLORE_SMOKE"):  # logic check on a CPU (TRITON_INTERPRET=1): tiny lists
+SMOKE = bool(os.environ.get("EXPLORE_SMOKE"))
+if SMOKE:  # logic check on a CPU (TRITON_INTERPRET=1): tiny lists
     FWD_CONFIGS, FWD_SEQLENS, BWD_SEQLENS = FWD_CONFIGS[:2], [64], [64]
     BWD_DKDV = {d: v[:1] for d, v in BWD_DKDV.items()}
     BWD_DQ = {d: v[:1] for d, v in BWD_DQ.items()}
     DECODE_CONFIGS, DECODE_POINTS, DECODE_SPLITS = DECODE_CONFIGS[:1], [(2, 64)], [0, 2]
+    VARLEN_FWD, VARLEN_BWD_DKDV, VARLEN_BWD_DQ = VARLEN_FWD[:1], VARLEN_BWD_DKDV[:1], VARLEN_BWD_DQ[:1]
 
 
 def cfg(t):
@@ -112,6 +121,14 @@ def _compile_job(job):
             both = configs.default_bwd_configs(D, 2, q.device)
             both[which] = cfg(c)
             B.attention_backward(torch.randn_like(out), q, k, v, out, lse, D ** -0.5, causal, config=both)
+        elif kind == "tma":
+            D, dtype, causal, c = args
+            q, k, v = fwd_inputs(256, D, DTYPE[dtype])
+            _tma_forward(q, k, v, causal, c)
+        elif kind == "varlen":
+            which, causal, c = args
+            q, k, v, cu, mx = _varlen_inputs(small=True)
+            _varlen_run(which, q, k, v, cu, mx, causal, c)
         elif kind == "decode":
             c, splits = args
             _decode_run(1, 4096, splits, dcfg(c))
@@ -218,6 +235,109 @@ def sweep_bwd(opts):
                           + "".join(f" | {r['variant']} {r['tflops']:.0f}" for r in sel), flush=True)
                 # the time of each kernel alone, for the default config (torch profiler-free: events)
                 del q, k, v, out, lse, do
+    return rows
+
+
+def _tma_forward(q, k, v, causal, c):
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+    F._launch_forward_tma(q, k, v, out, lse, q.shape[-1] ** -0.5, causal, True, cfg(c))
+    return out
+
+
+def sweep_tma(opts):
+    """Hopper TMA forward (each config) against the portable kernel's default and cuDNN, same run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    jobs = [("tma", (D, dt, c, x)) for D in (128, 64) for dt in ("fp16", "bf16") for c in (False, True)
+            for x in TMA_CONFIGS[D]]
+    precompile(jobs, opts.jobs)
+    rows = []
+    for D in (128, 64):
+        for dt in ("fp16", "bf16"):
+            for causal in (False, True):
+                for T in FWD_SEQLENS:
+                    q, k, v = fwd_inputs(T, D, DTYPE[dt])
+                    flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
+                    ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal)
+                    here = []
+                    cands = [("portable", lambda: F.attention_forward(q, k, v, D ** -0.5, causal))]
+                    cands += [(str(c), lambda c=c: _tma_forward(q, k, v, causal, c)) for c in TMA_CONFIGS[D]]
+                    qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+
+                    def cudnn():
+                        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                            return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
+
+                    cands.append(("cudnn", cudnn))
+                    for name, fn in cands:
+                        try:
+                            o = fn()
+                            o = o[0] if isinstance(o, tuple) else o
+                            if name == "cudnn":
+                                o = o.transpose(1, 2)
+                            err = (o.float() - ref.float()).abs().max().item()
+                            ms = bench(fn)
+                            row = dict(D=D, dtype=dt, causal=causal, T=T, variant=name, ms=ms, tflops=flops / ms / 1e9,
+                                       err=err)
+                        except Exception as exc:  # noqa: BLE001
+                            row = dict(D=D, dtype=dt, causal=causal, T=T, variant=name, error=str(exc)[:200])
+                        rows.append(row)
+                        here.append(row)
+                    print(f"tma D={D} {dt} causal={int(causal)} T={T}:"
+                          + "".join(f" | {r['variant']} {r.get('tflops', 0):.0f}" for r in here), flush=True)
+                    del q, k, v, qb, kb, vb
+    return rows
+
+
+def _varlen_inputs(small=False, seed=0):
+    """The varlen suite's batch: 64 sequences, lengths uniform in 1..4096 (seed 0), H=16, D=128, fp16."""
+    from flashtriton.bench_suites import varlen_seqlens
+
+    lens = varlen_seqlens(4 if small else 64, 256 if small else 4096, seed)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    total = int(cu[-1])
+    q, k, v = (torch.randn(total, 16, 128, device=DEV, dtype=torch.float16, generator=g) for _ in range(3))
+    return q, k, v, cu, max(lens)
+
+
+def _varlen_run(which, q, k, v, cu, mx, causal, c, state=None):
+    if which == "fwd":
+        return F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu, cu, mx, mx, config=cfg(c))
+    out, lse, do = state or (*F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu, cu, mx, mx), torch.randn_like(q))
+    both = configs.default_bwd_configs(128, 2, q.device, causal)
+    both[which] = cfg(c)
+    return B.attention_backward(do, q, k, v, out, lse, 128 ** -0.5, causal, True, cu, cu, mx, mx, config=both)
+
+
+def sweep_varlen(opts):
+    """Configs of the varlen forward and of each backward kernel on the varlen suite's batch (64 sequences,
+    1..4096): what the launcher should pick from the lengths it knows on the host (max, mean)."""
+    from flashtriton.bench_core import varlen_flops
+
+    jobs = [("varlen", ("fwd", c, x)) for c in (False, True) for x in VARLEN_FWD]
+    jobs += [("varlen", (w, c, x)) for c in (False, True) for w, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ))
+             for x in tab]
+    precompile(jobs, opts.jobs)
+    q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    rows = []
+    for causal in (False, True):
+        fl_f = varlen_flops(lens, 16, 128, causal, "fwd")
+        fl_b = varlen_flops(lens, 16, 128, causal, "bwd")
+        for c in VARLEN_FWD:
+            ms = bench(lambda: _varlen_run("fwd", q, k, v, cu, mx, causal, c))
+            rows.append(dict(mode="fwd", causal=causal, variant=str(c), ms=ms, tflops=fl_f / ms / 1e9))
+        out, lse = F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu, cu, mx, mx)
+        state = (out, lse, torch.randn_like(q))
+        for which, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ)):
+            for c in tab:
+                ms = bench(lambda: _varlen_run(which, q, k, v, cu, mx, causal, c, state))
+                rows.append(dict(mode="bwd", kernel=which, causal=causal, variant=str(c), ms=ms, tflops=fl_b / ms / 1e9))
+        print(f"varlen causal={int(causal)}:" + "".join(
+            f" | {r['mode']}{'/' + r['kernel'] if 'kernel' in r else ''} {r['variant']} {r['ms']:.3f} ms"
+            for r in rows if r["causal"] == causal), flush=True)
     return rows
 
 
@@ -335,12 +455,14 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     opts = ap.parse_args()
     t0 = time.time()
-    rows = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host}[opts.sweep](opts)
+    sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
+              "varlen": sweep_varlen}
+    rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=__import__("triton").__version__,
                 git_sha=os.environ.get("FLASHTRITON_GIT_SHA", "unknown"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -285,12 +285,15 @@ def default_decode_config(head_dim_padded: int, elem_bytes: int) -> dict:
 DECODE_INTERPRETER_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 # Split-KV heuristic (kernels.decode.choose_num_splits): the SM count it assumes off the GPU, how many
-# programs it aims to keep resident per SM, the fewest keys worth a split of their own, and the most splits
-# (the merge kernel loops over them).
+# programs of the default config run at once per SM, the fewest keys worth a split of their own, the most
+# splits, and what a program costs beyond its key tiles (prologue; with splits, the partial result and the
+# merge), in key-tile times.
 DECODE_INTERPRETER_SMS = 4
 DECODE_PROGRAMS_PER_SM = 2
-DECODE_MIN_SPLIT_KEYS = 128
+DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 128
+DECODE_PROGRAM_OVERHEAD_TILES = 1
+DECODE_SPLIT_OVERHEAD_TILES = 1
 
 
 def prune_decode_configs(configs, named_args, **kwargs):

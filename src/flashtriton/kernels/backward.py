@@ -24,6 +24,7 @@ import triton.language as tl
 from .. import configs
 from .._env import INTERPRET
 from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds
+from .launch import launch
 
 PREPROCESS_BLOCK_M = 64
 
@@ -372,10 +373,9 @@ def attention_backward(
     l_s = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     block_d = configs.padded_head_dim(head_dim)
 
-    _attn_bwd_preprocess[(configs.cdiv(seqlen_q, PREPROCESS_BLOCK_M), heads_q, batch)](
-        out, dout, delta, cu_seqlens_q, *o_s, *do_s, *l_s, seqlen_q,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
-    )
+    launch(_attn_bwd_preprocess, (configs.cdiv(seqlen_q, PREPROCESS_BLOCK_M), heads_q, batch),
+           (out, dout, delta, cu_seqlens_q, *o_s, *do_s, *l_s, seqlen_q),
+           dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M))
 
     upcast, precision = dot_settings(q.dtype)
     common = (softmax_scale, softmax_scale * LOG2E, *q_s, *k_s, *v_s, *do_s)
@@ -406,6 +406,6 @@ def attention_backward(
         _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
         _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
     else:
-        _attn_bwd_dkdv[grid_dkdv](*args_dkdv, **constexprs, **config["dkdv"])
-        _attn_bwd_dq[grid_dq](*args_dq, **constexprs, **config["dq"])
+        launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"]})
+        launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"]})
     return dq, dk, dv

@@ -1,16 +1,16 @@
 """Split-KV decoding ("flash-decoding") over a contiguous or paged KV cache: the Triton kernels and launcher.
 
 Decoding has few query rows (Sq = 1 .. a few) against a long cache, so the work is reading K and V once, at
-memory bandwidth. Two kernels:
+memory bandwidth. One launch (`_decode_split`): program (b·hk, split, m) takes batch b, kv head hk and one
+chunk (`split`) of that sequence's keys. GQA: the Hq / Hkv query heads of kv head hk and the Sq query rows
+are stacked into the M dimension of one tile (row r = query i · group + head g, padded to BLOCK_M >= 16 for
+tl.dot), so the group reads its K/V once. K/V stream in BLOCK_N tiles with the online softmax of
+FlashAttention-2 (base 2: log2(e) folded into the scale).
 
-1. `_decode_split`: program (b·hk, split, m) takes batch b, kv head hk and one chunk (`split`) of that
-   sequence's keys. GQA: the Hq / Hkv query heads of kv head hk and the Sq query rows are stacked into the M
-   dimension of one tile (row r = query i · group + head g, padded to BLOCK_M >= 16 for tl.dot), so the
-   group reads its K/V once. K/V stream in BLOCK_N tiles with the online softmax of FlashAttention-2
-   (base 2: log2(e) folded into the scale). With one split it writes the final (out, lse); with several,
-   each writes a partial (out_s, lse_s) in fp32 (a split with no keys writes 0 and -inf).
-2. `_decode_merge`: per (b, i, h) row, out = sum_s exp(lse_s - lse) · out_s with lse = logsumexp_s(lse_s);
-   a row with no key in any split gives out 0, lse -inf (never NaN).
+With one split the program writes the final (out, lse). With several, each writes a partial (out_s, lse_s)
+in fp32 (a split with no keys writes 0 and -inf) and takes a ticket from a per-tile counter; the split that
+arrives last merges them all, out = sum_s exp(lse_s - lse) · out_s with lse = logsumexp_s(lse_s), writes
+the result and resets the counter to zero. A row with no key in any split gives out 0, lse -inf (never NaN).
 
 Paged cache: `block_table[b, j // PAGE_SIZE]` is the page that holds key j of sequence b, at row
 `j % PAGE_SIZE` of the page. Pages may be smaller or larger than BLOCK_N: each key row's page is looked up.
@@ -31,6 +31,7 @@ import triton.language as tl
 from .. import configs
 from .._env import INTERPRET
 from .common import LOG2E, dot_settings
+from .launch import launch
 
 
 @triton.jit
@@ -112,7 +113,10 @@ def _decode_tile(
 
 @triton.jit
 def _decode_split(
-    Q, K, V, O, LSE,
+    Q, K, V,
+    O, LSE,  # (B, Sq, Hq, D) q's dtype; (B, Hq, Sq) fp32
+    O_PART, LSE_PART,  # SPLIT_KV: (B, Sq, Hq, NUM_SPLITS, BLOCK_D), (B, Sq, Hq, NUM_SPLITS) fp32, contiguous
+    TICKETS,  # SPLIT_KV: int32 (B·Hkv·M tiles,), zero before the launch and after it
     CACHE_SEQLENS,  # int32 (B,): keys already in the cache before this call's append
     BATCH_IDX,  # int32 (B,): cache row of each sequence (contiguous cache, HAS_BATCH_IDX)
     BLOCK_TABLE,  # int32 (B, max_pages) (PAGED)
@@ -120,8 +124,8 @@ def _decode_split(
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh,  # kb: batch row (contiguous) or page (paged)
     stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh, stride_os,  # os: split (0 when writing the final output)
-    stride_lb, stride_lm, stride_lh, stride_ls,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lm, stride_lh,
     stride_btb,
     NUM_HEADS_KV, SEQLEN_Q, NUM_SPLITS,
     SEQLEN_NEW,  # keys appended by this call: sequence b attends to CACHE_SEQLENS[b] + SEQLEN_NEW keys
@@ -131,6 +135,7 @@ def _decode_split(
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -220,17 +225,58 @@ def _decode_split(
     # Invalid values: out NaN; lse NaN, or +inf in a partial result so that the merge gives NaN for both.
     poison = n_bad > 0
     out = tl.where(poison, float("nan"), out)
-    lse = tl.where(poison, tl.where(NUM_SPLITS == 1, float("nan"), float("inf")), lse)
-
     q_off = q_idx.to(tl.int64)
-    l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + q_off * stride_lm + off_h * stride_lh + split * stride_ls
-    tl.store(l_ptrs, lse, mask=row_ok)
-    o_ptrs = (O + off_b.to(tl.int64) * stride_ob + q_off[:, None] * stride_om + off_h[:, None] * stride_oh
-              + split * stride_os + offs_d[None, :])
-    o_mask = row_ok[:, None]
-    if BLOCK_D != HEAD_DIM:
-        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+    if SPLIT_KV:
+        lse = tl.where(poison, float("inf"), lse)
+        # Partial results of split s for row (b, i, h): index ((b·Sq + i)·Hq + h)·NUM_SPLITS + s.
+        part0 = ((off_b.to(tl.int64) * SEQLEN_Q + q_off) * (NUM_HEADS_KV * GROUP_SIZE) + off_h) * NUM_SPLITS
+        tl.store(LSE_PART + part0 + split, lse, mask=row_ok)
+        tl.store(O_PART + (part0 + split)[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
+        # Every thread's partial is written before the ticket is taken (the atomic is acq_rel, gpu scope).
+        tl.debug_barrier()
+        tile = pid_bh * tl.num_programs(2) + pid_m
+        is_last = tl.atomic_add(TICKETS + tile, 1) == NUM_SPLITS - 1
+        if is_last:  # the other splits are done: merge them all, and leave the counter at zero
+            out, lse = _merge_splits(O_PART, LSE_PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M, BLOCK_D)
+            tl.atomic_xchg(TICKETS + tile, 0)
+    else:
+        lse = tl.where(poison, float("nan"), lse)
+        is_last = True
+    if is_last:
+        l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + q_off * stride_lm + off_h * stride_lh
+        tl.store(l_ptrs, lse, mask=row_ok)
+        o_ptrs = O + off_b.to(tl.int64) * stride_ob + q_off[:, None] * stride_om + off_h[:, None] * stride_oh + offs_d[None, :]
+        o_mask = row_ok[:, None]
+        if BLOCK_D != HEAD_DIM:
+            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_splits(O_PART, LSE_PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """(out, lse) of BLOCK_M rows from their NUM_SPLITS partials (rows at index part0 + s): out is the
+    lse-weighted sum of the partial outs, lse = logsumexp of the partial lses; a row whose splits are all
+    empty (-inf) gets 0 and -inf; a +inf partial (bad values) makes the row NaN. Loads bypass L1 (.cg):
+    the partials were written by other programs."""
+    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(0, NUM_SPLITS):
+        lse_s = tl.load(LSE_PART + part0 + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        lse_max = tl.maximum(lse_max, lse_s)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights exp(-inf) = 0
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(0, NUM_SPLITS):
+        lse_s = tl.load(LSE_PART + part0 + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.math.exp2((lse_s - lse_max) * 1.4426950408889634)
+        o_s = tl.load(O_PART + (part0 + s)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                      cache_modifier=".cg")
+        total += w
+        acc += tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    lse = tl.where(empty, float("-inf"), lse_max + tl.log(tl.where(empty, 1.0, total)))
+    return out, lse
 
 
 @triton.jit
@@ -291,16 +337,15 @@ def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block
     block_d = configs.padded_head_dim(head_dim)
     block_t = min(configs.next_power_of_2(seqlen_new), max(1, 4096 // block_d))
     dummy = cache_seqlens
-    _append_kv[(batch, heads_kv, configs.cdiv(seqlen_new, block_t))](
+    launch(_append_kv, (batch, heads_kv, configs.cdiv(seqlen_new, block_t)), (
         k, v, k_cache, v_cache, cache_seqlens,
         cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
         seqlen_new, capacity, k_cache.shape[0],
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_T=block_t, num_warps=4,
-    )
+    ), dict(HEAD_DIM=head_dim, BLOCK_D=block_d, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+            HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_T=block_t, num_warps=4))
 
 
 _decode_split_tuned = triton.autotune(
@@ -309,47 +354,6 @@ _decode_split_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": configs.prune_decode_configs},
     cache_results=True,
 )(_decode_split)
-
-
-@triton.jit
-def _decode_merge(
-    O_PART, LSE_PART, O, LSE,
-    stride_pb, stride_pm, stride_ph, stride_ps,  # O_PART (B, Sq, Hq, S, D) fp32, last dim contiguous
-    stride_qb, stride_qm, stride_qh, stride_qs,  # LSE_PART (B, Sq, Hq, S) fp32
-    stride_ob, stride_om, stride_oh,  # O (B, Sq, Hq, D)
-    stride_lb, stride_lm, stride_lh,  # LSE (B, Hq, Sq)
-    NUM_HEADS, SEQLEN_Q, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """One program per (b, i, h) row: combine the splits' partial results through their log-sum-exps."""
-    pid = tl.program_id(0)
-    off_h = pid % NUM_HEADS
-    off_m = (pid // NUM_HEADS) % SEQLEN_Q
-    off_b = pid // (NUM_HEADS * SEQLEN_Q)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-
-    lse_base = LSE_PART + off_b.to(tl.int64) * stride_qb + off_m.to(tl.int64) * stride_qm + off_h * stride_qh
-    lse_s = tl.load(lse_base + offs_s * stride_qs, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    lse_max = tl.max(lse_s, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights exp(-inf) = 0
-    total = tl.sum(tl.math.exp2((lse_s - lse_max) * 1.4426950408889634), 0)
-
-    o_base = O_PART + off_b.to(tl.int64) * stride_pb + off_m.to(tl.int64) * stride_pm + off_h * stride_ph
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s in range(0, NUM_SPLITS):
-        lse_i = tl.load(lse_base + s * stride_qs)
-        w = tl.math.exp2((lse_i - lse_max) * 1.4426950408889634)
-        o_s = tl.load(o_base + s * stride_ps + offs_d, mask=d_ok, other=0.0)
-        acc += tl.where(w > 0.0, o_s * w, 0.0)
-
-    empty = total == 0.0
-    out = acc / tl.where(empty, 1.0, total)
-    lse = tl.where(empty, float("-inf"), lse_max + tl.log(tl.where(empty, 1.0, total)))
-    o_ptrs = O + off_b.to(tl.int64) * stride_ob + off_m.to(tl.int64) * stride_om + off_h * stride_oh + offs_d
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=d_ok)
-    tl.store(LSE + off_b.to(tl.int64) * stride_lb + off_m.to(tl.int64) * stride_lm + off_h * stride_lh, lse)
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,36 +367,34 @@ def _num_sms(device: torch.device) -> int:
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_num_splits(programs: int, max_seqlen_k: int, device: torch.device, num_sms: int | None = None) -> int:
-    """How many chunks to cut each sequence's keys into (flash-attn's heuristic).
+def choose_num_splits(programs: int, max_seqlen_k: int, device: torch.device, num_sms: int | None = None,
+                      block_n: int = 128) -> int:
+    """How many chunks to cut each sequence's keys into.
 
-    `programs` = batch · kv heads · M tiles. If they nearly fill the GPU (`DECODE_PROGRAMS_PER_SM` per SM),
-    no split;
-    otherwise the fewest splits whose wave efficiency (programs / slots, over its ceiling) is within 85% of
-    the best, with at least `DECODE_MIN_SPLIT_KEYS` keys per split and at most 128 splits. `num_sms`
-    overrides the device's SM count (off the GPU a small `configs.DECODE_INTERPRETER_SMS`).
+    `programs` = batch · kv heads · M tiles, each reading up to `max_seqlen_k` keys in tiles of `block_n`.
+    The GPU runs `DECODE_PROGRAMS_PER_SM` programs per SM at once, so the launch takes about
+    waves · (tiles per program + overhead) tile-times, with waves = ceil(programs · splits / slots): the
+    split count that minimises this (the fewest splits among equals), with at least `DECODE_MIN_SPLIT_KEYS`
+    keys per split and at most `DECODE_MAX_SPLITS` splits. A split costs `DECODE_SPLIT_OVERHEAD_TILES` more
+    per program (its partial result, the merge). `num_sms` overrides the device's SM count (off the GPU a
+    small `configs.DECODE_INTERPRETER_SMS`).
     """
-    return _choose_num_splits(programs, max_seqlen_k, num_sms or _num_sms(device))
+    return _choose_num_splits(programs, max_seqlen_k, num_sms or _num_sms(device), block_n)
 
 
 @functools.lru_cache(maxsize=4096)  # on every decode call's path: decoding repeats a few shapes
-def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int) -> int:
+def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int) -> int:
     slots = configs.DECODE_PROGRAMS_PER_SM * num_sms
-    if programs >= 0.8 * slots:
-        return 1
-    n_blocks = max(1, math.ceil(max_seqlen_k / configs.DECODE_MIN_SPLIT_KEYS))
-    max_splits = min(configs.DECODE_MAX_SPLITS, slots, n_blocks)
-
-    def eligible(s: int) -> bool:  # a split count that gives the same chunk as s - 1 is not a new choice
-        return s == 1 or math.ceil(n_blocks / s) != math.ceil(n_blocks / (s - 1))
-
-    eff = {}
-    for s in range(1, max_splits + 1):
-        if eligible(s):
-            waves = programs * s / slots
-            eff[s] = waves / math.ceil(waves)
-    best = max(eff.values())
-    return next(s for s, e in eff.items() if e >= 0.85 * best)
+    tiles = max(1, configs.cdiv(max_seqlen_k, block_n))
+    max_splits = max(1, min(configs.DECODE_MAX_SPLITS, max_seqlen_k // configs.DECODE_MIN_SPLIT_KEYS))
+    best, best_cost = 1, math.inf
+    for splits in range(1, max_splits + 1):
+        per_split = configs.cdiv(tiles, splits)
+        overhead = configs.DECODE_PROGRAM_OVERHEAD_TILES + (configs.DECODE_SPLIT_OVERHEAD_TILES if splits > 1 else 0)
+        cost = configs.cdiv(programs * splits, slots) * (per_split + overhead)
+        if cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 def decode_block_m(rows: int) -> int:
@@ -428,8 +430,9 @@ def decode_attention(
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    device = q.device
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
 
@@ -437,62 +440,49 @@ def decode_attention(
     rows = seqlen_q * group
     block_m = decode_block_m(rows)
     m_tiles = configs.cdiv(rows, block_m)
+    block_d = configs.padded_head_dim(head_dim)
+    if config is None and INTERPRET:
+        config = configs.DECODE_INTERPRETER_CONFIG
+    if config is None and not configs.AUTOTUNE:
+        config = configs.default_decode_config(block_d, q.element_size())
     if num_splits == 0:
-        num_splits = choose_num_splits(batch * heads_kv * m_tiles, max_seqlen_k, q.device)
+        num_splits = choose_num_splits(batch * heads_kv * m_tiles, max_seqlen_k, device,
+                                       block_n=config["BLOCK_N"] if config else 128)
     num_splits = max(1, int(num_splits))
 
-    if num_splits == 1:
-        dst, dst_lse = out, lse
-        o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
-        l_strides = (lse.stride(0), lse.stride(2), lse.stride(1), 0)
+    split_kv = num_splits > 1
+    if split_kv:
+        o_part = torch.empty((batch, seqlen_q, heads_q, num_splits, block_d), dtype=torch.float32, device=device)
+        lse_part = torch.empty((batch, seqlen_q, heads_q, num_splits), dtype=torch.float32, device=device)
+        tickets = torch.zeros(batch * heads_kv * m_tiles, dtype=torch.int32, device=device)
     else:
-        dst = torch.empty((batch, seqlen_q, heads_q, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        dst_lse = torch.empty((batch, seqlen_q, heads_q, num_splits), dtype=torch.float32, device=q.device)
-        o_strides = (dst.stride(0), dst.stride(1), dst.stride(2), dst.stride(3))
-        l_strides = (dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2), dst_lse.stride(3))
+        o_part = lse_part = tickets = lse  # unused
 
     dummy = cache_seqlens  # stands in for absent int32 pointers
     upcast, precision = dot_settings(q.dtype)
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    sq, sk, sv, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
     args = (
-        q, k_cache, v_cache, dst, dst_lse, cache_seqlens,
+        q, k_cache, v_cache, out, lse, o_part, lse_part, tickets, cache_seqlens,
         cache_batch_idx if cache_batch_idx is not None else dummy,
         block_table if paged else dummy,
         softmax_scale * LOG2E,
-        *q.stride(),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *o_strides, *l_strides,
+        sq[0], sq[1], sq[2], sq[3], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
+        lse.stride(0), lse.stride(2), lse.stride(1),
         block_table.stride(0) if paged else 0,
         heads_kv, seqlen_q, num_splits, seqlen_new, capacity, k_cache.shape[0],
         configs.seqlen_bucket(configs.cdiv(max(max_seqlen_k, 1), num_splits)),
     )
-    constexprs = dict(
-        GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=configs.padded_head_dim(head_dim),
+    meta = dict(
+        GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        HAS_BATCH_IDX=cache_batch_idx is not None,
+        HAS_BATCH_IDX=cache_batch_idx is not None, SPLIT_KV=split_kv,
         UPCAST_DOT=upcast, DOT_PRECISION=precision, BLOCK_M=block_m,
     )
     grid = (batch * heads_kv, num_splits, m_tiles)
-    if config is None and INTERPRET:
-        config = configs.DECODE_INTERPRETER_CONFIG
-    if config is None and not configs.AUTOTUNE:
-        config = configs.default_decode_config(configs.padded_head_dim(head_dim), q.element_size())
     if config is None:
-        _decode_split_tuned[grid](*args, **constexprs)
+        _decode_split_tuned[grid](*args, **meta)
     else:
-        _decode_split[grid](*args, **constexprs, **config)
-
-    if num_splits > 1:
-        _decode_merge[(batch * seqlen_q * heads_q,)](
-            dst, dst_lse, out, lse,
-            dst.stride(0), dst.stride(1), dst.stride(2), dst.stride(3),
-            dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2), dst_lse.stride(3),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(2), lse.stride(1),
-            heads_q, seqlen_q, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=configs.padded_head_dim(head_dim),
-            BLOCK_S=max(2, configs.next_power_of_2(num_splits)),
-            num_warps=1 if head_dim <= 64 else 2 if head_dim <= 128 else 4,
-        )
+        meta.update(config)
+        launch(_decode_split, grid, args, meta)
     return out, lse

@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover
 from .. import configs
 from .._env import INTERPRET
 from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds
+from .launch import launch
 
 
 @triton.jit
@@ -353,5 +354,5 @@ def launch_forward(
     if config is None:
         _attn_fwd_tuned[grid](*args, **constexprs)
         return out, lse, None
-    compiled = _attn_fwd[grid](*args, **constexprs, **config)
+    compiled = launch(_attn_fwd, grid(config), args, {**constexprs, **config})
     return out, lse, compiled

@@ -1,0 +1,91 @@
+"""Launching a `@triton.jit` kernel with less host time than `kernel[grid](...)`.
+
+`kernel[grid](*args, **meta)` binds the arguments, computes Triton's specialization of every one of them
+(dtype, 16-byte alignment of pointers, divisibility of ints) and looks the compiled kernel up: ~40 us of
+CPU per launch of a 35-argument kernel on the H200 machine's host (docs/performance.md), more than the
+GPU time of a small decode step. Decoding and short sequences call the same kernels with the same shapes
+again and again, so `launch` remembers the compiled kernel under a key that is *stricter* than Triton's
+specialization: the exact value of every int argument, every tensor's dtype and whether its address is a
+multiple of 16, and the constexpr / option values. On a hit it calls the compiled kernel's launcher
+directly; on a miss (and under the interpreter, with launch hooks installed, or for argument types it does
+not know) it goes through Triton's own path, which compiles if needed.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+from triton.runtime.driver import driver
+
+from .._env import INTERPRET
+
+# Triton option names (not kernel parameters) that may appear among the keyword arguments.
+_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl"})
+
+
+def _arg_key(arg):
+    """What of one runtime argument a compiled kernel depends on, or raise TypeError for unknown types.
+    Stricter than Triton's specialization (which keys ints only on `== 1` and divisibility by 16)."""
+    kind = type(arg)
+    if kind is int:
+        return arg
+    if kind is float:
+        return float
+    if arg is None:
+        return None
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    raise TypeError(kind.__name__)
+
+
+class _Entry:
+    __slots__ = ("kernel", "tail")
+
+    def __init__(self, kernel, tail):
+        self.kernel = kernel
+        self.tail = tail  # constexpr values of the parameters after the positional ones, in parameter order
+
+
+_CACHE: dict = {}
+_CACHE_LIMIT = 4096  # entries; a workload with ever-new shapes starts over rather than growing without bound
+
+
+def launch(fn, grid: tuple, args: tuple, meta: dict):
+    """`fn[grid](*args, **meta)`, with the argument binding skipped for a key seen before.
+
+    fn: a `@triton.jit` function (not an autotuner); grid: (x, y, z) ints; args: the runtime arguments,
+    positionally, in parameter order; meta: constexpr parameters by name and Triton options (num_warps,
+    num_stages, ...). Returns the compiled kernel (as `fn[grid]` does).
+    """
+    if INTERPRET or knobs.runtime.launch_enter_hook is not None:
+        return fn[grid](*args, **meta)
+    device = driver.active.get_current_device()
+    try:
+        key = (fn, device, tuple(meta.items()), tuple(_arg_key(a) for a in args))
+    except TypeError:  # an argument type the key does not cover (e.g. a tensor descriptor)
+        return fn[grid](*args, **meta)
+    entry = _CACHE.get(key)
+    if entry is None:
+        kernel = fn[grid](*args, **meta)
+        if kernel is None or hasattr(kernel, "result"):  # not compiled synchronously: take the slow path again
+            return kernel
+        names = fn.arg_names[len(args):]
+        missing = [n for n in names if n not in meta]
+        if missing:  # parameters with defaults left out: keep the slow path for this call shape
+            return kernel
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.clear()
+        _CACHE[key] = _Entry(kernel, tuple(meta[n] for n in names))
+        return kernel
+    kernel = entry.kernel
+    stream = driver.active.get_current_stream(device)
+    grid_y = grid[1] if len(grid) > 1 else 1
+    grid_z = grid[2] if len(grid) > 2 else 1
+    kernel.run(grid[0], grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None,
+               *args, *entry.tail)
+    return kernel
+
+
+def cache_size() -> int:
+    """Number of (kernel, argument key) entries remembered (tests, diagnostics)."""
+    return len(_CACHE)
