@@ -129,6 +129,12 @@ def _compile_job(job):
             which, causal, c = args
             q, k, v, cu, mx = _varlen_inputs(small=True)
             _varlen_run(which, q, k, v, cu, mx, causal, c)
+        elif kind == "varlen_tma":
+            causal, c = args
+            q, k, v, cu, mx = _varlen_inputs(small=True)
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
+            F._launch_forward_tma(q, k, v, out, lse, 128 ** -0.5, causal, True, cfg(c), cu, cu, mx, mx)
         elif kind == "decode":
             c, splits = args
             _decode_run(1, 4096, splits, dcfg(c))
@@ -317,6 +323,7 @@ def sweep_varlen(opts):
     from flashtriton.bench_core import varlen_flops
 
     jobs = [("varlen", ("fwd", c, x)) for c in (False, True) for x in VARLEN_FWD]
+    jobs += [("varlen_tma", (c, x)) for c in (False, True) for x in TMA_CONFIGS[128]]
     jobs += [("varlen", (w, c, x)) for c in (False, True) for w, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ))
              for x in tab]
     precompile(jobs, opts.jobs)
@@ -329,6 +336,19 @@ def sweep_varlen(opts):
         for c in VARLEN_FWD:
             ms = bench(lambda: _varlen_run("fwd", q, k, v, cu, mx, causal, c))
             rows.append(dict(mode="fwd", causal=causal, variant=str(c), ms=ms, tflops=fl_f / ms / 1e9))
+        if DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9:
+            for c in TMA_CONFIGS[128]:
+                def tma(c=c):
+                    out = torch.empty_like(q)
+                    lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
+                    F._launch_forward_tma(q, k, v, out, lse, 128 ** -0.5, causal, True, cfg(c), cu, cu, mx, mx)
+                    return out
+                ms = bench(tma)
+                rows.append(dict(mode="fwd_tma", causal=causal, variant=str(c), ms=ms, tflops=fl_f / ms / 1e9))
+        import flashtriton
+
+        ms = bench(lambda: flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=causal))
+        rows.append(dict(mode="fwd_api", causal=causal, variant="api", ms=ms, tflops=fl_f / ms / 1e9))
         out, lse = F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu, cu, mx, mx)
         state = (out, lse, torch.randn_like(q))
         for which, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ)):

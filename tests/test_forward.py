@@ -100,16 +100,17 @@ def test_forced_tile_configs_cover_the_masking_stages(config, seqlen_q, seqlen_k
     assert_close_to_exact(out, torch_attention(q, k, v, causal=True), exact, torch.float16)
 
 
-# Hopper's TMA kernel: flash_attn_func takes it on sm_90 for fp16/bf16 with head dim 128 (the rest of this file
-# covers it there); here it is called directly, so that the interpreter runs it on a CPU too.
+# Hopper's TMA kernel: flash_attn_func takes it on sm_90 for fp16/bf16 with head dim 64 or 128 (the rest of this
+# file covers it there); here it is called directly, so that the interpreter runs it on a CPU too.
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads_q,heads_kv", [(17, 17, 2, 2), (100, 37, 4, 2), (37, 100, 2, 1),
                                                                  (1, 65, 2, 2)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tma_kernel(seqlen_q, seqlen_k, heads_q, heads_kv, causal, bottom_right, dtype, device):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tma_kernel(seqlen_q, seqlen_k, heads_q, heads_kv, causal, bottom_right, dtype, head_dim, device):
     if device == "cuda" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("TMA descriptors: Hopper (sm_90) only")
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, 128, dtype, device)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
     exact, exact_lse = attention_reference(q, k, v, None, causal, bottom_right, return_lse=True)
     same_dtype = torch_attention(q, k, v, None, causal, bottom_right)
     configs = [(32, 16, 4, 1)] if device == "cpu" else [(64, 64, 4, 3), (128, 128, 8, 3)]
@@ -117,7 +118,7 @@ def test_tma_kernel(seqlen_q, seqlen_k, heads_q, heads_kv, causal, bottom_right,
         out = torch.empty_like(q)
         lse = torch.full((2, heads_q, seqlen_q), float("nan"), dtype=torch.float32, device=device)
         config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-        _launch_forward_tma(q, k, v, out, lse, 128 ** -0.5, causal, bottom_right, config)
+        _launch_forward_tma(q, k, v, out, lse, head_dim ** -0.5, causal, bottom_right, config)
         assert_close_to_exact(out, same_dtype, exact, dtype, f"config {config}")
         seen = torch.isfinite(exact_lse)
         assert torch.equal(torch.isfinite(lse), seen), "lse must be -inf exactly on rows that see no key"
@@ -167,3 +168,18 @@ def test_large_shapes(batch, seqlen, heads, head_dim, causal, dtype, device):
 @pytest.mark.gpu
 def test_large_gqa_uneven_lengths(device):
     check_large(*make_qkv(2, 3000, 5001, 32, 8, 128, torch.bfloat16, device), causal=True, heads_q=8)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [1, 77, 300])
+def test_portable_path_forced_on_every_gpu(causal, seqlen, device, monkeypatch):
+    """The portable (Ampere) kernel stays correct where the TMA kernel would be taken (sm_90, D=128)."""
+    from flashtriton import configs
+
+    q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, device)
+    exact = attention_reference(q, k, v, causal=causal)
+    same_dtype = torch_attention(q, k, v, causal=causal)
+    for use_tma in (False, True):
+        monkeypatch.setattr(configs, "USE_TMA", use_tma)
+        out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+        assert_close_to_exact(out, same_dtype, exact, torch.bfloat16, f"USE_TMA={use_tma}")

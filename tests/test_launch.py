@@ -10,6 +10,10 @@ from flashtriton.kernels import launch as L
 from flashtriton.reference import attention_reference
 
 
+def test_no_launch_hooks_by_default():
+    assert not L._hooks_installed()  # otherwise the cached path would never be taken
+
+
 def test_arg_key_separates_what_triton_specializes_on():
     base = torch.zeros(64, dtype=torch.float16)
     assert L._arg_key(base) == (torch.float16, True)

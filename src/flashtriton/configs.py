@@ -113,23 +113,30 @@ def default_fwd_config(head_dim_padded: int, elem_bytes: int, device: torch.devi
     return _config(128, 64, 8, 3)
 
 
-# Hopper's TMA forward (kernels.forward._attn_fwd_tma; dense fp16/bf16, head dim 128): opt-in with
-# FLASHTRITON_TMA=1 (or configs.USE_TMA = True). Correct on the H200 (the whole suite passed with it on, 1966f480b54d)
-# and 1.08-1.20x the portable kernel in the same run (experiments/tma_forward.json), but its one full sweep
-# had fp16 causal T=512 at 176 TFLOP/s against the notebook kernel's 228 (a wide, host-disturbed distribution:
-# p20 0.178 ms, p80 0.215; bf16 at the same point 262): on by default once a clean sweep confirms it.
-USE_TMA: bool = os.environ.get("FLASHTRITON_TMA", "0") == "1"
+# Hopper's TMA forward (kernels.forward._attn_fwd_tma; fp16/bf16, dense or varlen, head dims below): on by
+# default on sm_90, off with FLASHTRITON_TMA=0 (or configs.USE_TMA = False). In one H200 run beside the
+# portable kernel and cuDNN (benchmarks/2026-11-29-h200/explore3/tma.json, 9f7ad07158e3) its best config was
+# 1.05-1.25x the portable kernel at every point of the standard sweep at D = 64 and 128, fp16 and bf16.
+USE_TMA: bool = os.environ.get("FLASHTRITON_TMA", "1") != "0"
+TMA_HEAD_DIMS = (64, 128)
 
 
-def default_fwd_tma_config(seqlen_q: int, seqlen_k: int, causal: bool) -> dict:
-    """From the H200 run of benchmarks/experiments/tma_forward.py (f3abb6aa79ad,
-    benchmarks/2026-11-29-h200/experiments/tma_forward.json; D=128 fp16, B·T = 16384): 64x64 tiles with 4
-    warps up to T = 1024 non-causal / 4096 causal (472 TFLOP/s non-causal T=1024 against 404 for the portable
-    kernel; causal T=1024 365 against 305), 128x128 with 8 warps beyond (non-causal T=16384 517 against 480,
-    causal 533 against 487); 3 stages."""
-    if (causal and seqlen_q <= 4096) or (not causal and seqlen_k < 4096):
+def default_fwd_tma_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict:
+    """The TMA forward's tiles, from that sweep (B·T = 16384, H·D = 2048; TFLOP/s fp16 / bf16):
+
+    - D = 64: 64x64 tiles with 4 warps (non-causal T=8192 484 / 492, cuDNN 486 / 491); causal from
+      Sq = 8192 128x64 with 4 warps (T=16384 435 / 458 against 428 / 437 for 64x64).
+    - D = 128, non-causal: 64x32 with 4 warps up to Sk = 2048 (T=1024 450 / 441), then 128x128 with 8 warps
+      (T=8192 546 / 547). Causal: 64x64 at Sq <= 512 (fp16 260 against 216 for 64x32), 64x32 to Sq = 8192
+      (T=4096 458 / 474), 128x128x8w beyond (T=16384 505 / 536).
+    3 stages everywhere (2 stages lost 10-20 %)."""
+    if head_dim <= 64:
+        return _config(128, 64, 4, 3) if causal and seqlen_q >= 8192 else _config(64, 64, 4, 3)
+    if not causal:
+        return _config(64, 32, 4, 3) if seqlen_k <= 2048 else _config(128, 128, 8, 3)
+    if seqlen_q <= 512:
         return _config(64, 64, 4, 3)
-    return _config(128, 128, 8, 3)
+    return _config(64, 32, 4, 3) if seqlen_q <= 8192 else _config(128, 128, 8, 3)
 
 
 def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:
@@ -278,7 +285,8 @@ def default_decode_config(head_dim_padded: int, elem_bytes: int) -> dict:
     """Heuristic decode config: wide key tiles, two in flight (the kernel is memory bound)."""
     if elem_bytes == 4 or head_dim_padded >= 256:
         return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+    # 8 warps: 0.3-0.8 % above 4 at three of the four long-cache points of explore3/decode.json (9f7ad07158e3)
+    return {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
 # The one config the interpreter uses.

@@ -47,9 +47,13 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom
 
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    covers_all = True
+    if cu_seqlens_q is not None:  # gradients of tokens outside every sequence must be 0: zero-fill only then
+        covers_all = (check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+                      & check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k"))
     return attention_backward(
         dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, zero_fill=not covers_all,
     )
 
 

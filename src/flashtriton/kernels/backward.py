@@ -340,6 +340,7 @@ def attention_backward(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     config: dict | None = None,
+    zero_fill: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs (what `attention_forward` took and returned).
 
@@ -348,10 +349,12 @@ def attention_backward(
     Returns dq like q and dk, dv like k, v (GQA: summed over each kv head's query heads). Deterministic.
     Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
     for both kernels, or {"dkdv": {...}, "dq": {...}} one each, instead of autotuning.
+    Varlen with `zero_fill`: the gradients start at zero, so tokens outside every sequence get 0; pass False
+    when cu_seqlens cover every token (the kernels write every other row), saving three memsets.
     """
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
-    alloc = torch.zeros if varlen else torch.empty  # varlen: tokens outside every sequence get 0
+    alloc = torch.zeros if varlen and zero_fill else torch.empty
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)

@@ -185,17 +185,30 @@ _attn_fwd_tuned = triton.autotune(
 # Hopper: the same kernel with Q, K, V, O moved by TMA (host tensor descriptors over the (B, S, H, D) tensors)
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
+def _tma_tile(desc, off_b, row, off_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(BLOCK, HEAD_DIM) rows [row, row + BLOCK) of head off_h: dense descriptors are rank 4 over
+    (B, S, H, D) (rows past S arrive as zeros), varlen ones rank 3 over (total, H, D) with `row` a token index
+    (rows past the sequence belong to the next one, or are zeros past the tensor: the caller masks them)."""
+    if IS_VARLEN:
+        return desc.load([row, off_h, 0]).reshape(BLOCK, HEAD_DIM)
+    else:
+        return desc.load([off_b, row, off_h, 0]).reshape(BLOCK, HEAD_DIM)
+
+
+@triton.jit
 def _attn_fwd_tile_tma(
-    acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk,
+    acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start,
     offs_m, offs_n, start_n, end_n, seqlen_k, causal_offset, qk_scale,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """`_attn_fwd_tile` with K/V tiles loaded by TMA (rows past the tensor's end arrive as zeros)."""
+    """`_attn_fwd_tile` with K/V tiles loaded by TMA."""
     for n in range(start_n, end_n, BLOCK_N):
-        cols = n + offs_n  # (BLOCK_N,) key indices
-        k = desc_k.load([off_b, n, off_hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # (BLOCK_N, D)
-        v = desc_v.load([off_b, n, off_hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # (BLOCK_N, D)
+        cols = n + offs_n  # (BLOCK_N,) key indices in the sequence
+        k = _tma_tile(desc_k, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
+        v = _tma_tile(desc_v, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
+        if MASKED and IS_VARLEN:  # rows of the next sequence: p is 0 there, but 0 * inf or NaN is not 0
+            v = tl.where(cols[:, None] < seqlen_k, v, 0.0)
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
@@ -206,45 +219,66 @@ def _attn_fwd_tile_tma(
 
 @triton.jit
 def _attn_fwd_tma(
-    desc_q, desc_k, desc_v, desc_o, LSE,
-    qk_scale, stride_lb, stride_lh, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr = False,
+    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    qk_scale, stride_om, stride_oh, stride_lb, stride_lh, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """`_attn_fwd` for dense fp16/bf16 inputs with HEAD_DIM = 128 on Hopper. Grid (query tiles, heads, batch).
-    Query rows past the end load as zeros and are not stored (TMA clips the store; the lse store is masked)."""
+    """`_attn_fwd` for fp16/bf16 inputs on Hopper, with Q, K, V (and dense O) moved by TMA. Grid (query tiles,
+    heads, batch). Dense: query rows past the end load as zeros and are not stored (TMA clips the store).
+    Varlen (O, lse of (total_q, Hq, D), (Hq, total_q)): O is stored with a row mask, not by TMA, so that
+    rows of the next sequence are never written."""
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     off_hk = off_h // GROUP_SIZE
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + off_b)
+        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
+    else:
+        q_start = 0
+        seqlen_q = SEQLEN_Q
+        k_start = 0
+        seqlen_k = SEQLEN_K
     start_m = tl.num_programs(0) - 1 - pid_m if IS_CAUSAL else pid_m
+    if start_m * BLOCK_M >= seqlen_q:  # varlen: this sequence is shorter than the longest
+        return
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    q = desc_q.load([off_b, start_m * BLOCK_M, off_h, 0]).reshape(BLOCK_M, HEAD_DIM)  # (BLOCK_M, D)
+    q = _tma_tile(desc_q, off_b, q_start + start_m * BLOCK_M, off_h, BLOCK_M, HEAD_DIM, IS_VARLEN)  # (BLOCK_M, D)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo, hi, causal_offset = key_range(start_m, SEQLEN_Q, SEQLEN_K, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, offs_m, offs_n,
-                                       0, lo, SEQLEN_K, causal_offset, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_N,
-                                       UPCAST_DOT)
-    acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, offs_m, offs_n,
-                                       lo, hi, SEQLEN_K, causal_offset, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_N,
-                                       UPCAST_DOT)
+    lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
+                                       0, lo, seqlen_k, causal_offset, qk_scale, False, IS_CAUSAL, IS_VARLEN,
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
+    acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
+                                       lo, hi, seqlen_k, causal_offset, qk_scale, True, IS_CAUSAL, IS_VARLEN,
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
 
     out, lse = _softmax_finish(acc, l_i, m_i)
-    tl.store(LSE + off_b.to(tl.int64) * stride_lb + off_h * stride_lh + offs_m, lse, mask=offs_m < SEQLEN_Q)
-    desc_o.store([off_b, start_m * BLOCK_M, off_h, 0], out.to(desc_o.dtype).reshape(1, BLOCK_M, 1, HEAD_DIM))
+    row_ok = offs_m < seqlen_q
+    tl.store(LSE + off_b.to(tl.int64) * stride_lb + q_start + off_h * stride_lh + offs_m, lse, mask=row_ok)
+    if IS_VARLEN:
+        rows = (q_start + offs_m).to(tl.int64)
+        o_ptrs = O + rows[:, None] * stride_om + off_h * stride_oh + tl.arange(0, HEAD_DIM)[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        desc_o.store([off_b, start_m * BLOCK_M, off_h, 0], out.to(desc_o.dtype).reshape(1, BLOCK_M, 1, HEAD_DIM))
 
 
 def _tma_eligible(q, k, v, out, varlen: bool) -> bool:
-    """With FLASHTRITON_TMA=1, the Hopper TMA path takes dense fp16/bf16 inputs with head dim 128 whose base
-    addresses and strides are 16-byte aligned (TMA's rules); everything else takes the portable kernel."""
-    if (varlen or INTERPRET or not configs.USE_TMA or TensorDescriptor is None or q.device.type != "cuda"
-            or q.shape[-1] != 128 or q.dtype not in (torch.float16, torch.bfloat16)
+    """On Hopper (unless FLASHTRITON_TMA=0), the TMA path takes fp16/bf16 inputs, dense or varlen, with a
+    head dim in `configs.TMA_HEAD_DIMS` whose base addresses and strides are 16-byte aligned (TMA's rules);
+    everything else takes the portable kernel."""
+    if (INTERPRET or not configs.USE_TMA or TensorDescriptor is None or q.device.type != "cuda"
+            or q.shape[-1] not in configs.TMA_HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16)
             or configs.capability(q.device)[0] != 9):
         return False
     for t in (q, k, v, out):
@@ -253,18 +287,28 @@ def _tma_eligible(q, k, v, out, varlen: bool) -> bool:
     return True
 
 
-def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config):
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config,
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    varlen = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    if varlen:
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
+        stride_lb, stride_lh = 0, lse.stride(0)
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        stride_lb, stride_lh = lse.stride(0), lse.stride(1)
 
-    def desc(t, rows):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, head_dim])
+    def desc(t, rows):  # one (rows, head) slab: (1, rows, 1, D) dense, (rows, 1, D) varlen
+        block = [rows, 1, head_dim] if varlen else [1, rows, 1, head_dim]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
     _attn_fwd_tma[(configs.cdiv(seqlen_q, bm), heads_q, batch)](
-        desc(q, bm), desc(k, bn), desc(v, bn), desc(out, bm), lse,
-        softmax_scale * LOG2E, lse.stride(0), lse.stride(1), heads_q // heads_kv, seqlen_q, seqlen_k,
-        HEAD_DIM=head_dim, IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
+        desc(q, bm), desc(k, bn), desc(v, bn), desc(out, bm), out, lse, cu_seqlens_q, cu_seqlens_k,
+        softmax_scale * LOG2E, out.stride(-3), out.stride(-2), stride_lb, stride_lh, heads_q // heads_kv,
+        seqlen_q, seqlen_k,
+        HEAD_DIM=head_dim, IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
         BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(q.dtype)[0],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
@@ -296,8 +340,8 @@ def launch_forward(
                                                       ->  out (total_q, Hq, D), lse (Hq, total_q) fp32
     Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
     "num_stages"} of the portable kernel instead of autotuning (always so under the interpreter). Without
-    one, with FLASHTRITON_TMA=1, dense fp16/bf16 inputs with head dim 128 on Hopper take the TMA kernel
-    (`_attn_fwd_tma`).
+    one, on Hopper, fp16/bf16 inputs (dense or varlen) with head dim 64 or 128 take the TMA kernel
+    (`_attn_fwd_tma`; FLASHTRITON_TMA=0 turns it off).
     Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """
@@ -326,8 +370,12 @@ def launch_forward(
         return out, lse.fill_(float("-inf")), None
 
     if config is None and _tma_eligible(q, k, v, out, varlen):
-        tma_config = configs.default_fwd_tma_config(seqlen_q, seqlen_k, bool(causal))
-        _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config)
+        typical_q, typical_k = seqlen_q, seqlen_k
+        if varlen:  # mixed lengths: tiles for the mean sequence, not the longest
+            typical_q, typical_k = configs.cdiv(q.shape[0], batch), configs.cdiv(k.shape[0], batch)
+        tma_config = configs.default_fwd_tma_config(head_dim, typical_q, typical_k, bool(causal))
+        _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config,
+                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return out, lse, None
 
     upcast, precision = dot_settings(q.dtype)

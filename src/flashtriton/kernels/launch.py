@@ -50,6 +50,15 @@ _CACHE: dict = {}
 _CACHE_LIMIT = 4096  # entries; a workload with ever-new shapes starts over rather than growing without bound
 
 
+def _hooks_installed() -> bool:
+    """Whether a profiler (e.g. proton) has installed launch hooks: then every launch takes Triton's path.
+    triton 3.6 keeps the hooks in (empty) HookChain objects, older versions in None-or-function fields."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
 def launch(fn, grid: tuple, args: tuple, meta: dict):
     """`fn[grid](*args, **meta)`, with the argument binding skipped for a key seen before.
 
@@ -57,7 +66,7 @@ def launch(fn, grid: tuple, args: tuple, meta: dict):
     positionally, in parameter order; meta: constexpr parameters by name and Triton options (num_warps,
     num_stages, ...). Returns the compiled kernel (as `fn[grid]` does).
     """
-    if INTERPRET or knobs.runtime.launch_enter_hook is not None:
+    if INTERPRET or _hooks_installed():
         return fn[grid](*args, **meta)
     device = driver.active.get_current_device()
     try:
