@@ -25,6 +25,14 @@ def test_arg_key_separates_what_triton_specializes_on():
     assert L._arg_key(None) is None
     with pytest.raises(TypeError):
         L._arg_key("text")
+    if L.TensorDescriptor is not None:  # TMA descriptors: keyed on dtype, alignment, shape, strides and block
+        x = torch.zeros(4, 32, 2, 64, dtype=torch.float16)
+        d1 = L.TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 16, 1, 64])
+        d2 = L.TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 32, 1, 64])
+        y = x[:, :16]
+        d3 = L.TensorDescriptor(y, list(y.shape), list(y.stride()), [1, 16, 1, 64])
+        assert len({L._arg_key(d1), L._arg_key(d2), L._arg_key(d3)}) == 3
+        assert L._arg_key(d1) == L._arg_key(L.TensorDescriptor(x.clone(), list(x.shape), list(x.stride()), [1, 16, 1, 64]))
 
 
 @pytest.mark.gpu

@@ -304,14 +304,13 @@ def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_
         block = [rows, 1, head_dim] if varlen else [1, rows, 1, head_dim]
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
-    _attn_fwd_tma[(configs.cdiv(seqlen_q, bm), heads_q, batch)](
+    launch(_attn_fwd_tma, (configs.cdiv(seqlen_q, bm), heads_q, batch), (
         desc(q, bm), desc(k, bn), desc(v, bn), desc(out, bm), out, lse, cu_seqlens_q, cu_seqlens_k,
         softmax_scale * LOG2E, out.stride(-3), out.stride(-2), stride_lb, stride_lh, heads_q // heads_kv,
         seqlen_q, seqlen_k,
-        HEAD_DIM=head_dim, IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
-        BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(q.dtype)[0],
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
+    ), dict(HEAD_DIM=head_dim, IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
+            IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(q.dtype)[0],
+            num_warps=config["num_warps"], num_stages=config["num_stages"]))
 
 
 def attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,10 +369,10 @@ def launch_forward(
         return out, lse.fill_(float("-inf")), None
 
     if config is None and _tma_eligible(q, k, v, out, varlen):
-        typical_q, typical_k = seqlen_q, seqlen_k
-        if varlen:  # mixed lengths: tiles for the mean sequence, not the longest
-            typical_q, typical_k = configs.cdiv(q.shape[0], batch), configs.cdiv(k.shape[0], batch)
-        tma_config = configs.default_fwd_tma_config(head_dim, typical_q, typical_k, bool(causal))
+        if varlen:
+            tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
+        else:
+            tma_config = configs.default_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
         _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config,
                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return out, lse, None

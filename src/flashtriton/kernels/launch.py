@@ -19,6 +19,11 @@ from triton.runtime.driver import driver
 
 from .._env import INTERPRET
 
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 # Triton option names (not kernel parameters) that may appear among the keyword arguments.
 _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl"})
 
@@ -35,6 +40,10 @@ def _arg_key(arg):
         return None
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
+    if TensorDescriptor is not None and kind is TensorDescriptor:  # the launcher encodes it on every call
+        base = arg.base
+        return (TensorDescriptor, base.dtype, base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
+                tuple(arg.block_shape), getattr(arg, "padding", None))
     raise TypeError(kind.__name__)
 
 
