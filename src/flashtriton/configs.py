@@ -116,7 +116,7 @@ def default_fwd_config(head_dim_padded: int, elem_bytes: int, device: torch.devi
 # Hopper's TMA forward (kernels.forward._attn_fwd_tma; fp16/bf16, dense or varlen, head dims below): on by
 # default on sm_90, off with FLASHTRITON_TMA=0 (or configs.USE_TMA = False). In one H200 run beside the
 # portable kernel and cuDNN (benchmarks/2026-11-29-h200/explore3/tma.json, 9f7ad07158e3) its best config was
-# 1.05-1.25x the portable kernel at every point of the standard sweep at D = 64 and 128, fp16 and bf16.
+# 1.05-1.24x the portable kernel at every point of the standard sweep at D = 64 and 128, fp16 and bf16.
 USE_TMA: bool = os.environ.get("FLASHTRITON_TMA", "1") != "0"
 TMA_HEAD_DIMS = (64, 128)
 
