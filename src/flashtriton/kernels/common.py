@@ -7,7 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import configs
 from .._env import INTERPRET
+
+try:  # host-side TMA descriptors (triton >= 3.4); without them the TMA paths are never taken
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
 
@@ -72,3 +78,36 @@ def key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTO
     hi = tl.maximum(hi, 0)
     lo = tl.minimum(tl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi)
     return lo, hi, causal_offset
+
+
+@triton.jit
+def tma_tile(desc, off_b, row, off_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(BLOCK, HEAD_DIM) rows [row, row + BLOCK) of head off_h: dense descriptors are rank 4 over
+    (B, S, H, D) (rows past S arrive as zeros), varlen ones rank 3 over (total, H, D) with `row` a token index
+    (rows past the sequence belong to the next one, or are zeros past the tensor: the caller masks them)."""
+    if IS_VARLEN:
+        return desc.load([row, off_h, 0]).reshape(BLOCK, HEAD_DIM)
+    else:
+        return desc.load([off_b, row, off_h, 0]).reshape(BLOCK, HEAD_DIM)
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the Hopper TMA kernels take these tensors: on by default (FLASHTRITON_TMA=0 turns it off), on
+    sm_90, fp16/bf16, a head dim in `configs.TMA_HEAD_DIMS`, base addresses and strides 16-byte aligned (TMA's
+    rules), nothing empty. Off under the interpreter unless a test calls the TMA launchers directly."""
+    t0 = tensors[0]
+    if (INTERPRET or not configs.USE_TMA or TensorDescriptor is None or t0.device.type != "cuda"
+            or t0.shape[-1] not in configs.TMA_HEAD_DIMS or t0.dtype not in (torch.float16, torch.bfloat16)
+            or configs.capability(t0.device)[0] != 9):
+        return False
+    for t in tensors:
+        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]) or min(t.shape) == 0:
+            return False
+    return True
+
+
+def tma_descriptor(t: torch.Tensor, rows: int, varlen: bool):
+    """Host descriptor of one (rows, head) slab of a (B, S, H, D) tensor — block (1, rows, 1, D) — or of a
+    packed (total, H, D) one — block (rows, 1, D); `tma_tile` loads through it."""
+    block = [rows, 1, t.shape[-1]] if varlen else [1, rows, 1, t.shape[-1]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)

@@ -20,14 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # host-side TMA descriptors (triton >= 3.4); without them the TMA path is never taken
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover
-    TensorDescriptor = None
-
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds
+from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds, tma_descriptor, tma_ok, tma_tile
 from .launch import launch
 
 
@@ -185,17 +180,6 @@ _attn_fwd_tuned = triton.autotune(
 # Hopper: the same kernel with Q, K, V, O moved by TMA (host tensor descriptors over the (B, S, H, D) tensors)
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _tma_tile(desc, off_b, row, off_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(BLOCK, HEAD_DIM) rows [row, row + BLOCK) of head off_h: dense descriptors are rank 4 over
-    (B, S, H, D) (rows past S arrive as zeros), varlen ones rank 3 over (total, H, D) with `row` a token index
-    (rows past the sequence belong to the next one, or are zeros past the tensor: the caller masks them)."""
-    if IS_VARLEN:
-        return desc.load([row, off_h, 0]).reshape(BLOCK, HEAD_DIM)
-    else:
-        return desc.load([off_b, row, off_h, 0]).reshape(BLOCK, HEAD_DIM)
-
-
-@triton.jit
 def _attn_fwd_tile_tma(
     acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start,
     offs_m, offs_n, start_n, end_n, seqlen_k, causal_offset, qk_scale,
@@ -205,8 +189,8 @@ def _attn_fwd_tile_tma(
     """`_attn_fwd_tile` with K/V tiles loaded by TMA."""
     for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key indices in the sequence
-        k = _tma_tile(desc_k, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
-        v = _tma_tile(desc_v, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
+        k = tma_tile(desc_k, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
+        v = tma_tile(desc_v, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
         if MASKED and IS_VARLEN:  # rows of the next sequence: p is 0 there, but 0 * inf or NaN is not 0
             v = tl.where(cols[:, None] < seqlen_k, v, 0.0)
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
@@ -247,7 +231,7 @@ def _attn_fwd_tma(
         return
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    q = _tma_tile(desc_q, off_b, q_start + start_m * BLOCK_M, off_h, BLOCK_M, HEAD_DIM, IS_VARLEN)  # (BLOCK_M, D)
+    q = tma_tile(desc_q, off_b, q_start + start_m * BLOCK_M, off_h, BLOCK_M, HEAD_DIM, IS_VARLEN)  # (BLOCK_M, D)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -273,20 +257,6 @@ def _attn_fwd_tma(
         desc_o.store([off_b, start_m * BLOCK_M, off_h, 0], out.to(desc_o.dtype).reshape(1, BLOCK_M, 1, HEAD_DIM))
 
 
-def _tma_eligible(q, k, v, out, varlen: bool) -> bool:
-    """On Hopper (unless FLASHTRITON_TMA=0), the TMA path takes fp16/bf16 inputs, dense or varlen, with a
-    head dim in `configs.TMA_HEAD_DIMS` whose base addresses and strides are 16-byte aligned (TMA's rules);
-    everything else takes the portable kernel."""
-    if (INTERPRET or not configs.USE_TMA or TensorDescriptor is None or q.device.type != "cuda"
-            or q.shape[-1] not in configs.TMA_HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16)
-            or configs.capability(q.device)[0] != 9):
-        return False
-    for t in (q, k, v, out):
-        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]) or min(t.shape) == 0:
-            return False
-    return True
-
-
 def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config,
                         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     varlen = cu_seqlens_q is not None
@@ -300,12 +270,9 @@ def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         stride_lb, stride_lh = lse.stride(0), lse.stride(1)
 
-    def desc(t, rows):  # one (rows, head) slab: (1, rows, 1, D) dense, (rows, 1, D) varlen
-        block = [rows, 1, head_dim] if varlen else [1, rows, 1, head_dim]
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-
     launch(_attn_fwd_tma, (configs.cdiv(seqlen_q, bm), heads_q, batch), (
-        desc(q, bm), desc(k, bn), desc(v, bn), desc(out, bm), out, lse, cu_seqlens_q, cu_seqlens_k,
+        tma_descriptor(q, bm, varlen), tma_descriptor(k, bn, varlen), tma_descriptor(v, bn, varlen),
+        tma_descriptor(out, bm, varlen), out, lse, cu_seqlens_q, cu_seqlens_k,
         softmax_scale * LOG2E, out.stride(-3), out.stride(-2), stride_lb, stride_lh, heads_q // heads_kv,
         seqlen_q, seqlen_k,
     ), dict(HEAD_DIM=head_dim, IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
@@ -368,7 +335,7 @@ def launch_forward(
     if out.numel() == 0 or seqlen_q == 0:
         return out, lse.fill_(float("-inf")), None
 
-    if config is None and _tma_eligible(q, k, v, out, varlen):
+    if config is None and tma_ok(q, k, v, out):
         if varlen:
             tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
         else:
