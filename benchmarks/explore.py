@@ -1,6 +1,6 @@
 """Sweep kernel variants on the GPU to choose heuristic configs (the experiments behind docs/performance.md).
 
-    python benchmarks/explore.py fwd|bwd|decode|host|tma|varlen|bwd_tma --out DIR [--jobs N]
+    python benchmarks/explore.py fwd|bwd|decode|host|tma|varlen --out DIR [--jobs N]
 
 Each sweep compiles its variants first in N parallel processes (Triton's on-disk cache then serves the timing
 process), and times them one at a time in one process with `triton.testing.do_bench` (median, L2 flushed).
@@ -129,13 +129,6 @@ def _compile_job(job):
             which, causal, c = args
             q, k, v, cu, mx = _varlen_inputs(small=True)
             _varlen_run(which, q, k, v, cu, mx, causal, c)
-        elif kind == "bwd_tma":
-            D, causal, which, c = args
-            q, k, v = fwd_inputs(256, D, torch.float16)
-            out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
-            both = configs.default_bwd_configs(D, 2, q.device, causal)
-            both[which] = cfg(c)
-            B.attention_backward(torch.randn_like(out), q, k, v, out, lse, D ** -0.5, causal, config=both, use_tma=True)
         elif kind == "varlen_tma":
             causal, c = args
             q, k, v, cu, mx = _varlen_inputs(small=True)
@@ -368,60 +361,6 @@ def sweep_varlen(opts):
     return rows
 
 
-BWD_TMA_CONFIGS = {"dkdv": [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 4)],
-                   "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 4)]}
-if SMOKE:
-    BWD_TMA_CONFIGS = {w: v[:1] for w, v in BWD_TMA_CONFIGS.items()}
-
-
-def sweep_bwd_tma(opts):
-    """Backward with TMA loads of the streamed tiles against the pointer loads, each kernel's config swept
-    with the other at the heuristic default; plus the varlen suite's batch. fp16, same process."""
-    jobs = [("bwd_tma", (D, c, which, x)) for D in (64, 128) for c in (False, True)
-            for which in ("dkdv", "dq") for x in BWD_TMA_CONFIGS[which]]
-    precompile(jobs, opts.jobs)
-    rows = []
-    plan = [(D, c, T) for D in (64, 128) for c in (False, True) for T in ((64,) if SMOKE else (512, 2048, 8192))]
-    for D, causal, T in plan:
-        q, k, v = fwd_inputs(T, D, torch.float16)
-        out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
-        do = torch.randn_like(out)
-        flops = attention_flops(q.shape[0], q.shape[2], T, D, causal, "bwd")
-        base = configs.default_bwd_configs(D, 2, q.device, causal)
-        ref = B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal, config=base, use_tma=False)
-        variants = [("ptr default", base, False), ("tma default", base, True)]
-        for which in ("dkdv", "dq"):
-            for c in BWD_TMA_CONFIGS[which]:
-                both = dict(base)
-                both[which] = cfg(c)
-                variants.append((f"tma {which} {c}", both, True))
-        here = []
-        for name, conf, tma in variants:
-            try:
-                got = B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal, config=conf, use_tma=tma)
-                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
-                ms = bench(lambda: B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal, config=conf, use_tma=tma))
-                row = dict(D=D, causal=causal, T=T, variant=name, ms=ms, tflops=flops / ms / 1e9, err=err)
-            except Exception as exc:  # noqa: BLE001
-                row = dict(D=D, causal=causal, T=T, variant=name, error=str(exc)[:200])
-            rows.append(row)
-            here.append(row)
-        print(f"bwd_tma D={D} causal={int(causal)} T={T}:" + "".join(
-            f" | {r['variant']} {r.get('tflops', 0):.0f}" for r in here), flush=True)
-        del q, k, v, out, lse, do
-    q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
-    for causal in (False, True):
-        out, lse = F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu, cu, mx, mx)
-        do = torch.randn_like(q)
-        base = configs.default_bwd_configs(128, 2, q.device, causal)
-        for tma in (False, True):
-            ms = bench(lambda: B.attention_backward(do, q, k, v, out, lse, 128 ** -0.5, causal, True, cu, cu, mx, mx,
-                                                    config=base, zero_fill=False, use_tma=tma))
-            rows.append(dict(varlen=True, causal=causal, variant=f"{'tma' if tma else 'ptr'} default", ms=ms))
-            print(f"bwd_tma varlen causal={int(causal)} tma={tma}: {ms:.3f} ms", flush=True)
-    return rows
-
-
 def _decode_inputs(Bsz, S, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randn(Bsz, 1, 32, 128, device=DEV, dtype=torch.float16, generator=g)
@@ -536,13 +475,13 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "bwd_tma"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     opts = ap.parse_args()
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
-              "varlen": sweep_varlen, "bwd_tma": sweep_bwd_tma}
+              "varlen": sweep_varlen}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=__import__("triton").__version__,

@@ -121,10 +121,6 @@ USE_TMA: bool = os.environ.get("FLASHTRITON_TMA", "1") != "0"
 TMA_HEAD_DIMS = (64, 128)
 
 
-# The backward kernels' TMA loads (Q, dO streamed in dK/dV; K, V in dQ), where TMA is on (see USE_TMA).
-BWD_TMA: bool = True
-
-
 def default_fwd_tma_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict:
     """The TMA forward's tiles, from that sweep (B·T = 16384, H·D = 2048; TFLOP/s fp16 / bf16):
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds, tma_descriptor, tma_ok, tma_tile
+from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds
 from .launch import launch
 
 PREPROCESS_BLOCK_M = 64
@@ -78,20 +78,16 @@ def _load_lse_delta(lse_ptrs, delta_ptrs, rows, seqlen_q, MASK_ROWS: tl.constexp
 def _attn_bwd_dkdv_tile(
     dk, dv, k, v,
     Q, DO, LSE, DELTA,  # scalar pointers at (batch, first query head of the group, row 0)
-    desc_q, desc_do, off_b, q_row0, head0,  # USE_TMA: descriptors, batch, first token, first query head
     stride_qm, stride_qh, stride_dom, stride_doh, stride_lh,
     q_offs, do_offs,  # (BLOCK_M, BLOCK_D) offsets of a tile inside one head
     offs_n, offs_m, offs_d,
     start_m, end_m, group_size, seqlen_q, causal_offset, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Add the contribution of query rows [start_m, end_m) of each of the group's `group_size` query heads
     to the resident key tile's dK, dV. One flat loop over (head, row tile): a nested loop over heads costs
-    the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed.
-    USE_TMA: the streamed Q and dO tiles come by TMA (varlen: rows past the sequence are zeroed, as the
-    masked loads do, so that NaN there cannot reach dK, dV through 0 · NaN)."""
+    the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed."""
     n_tiles = tl.cdiv(end_m - start_m, BLOCK_M)
     # max(.., 1): an empty stage must not divide by zero, even in the addresses the software pipeline
     # computes ahead of the loop (seen on the H200 as an illegal memory access).
@@ -101,17 +97,10 @@ def _attn_bwd_dkdv_tile(
         m = start_m + (it - g * n_tiles_safe) * BLOCK_M
         rows = m + offs_m  # (BLOCK_M,) query indices
         m64 = m.to(tl.int64)
-        if USE_TMA:
-            q = tma_tile(desc_q, off_b, q_row0 + m, head0 + g, BLOCK_M, HEAD_DIM, IS_VARLEN)  # (BLOCK_M, D)
-            do = tma_tile(desc_do, off_b, q_row0 + m, head0 + g, BLOCK_M, HEAD_DIM, IS_VARLEN)  # (BLOCK_M, D)
-            if MASKED and IS_VARLEN:
-                q = tl.where(rows[:, None] < seqlen_q, q, 0.0)
-                do = tl.where(rows[:, None] < seqlen_q, do, 0.0)
-        else:
-            q = load_tile(Q + (g * stride_qh + m64 * stride_qm) + q_offs, rows, seqlen_q, offs_d,
-                          MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
-            do = load_tile(DO + (g * stride_doh + m64 * stride_dom) + do_offs, rows, seqlen_q, offs_d,
-                           MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        q = load_tile(Q + (g * stride_qh + m64 * stride_qm) + q_offs, rows, seqlen_q, offs_d,
+                       MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        do = load_tile(DO + (g * stride_doh + m64 * stride_dom) + do_offs, rows, seqlen_q, offs_d,
+                        MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
         lse, delta = _load_lse_delta(LSE + (g * stride_lh + m64) + offs_m, DELTA + (g * stride_lh + m64) + offs_m,
                                      rows, seqlen_q, MASKED)  # (BLOCK_M,)
         if UPCAST_DOT:
@@ -131,7 +120,6 @@ def _attn_bwd_dkdv_tile(
 @triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
-    desc_q, desc_do,  # USE_TMA: descriptors of Q and dO (blocks of BLOCK_M rows); None otherwise
     CU_SEQLENS_Q, CU_SEQLENS_K,
     softmax_scale, qk_scale,  # qk_scale = softmax_scale * log2(e)
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -147,7 +135,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # grid (key tiles, kv heads, batch)
     off_hk = tl.program_id(1)
@@ -203,10 +191,9 @@ def _attn_bwd_dkdv(
         end = mid if stage == 0 else (full if stage == 1 else seqlen_q)
         dk, dv = _attn_bwd_dkdv_tile(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-            desc_q, desc_do, off_b, q_start.to(tl.int32) if IS_VARLEN else 0, off_hk * GROUP_SIZE,
             stride_qm, stride_qh, stride_dom, stride_doh, stride_lh, q_offs, do_offs, offs_n, offs_m, offs_d,
             start, end, GROUP_SIZE, seqlen_q, causal_offset, qk_scale,
-            stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST_DOT, DOT_PRECISION, USE_TMA, IS_VARLEN,
+            stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST_DOT, DOT_PRECISION,
         )
 
     n_mask = offs_n[:, None] < seqlen_k
@@ -222,28 +209,18 @@ def _attn_bwd_dkdv(
 def _attn_bwd_dq_tile(
     dq, q, do, lse, delta,
     k_ptrs, v_ptrs, stride_kn, stride_vn,
-    desc_k, desc_v, off_b, k_row0, off_hk,  # USE_TMA: descriptors, batch, first key token, kv head
     offs_m, offs_n, offs_d,
     start_n, end_n, seqlen_k, causal_offset, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """Add the contribution of keys [start_n, end_n) to the resident query tile's dQ. USE_TMA: the streamed
-    K and V tiles come by TMA (varlen: rows past the sequence zeroed, as the masked loads do)."""
+    """Add the contribution of keys [start_n, end_n) to the resident query tile's dQ."""
     k_ptrs += start_n * stride_kn
     v_ptrs += start_n * stride_vn
     for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key indices
-        if USE_TMA:
-            k = tma_tile(desc_k, off_b, k_row0 + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
-            v = tma_tile(desc_v, off_b, k_row0 + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
-            if MASKED and IS_VARLEN:
-                k = tl.where(cols[:, None] < seqlen_k, k, 0.0)
-                v = tl.where(cols[:, None] < seqlen_k, v, 0.0)
-        else:
-            k = load_tile(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
-            v = load_tile(v_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -265,7 +242,6 @@ def _attn_bwd_dq_tile(
 @triton.jit
 def _attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
-    desc_k, desc_v,  # USE_TMA: descriptors of K and V (blocks of BLOCK_N rows); None otherwise
     CU_SEQLENS_Q, CU_SEQLENS_K,
     softmax_scale, qk_scale,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -280,7 +256,7 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # grid (query tiles, heads, batch)
     off_h = tl.program_id(1)
@@ -316,16 +292,15 @@ def _attn_bwd_dq(
 
     lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
 
-    k_row0 = k_start.to(tl.int32) if IS_VARLEN else 0
     dq = _attn_bwd_dq_tile(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, off_b, k_row0, off_hk,
-        offs_m, offs_n, offs_d, 0, lo, seqlen_k, causal_offset, qk_scale,
-        False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION, USE_TMA, IS_VARLEN,
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        0, lo, seqlen_k, causal_offset, qk_scale,
+        False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
     dq = _attn_bwd_dq_tile(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, off_b, k_row0, off_hk,
-        offs_m, offs_n, offs_d, lo, hi, seqlen_k, causal_offset, qk_scale,
-        True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION, USE_TMA, IS_VARLEN,
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        lo, hi, seqlen_k, causal_offset, qk_scale,
+        True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
 
     dq_ptrs = DQ + batch_dq + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
@@ -366,7 +341,6 @@ def attention_backward(
     max_seqlen_k: int | None = None,
     config: dict | None = None,
     zero_fill: bool = True,
-    use_tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs (what `attention_forward` took and returned).
 
@@ -377,8 +351,6 @@ def attention_backward(
     for both kernels, or {"dkdv": {...}, "dq": {...}} one each, instead of autotuning.
     Varlen with `zero_fill`: the gradients start at zero, so tokens outside every sequence get 0; pass False
     when cu_seqlens cover every token (the kernels write every other row), saving three memsets.
-    `use_tma`: None picks the Hopper TMA loads where `tma_ok` allows (never when autotuning); True forces them
-    (tests through the interpreter), False the pointer loads.
     """
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
@@ -429,22 +401,14 @@ def attention_backward(
     def grid_dq(meta):
         return (configs.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
-    # Hopper: the streamed tiles (Q, dO in dK/dV; K, V in dQ) by TMA, with the heuristic's tiles.
-    use_tma = config is not None and (use_tma if use_tma is not None else configs.BWD_TMA and tma_ok(q, k, v, dout))
-    if use_tma:
-        descs_dkdv = (tma_descriptor(q, config["dkdv"]["BLOCK_M"], varlen),
-                      tma_descriptor(dout, config["dkdv"]["BLOCK_M"], varlen))
-        descs_dq = (tma_descriptor(k, config["dq"]["BLOCK_N"], varlen), tma_descriptor(v, config["dq"]["BLOCK_N"], varlen))
-    else:
-        descs_dkdv = descs_dq = (None, None)
-    args_dkdv = (q, k, v, dout, lse, delta, dk, dv, *descs_dkdv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s,
-                 *l_s, heads_q // heads_kv, *tail)
-    args_dq = (q, k, v, dout, lse, delta, dq, *descs_dq, cu_seqlens_q, cu_seqlens_k, *common, *dq_s, *l_s,
+    args_dkdv = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s, *l_s,
+                 heads_q // heads_kv, *tail)
+    args_dq = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common, *dq_s, *l_s,
                heads_q // heads_kv, *tail)
     if config is None:
-        _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs, USE_TMA=False)
-        _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs, USE_TMA=False)
+        _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
+        _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
     else:
-        launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"], "USE_TMA": use_tma})
-        launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"], "USE_TMA": use_tma})
+        launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"]})
+        launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"]})
     return dq, dk, dv
