@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtriton.kernels import backward, forward
+from flashtriton.kernels import backward, decode, forward
 
 TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 UNALIGNED_INTS = {"NUM_HEADS", "NUM_HEADS_KV", "GROUP_SIZE"}
@@ -69,27 +69,54 @@ def main(out_dir: str) -> None:
             path.write_text(code_only(compiled.asm["ptx"]))
             print(path)
     tma_kernels(out)
+    decode_kernels(out)
 
 
 def tma_kernels(out: Path) -> None:
-    """The Hopper TMA forward, with tensor-descriptor arguments, at its two heuristic tile shapes."""
+    """The Hopper TMA forward, with tensor-descriptor arguments, dense and varlen, at two tile shapes."""
     fn = forward._attn_fwd_tma
-    for causal in (False, True):
-        for block_m, block_n, warps, stages in ((64, 64, 4, 3), (128, 128, 8, 3)):
-            constexprs = dict(HEAD_DIM=128, IS_CAUSAL=causal, CAUSAL_BOTTOM_RIGHT=True, BLOCK_M=block_m,
-                              BLOCK_N=block_n, UPCAST_DOT=False)
-            sig = {"desc_q": f"tensordesc<fp16[1,{block_m},1,128]>", "desc_k": f"tensordesc<fp16[1,{block_n},1,128]>",
-                   "desc_v": f"tensordesc<fp16[1,{block_n},1,128]>", "desc_o": f"tensordesc<fp16[1,{block_m},1,128]>",
-                   "LSE": "*fp32", "qk_scale": "fp32"}
+    for causal, varlen in ((False, False), (True, False), (True, True)):
+        for block_m, block_n, warps, stages in ((64, 32, 4, 3), (128, 128, 8, 3)):
+            constexprs = dict(HEAD_DIM=128, IS_CAUSAL=causal, CAUSAL_BOTTOM_RIGHT=True, IS_VARLEN=varlen,
+                              BLOCK_M=block_m, BLOCK_N=block_n, UPCAST_DOT=False)
+
+            def desc(rows):
+                return f"tensordesc<fp16[{rows},1,128]>" if varlen else f"tensordesc<fp16[1,{rows},1,128]>"
+
+            sig = {"desc_q": desc(block_m), "desc_k": desc(block_n), "desc_v": desc(block_n), "desc_o": desc(block_m),
+                   "O": "*fp16", "LSE": "*fp32", "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "qk_scale": "fp32"}
             for name in fn.arg_names:
                 sig.setdefault(name, "constexpr" if name in constexprs else "i32")
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                     if n in ("LSE", "stride_lb", "stride_lh", "SEQLEN_Q", "SEQLEN_K")}
+                     if n in ("O", "LSE", "CU_SEQLENS_Q", "CU_SEQLENS_K", "stride_om", "stride_oh", "stride_lb",
+                              "stride_lh", "SEQLEN_Q", "SEQLEN_K")}
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-            path = out / f"fwd_tma_causal{int(causal)}_{block_m}x{block_n}.ptx"
+            path = out / f"fwd_tma_causal{int(causal)}_varlen{int(varlen)}_{block_m}x{block_n}.ptx"
             path.write_text(code_only(compiled.asm["ptx"]))
             print(path)
+
+
+def decode_kernels(out: Path) -> None:
+    """The split-KV decode kernel: contiguous and paged caches, one split and several, causal or not."""
+    fn = decode._decode_split
+    for paged, split_kv, causal in ((False, False, False), (False, True, True), (True, True, False)):
+        constexprs = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=causal, PAGED=paged,
+                          PAGE_SIZE=256 if paged else 1, HAS_BATCH_IDX=not paged, SPLIT_KV=split_kv,
+                          UPCAST_DOT=False, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=128)
+        sig = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "O": "*fp16", "LSE": "*fp32", "O_PART": "*fp32",
+               "LSE_PART": "*fp32", "TICKETS": "*i32", "CACHE_SEQLENS": "*i32", "BATCH_IDX": "*i32",
+               "BLOCK_TABLE": "*i32", "qk_scale": "fp32", "stride_qd": "constexpr"}
+        constexprs["stride_qd"] = 1
+        for name in fn.arg_names:
+            sig.setdefault(name, "constexpr" if name in constexprs else "i32")
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n].startswith("*") or (sig[n] == "i32" and n.startswith("stride_"))}
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+        path = out / f"decode_paged{int(paged)}_split{int(split_kv)}_causal{int(causal)}.ptx"
+        path.write_text(code_only(compiled.asm["ptx"]))
+        print(path)
 
 
 if __name__ == "__main__":

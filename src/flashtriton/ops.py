@@ -27,8 +27,8 @@ from .validation import check_cu_seqlens_values
 def _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
                   max_seqlen_q, max_seqlen_k):
     if cu_seqlens_q is not None:
-        covers_q = check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
-        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+        covers_q, _ = check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                              max_seqlen_k)
         out, lse = attention_forward(
             q, k, v, softmax_scale, causal, causal_bottom_right,
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -49,8 +49,8 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom
         dout = dout.contiguous()
     covers_all = True
     if cu_seqlens_q is not None:  # gradients of tokens outside every sequence must be 0: zero-fill only then
-        covers_all = (check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
-                      & check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k"))
+        covers_all = all(check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                                 max_seqlen_k))
     return attention_backward(
         dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, zero_fill=not covers_all,

@@ -139,11 +139,20 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen, max_name: st
     return cu_seqlens.numel() - 1
 
 
-def check_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> bool:
-    """Host-side check of cu_seqlens' values (one small copy to the CPU).
+def check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                            max_seqlen_q: int, max_seqlen_k: int) -> tuple[bool, bool]:
+    """Host-side check of both cu_seqlens' values, with one small copy to the CPU for the two of them.
 
-    Returns True when the sequences cover every token (cu[0] == 0 and cu[-1] == total)."""
-    values = cu_seqlens.tolist()
+    Returns, for q and for k, whether the sequences cover every token (cu[0] == 0 and cu[-1] == total)."""
+    n = cu_seqlens_q.numel()
+    same = cu_seqlens_k is cu_seqlens_q
+    both = (cu_seqlens_q if same else torch.cat([cu_seqlens_q, cu_seqlens_k])).tolist()
+    values_q, values_k = (both, both) if same else (both[:n], both[n:])
+    return (_check_values("cu_seqlens_q", values_q, total_q, max_seqlen_q, "max_seqlen_q"),
+            _check_values("cu_seqlens_k", values_k, total_k, max_seqlen_k, "max_seqlen_k"))
+
+
+def _check_values(name: str, values: list[int], total: int, max_seqlen: int, max_name: str) -> bool:
     if values[0] < 0:
         raise ValueError(f"{name}[0] must be >= 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values[:-1], values[1:])]

@@ -81,6 +81,47 @@ def key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTO
 
 
 @triton.jit
+def softmax_step(
+    acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold one K/V tile into the running (acc, l_i, m_i): qk (BLOCK_M, BLOCK_N) are the raw scores Q Kᵀ of
+    keys `cols`, v (BLOCK_N, BLOCK_D) their values. MASKED tiles hide keys past seqlen_k (and, causal, past
+    each row's diagonal)."""
+    if MASKED:
+        visible = cols[None, :] < seqlen_k
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        qk = qk - m_new[:, None]
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        qk = qk * qk_scale - m_new[:, None]
+    p = tl.math.exp2(qk)  # (BLOCK_M, BLOCK_N)
+    alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if UPCAST_DOT:
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def softmax_finish(acc, l_i, m_i):
+    """(out, lse) of the finished rows; rows that saw no key (causal with Sq > Sk): out 0, lse -inf, never NaN."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # base 2 -> e
+    return out, lse
+
+
+@triton.jit
 def tma_tile(desc, off_b, row, off_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(BLOCK, HEAD_DIM) rows [row, row + BLOCK) of head off_h: dense descriptors are rank 4 over
     (B, S, H, D) (rows past S arrive as zeros), varlen ones rank 3 over (total, H, D) with `row` a token index

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings
+from .common import LOG2E, dot_settings, softmax_finish, softmax_step
 from .launch import launch
 
 
@@ -87,27 +87,9 @@ def _decode_tile(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        if MASKED:
-            visible = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= last_key[:, None])
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            qk = qk - m_new[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_new[:, None]
-        p = tl.math.exp2(qk)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if UPCAST_DOT:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DOT_PRECISION)
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # Row r sees keys up to last_key[r]: the shared step's causal test with offset 0.
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, last_key, seqlen_k, 0, qk_scale,
+                                     MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION)
     return acc, l_i, m_i, n_bad
 
 
@@ -217,11 +199,7 @@ def _decode_split(
         True, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
 
-    # Rows (or whole splits) that saw no key: out 0, lse -inf, never NaN.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    out, lse = softmax_finish(acc, l_i, m_i)  # rows (or whole splits) that saw no key: out 0, lse -inf
     # Invalid values: out NaN; lse NaN, or +inf in a partial result so that the merge gives NaN for both.
     poison = n_bad > 0
     out = tl.where(poison, float("nan"), out)

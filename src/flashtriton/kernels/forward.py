@@ -22,49 +22,9 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds, tma_descriptor, tma_ok, tma_tile
+from .common import (LOG2E, dot_settings, key_range, load_tile, sequence_bounds, softmax_finish, softmax_step,
+                     tma_descriptor, tma_ok, tma_tile)
 from .launch import launch
-
-
-@triton.jit
-def _softmax_step(
-    acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Fold one K/V tile into the running (acc, l_i, m_i): qk (BLOCK_M, BLOCK_N) are the raw scores Q Kᵀ of
-    keys `cols`, v (BLOCK_N, BLOCK_D) their values. MASKED tiles hide keys past seqlen_k (and, causal, past
-    each row's diagonal)."""
-    if MASKED:
-        visible = cols[None, :] < seqlen_k
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        qk = qk - m_new[:, None]
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        qk = qk * qk_scale - m_new[:, None]
-    p = tl.math.exp2(qk)  # (BLOCK_M, BLOCK_N)
-    alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if UPCAST_DOT:
-        acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DOT_PRECISION)
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _softmax_finish(acc, l_i, m_i):
-    """(out, lse) of the finished rows; rows that saw no key (causal with Sq > Sk): out 0, lse -inf, never NaN."""
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # base 2 -> e
-    return out, lse
 
 
 @triton.jit
@@ -86,7 +46,7 @@ def _attn_fwd_tile(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
                                       MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -157,7 +117,7 @@ def _attn_fwd(
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
 
-    out, lse = _softmax_finish(acc, l_i, m_i)
+    out, lse = softmax_finish(acc, l_i, m_i)
 
     row_ok = offs_m < seqlen_q
     tl.store(LSE + batch_l + off_h * stride_lh + offs_m, lse, mask=row_ok)
@@ -196,7 +156,7 @@ def _attn_fwd_tile_tma(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
                                       MASKED, IS_CAUSAL, UPCAST_DOT, "tf32")
     return acc, l_i, m_i
 
@@ -246,7 +206,7 @@ def _attn_fwd_tma(
                                        lo, hi, seqlen_k, causal_offset, qk_scale, True, IS_CAUSAL, IS_VARLEN,
                                        HEAD_DIM, BLOCK_N, UPCAST_DOT)
 
-    out, lse = _softmax_finish(acc, l_i, m_i)
+    out, lse = softmax_finish(acc, l_i, m_i)
     row_ok = offs_m < seqlen_q
     tl.store(LSE + off_b.to(tl.int64) * stride_lb + q_start + off_h * stride_lh + offs_m, lse, mask=row_ok)
     if IS_VARLEN:
