@@ -103,11 +103,13 @@ def decode_kernels(out: Path) -> None:
     for paged, split_kv, causal in ((False, False, False), (False, True, True), (True, True, False)):
         constexprs = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=causal, PAGED=paged,
                           PAGE_SIZE=256 if paged else 1, HAS_BATCH_IDX=not paged, SPLIT_KV=split_kv,
+                          **({"STORE_LSE": True} if "STORE_LSE" in fn.arg_names else {}),
                           UPCAST_DOT=False, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=128)
         sig = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "O": "*fp16", "LSE": "*fp32", "O_PART": "*fp32",
-               "LSE_PART": "*fp32", "TICKETS": "*i32", "CACHE_SEQLENS": "*i32", "BATCH_IDX": "*i32",
+               "LSE_PART": "*fp32", "PART": "*fp32", "TICKETS": "*i32", "CACHE_SEQLENS": "*i32", "BATCH_IDX": "*i32",
                "BLOCK_TABLE": "*i32", "qk_scale": "fp32", "stride_qd": "constexpr"}
         constexprs["stride_qd"] = 1
+        sig = {n: t for n, t in sig.items() if n in fn.arg_names}
         for name in fn.arg_names:
             sig.setdefault(name, "constexpr" if name in constexprs else "i32")
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

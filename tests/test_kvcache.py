@@ -476,3 +476,79 @@ def test_appending_into_an_expanded_or_shared_cache_is_refused():
             flash_attn_with_kvcache(q, own, own, k_new, k_new.clone(), cache_seqlens=5)
         out = flash_attn_with_kvcache(q, expanded, expanded, cache_seqlens=5)  # reading only: fine
     assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host-time shortcuts: no lse unless asked, ticket counters kept between calls, CUDA graphs
+# ---------------------------------------------------------------------------------------------------------
+def _decode_inputs(batch=3, heads_q=8, heads_kv=2, head_dim=64, capacity=300, dtype=torch.float16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 1, heads_q, head_dim, generator=gen).to(DEVICE, dtype)
+    k_cache, v_cache = (torch.randn(batch, capacity, heads_kv, head_dim, generator=gen).to(DEVICE, dtype)
+                        for _ in range(2))
+    seqlens = torch.tensor([capacity, 7, capacity // 2][:batch], dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, seqlens
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_output_without_lse_equals_output_with_it(num_splits):
+    """return_softmax_lse=False skips the lse tensor (and its stores): the output must not change."""
+    q, k_cache, v_cache, seqlens = _decode_inputs()
+    with torch.no_grad():
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits,
+                                           return_softmax_lse=True)
+        only = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits)
+    assert isinstance(only, torch.Tensor) and torch.equal(only, out)
+    assert torch.isfinite(lse).all()
+
+
+def test_repeated_split_calls_reuse_zeroed_ticket_counters():
+    """Split-KV launches count finished splits in counters that each launch leaves at zero (no memset per
+    call on the GPU): many calls in a row, with different split counts and batch sizes, all stay correct."""
+    from flashtriton.kernels import decode
+
+    q, k_cache, v_cache, seqlens = _decode_inputs()
+    with torch.no_grad():
+        expected = {s: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=s)
+                    for s in (1, 2, 5)}
+        for step in range(6):
+            splits = (2, 5)[step % 2]
+            got = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)
+            torch.testing.assert_close(got, expected[1], atol=2e-3, rtol=0)
+            assert torch.equal(got, expected[splits])
+            one = flash_attn_with_kvcache(q[:1], k_cache, v_cache, cache_seqlens=seqlens[:1], num_splits=splits)
+            assert torch.equal(one, expected[splits][:1])
+    for buf in decode._TICKETS.values():  # on the GPU: the kept counters are all back at zero
+        assert int(buf.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_decode_in_a_cuda_graph():
+    """Capture decode steps (append + split-KV attention) in a CUDA graph and replay them: the captured
+    launch gets its own counters (zeroed inside the graph), and replays match eager calls."""
+    q, k_cache, v_cache, seqlens = _decode_inputs(batch=4, heads_q=32, heads_kv=8, head_dim=128, capacity=8192)
+    seqlens = torch.tensor([8000, 1, 4096, 7000], dtype=torch.int32, device="cuda")
+    k_new = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.float16)
+    v_new = torch.randn_like(k_new)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    stream = torch.cuda.Stream()
+    with torch.no_grad(), torch.cuda.stream(stream):
+        flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, num_splits=8)  # warm up, compile
+        torch.cuda.synchronize()
+        kc.copy_(k_cache), vc.copy_(v_cache)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, num_splits=8)
+        kc.copy_(k_cache), vc.copy_(v_cache)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = captured.clone()
+        kc2, vc2 = k_cache.clone(), v_cache.clone()
+        eager = flash_attn_with_kvcache(q, kc2, vc2, k_new, v_new, cache_seqlens=seqlens, num_splits=8)
+        torch.cuda.synchronize()
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(replayed, eager)
+    graph.replay()  # again: the graph's counters were left at zero by the first replay
+    torch.cuda.synchronize()
+    # The second replay writes the same new keys at the same places: the same result.
+    assert torch.equal(captured, eager)

@@ -262,5 +262,6 @@ def flash_attn_with_kvcache(
     out, lse = decode_attention(
         q, k_cache, v_cache, cache_seqlens_t, max_cached + seqlen_new if batch else 0, scale, bool(causal),
         cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits, seqlen_new=seqlen_new,
+        return_lse=bool(return_softmax_lse),
     )
     return (out, lse) if return_softmax_lse else out

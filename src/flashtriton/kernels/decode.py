@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -96,8 +97,8 @@ def _decode_tile(
 @triton.jit
 def _decode_split(
     Q, K, V,
-    O, LSE,  # (B, Sq, Hq, D) q's dtype; (B, Hq, Sq) fp32
-    O_PART, LSE_PART,  # SPLIT_KV: (B, Sq, Hq, NUM_SPLITS, BLOCK_D), (B, Sq, Hq, NUM_SPLITS) fp32, contiguous
+    O, LSE,  # (B, Sq, Hq, D) q's dtype; (B, Hq, Sq) fp32 (written if STORE_LSE)
+    PART,  # SPLIT_KV: fp32 (B, Sq, Hq, NUM_SPLITS, BLOCK_D + PART_PAD): partial out, then lse
     TICKETS,  # SPLIT_KV: int32 (B·Hkv·M tiles,), zero before the launch and after it
     CACHE_SEQLENS,  # int32 (B,): keys already in the cache before this call's append
     BATCH_IDX,  # int32 (B,): cache row of each sequence (contiguous cache, HAS_BATCH_IDX)
@@ -118,6 +119,7 @@ def _decode_split(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1
+    STORE_LSE: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -206,23 +208,25 @@ def _decode_split(
     q_off = q_idx.to(tl.int64)
     if SPLIT_KV:
         lse = tl.where(poison, float("inf"), lse)
-        # Partial results of split s for row (b, i, h): index ((b·Sq + i)·Hq + h)·NUM_SPLITS + s.
+        # Partial result of split s for row (b, i, h): PART row ((b·Sq + i)·Hq + h)·NUM_SPLITS + s.
         part0 = ((off_b.to(tl.int64) * SEQLEN_Q + q_off) * (NUM_HEADS_KV * GROUP_SIZE) + off_h) * NUM_SPLITS
-        tl.store(LSE_PART + part0 + split, lse, mask=row_ok)
-        tl.store(O_PART + (part0 + split)[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
+        part_row = PART + (part0 + split) * (BLOCK_D + PART_PAD)
+        tl.store(part_row + BLOCK_D, lse, mask=row_ok)
+        tl.store(part_row[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
         # Every thread's partial is written before the ticket is taken (the atomic is acq_rel, gpu scope).
         tl.debug_barrier()
         tile = pid_bh * tl.num_programs(2) + pid_m
         is_last = tl.atomic_add(TICKETS + tile, 1) == NUM_SPLITS - 1
         if is_last:  # the other splits are done: merge them all, and leave the counter at zero
-            out, lse = _merge_splits(O_PART, LSE_PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M, BLOCK_D)
+            out, lse = _merge_splits(PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M, BLOCK_D)
             tl.atomic_xchg(TICKETS + tile, 0)
     else:
         lse = tl.where(poison, float("nan"), lse)
         is_last = True
     if is_last:
-        l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + q_off * stride_lm + off_h * stride_lh
-        tl.store(l_ptrs, lse, mask=row_ok)
+        if STORE_LSE:
+            l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + q_off * stride_lm + off_h * stride_lh
+            tl.store(l_ptrs, lse, mask=row_ok)
         o_ptrs = O + off_b.to(tl.int64) * stride_ob + q_off[:, None] * stride_om + off_h[:, None] * stride_oh + offs_d[None, :]
         o_mask = row_ok[:, None]
         if BLOCK_D != HEAD_DIM:
@@ -230,25 +234,31 @@ def _decode_split(
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
 
 
+# A row of the split-KV workspace holds one split's partial result: BLOCK_D outputs, then the lse, then
+# padding that keeps rows 16-byte aligned. Row width BLOCK_D + PART_PAD (fp32).
+PART_PAD = tl.constexpr(4)
+
+
 @triton.jit
-def _merge_splits(O_PART, LSE_PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """(out, lse) of BLOCK_M rows from their NUM_SPLITS partials (rows at index part0 + s): out is the
+def _merge_splits(PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(out, lse) of BLOCK_M rows from their NUM_SPLITS partials (PART rows part0 + s): out is the
     lse-weighted sum of the partial outs, lse = logsumexp of the partial lses; a row whose splits are all
     empty (-inf) gets 0 and -inf; a +inf partial (bad values) makes the row NaN. Loads bypass L1 (.cg):
     the partials were written by other programs."""
     lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    PART_WIDTH = BLOCK_D + PART_PAD
     for s in range(0, NUM_SPLITS):
-        lse_s = tl.load(LSE_PART + part0 + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        lse_s = tl.load(PART + (part0 + s) * PART_WIDTH + BLOCK_D, mask=row_ok, other=float("-inf"),
+                        cache_modifier=".cg")
         lse_max = tl.maximum(lse_max, lse_s)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights exp(-inf) = 0
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s in range(0, NUM_SPLITS):
-        lse_s = tl.load(LSE_PART + part0 + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        part_row = PART + (part0 + s) * PART_WIDTH
+        lse_s = tl.load(part_row + BLOCK_D, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         w = tl.math.exp2((lse_s - lse_max) * 1.4426950408889634)
-        o_s = tl.load(O_PART + (part0 + s)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                      cache_modifier=".cg")
+        o_s = tl.load(part_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         total += w
         acc += tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
     empty = total == 0.0
@@ -375,6 +385,31 @@ def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: 
     return best
 
 
+# Ticket counters of the split-KV merge, one zeroed int32 buffer per (GPU, stream), kept between calls: every
+# launch leaves its counters at zero (the last split resets its tile's), and launches on one stream run in
+# order, so no memset is needed per call. Buffers are never freed (a larger one is added when needed): a
+# kernel still queued may point at an older one. While a CUDA graph is being captured a fresh buffer is
+# zeroed inside the graph instead (memory a graph uses must come from its own pool).
+_TICKETS: dict = {}
+_TICKETS_KEPT: list = []
+
+
+def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int32 tensor of at least `count` counters that the decode kernel leaves zeroed."""
+    if device.type != "cuda" or INTERPRET:
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < count:
+        buf = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+        _TICKETS_KEPT.append(buf)
+    return buf
+
+
 def decode_block_m(rows: int) -> int:
     """M tile for `rows` = Sq · group stacked query rows: at least 16 (tl.dot), at most 64."""
     return min(max(16, configs.next_power_of_2(max(rows, 1))), 64)
@@ -393,7 +428,8 @@ def decode_attention(
     num_splits: int = 0,
     config: dict | None = None,
     seqlen_new: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the decode kernels on validated inputs (`flashtriton.kvcache` checks them and appends new keys).
 
     q (B, Sq, Hq, D); k_cache, v_cache (B_cache, S_cache, Hkv, D), or paged (num_pages, page_size, Hkv, D)
@@ -403,64 +439,87 @@ def decode_attention(
     Out-of-range values (cache lengths, cache rows, pages) give that sequence NaN, never an out-of-bounds read;
     cache_batch_idx int32 (B,) or None (contiguous cache only). Caches must have a contiguous last dim.
     num_splits: 0 chooses, 1 no split, n > 1 n chunks. `config` forces {"BLOCK_N", "num_warps", "num_stages"}.
-    Returns out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) fp32 (natural log).
+    Returns out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) fp32 (natural log), or None for lse when
+    `return_lse` is False (then it is neither allocated nor written: every allocation costs host time).
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
-    heads_kv = k_cache.shape[2]
-    group = heads_q // heads_kv
     device = q.device
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=device) if return_lse else None
     if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
+        return out, lse.fill_(float("-inf")) if return_lse else None
 
     paged = block_table is not None
+    if config is None and INTERPRET:
+        config = configs.DECODE_INTERPRETER_CONFIG
+    plan = _decode_plan(
+        tuple(q.shape), q.stride(), tuple(k_cache.shape), k_cache.stride(), v_cache.stride(), q.dtype,
+        block_table.shape[1] if paged else 0, block_table.stride(0) if paged else 0, cache_batch_idx is not None,
+        bool(causal), max_seqlen_k, num_splits, seqlen_new, return_lse,
+        None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device) if not num_splits else 0,
+    )
+    dummy = cache_seqlens  # stands in for absent pointers
+    if plan.part_shape is not None:
+        part = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
+        tickets = ticket_counters(plan.tickets, device)
+    else:
+        part = tickets = dummy  # unused
+    args = (q, k_cache, v_cache, out, lse if return_lse else dummy, part, tickets, cache_seqlens,
+            cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
+            softmax_scale * LOG2E) + plan.ints
+    if plan.autotune:
+        _decode_split_tuned[plan.grid](*args, **plan.meta)
+    else:
+        launch(_decode_split, plan.grid, args, plan.meta)
+    return out, lse
+
+
+class _Plan(NamedTuple):
+    grid: tuple[int, int, int]
+    part_shape: tuple[int, int] | None  # split-KV workspace (rows, BLOCK_D + PART_PAD) fp32, or None
+    tickets: int  # ticket counters the launch uses
+    ints: tuple  # the kernel's scalar arguments after qk_scale
+    meta: dict  # constexprs and options (the config too unless autotuned)
+    autotune: bool
+
+
+@functools.lru_cache(maxsize=1024)  # decoding repeats a few shapes: their launch plans are computed once
+def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, max_pages, stride_btb,
+                 has_batch_idx, causal, max_seqlen_k, num_splits, seqlen_new, return_lse, config, autotune,
+                 num_sms) -> _Plan:
+    """Everything of a decode launch that depends only on shapes, strides and options."""
+    batch, seqlen_q, heads_q, head_dim = q_shape
+    heads_kv = cache_shape[2]
+    group = heads_q // heads_kv
+    paged = max_pages > 0
     rows = seqlen_q * group
     block_m = decode_block_m(rows)
     m_tiles = configs.cdiv(rows, block_m)
     block_d = configs.padded_head_dim(head_dim)
-    if config is None and INTERPRET:
-        config = configs.DECODE_INTERPRETER_CONFIG
-    if config is None and not configs.AUTOTUNE:
-        config = configs.default_decode_config(block_d, q.element_size())
+    config = dict(config) if config is not None else None
+    if config is None and not autotune:
+        config = configs.default_decode_config(block_d, dtype.itemsize)
     if num_splits == 0:
-        num_splits = choose_num_splits(batch * heads_kv * m_tiles, max_seqlen_k, device,
-                                       block_n=config["BLOCK_N"] if config else 128)
+        num_splits = _choose_num_splits(batch * heads_kv * m_tiles, max_seqlen_k, num_sms,
+                                        config["BLOCK_N"] if config else 128)
     num_splits = max(1, int(num_splits))
-
     split_kv = num_splits > 1
-    if split_kv:
-        o_part = torch.empty((batch, seqlen_q, heads_q, num_splits, block_d), dtype=torch.float32, device=device)
-        lse_part = torch.empty((batch, seqlen_q, heads_q, num_splits), dtype=torch.float32, device=device)
-        tickets = torch.zeros(batch * heads_kv * m_tiles, dtype=torch.int32, device=device)
-    else:
-        o_part = lse_part = tickets = lse  # unused
-
-    dummy = cache_seqlens  # stands in for absent int32 pointers
-    upcast, precision = dot_settings(q.dtype)
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    sq, sk, sv, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
-    args = (
-        q, k_cache, v_cache, out, lse, o_part, lse_part, tickets, cache_seqlens,
-        cache_batch_idx if cache_batch_idx is not None else dummy,
-        block_table if paged else dummy,
-        softmax_scale * LOG2E,
-        sq[0], sq[1], sq[2], sq[3], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
-        lse.stride(0), lse.stride(2), lse.stride(1),
-        block_table.stride(0) if paged else 0,
-        heads_kv, seqlen_q, num_splits, seqlen_new, capacity, k_cache.shape[0],
+    capacity = max_pages * cache_shape[1] if paged else cache_shape[1]
+    out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
+    lse_strides = (heads_q * seqlen_q, 1, seqlen_q) if return_lse else (0, 0, 0)  # (B, Hq, Sq): b, row, head
+    ints = (
+        *q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb,
+        heads_kv, seqlen_q, num_splits, seqlen_new, capacity, cache_shape[0],
         configs.seqlen_bucket(configs.cdiv(max(max_seqlen_k, 1), num_splits)),
     )
     meta = dict(
         GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        IS_CAUSAL=bool(causal), PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        HAS_BATCH_IDX=cache_batch_idx is not None, SPLIT_KV=split_kv,
-        UPCAST_DOT=upcast, DOT_PRECISION=precision, BLOCK_M=block_m,
+        IS_CAUSAL=causal, PAGED=paged, PAGE_SIZE=cache_shape[1] if paged else 1,
+        HAS_BATCH_IDX=has_batch_idx, SPLIT_KV=split_kv, STORE_LSE=return_lse,
+        UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], BLOCK_M=block_m,
     )
-    grid = (batch * heads_kv, num_splits, m_tiles)
-    if config is None:
-        _decode_split_tuned[grid](*args, **meta)
-    else:
+    if config is not None:
         meta.update(config)
-        launch(_decode_split, grid, args, meta)
-    return out, lse
+    part_shape = (batch * seqlen_q * heads_q * num_splits, block_d + PART_PAD.value) if split_kv else None
+    return _Plan((batch * heads_kv, num_splits, m_tiles), part_shape, batch * heads_kv * m_tiles, ints, meta,
+                 config is None)

@@ -24,6 +24,8 @@ try:  # host-side TMA descriptors (triton >= 3.4)
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
+_Tensor = torch.Tensor
+
 # Triton option names (not kernel parameters) that may appear among the keyword arguments.
 _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl"})
 
@@ -78,9 +80,11 @@ def launch(fn, grid: tuple, args: tuple, meta: dict):
     if INTERPRET or _hooks_installed():
         return fn[grid](*args, **meta)
     device = driver.active.get_current_device()
-    try:
-        key = (fn, device, tuple(meta.items()), tuple(_arg_key(a) for a in args))
-    except TypeError:  # an argument type the key does not cover (e.g. a tensor descriptor)
+    try:  # ints and plain tensors inline (a decode launch has ~36 arguments: this is on every call's path)
+        key = (fn, device, tuple(meta.items()), tuple([
+            a if type(a) is int else (a.dtype, not a.data_ptr() & 15) if type(a) is _Tensor else _arg_key(a)
+            for a in args]))
+    except TypeError:  # an argument type the key does not cover
         return fn[grid](*args, **meta)
     entry = _CACHE.get(key)
     if entry is None:
