@@ -552,3 +552,25 @@ def test_decode_in_a_cuda_graph():
     torch.cuda.synchronize()
     # The second replay writes the same new keys at the same places: the same result.
     assert torch.equal(captured, eager)
+
+
+def test_checks_still_run_after_a_call_of_the_same_shape_passed():
+    """Calls whose signature passed once skip the checks: anything that changes a check's outcome (an int
+    cache length, grad mode, a shared k/v cache, a dtype, an option) must still raise."""
+    q, k_cache, v_cache, seqlens = _decode_inputs()
+    k_new = torch.randn(3, 1, 2, 64, dtype=torch.float16, device=DEVICE)
+    with torch.no_grad():
+        for _ in range(2):  # the second call takes the remembered signature
+            flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5)
+        with pytest.raises(ValueError, match="cache is too small"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=300)
+        with pytest.raises(ValueError, match="same memory"):
+            flash_attn_with_kvcache(q, k_cache, k_cache, k_new, k_new.clone(), cache_seqlens=5)
+        with pytest.raises(TypeError, match="share one dtype"):
+            flash_attn_with_kvcache(q.float(), k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5)
+        with pytest.raises(NotImplementedError, match="window_size"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5, window_size=(8, 0))
+        with pytest.raises(ValueError, match="num_splits"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5, num_splits=500)
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        flash_attn_with_kvcache(q.requires_grad_(), k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5)

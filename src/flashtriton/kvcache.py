@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -164,6 +165,90 @@ def flash_attn_with_kvcache(
         softmax_lse [optional, if return_softmax_lse=True]: (batch_size, nheads, seqlen_q) fp32, the natural
             log-sum-exp of each row of QK^T · softmax_scale (-inf for a row that sees no key).
     """
+    # Every check's outcome depends only on the call's signature (shapes, strides, dtypes, devices, options):
+    # a signature that passed once skips them (decoding repeats one call shape at every step).
+    signature = None if CHECK_VALUES else _signature(
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, num_splits, return_softmax_lse)
+    checked = _CHECKED.get(signature) if signature is not None else None
+    if checked is None:
+        checked = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                              softmax_scale, window_size, softcap, alibi_slopes, num_splits)
+        if signature is not None:
+            if len(_CHECKED) >= _CHECKED_LIMIT:
+                _CHECKED.clear()
+            _CHECKED[signature] = checked
+    seqlen_new, capacity, max_cached = checked
+    batch, _, _, head_dim = q.shape
+    device = q.device
+
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=device)
+    elif not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    elif cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()
+    q = V.last_dim_contiguous(q)
+    if cache_batch_idx is not None and cache_batch_idx.stride(0) != 1:
+        cache_batch_idx = cache_batch_idx.contiguous()
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+
+    if seqlen_new and batch:  # append the new keys/values in place (through the page table when paged)
+        append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, cache_seqlens,
+                  cache_batch_idx, block_table)
+
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    out, lse = decode_attention(
+        q, k_cache, v_cache, cache_seqlens, max_cached + seqlen_new if batch else 0, scale, bool(causal),
+        cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits, seqlen_new=seqlen_new,
+        return_lse=bool(return_softmax_lse),
+    )
+    return (out, lse) if return_softmax_lse else out
+
+
+class _Checked(NamedTuple):
+    """What the checks of a call derive from its signature."""
+    seqlen_new: int  # keys appended by the call
+    capacity: int  # keys the cache holds per sequence
+    max_cached: int  # an upper bound of cache_seqlens (sizes the split heuristic)
+
+
+_CHECKED: dict = {}  # signature -> _Checked, for signatures whose checks passed
+_CHECKED_LIMIT = 1024
+
+
+def _tensor_signature(t):
+    return t.shape, t.stride(), t.dtype, t.device, t.requires_grad
+
+
+def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+               window_size, softcap, alibi_slopes, num_splits, return_softmax_lse):
+    """A hashable key that fixes the outcome of every check in `_check_call`, or None for calls that must take
+    the checks every time (arguments of unusual types, unsupported options: they raise there)."""
+    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table)
+    if any(type(t) is not torch.Tensor for t in tensors[:3]) or any(
+            t is not None and type(t) is not torch.Tensor for t in tensors[3:]):
+        return None
+    if type(cache_seqlens) is torch.Tensor:
+        seqlens = _tensor_signature(cache_seqlens)
+    elif cache_seqlens is None or type(cache_seqlens) is int:
+        seqlens = cache_seqlens
+    else:
+        return None
+    if not (type(window_size) is tuple and window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
+            and type(num_splits) is int and (softmax_scale is None or type(softmax_scale) in (float, int))):
+        return None
+    return (
+        tuple(None if t is None else _tensor_signature(t) for t in tensors), seqlens, softmax_scale, bool(causal),
+        num_splits, bool(return_softmax_lse), torch.is_grad_enabled(),
+        k is not None and k_cache.data_ptr() == v_cache.data_ptr(),  # the shared-memory check
+    )
+
+
+def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+                window_size, softcap, alibi_slopes, num_splits) -> _Checked:
+    """Every check of flash_attn_with_kvcache's arguments (a clear error for each bad one)."""
     V.not_implemented("window_size", window_size, (-1, -1))
     V.not_implemented("softcap", softcap, 0.0)
     V.not_implemented("alibi_slopes", alibi_slopes, None)
@@ -224,44 +309,27 @@ def flash_attn_with_kvcache(
                 f"k_cache has {batch_cache} rows (batch_size_cache) but q has batch {batch}: pass cache_batch_idx "
                 "or a cache with at least batch_size rows")
 
-    # cache_seqlens -> int32 tensor of keys already in the cache. Python ints are checked here; the values of
-    # device tensors (cache_seqlens, cache_batch_idx, the used block_table entries) are checked by the kernels
-    # without a device-to-host sync (a sequence with a bad value gets NaN and no append), or here with one
-    # sync and a ValueError when CHECK_VALUES is on (never while a CUDA graph is captured).
+    # cache_seqlens: Python ints are checked here; the values of device tensors (cache_seqlens, cache_batch_idx,
+    # the used block_table entries) are checked by the kernels without a device-to-host sync (a sequence with a
+    # bad value gets NaN and no append), or here with one sync and a ValueError when CHECK_VALUES is on (never
+    # while a CUDA graph is captured).
     if cache_seqlens is None:
-        cache_seqlens_t = torch.full((batch,), capacity, dtype=torch.int32, device=device)
         max_cached = capacity
     elif isinstance(cache_seqlens, torch.Tensor):
         _check_int32_tensor("cache_seqlens", cache_seqlens, (batch,), "(batch_size,)", device)
-        cache_seqlens_t = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
         max_cached = max(capacity - seqlen_new, 0)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
             raise ValueError(f"cache_seqlens must be in 0..{capacity} (the cache capacity), got {cache_seqlens}")
-        cache_seqlens_t = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
         max_cached = cache_seqlens
     else:
         raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor (batch_size,), got {type(cache_seqlens).__name__}")
     if batch and max_cached + seqlen_new > capacity:
         raise _cache_too_small(str(max_cached), max_cached, seqlen_new, capacity, block_table)
     if batch and CHECK_VALUES and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _check_values(cache_seqlens_t, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0])
+        seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else torch.full(
+            (batch,), max_cached, dtype=torch.int32, device=device)
+        _check_values(seqlens, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0])
 
     _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
-    q = V.last_dim_contiguous(q)
-    if cache_batch_idx is not None and cache_batch_idx.stride(0) != 1:
-        cache_batch_idx = cache_batch_idx.contiguous()
-    if paged and block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
-
-    if seqlen_new and batch:  # append the new keys/values in place (through the page table when paged)
-        append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, cache_seqlens_t,
-                  cache_batch_idx, block_table)
-
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    out, lse = decode_attention(
-        q, k_cache, v_cache, cache_seqlens_t, max_cached + seqlen_new if batch else 0, scale, bool(causal),
-        cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits, seqlen_new=seqlen_new,
-        return_lse=bool(return_softmax_lse),
-    )
-    return (out, lse) if return_softmax_lse else out
+    return _Checked(seqlen_new, capacity, max_cached)
