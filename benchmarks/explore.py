@@ -47,10 +47,9 @@ BWD_DQ = {64: [(128, 32, 8, 2), (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3
                (128, 16, 4, 3), (64, 64, 8, 2), (128, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3)]}
 BWD_SEQLENS = [512, 2048, 8192]
 
-DECODE_CONFIGS = [(128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 4), (128, 8, 3)]
-DECODE_POINTS = [(1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (8, 131072), (64, 4096),
-                 (64, 32768), (64, 131072)]
-DECODE_SPLITS = [0, 1, 2, 4, 8, 16, 32, 64, 128]
+DECODE_CONFIGS = [(128, 8, 3), (128, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4)]
+DECODE_POINTS = [(B, S) for B in (1, 8, 64) for S in (1024, 4096, 32768, 131072)]
+DECODE_SPLITS = [0, 1, 2, 4, 8, 16, 32, 64]
 
 
 TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2)],
@@ -71,7 +70,10 @@ if SMOKE:  # logic check on a CPU (TRITON_INTERPRET=1): tiny lists
 
 
 def cfg(t):
-    return {"BLOCK_M": t[0], "BLOCK_N": t[1], "num_warps": t[2], "num_stages": t[3]}
+    c = {"BLOCK_M": t[0], "BLOCK_N": t[1], "num_warps": t[2], "num_stages": t[3]}
+    if len(t) > 4 and t[4] == "ws":
+        c["WARP_SPECIALIZE"] = True
+    return c
 
 
 def dcfg(t):
@@ -100,6 +102,20 @@ def bench(fn, warmup=5, rep=30):
         return (time.perf_counter() - t0) * 1e3
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_graph(fn, rep=20):
+    """GPU time of fn alone: captured in a CUDA graph, the replay's host time hides behind the L2 flush."""
+    if DEV == "cpu":
+        return bench(fn)
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        fn()
+    ms = bench(graph.replay, rep=rep)
+    del graph
+    return ms
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -296,6 +312,47 @@ def sweep_tma(opts):
     return rows
 
 
+WS_CONFIGS = [(128, 128, 8, 3, "ws"), (128, 64, 8, 3, "ws"), (128, 128, 8, 2, "ws"), (128, 64, 4, 3, "ws"),
+              (64, 64, 4, 3, "ws"), (128, 128, 8, 3), (128, 64, 8, 3)]
+
+
+def sweep_ws(opts):
+    """triton's automatic warp specialization (tl.range(..., warp_specialize=True)) in the TMA forward, D=128
+    fp16, against the default TMA config and cuDNN in the same run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    jobs = [("tma", (128, "fp16", c, x)) for c in (False, True) for x in WS_CONFIGS]
+    precompile(jobs, opts.jobs)
+    rows = []
+    for causal in (False, True):
+        for T in (1024, 4096, 16384):
+            q, k, v = fwd_inputs(T, 128, torch.float16)
+            flops = attention_flops(max(1, 16384 // T), 16, T, 128, causal, "fwd")
+            ref, _ = F.attention_forward(q, k, v, 128 ** -0.5, causal)
+            qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+
+            def cudnn():
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal).transpose(1, 2)
+
+            cands = [("default", lambda: F.attention_forward(q, k, v, 128 ** -0.5, causal)[0]), ("cudnn", cudnn)]
+            cands += [(str(c), lambda c=c: _tma_forward(q, k, v, causal, c)) for c in WS_CONFIGS]
+            here = []
+            for name, fn in cands:
+                try:
+                    err = (fn().float() - ref.float()).abs().max().item()
+                    ms = bench(fn)
+                    row = dict(D=128, causal=causal, T=T, variant=name, ms=ms, tflops=flops / ms / 1e9, err=err)
+                except Exception as exc:  # noqa: BLE001
+                    row = dict(D=128, causal=causal, T=T, variant=name, error=str(exc)[:300])
+                rows.append(row)
+                here.append(row)
+            print(f"ws causal={int(causal)} T={T}:" + "".join(
+                f" | {r['variant']} {r.get('tflops', 0):.0f} (err {r.get('err', float('nan')):.1e})" for r in here),
+                flush=True)
+    return rows
+
+
 def _varlen_inputs(small=False, seed=0):
     """The varlen suite's batch: 64 sequences, lengths uniform in 1..4096 (seed 0), H=16, D=128, fp16."""
     from flashtriton.bench_suites import varlen_seqlens
@@ -391,28 +448,37 @@ def sweep_decode(opts):
                     o, _ = _decode_run(Bsz, S, s, dcfg(c), inputs)
                     err = (o.float() - ref.float()).abs().max().item()
                     ms = bench(lambda: _decode_run(Bsz, S, s, dcfg(c), inputs), rep=20)
-                    rows.append(dict(B=Bsz, S=S, variant=str(c), splits=s, ms=ms, gbps=kv_bytes / ms / 1e6, err=err))
+                    ms_graph = bench_graph(lambda: _decode_run(Bsz, S, s, dcfg(c), inputs), rep=20)
+                    rows.append(dict(B=Bsz, S=S, variant=str(c), splits=s, ms=ms, gbps=kv_bytes / ms / 1e6, err=err,
+                                     ms_graph=ms_graph, gbps_graph=kv_bytes / ms_graph / 1e6))
                 except Exception as exc:  # noqa: BLE001
                     rows.append(dict(B=Bsz, S=S, variant=str(c), splits=s, error=str(exc)[:200]))
         q, kc, vc, seqlens = inputs
         with torch.no_grad():
-            ms = bench(lambda: flashtriton.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens), rep=20)
-        rows.append(dict(B=Bsz, S=S, variant="api", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6))
+            api = lambda: flashtriton.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)  # noqa: E731
+            ms, ms_graph = bench(api, rep=20), bench_graph(api, rep=20)
+        rows.append(dict(B=Bsz, S=S, variant="api", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6, ms_graph=ms_graph,
+                         gbps_graph=kv_bytes / ms_graph / 1e6))
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         qb, kb, vb = q.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
         del kc, vc
         backend = SDPBackend.CUDNN_ATTENTION if DEV == "cuda" else SDPBackend.MATH
         with sdpa_kernel([backend]):
-            ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True), rep=20)
-        rows.append(dict(B=Bsz, S=S, variant="sdpa_cudnn", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6))
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)  # noqa: E731
+            ms, ms_graph = bench(sdpa, rep=20), bench_graph(sdpa, rep=20)
+        rows.append(dict(B=Bsz, S=S, variant="sdpa_cudnn", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6,
+                         ms_graph=ms_graph, gbps_graph=kv_bytes / ms_graph / 1e6))
         del qb, kb, vb, inputs
         here = [r for r in rows if r.get("B") == Bsz and r.get("S") == S and "gbps" in r]
         best = max(here, key=lambda r: r["gbps"])
+        best_graph = max(here, key=lambda r: r.get("gbps_graph") or 0)
         auto = [r for r in here if r["splits"] == 0 and r["variant"] == str(DECODE_CONFIGS[0])]
         print(f"decode B={Bsz} S={S}: best {best['variant']} splits={best['splits']} {best['gbps']:.0f} GB/s; "
-              f"auto {auto[0]['gbps'] if auto else 0:.0f}; api {here[-2]['gbps']:.0f}; cudnn {here[-1]['gbps']:.0f}",
-              flush=True)
+              f"auto {auto[0]['gbps'] if auto else 0:.0f}; api {here[-2]['gbps']:.0f}; cudnn {here[-1]['gbps']:.0f} | "
+              f"graphs (GPU time only): best {best_graph['variant']} splits={best_graph['splits']} "
+              f"{best_graph['gbps_graph']:.0f}; auto {auto[0]['gbps_graph'] if auto else 0:.0f}; "
+              f"api {here[-2]['gbps_graph']:.0f}; cudnn {here[-1]['gbps_graph']:.0f}", flush=True)
         torch.cuda.empty_cache()
     return rows
 
@@ -446,11 +512,29 @@ def sweep_host(opts):
 
     q, k, v = fwd_inputs(512, 128, torch.float16)
     dq, kc, vc, seqlens = _decode_inputs(1, 4096)
+    qb, kb, vb = dq.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa_cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
+
+    flush = torch.empty(int(256e6 // 4), dtype=torch.int, device=DEV)  # what do_bench clears before each run
     calls = {
         "flash_attn_func": lambda: flashtriton.flash_attn_func(q, k, v, causal=True),
         "flash_attn_with_kvcache": lambda: flashtriton.flash_attn_with_kvcache(dq, kc, vc, cache_seqlens=seqlens),
         "decode_attention": lambda: Dk.decode_attention(dq, kc, vc, seqlens, 4096, 128 ** -0.5, False),
+        "sdpa_cudnn_decode": sdpa_cudnn,
+        "l2_flush_zero_": lambda: flush.zero_(),
     }
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        start.record()
+        flush.zero_()
+        end.record()
+        torch.cuda.synchronize()
+    print(f"--- do_bench's L2 flush (zero_ of 256 MB): {start.elapsed_time(end) * 1e3:.1f} us of GPU time", flush=True)
+    rows.append(dict(path="l2_flush_gpu", us=start.elapsed_time(end) * 1e3))
     with torch.no_grad():
         for name, fn in calls.items():
             for _ in range(20):
@@ -475,12 +559,13 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "ws"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     opts = ap.parse_args()
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
+              "ws": sweep_ws,
               "varlen": sweep_varlen}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)

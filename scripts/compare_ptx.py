@@ -79,6 +79,8 @@ def tma_kernels(out: Path) -> None:
         for block_m, block_n, warps, stages in ((64, 32, 4, 3), (128, 128, 8, 3)):
             constexprs = dict(HEAD_DIM=128, IS_CAUSAL=causal, CAUSAL_BOTTOM_RIGHT=True, IS_VARLEN=varlen,
                               BLOCK_M=block_m, BLOCK_N=block_n, UPCAST_DOT=False)
+            if "WARP_SPECIALIZE" in fn.arg_names:
+                constexprs["WARP_SPECIALIZE"] = False
 
             def desc(rows):
                 return f"tensordesc<fp16[{rows},1,128]>" if varlen else f"tensordesc<fp16[1,{rows},1,128]>"

@@ -144,10 +144,10 @@ def _attn_fwd_tile_tma(
     acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start,
     offs_m, offs_n, start_n, end_n, seqlen_k, causal_offset, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """`_attn_fwd_tile` with K/V tiles loaded by TMA."""
-    for n in range(start_n, end_n, BLOCK_N):
+    for n in tl.range(start_n, end_n, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = n + offs_n  # (BLOCK_N,) key indices in the sequence
         k = tma_tile(desc_k, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
         v = tma_tile(desc_v, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
@@ -167,6 +167,7 @@ def _attn_fwd_tma(
     qk_scale, stride_om, stride_oh, stride_lb, stride_lh, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,  # triton's automatic warp specialization of the key loops (experimental)
 ):
     """`_attn_fwd` for fp16/bf16 inputs on Hopper, with Q, K, V (and dense O) moved by TMA. Grid (query tiles,
     heads, batch). Dense: query rows past the end load as zeros and are not stored (TMA clips the store).
@@ -201,10 +202,10 @@ def _attn_fwd_tma(
     lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
                                        0, lo, seqlen_k, causal_offset, qk_scale, False, IS_CAUSAL, IS_VARLEN,
-                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT, WARP_SPECIALIZE)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
                                        lo, hi, seqlen_k, causal_offset, qk_scale, True, IS_CAUSAL, IS_VARLEN,
-                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT, WARP_SPECIALIZE)
 
     out, lse = softmax_finish(acc, l_i, m_i)
     row_ok = offs_m < seqlen_q
@@ -237,6 +238,7 @@ def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_
         seqlen_q, seqlen_k,
     ), dict(HEAD_DIM=head_dim, IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
             IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(q.dtype)[0],
+            WARP_SPECIALIZE=bool(config.get("WARP_SPECIALIZE", False)),
             num_warps=config["num_warps"], num_stages=config["num_stages"]))
 
 
