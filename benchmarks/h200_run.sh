@@ -2,7 +2,7 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite), quick (launch, kvcache, varlen, forward tests), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), serving (varlen,
 # decode). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
@@ -37,6 +37,8 @@ for step in "$@"; do
         --head-dims 64,128 --rep 40 --warmup 10 --out $R/fwd_final --no-plots > $R/fwd_final.txt 2>&1; grep -v "it/s" $R/fwd_final.txt | tail -52 ;;
     quick) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_launch.py tests/test_kvcache.py \
         tests/test_varlen.py tests/test_forward.py tests/test_backward.py > $R/pytest_quick.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_quick.txt | head -30 ;;
+    kvtests) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_launch.py tests/test_kvcache.py \
+        > $R/pytest_kv.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_kv.txt | head -30 ;;
     gputests) timeout 80 python -m pytest -v -n 8 -p no:cacheprovider --tb=line -m gpu tests > $R/pytest_gpu.txt 2>&1
       grep -cE "PASSED" $R/pytest_gpu.txt; grep -E "FAILED|ERROR|passed|failed" $R/pytest_gpu.txt | head -20 ;;
     diag) for f in forward backward varlen kvcache compile transformers cli; do

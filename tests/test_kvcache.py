@@ -518,8 +518,9 @@ def test_repeated_split_calls_reuse_zeroed_ticket_counters():
             assert torch.equal(got, expected[splits])
             one = flash_attn_with_kvcache(q[:1], k_cache, v_cache, cache_seqlens=seqlens[:1], num_splits=splits)
             assert torch.equal(one, expected[splits][:1])
-    for buf in decode._TICKETS.values():  # on the GPU: the kept counters are all back at zero
-        assert int(buf.abs().sum()) == 0
+    for (kind, *_), buf in decode._STREAM_BUFFERS.items():  # on the GPU: kept counters are all back at zero
+        if kind == "tickets":
+            assert int(buf.abs().sum()) == 0
 
 
 @pytest.mark.gpu
@@ -574,3 +575,25 @@ def test_checks_still_run_after_a_call_of_the_same_shape_passed():
             flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5, num_splits=500)
     with pytest.raises(NotImplementedError, match="inference-only"):
         flash_attn_with_kvcache(q.requires_grad_(), k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5)
+
+
+def test_unaligned_pointers_after_aligned_ones():
+    """A launch plan's compiled kernel is relaunched directly only for 16-byte aligned pointers (as it was
+    compiled): the same shapes with an unaligned q or cache must take the full launch path and stay right."""
+    q, k_cache, v_cache, seqlens = _decode_inputs(batch=2, heads_q=4, heads_kv=2, head_dim=64, capacity=200)
+
+    def shifted(t):  # same values and strides, data pointer 2 bytes past a 16-byte boundary
+        flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+        view = flat[1:1 + t.numel()].view(t.shape)
+        view.copy_(t)
+        return view
+
+    with torch.no_grad():
+        for _ in range(2):
+            expected = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=3)
+        assert torch.equal(flash_attn_with_kvcache(shifted(q), k_cache, v_cache, cache_seqlens=seqlens,
+                                                   num_splits=3), expected)
+        assert torch.equal(flash_attn_with_kvcache(q, shifted(k_cache), shifted(v_cache), cache_seqlens=seqlens,
+                                                   num_splits=3), expected)
+        assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=3),
+                           expected)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+import operator
 
 import torch
 import triton
@@ -32,7 +32,7 @@ import triton.language as tl
 from .. import configs
 from .._env import INTERPRET
 from .common import LOG2E, dot_settings, softmax_finish, softmax_step
-from .launch import launch
+from .launch import hooks_installed, launch, launch_and_keep
 
 
 @triton.jit
@@ -385,29 +385,38 @@ def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: 
     return best
 
 
-# Ticket counters of the split-KV merge, one zeroed int32 buffer per (GPU, stream), kept between calls: every
-# launch leaves its counters at zero (the last split resets its tile's), and launches on one stream run in
-# order, so no memset is needed per call. Buffers are never freed (a larger one is added when needed): a
-# kernel still queued may point at an older one. While a CUDA graph is being captured a fresh buffer is
-# zeroed inside the graph instead (memory a graph uses must come from its own pool).
-_TICKETS: dict = {}
-_TICKETS_KEPT: list = []
+# Per-(GPU, stream) buffers kept between decode calls, so that a call allocates only its output:
+# - the ticket counters of the split-KV merge: zeroed once; every launch leaves its counters at zero again
+#   (the last split resets its tile's), and launches on one stream run in order;
+# - the split-KV workspace (partial results), up to STREAM_WORKSPACE_LIMIT floats: each launch writes what
+#   it reads.
+# Buffers are never freed (a larger one is added when needed): a launch still queued may use an older one.
+# While a CUDA graph is being captured, fresh tensors are allocated (and the counters zeroed) inside the
+# graph instead: memory a graph uses must come from its own pool.
+_STREAM_BUFFERS: dict = {}
+_KEPT: list = []
+STREAM_WORKSPACE_LIMIT = 4 * 2**20
+
+
+def _stream_buffer(kind: str, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    fresh = torch.zeros if kind == "tickets" else torch.empty
+    if device.type != "cuda" or INTERPRET or (kind == "workspace" and count > STREAM_WORKSPACE_LIMIT):
+        return fresh(count, dtype=dtype, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return fresh(count, dtype=dtype, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (kind, index, torch._C._cuda_getCurrentRawStream(index))
+    buf = _STREAM_BUFFERS.get(key)
+    if buf is None or buf.numel() < count:
+        buf = fresh(max(count, 4096), dtype=dtype, device=device)
+        _STREAM_BUFFERS[key] = buf
+        _KEPT.append(buf)
+    return buf
 
 
 def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
     """A zeroed int32 tensor of at least `count` counters that the decode kernel leaves zeroed."""
-    if device.type != "cuda" or INTERPRET:
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
-    buf = _TICKETS.get(key)
-    if buf is None or buf.numel() < count:
-        buf = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _TICKETS[key] = buf
-        _TICKETS_KEPT.append(buf)
-    return buf
+    return _stream_buffer("tickets", count, torch.int32, device)
 
 
 def decode_block_m(rows: int) -> int:
@@ -457,36 +466,52 @@ def decode_attention(
         block_table.shape[1] if paged else 0, block_table.stride(0) if paged else 0, cache_batch_idx is not None,
         bool(causal), max_seqlen_k, num_splits, seqlen_new, return_lse,
         None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device) if not num_splits else 0,
+        device,
     )
     dummy = cache_seqlens  # stands in for absent pointers
-    if plan.part_shape is not None:
-        part = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
+    if plan.part_rows:
+        part = _stream_buffer("workspace", plan.part_rows * plan.part_width, torch.float32, device)
         tickets = ticket_counters(plan.tickets, device)
     else:
         part = tickets = dummy  # unused
-    args = (q, k_cache, v_cache, out, lse if return_lse else dummy, part, tickets, cache_seqlens,
-            cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
-            softmax_scale * LOG2E) + plan.ints
+    tensors = (q, k_cache, v_cache, out, lse if return_lse else dummy, part, tickets, cache_seqlens,
+               cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy)
+    scale = softmax_scale * LOG2E
     if plan.autotune:
-        _decode_split_tuned[plan.grid](*args, **plan.meta)
+        _decode_split_tuned[plan.grid](*tensors, scale, *plan.ints, **plan.meta)
+        return out, lse
+    # The plan fixes every argument's type; the compiled kernel also depends on pointer alignment: when all
+    # pointers are 16-byte aligned (as compiled), relaunch it with raw pointers and no lookup at all.
+    pointers = [t.data_ptr() for t in tensors]
+    aligned = not functools.reduce(operator.or_, pointers) & 15
+    if aligned and plan.relaunch is not None and not hooks_installed():
+        plan.relaunch(plan.grid, (*pointers, scale, *plan.ints))
+    elif aligned:
+        plan.relaunch = launch_and_keep(_decode_split, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
     else:
-        launch(_decode_split, plan.grid, args, plan.meta)
+        launch(_decode_split, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
     return out, lse
 
 
-class _Plan(NamedTuple):
-    grid: tuple[int, int, int]
-    part_shape: tuple[int, int] | None  # split-KV workspace (rows, BLOCK_D + PART_PAD) fp32, or None
-    tickets: int  # ticket counters the launch uses
-    ints: tuple  # the kernel's scalar arguments after qk_scale
-    meta: dict  # constexprs and options (the config too unless autotuned)
-    autotune: bool
+class _Plan:
+    """A decode launch, fixed by shapes, strides, dtypes, device and options."""
+
+    __slots__ = ("grid", "part_rows", "part_width", "tickets", "ints", "meta", "autotune", "relaunch")
+
+    def __init__(self, grid, part_rows, part_width, tickets, ints, meta, autotune):
+        self.grid = grid  # (B·Hkv, splits, M tiles)
+        self.part_rows, self.part_width = part_rows, part_width  # split-KV workspace (rows 0 without splits)
+        self.tickets = tickets  # ticket counters the launch uses
+        self.ints = ints  # the kernel's scalar arguments after qk_scale
+        self.meta = meta  # constexprs and options (the config too unless autotuned)
+        self.autotune = autotune
+        self.relaunch = None  # the compiled kernel, once launched with 16-byte aligned pointers
 
 
 @functools.lru_cache(maxsize=1024)  # decoding repeats a few shapes: their launch plans are computed once
 def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, max_pages, stride_btb,
                  has_batch_idx, causal, max_seqlen_k, num_splits, seqlen_new, return_lse, config, autotune,
-                 num_sms) -> _Plan:
+                 num_sms, device) -> _Plan:
     """Everything of a decode launch that depends only on shapes, strides and options."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_kv = cache_shape[2]
@@ -520,6 +545,6 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     )
     if config is not None:
         meta.update(config)
-    part_shape = (batch * seqlen_q * heads_q * num_splits, block_d + PART_PAD.value) if split_kv else None
-    return _Plan((batch * heads_kv, num_splits, m_tiles), part_shape, batch * heads_kv * m_tiles, ints, meta,
-                 config is None)
+    part_rows = batch * seqlen_q * heads_q * num_splits if split_kv else 0
+    return _Plan((batch * heads_kv, num_splits, m_tiles), part_rows, block_d + PART_PAD.value,
+                 batch * heads_kv * m_tiles, ints, meta, config is None)

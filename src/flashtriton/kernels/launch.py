@@ -108,6 +108,43 @@ def launch(fn, grid: tuple, args: tuple, meta: dict):
     return kernel
 
 
+class Relaunch:
+    """One compiled kernel, launched again with new argument values of the same signature without any key:
+    for a caller that already knows the signature is unchanged (e.g. `kernels.decode` keys its launch plans
+    on shapes, strides and dtypes, and checks pointer alignment itself). Pointer arguments may be passed as
+    ints (`tensor.data_ptr()`), which Triton's launcher takes as they are."""
+
+    __slots__ = ("kernel", "tail", "device")
+
+    def __init__(self, kernel, tail: tuple, device: int):
+        self.kernel, self.tail, self.device = kernel, tail, device
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
+        kernel = self.kernel
+        kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(self.device), kernel.function,
+                   kernel.packed_metadata, None, None, None, *args, *self.tail)
+
+
+def launch_and_keep(fn, grid: tuple, args: tuple, meta: dict) -> Relaunch | None:
+    """`launch(fn, grid, args, meta)`, returning a `Relaunch` of the compiled kernel when it was remembered
+    (None under the interpreter, with launch hooks, or for an argument signature `launch` does not cache)."""
+    launch(fn, grid, args, meta)
+    if INTERPRET or _hooks_installed():
+        return None
+    device = driver.active.get_current_device()
+    try:
+        key = (fn, device, tuple(meta.items()), tuple(_arg_key(a) for a in args))
+    except TypeError:
+        return None
+    entry = _CACHE.get(key)
+    return Relaunch(entry.kernel, entry.tail, device) if entry is not None else None
+
+
+def hooks_installed() -> bool:
+    """Whether launches must take Triton's own path (a profiler's hooks are installed)."""
+    return _hooks_installed()
+
+
 def cache_size() -> int:
     """Number of (kernel, argument key) entries remembered (tests, diagnostics)."""
     return len(_CACHE)
