@@ -463,6 +463,21 @@ def sweep_decode(opts):
 
         qb, kb, vb = q.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
         del kc, vc
+        # The same kernels on the cache memory SDPA reads: (B, Hkv, S, D) contiguous, seen as (B, S, Hkv, D).
+        kh, vh = kb.transpose(1, 2), vb.transpose(1, 2)
+        for c in DECODE_CONFIGS[:1] + DECODE_CONFIGS[2:3]:
+            for sp in (0, 2, 4, 8, 16, 32):
+                fn = lambda: Dk.decode_attention(q, kh, vh, seqlens, S, 128 ** -0.5, False, num_splits=sp,  # noqa: E731
+                                                 config=dcfg(c))
+                err = (fn()[0].float() - ref.float()).abs().max().item()
+                ms, ms_graph = bench(fn, rep=20), bench_graph(fn, rep=20)
+                rows.append(dict(B=Bsz, S=S, variant=f"bhsd {c}", splits=sp, ms=ms, gbps=kv_bytes / ms / 1e6, err=err,
+                                 ms_graph=ms_graph, gbps_graph=kv_bytes / ms_graph / 1e6))
+        with torch.no_grad():
+            api = lambda: flashtriton.flash_attn_with_kvcache(q, kh, vh, cache_seqlens=seqlens)  # noqa: E731
+            ms, ms_graph = bench(api, rep=20), bench_graph(api, rep=20)
+        rows.append(dict(B=Bsz, S=S, variant="api_bhsd", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6, ms_graph=ms_graph,
+                         gbps_graph=kv_bytes / ms_graph / 1e6))
         backend = SDPBackend.CUDNN_ATTENTION if DEV == "cuda" else SDPBackend.MATH
         with sdpa_kernel([backend]):
             sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)  # noqa: E731
@@ -473,12 +488,16 @@ def sweep_decode(opts):
         here = [r for r in rows if r.get("B") == Bsz and r.get("S") == S and "gbps" in r]
         best = max(here, key=lambda r: r["gbps"])
         best_graph = max(here, key=lambda r: r.get("gbps_graph") or 0)
+        named = {r["variant"]: r for r in here}
         auto = [r for r in here if r["splits"] == 0 and r["variant"] == str(DECODE_CONFIGS[0])]
         print(f"decode B={Bsz} S={S}: best {best['variant']} splits={best['splits']} {best['gbps']:.0f} GB/s; "
-              f"auto {auto[0]['gbps'] if auto else 0:.0f}; api {here[-2]['gbps']:.0f}; cudnn {here[-1]['gbps']:.0f} | "
+              f"auto {auto[0]['gbps'] if auto else 0:.0f}; api {named['api']['gbps']:.0f}; api_bhsd {named['api_bhsd']['gbps']:.0f}; "
+              f"cudnn {named['sdpa_cudnn']['gbps']:.0f} | "
               f"graphs (GPU time only): best {best_graph['variant']} splits={best_graph['splits']} "
               f"{best_graph['gbps_graph']:.0f}; auto {auto[0]['gbps_graph'] if auto else 0:.0f}; "
-              f"api {here[-2]['gbps_graph']:.0f}; cudnn {here[-1]['gbps_graph']:.0f}", flush=True)
+              f"api {named['api']['gbps_graph']:.0f}; api_bhsd {named['api_bhsd']['gbps_graph']:.0f}; "
+              f"cudnn {named['sdpa_cudnn']['gbps_graph']:.0f}",
+              flush=True)
         torch.cuda.empty_cache()
     return rows
 

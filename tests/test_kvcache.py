@@ -231,10 +231,14 @@ def test_paged_forced_wide_tile():
 # ---------------------------------------------------------------------------------------------------------
 def test_choose_num_splits():
     cpu = torch.device("cpu")
-    # H200-like (132 SMs): batch 8 x 8 kv heads on a 32k cache splits; a full GPU's worth does not.
-    s = choose_num_splits(64, 32768, cpu, num_sms=132)
-    assert 2 <= s <= 128 and 64 * s >= 0.8 * 264
+    # H200-like (132 SMs): batch 8 x 8 kv heads on a 32k cache splits to fill the SMs, one wave; batch 1
+    # splits more; a full GPU's worth does not split; short caches are not worth a split's overhead.
+    for per_sm in (1, 2, 3):
+        s = choose_num_splits(64, 32768, cpu, num_sms=132, programs_per_sm=per_sm)
+        assert 2 <= s <= 128 and 0.8 * 132 * per_sm <= 64 * s <= 132 * per_sm
+        assert choose_num_splits(8, 32768, cpu, num_sms=132, programs_per_sm=per_sm) > s
     assert choose_num_splits(512, 32768, cpu, num_sms=132) == 1
+    assert choose_num_splits(64, 1024, cpu, num_sms=132) == 1
     assert choose_num_splits(4, 100, cpu, num_sms=132) == 1  # too few keys to split
     assert 1 <= choose_num_splits(2, 4096, cpu) <= 8
 

@@ -302,16 +302,33 @@ def default_decode_config(head_dim_padded: int, elem_bytes: int) -> dict:
 # The one config the interpreter uses.
 DECODE_INTERPRETER_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
-# Split-KV heuristic (kernels.decode.choose_num_splits): the SM count it assumes off the GPU, how many
-# programs of the default config run at once per SM, the fewest keys worth a split of their own, the most
-# splits, and what a program costs beyond its key tiles (prologue; with splits, the partial result and the
-# merge), in key-tile times.
+# Split-KV heuristic (kernels.decode.choose_num_splits): the SM count it assumes off the GPU, the fewest
+# keys worth a split of their own, the most splits, and what a program costs beyond its key tiles, in
+# key-tile times (one 128 x 128 fp16 K+V tile streams in ~1.8 us per SM at full bandwidth). Fitted to the
+# CUDA-graph (GPU-only) times of explore.py decode (runs/c5d869b23b17, (128, 8, 3) at D=128): a program's
+# fixed cost (prologue, first loads after the L2 is cold, the stores) is ~3 tiles and a split's extra
+# (partial result, ticket, the merge by the last split) ~5: batch 8 x 1k keys ran fastest unsplit
+# (21.5 us against 24.4 with 2 splits), batch 1 x 32k with 16 splits (57 us; 32: 63, 8: 65).
+# Programs per SM come from the config's shared memory (decode_programs_per_sm).
 DECODE_INTERPRETER_SMS = 4
-DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 128
-DECODE_PROGRAM_OVERHEAD_TILES = 1
-DECODE_SPLIT_OVERHEAD_TILES = 1
+DECODE_PROGRAM_OVERHEAD_TILES = 3
+DECODE_SPLIT_OVERHEAD_TILES = 5
+SHARED_MEMORY_PER_SM = 227 * 1024  # H100/H200 (A100: 163 KiB; the heuristic only needs the order of it)
+
+
+def decode_shared_memory(block_n: int, stages: int, head_dim_padded: int, block_m: int, elem_bytes: int) -> int:
+    """Bytes of shared memory a decode program holds: the query tile and stages - 1 K and V tiles in flight."""
+    return elem_bytes * head_dim_padded * (block_m + 2 * block_n * max(stages - 1, 1))
+
+
+def decode_programs_per_sm(config: dict | None, head_dim_padded: int, block_m: int, elem_bytes: int) -> int:
+    """How many programs of a decode config one SM runs at once (shared memory and warps; 2 if autotuned)."""
+    if config is None:
+        return 2
+    smem = decode_shared_memory(config["BLOCK_N"], config["num_stages"], head_dim_padded, block_m, elem_bytes)
+    return max(1, min(SHARED_MEMORY_PER_SM // smem, 64 // config["num_warps"]))
 
 
 def prune_decode_configs(configs, named_args, **kwargs):
@@ -321,7 +338,7 @@ def prune_decode_configs(configs, named_args, **kwargs):
     kept = []
     for c in configs:
         bn, warps, stages = c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
-        smem = elem_bytes * head_dim_padded * (block_m + 2 * bn * max(stages - 1, 1))
+        smem = decode_shared_memory(bn, stages, head_dim_padded, block_m, elem_bytes)
         # fp32 values per thread: accumulator, scores and one K tile in flight (a rough bound; configs that
         # still run out of resources are skipped by the autotuner).
         regs = (block_m * head_dim_padded + block_m * bn + bn * head_dim_padded) / (warps * 32)

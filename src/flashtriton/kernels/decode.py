@@ -356,23 +356,23 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(programs: int, max_seqlen_k: int, device: torch.device, num_sms: int | None = None,
-                      block_n: int = 128) -> int:
+                      block_n: int = 128, programs_per_sm: int = 1) -> int:
     """How many chunks to cut each sequence's keys into.
 
     `programs` = batch · kv heads · M tiles, each reading up to `max_seqlen_k` keys in tiles of `block_n`.
-    The GPU runs `DECODE_PROGRAMS_PER_SM` programs per SM at once, so the launch takes about
-    waves · (tiles per program + overhead) tile-times, with waves = ceil(programs · splits / slots): the
-    split count that minimises this (the fewest splits among equals), with at least `DECODE_MIN_SPLIT_KEYS`
-    keys per split and at most `DECODE_MAX_SPLITS` splits. A split costs `DECODE_SPLIT_OVERHEAD_TILES` more
-    per program (its partial result, the merge). `num_sms` overrides the device's SM count (off the GPU a
-    small `configs.DECODE_INTERPRETER_SMS`).
+    The GPU runs `programs_per_sm` programs per SM at once (`configs.decode_programs_per_sm`), so the launch
+    takes about waves · (tiles per program + overhead) tile-times, with waves = ceil(programs · splits /
+    slots): the split count that minimises this (the fewest splits among equals), with at least
+    `DECODE_MIN_SPLIT_KEYS` keys per split and at most `DECODE_MAX_SPLITS` splits. Every program costs
+    `DECODE_PROGRAM_OVERHEAD_TILES`, and a split `DECODE_SPLIT_OVERHEAD_TILES` more (its partial result, the
+    merge). `num_sms` overrides the device's SM count (off the GPU a small `configs.DECODE_INTERPRETER_SMS`).
     """
-    return _choose_num_splits(programs, max_seqlen_k, num_sms or _num_sms(device), block_n)
+    return _choose_num_splits(programs, max_seqlen_k, num_sms or _num_sms(device), block_n, programs_per_sm)
 
 
-@functools.lru_cache(maxsize=4096)  # on every decode call's path: decoding repeats a few shapes
-def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int) -> int:
-    slots = configs.DECODE_PROGRAMS_PER_SM * num_sms
+@functools.lru_cache(maxsize=4096)
+def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int, programs_per_sm: int) -> int:
+    slots = programs_per_sm * num_sms
     tiles = max(1, configs.cdiv(max_seqlen_k, block_n))
     max_splits = max(1, min(configs.DECODE_MAX_SPLITS, max_seqlen_k // configs.DECODE_MIN_SPLIT_KEYS))
     best, best_cost = 1, math.inf
@@ -525,8 +525,9 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     if config is None and not autotune:
         config = configs.default_decode_config(block_d, dtype.itemsize)
     if num_splits == 0:
+        per_sm = configs.decode_programs_per_sm(config, block_d, block_m, dtype.itemsize)
         num_splits = _choose_num_splits(batch * heads_kv * m_tiles, max_seqlen_k, num_sms,
-                                        config["BLOCK_N"] if config else 128)
+                                        config["BLOCK_N"] if config else 128, per_sm)
     num_splits = max(1, int(num_splits))
     split_kv = num_splits > 1
     capacity = max_pages * cache_shape[1] if paged else cache_shape[1]
