@@ -183,3 +183,24 @@ def test_portable_path_forced_on_every_gpu(causal, seqlen, device, monkeypatch):
         monkeypatch.setattr(configs, "USE_TMA", use_tma)
         out = flashtriton.flash_attn_func(q, k, v, causal=causal)
         assert_close_to_exact(out, same_dtype, exact, torch.bfloat16, f"USE_TMA={use_tma}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_unaligned_inputs_after_aligned_ones_of_the_same_shape(causal, device):
+    """A call shape's launch plan (on Hopper: the TMA kernel, compiled once, relaunched directly) is only taken
+    for 16-byte aligned addresses; the same shapes and strides at an unaligned address must take the portable
+    kernel and stay right, and the aligned tensors must still be right after that."""
+    q, k, v = make_qkv(2, 200, 200, 4, 2, 128, torch.float16, device)
+
+    def shifted(t):  # same values, shape and strides; the data 2 bytes past a 16-byte boundary
+        flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+        view = flat[1:1 + t.numel()].view(t.shape)
+        view.copy_(t)
+        return view
+
+    for _ in range(2):
+        expected, _ = check_forward(q, k, v, causal)
+    for args in ((shifted(q), k, v), (q, shifted(k), v), (q, k, shifted(v))):
+        out, _ = check_forward(*args, causal)
+        torch.testing.assert_close(out, expected, atol=2e-3, rtol=0)
+    assert torch.equal(check_forward(q, k, v, causal)[0], expected)

@@ -3,6 +3,8 @@ and the dot settings per dtype. `@triton.jit` helpers are inlined into the kerne
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -137,18 +139,37 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     sm_90, fp16/bf16, a head dim in `configs.TMA_HEAD_DIMS`, base addresses and strides 16-byte aligned (TMA's
     rules), nothing empty. Off under the interpreter unless a test calls the TMA launchers directly."""
     t0 = tensors[0]
-    if (INTERPRET or not configs.USE_TMA or TensorDescriptor is None or t0.device.type != "cuda"
-            or t0.shape[-1] not in configs.TMA_HEAD_DIMS or t0.dtype not in (torch.float16, torch.bfloat16)
-            or configs.capability(t0.device)[0] != 9):
+    if not tma_layout_ok(t0.device, t0.dtype, *((t.shape, t.stride()) for t in tensors)):
         return False
-    for t in tensors:
-        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]) or min(t.shape) == 0:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def tma_layout_ok(device: torch.device, dtype: torch.dtype, *shapes_and_strides) -> bool:
+    """`tma_ok` without the base addresses: what the shapes, strides, dtype and device decide."""
+    if (INTERPRET or not configs.USE_TMA or TensorDescriptor is None or device.type != "cuda"
+            or dtype not in (torch.float16, torch.bfloat16) or configs.capability(device)[0] != 9):
+        return False
+    size = dtype.itemsize
+    for shape, strides in shapes_and_strides:
+        if shape[-1] not in configs.TMA_HEAD_DIMS or min(shape) == 0 or any(st * size % 16 for st in strides[:-1]):
             return False
     return True
 
 
+# TensorDescriptor's __post_init__ re-checks what `tma_ok` already checked (aligned base and strides, sizes
+# > 0) and the block shape (powers of two from configs): ~10 us per descriptor on a slow host CPU, four per
+# forward. Where its fields are the ones known here, descriptors are built without it.
+_DESCRIPTOR_FIELDS = ["base", "shape", "strides", "block_shape", "padding"]
+_FAST_DESCRIPTOR = TensorDescriptor is not None and [f.name for f in dataclasses.fields(TensorDescriptor)] == \
+    _DESCRIPTOR_FIELDS
+
+
 def tma_descriptor(t: torch.Tensor, rows: int, varlen: bool):
     """Host descriptor of one (rows, head) slab of a (B, S, H, D) tensor — block (1, rows, 1, D) — or of a
-    packed (total, H, D) one — block (rows, 1, D); `tma_tile` loads through it."""
+    packed (total, H, D) one — block (rows, 1, D); `tma_tile` loads through it. `t` must pass `tma_ok`."""
     block = [rows, 1, t.shape[-1]] if varlen else [1, rows, 1, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+    if not _FAST_DESCRIPTOR or INTERPRET:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, list(t.shape), list(t.stride()), block, "zero"
+    return desc

@@ -16,6 +16,8 @@ each sequence's start; program (m, b·h) handles sequence b.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,8 +25,8 @@ import triton.language as tl
 from .. import configs
 from .._env import INTERPRET
 from .common import (LOG2E, dot_settings, key_range, load_tile, sequence_bounds, softmax_finish, softmax_step,
-                     tma_descriptor, tma_ok, tma_tile)
-from .launch import launch
+                     tma_descriptor, tma_layout_ok, tma_ok, tma_tile)
+from .launch import hooks_installed, launch, launch_and_keep
 
 
 @triton.jit
@@ -144,10 +146,10 @@ def _attn_fwd_tile_tma(
     acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start,
     offs_m, offs_n, start_n, end_n, seqlen_k, causal_offset, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """`_attn_fwd_tile` with K/V tiles loaded by TMA."""
-    for n in tl.range(start_n, end_n, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key indices in the sequence
         k = tma_tile(desc_k, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
         v = tma_tile(desc_v, off_b, k_start + n, off_hk, BLOCK_N, HEAD_DIM, IS_VARLEN)  # (BLOCK_N, D)
@@ -167,7 +169,6 @@ def _attn_fwd_tma(
     qk_scale, stride_om, stride_oh, stride_lb, stride_lh, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,  # triton's automatic warp specialization of the key loops (experimental)
 ):
     """`_attn_fwd` for fp16/bf16 inputs on Hopper, with Q, K, V (and dense O) moved by TMA. Grid (query tiles,
     heads, batch). Dense: query rows past the end load as zeros and are not stored (TMA clips the store).
@@ -202,10 +203,10 @@ def _attn_fwd_tma(
     lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
                                        0, lo, seqlen_k, causal_offset, qk_scale, False, IS_CAUSAL, IS_VARLEN,
-                                       HEAD_DIM, BLOCK_N, UPCAST_DOT, WARP_SPECIALIZE)
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
                                        lo, hi, seqlen_k, causal_offset, qk_scale, True, IS_CAUSAL, IS_VARLEN,
-                                       HEAD_DIM, BLOCK_N, UPCAST_DOT, WARP_SPECIALIZE)
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
 
     out, lse = softmax_finish(acc, l_i, m_i)
     row_ok = offs_m < seqlen_q
@@ -218,28 +219,75 @@ def _attn_fwd_tma(
         desc_o.store([off_b, start_m * BLOCK_M, off_h, 0], out.to(desc_o.dtype).reshape(1, BLOCK_M, 1, HEAD_DIM))
 
 
-def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config,
-                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-    varlen = cu_seqlens_q is not None
-    head_dim = q.shape[-1]
-    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+def _tma_launch_parts(q_shape, k_shape, dtype, out_strides, lse_strides, causal, causal_bottom_right, config,
+                      batch=None, max_seqlen_q=None, max_seqlen_k=None):
+    """(grid, scalar arguments after qk_scale, constexprs and options) of a TMA forward launch. Dense:
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), lse (B, Hq, Sq); varlen (batch given): (total, H, D), lse (Hq, total)."""
+    varlen = batch is not None
+    heads_q, heads_kv = q_shape[-2], k_shape[-2]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     if varlen:
-        batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
-        stride_lb, stride_lh = 0, lse.stride(0)
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        stride_lb, stride_lh = 0, lse_strides[0]
     else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        stride_lb, stride_lh = lse.stride(0), lse.stride(1)
+        batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
+        stride_lb, stride_lh = lse_strides[0], lse_strides[1]
+    ints = (out_strides[-3], out_strides[-2], stride_lb, stride_lh, heads_q // heads_kv, seqlen_q, seqlen_k)
+    meta = dict(HEAD_DIM=q_shape[-1], IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
+                IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(dtype)[0],
+                num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return (configs.cdiv(seqlen_q, bm), heads_q, batch), ints, meta
 
-    launch(_attn_fwd_tma, (configs.cdiv(seqlen_q, bm), heads_q, batch), (
+
+def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config,
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """The TMA forward on tensors that passed `tma_ok`."""
+    varlen = cu_seqlens_q is not None
+    grid, ints, meta = _tma_launch_parts(q.shape, k.shape, q.dtype, out.stride(), lse.stride(), causal,
+                                         causal_bottom_right, config, cu_seqlens_q.numel() - 1 if varlen else None,
+                                         max_seqlen_q, max_seqlen_k)
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    launch(_attn_fwd_tma, grid, (
         tma_descriptor(q, bm, varlen), tma_descriptor(k, bn, varlen), tma_descriptor(v, bn, varlen),
-        tma_descriptor(out, bm, varlen), out, lse, cu_seqlens_q, cu_seqlens_k,
-        softmax_scale * LOG2E, out.stride(-3), out.stride(-2), stride_lb, stride_lh, heads_q // heads_kv,
-        seqlen_q, seqlen_k,
-    ), dict(HEAD_DIM=head_dim, IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
-            IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(q.dtype)[0],
-            WARP_SPECIALIZE=bool(config.get("WARP_SPECIALIZE", False)),
-            num_warps=config["num_warps"], num_stages=config["num_stages"]))
+        tma_descriptor(out, bm, varlen), out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E, *ints,
+    ), meta)
+
+
+class _DenseTmaPlan:
+    """A dense TMA forward launch, fixed by shapes, strides, dtype, device and options. Host time matters: the
+    forward of a short sequence takes ~0.1 ms of GPU time, about what a launch costs in Python on a slow CPU."""
+
+    __slots__ = ("grid", "ints", "meta", "block_m", "block_n", "relaunch")
+
+    def __init__(self, grid, ints, meta, block_m, block_n):
+        self.grid, self.ints, self.meta, self.block_m, self.block_n = grid, ints, meta, block_m, block_n
+        self.relaunch = None  # the compiled kernel, after the first launch
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, device, causal, causal_bottom_right,
+                    use_tma) -> _DenseTmaPlan | None:
+    """The plan of a dense TMA forward, or None where the TMA kernel does not take such tensors whatever their
+    addresses (`tma_layout_ok`; the output is contiguous)."""
+    batch, seqlen_q, heads_q, head_dim = q_shape
+    out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1)
+    if not use_tma or not tma_layout_ok(device, dtype, (q_shape, q_strides), (k_shape, k_strides),
+                                        (k_shape, v_strides), (q_shape, out_strides)):
+        return None
+    config = configs.default_fwd_tma_config(head_dim, seqlen_q, k_shape[1], causal)
+    grid, ints, meta = _tma_launch_parts(q_shape, k_shape, dtype, out_strides, (heads_q * seqlen_q, seqlen_q), causal,
+                                         causal_bottom_right, config)
+    return _DenseTmaPlan(grid, ints, meta, config["BLOCK_M"], config["BLOCK_N"])
+
+
+def _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale) -> None:
+    bm, bn = plan.block_m, plan.block_n
+    args = (tma_descriptor(q, bm, False), tma_descriptor(k, bn, False), tma_descriptor(v, bn, False),
+            tma_descriptor(out, bm, False), out, lse, None, None, softmax_scale * LOG2E, *plan.ints)
+    if plan.relaunch is not None and not hooks_installed():
+        plan.relaunch(plan.grid, args)
+    else:
+        plan.relaunch = launch_and_keep(_attn_fwd_tma, plan.grid, args, plan.meta)
 
 
 def attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,11 +345,16 @@ def launch_forward(
     if out.numel() == 0 or seqlen_q == 0:
         return out, lse.fill_(float("-inf")), None
 
-    if config is None and tma_ok(q, k, v, out):
-        if varlen:
-            tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
-        else:
-            tma_config = configs.default_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
+    if config is None and not varlen and q.is_cuda and not INTERPRET:
+        # Dense on Hopper: a plan per call shape (TMA applicability, tiles, launch arguments, the compiled
+        # kernel); per call only the addresses are checked (TMA needs 16-byte aligned bases).
+        plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, bool(causal),
+                               bool(causal_bottom_right), configs.USE_TMA)
+        if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
+            _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale)
+            return out, lse, None
+    if config is None and varlen and tma_ok(q, k, v, out):
+        tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
         _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config,
                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return out, lse, None
