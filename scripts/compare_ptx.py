@@ -106,6 +106,7 @@ def decode_kernels(out: Path) -> None:
         constexprs = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=causal, PAGED=paged,
                           PAGE_SIZE=256 if paged else 1, HAS_BATCH_IDX=not paged, SPLIT_KV=split_kv,
                           **({"STORE_LSE": True} if "STORE_LSE" in fn.arg_names else {}),
+                          **({"SPLITS_P2": 16 if split_kv else 1} if "SPLITS_P2" in fn.arg_names else {}),
                           UPCAST_DOT=False, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=128)
         sig = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "O": "*fp16", "LSE": "*fp32", "O_PART": "*fp32",
                "LSE_PART": "*fp32", "PART": "*fp32", "TICKETS": "*i32", "CACHE_SEQLENS": "*i32", "BATCH_IDX": "*i32",

@@ -120,6 +120,7 @@ def _decode_split(
     IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1
     STORE_LSE: tl.constexpr,
+    SPLITS_P2: tl.constexpr,  # next power of two >= NUM_SPLITS (the merge's lse tile)
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -218,7 +219,7 @@ def _decode_split(
         tile = pid_bh * tl.num_programs(2) + pid_m
         is_last = tl.atomic_add(TICKETS + tile, 1) == NUM_SPLITS - 1
         if is_last:  # the other splits are done: merge them all, and leave the counter at zero
-            out, lse = _merge_splits(PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M, BLOCK_D)
+            out, lse = _merge_splits(PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M, BLOCK_D, SPLITS_P2)
             tl.atomic_xchg(TICKETS + tile, 0)
     else:
         lse = tl.where(poison, float("nan"), lse)
@@ -237,30 +238,35 @@ def _decode_split(
 # A row of the split-KV workspace holds one split's partial result: BLOCK_D outputs, then the lse, then
 # padding that keeps rows 16-byte aligned. Row width BLOCK_D + PART_PAD (fp32).
 PART_PAD = tl.constexpr(4)
+MERGE_UNROLL = tl.constexpr(4)  # partial outs whose loads the merge keeps in flight together
 
 
 @triton.jit
-def _merge_splits(PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_splits(PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SPLITS_P2: tl.constexpr):
     """(out, lse) of BLOCK_M rows from their NUM_SPLITS partials (PART rows part0 + s): out is the
     lse-weighted sum of the partial outs, lse = logsumexp of the partial lses; a row whose splits are all
     empty (-inf) gets 0 and -inf; a +inf partial (bad values) makes the row NaN. Loads bypass L1 (.cg):
-    the partials were written by other programs."""
-    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    the partials were written by other programs. This runs after the last split's own work, on the launch's
+    critical path: every partial lse comes in one (BLOCK_M, SPLITS_P2) load, the partial outs MERGE_UNROLL at a
+    time, so that their loads are in flight together instead of one round trip per split."""
     PART_WIDTH = BLOCK_D + PART_PAD
-    for s in range(0, NUM_SPLITS):
-        lse_s = tl.load(PART + (part0 + s) * PART_WIDTH + BLOCK_D, mask=row_ok, other=float("-inf"),
-                        cache_modifier=".cg")
-        lse_max = tl.maximum(lse_max, lse_s)
+    offs_s = tl.arange(0, SPLITS_P2)
+    lse_all = tl.load(PART + (part0[:, None] + offs_s[None, :]) * PART_WIDTH + BLOCK_D,
+                      mask=row_ok[:, None] & (offs_s[None, :] < NUM_SPLITS), other=float("-inf"),
+                      cache_modifier=".cg")  # (BLOCK_M, SPLITS_P2)
+    lse_max = tl.max(lse_all, 1)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights exp(-inf) = 0
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    w_all = tl.math.exp2((lse_all - lse_max[:, None]) * 1.4426950408889634)  # (BLOCK_M, SPLITS_P2)
+    total = tl.sum(w_all, 1)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in range(0, NUM_SPLITS):
-        part_row = PART + (part0 + s) * PART_WIDTH
-        lse_s = tl.load(part_row + BLOCK_D, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.math.exp2((lse_s - lse_max) * 1.4426950408889634)
-        o_s = tl.load(part_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        total += w
-        acc += tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
+    for s0 in range(0, NUM_SPLITS, MERGE_UNROLL):
+        for j in tl.static_range(MERGE_UNROLL):
+            s = s0 + j
+            w = tl.sum(tl.where(offs_s[None, :] == s, w_all, 0.0), 1)  # (BLOCK_M,) split s's weights
+            o_s = tl.load(PART + (part0 + s)[:, None] * PART_WIDTH + offs_d[None, :],
+                          mask=row_ok[:, None] & (s < NUM_SPLITS), other=0.0, cache_modifier=".cg")
+            acc += tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)[:, None]
     lse = tl.where(empty, float("-inf"), lse_max + tl.log(tl.where(empty, 1.0, total)))
@@ -542,6 +548,7 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
         GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         IS_CAUSAL=causal, PAGED=paged, PAGE_SIZE=cache_shape[1] if paged else 1,
         HAS_BATCH_IDX=has_batch_idx, SPLIT_KV=split_kv, STORE_LSE=return_lse,
+        SPLITS_P2=configs.next_power_of_2(num_splits) if split_kv else 1,
         UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], BLOCK_M=block_m,
     )
     if config is not None:
