@@ -207,3 +207,64 @@ def test_opcheck(case):
         dout = dout.transpose(1, 2).contiguous().transpose(1, 2)  # autograd hands strided grads too
     torch.library.opcheck(torch.ops.flashtriton.bwd.default, [dout, q, k, v, out, lse, *args[3:]])
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache: the op flashtriton::kvcache (mutates the caches) under torch.compile
+# ---------------------------------------------------------------------------------------------------------
+def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens):
+    out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                   causal=True, num_splits=2, return_softmax_lse=True)
+    return out * 2, lse
+
+
+def _decode_inputs(seed=0, batch=2, capacity=40, heads_q=4, heads_kv=2, head_dim=16):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 1, heads_q, head_dim, generator=gen).to(DEVICE)
+    k_cache, v_cache = (torch.randn(batch, capacity, heads_kv, head_dim, generator=gen).to(DEVICE) for _ in range(2))
+    k, v = (torch.randn(batch, 1, heads_kv, head_dim, generator=gen).to(DEVICE) for _ in range(2))
+    return q, k_cache, v_cache, k, v
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kvcache_compiles_without_graph_breaks_and_appends_like_eager(backend):
+    """A decode step (append + attention) compiles with fullgraph=True; two steps with growing cache lengths
+    (a tensor: no recompile) give eager's outputs, lse and caches."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(_decode_step, backend=counter, fullgraph=True)
+    q, k_cache, v_cache, k, v = _decode_inputs()
+    caches = {"eager": (k_cache.clone(), v_cache.clone()), "compiled": (k_cache.clone(), v_cache.clone())}
+    with torch.no_grad():
+        for step, lengths in enumerate(([3, 17], [4, 18])):
+            seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+            out_e, lse_e = _decode_step(q, *caches["eager"], k + step, v - step, seqlens)
+            out_c, lse_c = compiled(q, *caches["compiled"], k + step, v - step, seqlens)
+            torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse_c, lse_e, atol=1e-5, rtol=1e-5)
+            for got, expected in zip(caches["compiled"], caches["eager"]):
+                assert torch.equal(got, expected)
+    assert counter.frame_count == 1
+    assert not torch.equal(caches["compiled"][0], k_cache)  # the compiled graph did write the new keys
+
+
+def test_kvcache_same_memory_caches_still_refused_under_compile():
+    torch._dynamo.reset()
+    compiled = torch.compile(_decode_step, backend="aot_eager", fullgraph=True)
+    q, k_cache, _, k, v = _decode_inputs()
+    seqlens = torch.tensor([3, 17], dtype=torch.int32, device=DEVICE)
+    with torch.no_grad(), pytest.raises(Exception, match="same memory"):
+        compiled(q, k_cache, k_cache, k, v, seqlens)
+
+
+@pytest.mark.parametrize("paged,appends", [(False, True), (False, False), (True, True)])
+def test_kvcache_opcheck(paged, appends):
+    q, k_cache, v_cache, k, v = _decode_inputs(capacity=32)
+    block_table = None
+    if paged:  # 2 sequences x 2 pages of 16 keys, pages shuffled
+        k_cache, v_cache = (c.reshape(4, 16, *c.shape[2:]) for c in (k_cache, v_cache))
+        block_table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=DEVICE)
+    seqlens = torch.tensor([5, 20], dtype=torch.int32, device=DEVICE)
+    args = [q, k_cache, v_cache, k if appends else None, v if appends else None, seqlens, None, block_table, 0.25,
+            True, 2, 32, 1 if appends else 0]
+    torch.library.opcheck(torch.ops.flashtriton.kvcache.default, args)

@@ -1,16 +1,18 @@
 """KV-cache decoding: flash-attn's `flash_attn_with_kvcache` (contiguous or paged cache, split-KV).
 
 Inference only: there is no backward. See `flash_attn_with_kvcache` for the arguments and
-`flashtriton.kernels.decode` for the kernels.
+`flashtriton.kernels.decode` for the kernels. Eager calls run the checked arguments straight to the kernels
+(`_decode_step`); under torch.compile / export the same work is the op `flashtriton::kvcache` (`kvcache_op`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import validation as V
 from .kernels.decode import append_kv, decode_attention
@@ -121,6 +123,9 @@ def flash_attn_with_kvcache(
     partial results are merged through their log-sum-exps ("flash-decoding"), so a small batch still fills
     the GPU.
 
+    Under torch.compile / torch.export the call is the op torch.ops.flashtriton.kvcache, which updates the caches
+    in place: a decode step compiles with fullgraph=True.
+
     Inference only (no backward): with grad mode on, inputs that require grad raise NotImplementedError; call
     it under torch.no_grad() / torch.inference_mode() (the result then does not require grad).
 
@@ -165,15 +170,20 @@ def flash_attn_with_kvcache(
         softmax_lse [optional, if return_softmax_lse=True]: (batch_size, nheads, seqlen_q) fp32, the natural
             log-sum-exp of each row of QK^T · softmax_scale (-inf for a row that sees no key).
     """
+    # Under torch.compile / export (or any dispatch mode, or tensor subclasses) the call becomes the registered
+    # op `flashtriton::kvcache` (it mutates the caches: an opaque node in the graph, no graph break).
+    tracing = (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+               or not _plain(q, k_cache, v_cache, k, v, cache_batch_idx, block_table)
+               or (isinstance(cache_seqlens, torch.Tensor) and type(cache_seqlens) is not torch.Tensor))
     # Every check's outcome depends only on the call's signature (shapes, strides, dtypes, devices, options):
     # a signature that passed once skips them (decoding repeats one call shape at every step).
-    signature = None if CHECK_VALUES else _signature(
+    signature = None if CHECK_VALUES or tracing else _signature(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
         window_size, softcap, alibi_slopes, num_splits, return_softmax_lse)
     checked = _CHECKED.get(signature) if signature is not None else None
     if checked is None:
         checked = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                              softmax_scale, window_size, softcap, alibi_slopes, num_splits)
+                              softmax_scale, window_size, softcap, alibi_slopes, num_splits, tracing)
         if signature is not None:
             if len(_CHECKED) >= _CHECKED_LIMIT:
                 _CHECKED.clear()
@@ -186,25 +196,60 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=device)
     elif not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
-    elif cache_seqlens.stride(0) != 1:
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    max_seqlen_k = max_cached + seqlen_new if batch else 0
+    if tracing:
+        out, lse = kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
+                              bool(causal), num_splits, max_seqlen_k, seqlen_new)
+        return (out, lse) if return_softmax_lse else out
+    out, lse = _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
+                            bool(causal), num_splits, max_seqlen_k, seqlen_new, bool(return_softmax_lse))
+    return (out, lse) if return_softmax_lse else out
+
+
+def _plain(*tensors) -> bool:
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                 num_splits, max_seqlen_k, seqlen_new, return_lse):
+    """Append k, v (if any) into the caches in place, then attend: the checked call's work, (out, lse or None)."""
+    if cache_seqlens.stride(0) != 1:
         cache_seqlens = cache_seqlens.contiguous()
     q = V.last_dim_contiguous(q)
     if cache_batch_idx is not None and cache_batch_idx.stride(0) != 1:
         cache_batch_idx = cache_batch_idx.contiguous()
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-
-    if seqlen_new and batch:  # append the new keys/values in place (through the page table when paged)
+    if seqlen_new and q.shape[0]:  # append the new keys/values in place (through the page table when paged)
         append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, cache_seqlens,
                   cache_batch_idx, block_table)
-
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    out, lse = decode_attention(
-        q, k_cache, v_cache, cache_seqlens, max_cached + seqlen_new if batch else 0, scale, bool(causal),
-        cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits, seqlen_new=seqlen_new,
-        return_lse=bool(return_softmax_lse),
+    return decode_attention(
+        q, k_cache, v_cache, cache_seqlens, max_seqlen_k, softmax_scale, causal, cache_batch_idx=cache_batch_idx,
+        block_table=block_table, num_splits=num_splits, seqlen_new=seqlen_new, return_lse=return_lse,
     )
-    return (out, lse) if return_softmax_lse else out
+
+
+@torch.library.custom_op("flashtriton::kvcache", mutates_args=("k_cache", "v_cache"))
+def kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor], softmax_scale: float, causal: bool, num_splits: int, max_seqlen_k: int,
+    seqlen_new: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attn_with_kvcache` on checked arguments as an operator (what torch.compile and export see):
+    cache_seqlens an int32 tensor, softmax_scale resolved; returns (out, lse) and updates the caches in place."""
+    if k is not None and k_cache.data_ptr() == v_cache.data_ptr():  # the one check tracing cannot make
+        raise ValueError("k_cache and v_cache are the same memory: appending k and v would overwrite each other")
+    return _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+                        causal, num_splits, max_seqlen_k, seqlen_new, True)
+
+
+@kvcache_op.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, num_splits,
+      max_seqlen_k, seqlen_new):
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
 
 class _Checked(NamedTuple):
@@ -247,8 +292,9 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
 
 
 def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-                window_size, softcap, alibi_slopes, num_splits) -> _Checked:
-    """Every check of flash_attn_with_kvcache's arguments (a clear error for each bad one)."""
+                window_size, softcap, alibi_slopes, num_splits, tracing=False) -> _Checked:
+    """Every check of flash_attn_with_kvcache's arguments (a clear error for each bad one). While tracing,
+    the addresses are unknown: the op checks that k_cache and v_cache are not one memory when it runs."""
     V.not_implemented("window_size", window_size, (-1, -1))
     V.not_implemented("softcap", softcap, 0.0)
     V.not_implemented("alibi_slopes", alibi_slopes, None)
@@ -272,7 +318,7 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block
         if k is not None and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             raise ValueError(f"{name} overlaps itself (an expanded tensor, strides {t.stride()}): appending k/v "
                              "would write several sequences into the same memory; pass a cache with its own storage")
-    if k is not None and k_cache.data_ptr() == v_cache.data_ptr():
+    if k is not None and not tracing and k_cache.data_ptr() == v_cache.data_ptr():
         raise ValueError("k_cache and v_cache are the same memory: appending k and v would overwrite each other")
     V.check_scale("softmax_scale", softmax_scale)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= 128:
@@ -326,7 +372,7 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block
         raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor (batch_size,), got {type(cache_seqlens).__name__}")
     if batch and max_cached + seqlen_new > capacity:
         raise _cache_too_small(str(max_cached), max_cached, seqlen_new, capacity, block_table)
-    if batch and CHECK_VALUES and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if batch and CHECK_VALUES and not tracing and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else torch.full(
             (batch,), max_cached, dtype=torch.int32, device=device)
         _check_values(seqlens, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0])
