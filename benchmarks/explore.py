@@ -70,10 +70,7 @@ if SMOKE:  # logic check on a CPU (TRITON_INTERPRET=1): tiny lists
 
 
 def cfg(t):
-    c = {"BLOCK_M": t[0], "BLOCK_N": t[1], "num_warps": t[2], "num_stages": t[3]}
-    if len(t) > 4 and t[4] == "ws":
-        c["WARP_SPECIALIZE"] = True
-    return c
+    return {"BLOCK_M": t[0], "BLOCK_N": t[1], "num_warps": t[2], "num_stages": t[3]}
 
 
 def dcfg(t):
@@ -312,47 +309,6 @@ def sweep_tma(opts):
     return rows
 
 
-WS_CONFIGS = [(128, 128, 8, 3, "ws"), (128, 64, 8, 3, "ws"), (128, 128, 8, 2, "ws"), (128, 64, 4, 3, "ws"),
-              (64, 64, 4, 3, "ws"), (128, 128, 8, 3), (128, 64, 8, 3)]
-
-
-def sweep_ws(opts):
-    """triton's automatic warp specialization (tl.range(..., warp_specialize=True)) in the TMA forward, D=128
-    fp16, against the default TMA config and cuDNN in the same run."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    jobs = [("tma", (128, "fp16", c, x)) for c in (False, True) for x in WS_CONFIGS]
-    precompile(jobs, opts.jobs)
-    rows = []
-    for causal in (False, True):
-        for T in (1024, 4096, 16384):
-            q, k, v = fwd_inputs(T, 128, torch.float16)
-            flops = attention_flops(max(1, 16384 // T), 16, T, 128, causal, "fwd")
-            ref, _ = F.attention_forward(q, k, v, 128 ** -0.5, causal)
-            qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-
-            def cudnn():
-                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                    return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal).transpose(1, 2)
-
-            cands = [("default", lambda: F.attention_forward(q, k, v, 128 ** -0.5, causal)[0]), ("cudnn", cudnn)]
-            cands += [(str(c), lambda c=c: _tma_forward(q, k, v, causal, c)) for c in WS_CONFIGS]
-            here = []
-            for name, fn in cands:
-                try:
-                    err = (fn().float() - ref.float()).abs().max().item()
-                    ms = bench(fn)
-                    row = dict(D=128, causal=causal, T=T, variant=name, ms=ms, tflops=flops / ms / 1e9, err=err)
-                except Exception as exc:  # noqa: BLE001
-                    row = dict(D=128, causal=causal, T=T, variant=name, error=str(exc)[:300])
-                rows.append(row)
-                here.append(row)
-            print(f"ws causal={int(causal)} T={T}:" + "".join(
-                f" | {r['variant']} {r.get('tflops', 0):.0f} (err {r.get('err', float('nan')):.1e})" for r in here),
-                flush=True)
-    return rows
-
-
 def _varlen_inputs(small=False, seed=0):
     """The varlen suite's batch: 64 sequences, lengths uniform in 1..4096 (seed 0), H=16, D=128, fp16."""
     from flashtriton.bench_suites import varlen_seqlens
@@ -578,13 +534,12 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "ws"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     opts = ap.parse_args()
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
-              "ws": sweep_ws,
               "varlen": sweep_varlen}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)
