@@ -68,3 +68,61 @@ def test_cached_decode_launch_follows_cache_lengths():
                         continue
                     ref = attention_reference(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], 128 ** -0.5)
                     assert (out[b:b + 1].double() - ref).abs().max().item() < 2e-3, (lengths, splits, b)
+
+
+def test_on_inputs_device_runs_the_function_with_its_arguments(monkeypatch):
+    """On the CPU (and for inputs on the current GPU) the wrapper only calls through; for inputs on another GPU
+    it makes that GPU current for the call (checked with a stand-in device context)."""
+    seen = []
+    wrapped = L.on_inputs_device(lambda t, x, key=None: seen.append((t.device, x, key)) or x * 2)
+    cpu = torch.zeros(2)
+    assert wrapped(cpu, 21, key="k") == 42 and seen == [(cpu.device, 21, "k")]
+
+    class FakeCuda:  # a tensor-like first argument on "cuda:3" while cuda:0 is current
+        device = torch.device("cuda", 3)
+
+    entered = []
+
+    class Guard:
+        def __init__(self, index):
+            entered.append(index)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    assert wrapped(FakeCuda(), 5) == 10 and entered == [3]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert wrapped(FakeCuda(), 6) == 12 and entered == [3]  # already current: no guard
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_inputs_on_a_gpu_that_is_not_current():
+    """Tensors on cuda:1 while cuda:0 is current (a model spread over GPUs): forward, backward and decode run on
+    cuda:1 and match the same calls made with cuda:1 current."""
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 300, 4, 128, generator=gen).to("cuda:1", torch.float16).requires_grad_()
+               for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    with torch.cuda.device(1):
+        for t in (q, k, v):
+            t.grad = None
+        expected = flash_attn_func(q, k, v, causal=True)
+        expected.sum().backward()
+    assert out.device == torch.device("cuda:1") and torch.equal(out, expected)
+    for got, t in zip(grads, (q, k, v)):
+        assert torch.equal(got, t.grad)
+    cache = torch.randn(2, 4096, 4, 128, generator=gen).to("cuda:1", torch.float16)
+    lens = torch.tensor([4000, 17], dtype=torch.int32, device="cuda:1")
+    with torch.no_grad():
+        dec = flash_attn_with_kvcache(q[:, :1].detach(), cache, cache, cache_seqlens=lens)
+        with torch.cuda.device(1):
+            assert torch.equal(dec, flash_attn_with_kvcache(q[:, :1].detach(), cache, cache, cache_seqlens=lens))

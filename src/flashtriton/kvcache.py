@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import validation as V
 from .kernels.decode import append_kv, decode_attention
+from .kernels.launch import on_inputs_device
 
 # Check the values of cache_seqlens, cache_batch_idx and block_table on the host (one device-to-host copy per
 # call, a ValueError naming the bad value) instead of in the kernels (no sync; the sequence gets NaN).
@@ -211,6 +212,7 @@ def _plain(*tensors) -> bool:
     return all(t is None or type(t) is torch.Tensor for t in tensors)
 
 
+@on_inputs_device
 def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                  num_splits, max_seqlen_k, seqlen_new, return_lse):
     """Append k, v (if any) into the caches in place, then attend: the checked call's work, (out, lse or None)."""

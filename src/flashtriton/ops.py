@@ -21,9 +21,11 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .kernels.forward import attention_forward
+from .kernels.launch import on_inputs_device
 from .validation import check_cu_seqlens_values
 
 
+@on_inputs_device
 def _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
                   max_seqlen_q, max_seqlen_k):
     if cu_seqlens_q is not None:
@@ -41,6 +43,7 @@ def _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlen
     return attention_forward(q, k, v, softmax_scale, causal, causal_bottom_right)
 
 
+@on_inputs_device
 def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     from .kernels.backward import attention_backward

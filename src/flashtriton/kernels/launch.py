@@ -13,6 +13,8 @@ not know) it goes through Triton's own path, which compiles if needed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton import knobs
 from triton.runtime.driver import driver
@@ -138,6 +140,22 @@ def launch_and_keep(fn, grid: tuple, args: tuple, meta: dict) -> Relaunch | None
         return None
     entry = _CACHE.get(key)
     return Relaunch(entry.kernel, entry.tail, device) if entry is not None else None
+
+
+def on_inputs_device(fn):
+    """Run `fn` with the GPU of its first argument (a tensor) as the current device when it is not already.
+    Triton launches on the current device; without this, inputs on cuda:1 while cuda:0 is current (a model
+    spread over GPUs, e.g. transformers' device_map="auto") would be read by a kernel running on cuda:0."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device = args[0].device
+        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device.index):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def hooks_installed() -> bool:
