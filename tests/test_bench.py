@@ -276,3 +276,32 @@ def test_ceilings_rows():
     assert copy["gbps"] == pytest.approx(2 * 2 * (1 << 16) / copy["ms_p50"] / 1e6)
     assert mm16["tflops"] == pytest.approx(2 * 64 ** 3 / mm16["ms_p50"] / 1e9) and mm_bf16["dtype"] == "bf16"
     assert "copy" in R.ceilings_text(rows) and "matmul" in R.ceilings_text(rows)
+
+
+def test_sdpa_backend_is_chosen_once_around_the_timing_not_per_call(monkeypatch):
+    """SDPA providers carry their backend choice as a context that the bench enters once around the check and
+    the timing (a user selects a backend once, not per call); the timed call itself is the bare SDPA call."""
+    from torch.nn.attention import SDPBackend
+
+    import torch.nn.attention as attention
+
+    entered = []
+
+    original = attention.sdpa_kernel
+
+    def spy(backends, *a, **kw):
+        entered.append(list(backends))
+        return original(backends, *a, **kw)
+
+    monkeypatch.setattr(attention, "sdpa_kernel", spy)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=gen) for _ in range(3))
+    prepared = P.prepare("sdpa_math", q, k, v, True, False)
+    assert entered == [] and prepared.context is not None
+    with prepared.context():
+        got = prepared.to_bshd(prepared.forward())
+        again = prepared.to_bshd(prepared.forward())
+    assert entered == [[SDPBackend.MATH]]  # once, however many calls
+    expected = attention_reference(q, k, v, causal=True, bottom_right=False, dtype=torch.float64)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got, again)

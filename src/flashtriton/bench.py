@@ -207,8 +207,9 @@ def measure_rows(name, modes, skip_for, prepare_fn, ref, to_ref, make_dout, dtyp
         C.free_memory()
         return rows + [C.make_row(env, **base, mode=m, provider=name, status="error", error=C.short_error(exc),
                                   extra=dict(base_extra)) for m in run_modes]
-    results, extra = measure(prepared, run_modes, ref, lambda got: to_ref(prepared, got), make_dout(prepared),
-                             dtype, args)
+    with prepared.context():
+        results, extra = measure(prepared, run_modes, ref, lambda got: to_ref(prepared, got), make_dout(prepared),
+                                 dtype, args)
     del prepared
     C.free_memory()
     for mode in run_modes:

@@ -16,6 +16,7 @@ layout converters the runner needs to feed it `dout` and read back outputs and g
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,9 @@ class Prepared:
     leaves: list  # q, k, v in the provider's layout (requires_grad when gradients are wanted)
     to_bshd: Callable[[torch.Tensor], torch.Tensor]  # provider layout -> (B, T, H, D)
     from_bshd: Callable[[torch.Tensor], torch.Tensor]  # (B, T, H, D) -> provider layout (a view)
+    # Entered once around the provider's check and timing (torch SDPA's backend choice), so that its cost is
+    # not timed with every call: a user picks the backend once, not per call.
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 def _bshd(t):
@@ -133,10 +137,9 @@ def prepare(name: str, q, k, v, causal: bool, grad: bool) -> Prepared:
         gqa = ql.shape[1] != kl.shape[1]
 
         def sdpa():
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, enable_gqa=gqa)
 
-        return Prepared(sdpa, leaves, _bhsd, _bhsd)
+        return Prepared(sdpa, leaves, _bhsd, _bhsd, context=lambda: sdpa_kernel([backend]))
     if name == "flex":
         ql, kl, vl = leaves = _leaves_bhsd(q, k, v, grad)
         flex, block_mask = flex_callable(ql.shape[2], kl.shape[2], causal, ql.device)

@@ -281,10 +281,10 @@ def _decode_one(args, env, kvcache, providers, base, dtype, kv_bytes, copy_gbps,
         backend = P._sdpa_backend(name)
 
         def sdpa():
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(bhsd["q"], bhsd["k"], bhsd["v"], enable_gqa=True)
+            return F.scaled_dot_product_attention(bhsd["q"], bhsd["k"], bhsd["v"], enable_gqa=True)
 
-        return P.Prepared(sdpa, [], lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2))
+        return P.Prepared(sdpa, [], lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2),
+                          context=lambda: sdpa_kernel([backend]))
 
     def to_ref(prepared, got):
         return C.slice_like({n: prepared.to_bshd(t) for n, t in got.items()}, ref)
