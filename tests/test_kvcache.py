@@ -243,6 +243,24 @@ def test_choose_num_splits():
     assert 1 <= choose_num_splits(2, 4096, cpu) <= 8
 
 
+def test_default_decode_config_by_launch_size():
+    """Many short programs (batch 64 x 8 kv heads, caches <= 4k, on 132 SMs) take the 3-per-SM config; few
+    programs or long caches the wide one; fp32 and D=256 the small one. The split count follows each config's
+    occupancy: batch 64 x 1k is not split either way."""
+    from flashtriton import configs
+
+    many_short = configs.default_decode_config(128, 2, programs=512, num_sms=132, max_seqlen_k=1024)
+    assert (many_short["BLOCK_N"], many_short["num_warps"], many_short["num_stages"]) == (128, 4, 2)
+    assert configs.decode_programs_per_sm(many_short, 128, 16, 2) == 3
+    for programs, keys in ((64, 1024), (512, 32768), (8, 4096)):
+        wide = configs.default_decode_config(128, 2, programs=programs, num_sms=132, max_seqlen_k=keys)
+        assert (wide["num_warps"], wide["num_stages"]) == (8, 3)
+    assert configs.default_decode_config(128, 4, programs=512, num_sms=132, max_seqlen_k=1024)["BLOCK_N"] == 64
+    assert configs.default_decode_config(256, 2)["BLOCK_N"] == 64
+    cpu = torch.device("cpu")
+    assert choose_num_splits(512, 1024, cpu, num_sms=132, programs_per_sm=3) == 1
+
+
 def test_prune_decode_configs_keeps_one():
     from flashtriton import configs
 

@@ -471,7 +471,7 @@ def decode_attention(
         tuple(q.shape), q.stride(), tuple(k_cache.shape), k_cache.stride(), v_cache.stride(), q.dtype,
         block_table.shape[1] if paged else 0, block_table.stride(0) if paged else 0, cache_batch_idx is not None,
         bool(causal), max_seqlen_k, num_splits, seqlen_new, return_lse,
-        None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device) if not num_splits else 0,
+        None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device),
         device,
     )
     dummy = cache_seqlens  # stands in for absent pointers
@@ -529,7 +529,7 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     block_d = configs.padded_head_dim(head_dim)
     config = dict(config) if config is not None else None
     if config is None and not autotune:
-        config = configs.default_decode_config(block_d, dtype.itemsize)
+        config = configs.default_decode_config(block_d, dtype.itemsize, batch * heads_kv * m_tiles, num_sms, max_seqlen_k)
     if num_splits == 0:
         per_sm = configs.decode_programs_per_sm(config, block_d, block_m, dtype.itemsize)
         num_splits = _choose_num_splits(batch * heads_kv * m_tiles, max_seqlen_k, num_sms,
