@@ -391,11 +391,25 @@ def _decode_run(Bsz, S, splits, config, inputs=None):
     return Dk.decode_attention(q, kc, vc, seqlens, S, 128 ** -0.5, False, num_splits=splits, config=config)
 
 
+def _decode_row(Bsz, S, variant, splits, fn, kv_bytes, ref=None) -> dict:
+    """One decode variant: its error against `ref` (when given), eager and CUDA-graph times, GB/s of K/V."""
+    row = dict(B=Bsz, S=S, variant=variant, splits=splits)
+    try:
+        with torch.no_grad():
+            if ref is not None:
+                row["err"] = (fn()[0].float() - ref.float()).abs().max().item()
+            ms, ms_graph = bench(fn, rep=20), bench_graph(fn, rep=20)
+    except Exception as exc:  # noqa: BLE001
+        return dict(row, error=str(exc)[:200])
+    return dict(row, ms=ms, gbps=kv_bytes / ms / 1e6, ms_graph=ms_graph, gbps_graph=kv_bytes / ms_graph / 1e6)
+
+
 def sweep_decode(opts):
     jobs = [("decode", (c, s)) for c in DECODE_CONFIGS for s in (1, 2)]
     precompile(jobs, opts.jobs)
     rows = []
     import flashtriton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     for Bsz, S in DECODE_POINTS:
         inputs = _decode_inputs(Bsz, S)
@@ -403,46 +417,25 @@ def sweep_decode(opts):
         ref, _ = _decode_run(Bsz, S, 1, dcfg(DECODE_CONFIGS[0]), inputs)
         for c in DECODE_CONFIGS:
             for s in DECODE_SPLITS:
-                try:
-                    o, _ = _decode_run(Bsz, S, s, dcfg(c), inputs)
-                    err = (o.float() - ref.float()).abs().max().item()
-                    ms = bench(lambda: _decode_run(Bsz, S, s, dcfg(c), inputs), rep=20)
-                    ms_graph = bench_graph(lambda: _decode_run(Bsz, S, s, dcfg(c), inputs), rep=20)
-                    rows.append(dict(B=Bsz, S=S, variant=str(c), splits=s, ms=ms, gbps=kv_bytes / ms / 1e6, err=err,
-                                     ms_graph=ms_graph, gbps_graph=kv_bytes / ms_graph / 1e6))
-                except Exception as exc:  # noqa: BLE001
-                    rows.append(dict(B=Bsz, S=S, variant=str(c), splits=s, error=str(exc)[:200]))
+                rows.append(_decode_row(Bsz, S, str(c), s, lambda: _decode_run(Bsz, S, s, dcfg(c), inputs), kv_bytes,
+                                        ref))
         q, kc, vc, seqlens = inputs
-        with torch.no_grad():
-            api = lambda: flashtriton.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)  # noqa: E731
-            ms, ms_graph = bench(api, rep=20), bench_graph(api, rep=20)
-        rows.append(dict(B=Bsz, S=S, variant="api", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6, ms_graph=ms_graph,
-                         gbps_graph=kv_bytes / ms_graph / 1e6))
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
+        rows.append(_decode_row(Bsz, S, "api", 0, lambda: flashtriton.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=seqlens), kv_bytes))
         qb, kb, vb = q.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
         del kc, vc
         # The same kernels on the cache memory SDPA reads: (B, Hkv, S, D) contiguous, seen as (B, S, Hkv, D).
         kh, vh = kb.transpose(1, 2), vb.transpose(1, 2)
         for c in DECODE_CONFIGS[:1] + DECODE_CONFIGS[2:3]:
             for sp in (0, 2, 4, 8, 16, 32):
-                fn = lambda: Dk.decode_attention(q, kh, vh, seqlens, S, 128 ** -0.5, False, num_splits=sp,  # noqa: E731
-                                                 config=dcfg(c))
-                err = (fn()[0].float() - ref.float()).abs().max().item()
-                ms, ms_graph = bench(fn, rep=20), bench_graph(fn, rep=20)
-                rows.append(dict(B=Bsz, S=S, variant=f"bhsd {c}", splits=sp, ms=ms, gbps=kv_bytes / ms / 1e6, err=err,
-                                 ms_graph=ms_graph, gbps_graph=kv_bytes / ms_graph / 1e6))
-        with torch.no_grad():
-            api = lambda: flashtriton.flash_attn_with_kvcache(q, kh, vh, cache_seqlens=seqlens)  # noqa: E731
-            ms, ms_graph = bench(api, rep=20), bench_graph(api, rep=20)
-        rows.append(dict(B=Bsz, S=S, variant="api_bhsd", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6, ms_graph=ms_graph,
-                         gbps_graph=kv_bytes / ms_graph / 1e6))
+                rows.append(_decode_row(Bsz, S, f"bhsd {c}", sp, lambda: Dk.decode_attention(
+                    q, kh, vh, seqlens, S, 128 ** -0.5, False, num_splits=sp, config=dcfg(c)), kv_bytes, ref))
+        rows.append(_decode_row(Bsz, S, "api_bhsd", 0, lambda: flashtriton.flash_attn_with_kvcache(
+            q, kh, vh, cache_seqlens=seqlens), kv_bytes))
         backend = SDPBackend.CUDNN_ATTENTION if DEV == "cuda" else SDPBackend.MATH
         with sdpa_kernel([backend]):
-            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)  # noqa: E731
-            ms, ms_graph = bench(sdpa, rep=20), bench_graph(sdpa, rep=20)
-        rows.append(dict(B=Bsz, S=S, variant="sdpa_cudnn", splits=0, ms=ms, gbps=kv_bytes / ms / 1e6,
-                         ms_graph=ms_graph, gbps_graph=kv_bytes / ms_graph / 1e6))
+            rows.append(_decode_row(Bsz, S, "sdpa_cudnn", 0, lambda: torch.nn.functional.scaled_dot_product_attention(
+                qb, kb, vb, enable_gqa=True), kv_bytes))
         del qb, kb, vb, inputs
         here = [r for r in rows if r.get("B") == Bsz and r.get("S") == S and "gbps" in r]
         best = max(here, key=lambda r: r["gbps"])

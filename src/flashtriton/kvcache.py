@@ -174,7 +174,7 @@ def flash_attn_with_kvcache(
     # Under torch.compile / export (or any dispatch mode, or tensor subclasses) the call becomes the registered
     # op `flashtriton::kvcache` (it mutates the caches: an opaque node in the graph, no graph break).
     tracing = (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-               or not _plain(q, k_cache, v_cache, k, v, cache_batch_idx, block_table)
+               or not V.plain_tensors(q, k_cache, v_cache, k, v, cache_batch_idx, block_table)
                or (isinstance(cache_seqlens, torch.Tensor) and type(cache_seqlens) is not torch.Tensor))
     # Every check's outcome depends only on the call's signature (shapes, strides, dtypes, devices, options):
     # a signature that passed once skips them (decoding repeats one call shape at every step).
@@ -206,10 +206,6 @@ def flash_attn_with_kvcache(
     out, lse = _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
                             bool(causal), num_splits, max_seqlen_k, seqlen_new, bool(return_softmax_lse))
     return (out, lse) if return_softmax_lse else out
-
-
-def _plain(*tensors) -> bool:
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
 
 
 @on_inputs_device
@@ -272,10 +268,10 @@ def _tensor_signature(t):
 def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                window_size, softcap, alibi_slopes, num_splits, return_softmax_lse):
     """A hashable key that fixes the outcome of every check in `_check_call`, or None for calls that must take
-    the checks every time (arguments of unusual types, unsupported options: they raise there)."""
+    the checks every time (arguments of unusual types, unsupported options: they raise there). The caller has
+    made sure the tensor arguments are plain tensors or None (not tracing)."""
     tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table)
-    if any(type(t) is not torch.Tensor for t in tensors[:3]) or any(
-            t is not None and type(t) is not torch.Tensor for t in tensors[3:]):
+    if q is None or k_cache is None or v_cache is None:
         return None
     if type(cache_seqlens) is torch.Tensor:
         seqlens = _tensor_signature(cache_seqlens)

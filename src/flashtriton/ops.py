@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .kernels.forward import attention_forward
 from .kernels.launch import on_inputs_device
-from .validation import check_cu_seqlens_values
+from .validation import check_cu_seqlens_values, plain_tensors
 
 
 @on_inputs_device
@@ -157,16 +157,12 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, dout, _backward_impl)
 
 
-def _plain(*tensors) -> bool:
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
-
-
 def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: bool, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """(out, lse) with autograd, through the registered op when tracing, directly otherwise."""
     args = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k)
-    if (torch.compiler.is_compiling() or not _plain(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if (torch.compiler.is_compiling() or not plain_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
             or _get_current_dispatch_mode() is not None):
         return attention_fwd_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -116,6 +116,11 @@ def check_int32_offsets(names: tuple[str, ...], tensors: tuple, seq_len_of: tupl
             )
 
 
+def plain_tensors(*tensors) -> bool:
+    """Whether every argument is a plain torch.Tensor or None: no subclass (fake, functional) is being traced."""
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """Kernels take any strides but a contiguous last dim; copy only when that is not so."""
     return t if t.stride(-1) == 1 else t.contiguous()

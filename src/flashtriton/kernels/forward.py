@@ -246,11 +246,14 @@ def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_
     grid, ints, meta = _tma_launch_parts(q.shape, k.shape, q.dtype, out.stride(), lse.stride(), causal,
                                          causal_bottom_right, config, cu_seqlens_q.numel() - 1 if varlen else None,
                                          max_seqlen_q, max_seqlen_k)
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    launch(_attn_fwd_tma, grid, (
-        tma_descriptor(q, bm, varlen), tma_descriptor(k, bn, varlen), tma_descriptor(v, bn, varlen),
-        tma_descriptor(out, bm, varlen), out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E, *ints,
-    ), meta)
+    launch(_attn_fwd_tma, grid, _tma_args(q, k, v, out, lse, softmax_scale, config["BLOCK_M"], config["BLOCK_N"],
+                                          varlen, cu_seqlens_q, cu_seqlens_k, ints), meta)
+
+
+def _tma_args(q, k, v, out, lse, softmax_scale, block_m, block_n, varlen, cu_seqlens_q, cu_seqlens_k, ints) -> tuple:
+    """The TMA forward's runtime arguments: descriptors of q, k, v, out, then the pointers and scalars."""
+    return (tma_descriptor(q, block_m, varlen), tma_descriptor(k, block_n, varlen), tma_descriptor(v, block_n, varlen),
+            tma_descriptor(out, block_m, varlen), out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E, *ints)
 
 
 class _DenseTmaPlan:
@@ -281,9 +284,7 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
 
 
 def _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale) -> None:
-    bm, bn = plan.block_m, plan.block_n
-    args = (tma_descriptor(q, bm, False), tma_descriptor(k, bn, False), tma_descriptor(v, bn, False),
-            tma_descriptor(out, bm, False), out, lse, None, None, softmax_scale * LOG2E, *plan.ints)
+    args = _tma_args(q, k, v, out, lse, softmax_scale, plan.block_m, plan.block_n, False, None, None, plan.ints)
     if plan.relaunch is not None and not hooks_installed():
         plan.relaunch(plan.grid, args)
     else:
@@ -330,18 +331,10 @@ def launch_forward(
         heads_kv = k.shape[1]
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
-        # Add a zero batch stride so one kernel signature serves both layouts.
-        q_strides = (0, *q.stride())
-        k_strides = (0, *k.stride())
-        v_strides = (0, *v.stride())
-        o_strides = (0, *out.stride())
-        l_strides = (0, lse.stride(0))
     else:
         batch, seqlen_q, heads_q, _ = q.shape
         seqlen_k, heads_kv = k.shape[1], k.shape[2]
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        q_strides, k_strides, v_strides, o_strides = q.stride(), k.stride(), v.stride(), out.stride()
-        l_strides = (lse.stride(0), lse.stride(1))
     if out.numel() == 0 or seqlen_q == 0:
         return out, lse.fill_(float("-inf")), None
 
@@ -359,6 +352,12 @@ def launch_forward(
                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return out, lse, None
 
+    if varlen:  # a zero batch stride, so that one kernel signature serves both layouts
+        q_strides, k_strides, v_strides, o_strides = ((0, *t.stride()) for t in (q, k, v, out))
+        l_strides = (0, lse.stride(0))
+    else:
+        q_strides, k_strides, v_strides, o_strides = q.stride(), k.stride(), v.stride(), out.stride()
+        l_strides = (lse.stride(0), lse.stride(1))
     upcast, precision = dot_settings(q.dtype)
     args = (
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E,

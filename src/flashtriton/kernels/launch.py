@@ -51,6 +51,17 @@ def _arg_key(arg):
     raise TypeError(kind.__name__)
 
 
+def _launch_key(fn, device: int, args: tuple, meta: dict):
+    """The cache key of a launch, or None for an argument type `_arg_key` does not cover. Ints and plain
+    tensors are keyed inline: a decode launch has ~36 arguments, and this is on every call's path."""
+    try:
+        return (fn, device, tuple(meta.items()), tuple([
+            a if type(a) is int else (a.dtype, not a.data_ptr() & 15) if type(a) is _Tensor else _arg_key(a)
+            for a in args]))
+    except TypeError:
+        return None
+
+
 class _Entry:
     __slots__ = ("kernel", "tail")
 
@@ -82,11 +93,8 @@ def launch(fn, grid: tuple, args: tuple, meta: dict):
     if INTERPRET or _hooks_installed():
         return fn[grid](*args, **meta)
     device = driver.active.get_current_device()
-    try:  # ints and plain tensors inline (a decode launch has ~36 arguments: this is on every call's path)
-        key = (fn, device, tuple(meta.items()), tuple([
-            a if type(a) is int else (a.dtype, not a.data_ptr() & 15) if type(a) is _Tensor else _arg_key(a)
-            for a in args]))
-    except TypeError:  # an argument type the key does not cover
+    key = _launch_key(fn, device, args, meta)
+    if key is None:  # an argument type the key does not cover
         return fn[grid](*args, **meta)
     entry = _CACHE.get(key)
     if entry is None:
@@ -134,11 +142,8 @@ def launch_and_keep(fn, grid: tuple, args: tuple, meta: dict) -> Relaunch | None
     if INTERPRET or _hooks_installed():
         return None
     device = driver.active.get_current_device()
-    try:
-        key = (fn, device, tuple(meta.items()), tuple(_arg_key(a) for a in args))
-    except TypeError:
-        return None
-    entry = _CACHE.get(key)
+    key = _launch_key(fn, device, args, meta)
+    entry = _CACHE.get(key) if key is not None else None
     return Relaunch(entry.kernel, entry.tail, device) if entry is not None else None
 
 
