@@ -312,6 +312,105 @@ def sweep_tma(opts):
     return rows
 
 
+GLUON_CONFIGS = {128: [(128, 2), (128, 3), (64, 3), (64, 4)], 64: [(128, 2), (128, 3), (64, 4)]}  # (BLOCK_N, NUM_BUFFERS)
+GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key), GQA
+    (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),
+    (1, 1000, 1000, 3, 3), (1, 64, 1024, 2, 2), (2, 1024, 64, 2, 1), (1, 130, 130, 1, 1)]
+
+
+def _gluon_forward(q, k, v, causal, c=None, bottom_right=True):
+    from flashtriton.kernels import forward_gluon as G
+
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+    config = None if c is None else dict(BLOCK_N=c[0], NUM_BUFFERS=c[1], CONSUMER_REGS=240)
+    G.launch_forward_gluon(q, k, v, out, lse, q.shape[-1] ** -0.5, causal, bottom_right, config)
+    return out, lse
+
+
+def sweep_gluon(opts):
+    """The Gluon (FlashAttention-3 schedule) forward: checked against float64 on odd shapes, then timed per
+    config beside the TMA kernel (the default dense path) and cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashtriton.reference import attention_reference
+
+    rows = []
+    for D in (128, 64):
+        for dt in ("fp16", "bf16"):
+            for causal in (False, True):
+                for bottom_right in ((True, False) if causal else (True,)):
+                    for (B, Sq, Sk, Hq, Hkv) in GLUON_CHECKS:
+                        g = torch.Generator(device=DEV).manual_seed(Sq * 7 + Sk)
+                        q = torch.randn(B, Sq, Hq, D, device=DEV, dtype=DTYPE[dt], generator=g)
+                        k, v = (torch.randn(B, Sk, Hkv, D, device=DEV, dtype=DTYPE[dt], generator=g) for _ in range(2))
+                        ref, ref_lse = attention_reference(q, k, v, D ** -0.5, causal, bottom_right=bottom_right, return_lse=True)
+                        row = dict(check=True, D=D, dtype=dt, causal=causal, bottom_right=bottom_right, shape=[B, Sq, Sk, Hq, Hkv])
+                        for c in GLUON_CONFIGS[D] if dt == "fp16" else GLUON_CONFIGS[D][:1]:
+                            try:
+                                o, lse = _gluon_forward(q, k, v, causal, c, bottom_right)
+                                torch.cuda.synchronize()
+                                row[f"err_{c[0]}x{c[1]}"] = (o.double() - ref).abs().max().item()
+                                fin = torch.isfinite(ref_lse)
+                                row[f"lse_{c[0]}x{c[1]}"] = ((lse.double() - ref_lse)[fin].abs().max().item()
+                                                             if fin.any() else 0.0)
+                                row[f"lse_inf_ok_{c[0]}x{c[1]}"] = bool((torch.isinf(lse) == ~fin).all().item())
+                            except Exception as exc:  # noqa: BLE001
+                                row[f"error_{c[0]}x{c[1]}"] = str(exc)[:300]
+                        o, _ = F.attention_forward(q, k, v, D ** -0.5, causal, bottom_right)
+                        row["err_tma"] = (o.double() - ref).abs().max().item()
+                        rows.append(row)
+                    bad = [r for r in rows[-len(GLUON_CHECKS):] if any(
+                        k.startswith("error") or (k.startswith("err_") and k != "err_tma" and v > 2 * r["err_tma"] + 2e-3)
+                        or (k.startswith("lse_inf") and not v) for k, v in r.items())]
+                    print(f"gluon check D={D} {dt} causal={int(causal)} br={int(bottom_right)}: "
+                          f"{len(GLUON_CHECKS) - len(bad)}/{len(GLUON_CHECKS)} ok"
+                          + "".join(f"\n  BAD {r}" for r in bad), flush=True)
+    for D in (128, 64):
+        for dt in ("fp16", "bf16"):
+            for causal in (False, True):
+                for T in FWD_SEQLENS:
+                    if dt == "bf16" and T not in (1024, 8192):
+                        continue
+                    q, k, v = fwd_inputs(T, D, DTYPE[dt])
+                    flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
+                    ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal)
+                    cands = [("tma", lambda: F.attention_forward(q, k, v, D ** -0.5, causal))]
+                    cands += [(f"gluon{c[0]}x{c[1]}", lambda c=c: _gluon_forward(q, k, v, causal, c))
+                              for c in (GLUON_CONFIGS[D] if dt == "fp16" else GLUON_CONFIGS[D][:1])]
+                    qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+                    ctx = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+
+                    def cudnn():
+                        return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
+
+                    here = []
+                    for name, fn in cands + [("cudnn", cudnn)]:
+                        try:
+                            if name == "cudnn":
+                                ctx.__enter__()
+                            o = fn()
+                            o = o[0] if isinstance(o, tuple) else o
+                            if name == "cudnn":
+                                o = o.transpose(1, 2)
+                            err = (o.float() - ref.float()).abs().max().item()
+                            ms = bench(fn)
+                            row = dict(D=D, dtype=dt, causal=causal, T=T, variant=name, ms=ms, tflops=flops / ms / 1e9,
+                                       err=err)
+                        except Exception as exc:  # noqa: BLE001
+                            row = dict(D=D, dtype=dt, causal=causal, T=T, variant=name, error=str(exc)[:300])
+                        finally:
+                            if name == "cudnn":
+                                ctx.__exit__(None, None, None)
+                        rows.append(row)
+                        here.append(row)
+                    print(f"gluon D={D} {dt} causal={int(causal)} T={T}:"
+                          + "".join(f" | {r['variant']} {r.get('tflops', 0):.0f}" + (" ERR" if "error" in r else "")
+                                    for r in here), flush=True)
+                    del q, k, v, qb, kb, vb
+    return rows
+
+
 def _varlen_inputs(small=False, seed=0):
     """The varlen suite's batch: 64 sequences, lengths uniform in 1..4096 (seed 0), H=16, D=128, fp16."""
     from flashtriton.bench_suites import varlen_seqlens
@@ -530,13 +629,13 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     opts = ap.parse_args()
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
-              "varlen": sweep_varlen}
+              "varlen": sweep_varlen, "gluon": sweep_gluon}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=__import__("triton").__version__,
