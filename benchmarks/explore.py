@@ -312,10 +312,17 @@ def sweep_tma(opts):
     return rows
 
 
-GLUON_CONFIGS = {128: [(128, 2), (128, 3), (64, 3), (64, 4)], 64: [(128, 2), (128, 3), (64, 4)]}  # (BLOCK_N, NUM_BUFFERS)
-GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key), GQA
+_G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True)
+GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
+    128: {"persist": _G, "pingpong": {**_G, "PINGPONG": True}, "grid": {**_G, "PERSISTENT": False},
+          "n64x4": {**_G, "BLOCK_N": 64, "NUM_BUFFERS": 4}},
+    64: {"persist": _G, "pingpong": {**_G, "PINGPONG": True}, "grid": {**_G, "PERSISTENT": False},
+         "x3": {**_G, "NUM_BUFFERS": 3}}}
+GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),
+    # GQA, and more items than SMs (persistent programs take several)
     (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),
-    (1, 1000, 1000, 3, 3), (1, 64, 1024, 2, 2), (2, 1024, 64, 2, 1), (1, 130, 130, 1, 1)]
+    (1, 1000, 1000, 3, 3), (1, 64, 1024, 2, 2), (2, 1024, 64, 2, 1), (3, 1000, 1000, 16, 8), (4, 1024, 64, 16, 4),
+    (2, 777, 1500, 12, 3)]
 
 
 def _gluon_forward(q, k, v, causal, c=None, bottom_right=True):
@@ -323,8 +330,7 @@ def _gluon_forward(q, k, v, causal, c=None, bottom_right=True):
 
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
-    config = None if c is None else dict(BLOCK_N=c[0], NUM_BUFFERS=c[1], CONSUMER_REGS=240)
-    G.launch_forward_gluon(q, k, v, out, lse, q.shape[-1] ** -0.5, causal, bottom_right, config)
+    G.launch_forward_gluon(q, k, v, out, lse, q.shape[-1] ** -0.5, causal, bottom_right, c)
     return out, lse
 
 
@@ -346,17 +352,17 @@ def sweep_gluon(opts):
                         k, v = (torch.randn(B, Sk, Hkv, D, device=DEV, dtype=DTYPE[dt], generator=g) for _ in range(2))
                         ref, ref_lse = attention_reference(q, k, v, D ** -0.5, causal, bottom_right=bottom_right, return_lse=True)
                         row = dict(check=True, D=D, dtype=dt, causal=causal, bottom_right=bottom_right, shape=[B, Sq, Sk, Hq, Hkv])
-                        for c in GLUON_CONFIGS[D] if dt == "fp16" else GLUON_CONFIGS[D][:1]:
+                        for name, c in list(GLUON_CONFIGS[D].items())[:None if dt == "fp16" else 1]:
                             try:
                                 o, lse = _gluon_forward(q, k, v, causal, c, bottom_right)
                                 torch.cuda.synchronize()
-                                row[f"err_{c[0]}x{c[1]}"] = (o.double() - ref).abs().max().item()
+                                row[f"err_{name}"] = (o.double() - ref).abs().max().item()
                                 fin = torch.isfinite(ref_lse)
-                                row[f"lse_{c[0]}x{c[1]}"] = ((lse.double() - ref_lse)[fin].abs().max().item()
-                                                             if fin.any() else 0.0)
-                                row[f"lse_inf_ok_{c[0]}x{c[1]}"] = bool((torch.isinf(lse) == ~fin).all().item())
+                                row[f"lse_{name}"] = ((lse.double() - ref_lse)[fin].abs().max().item()
+                                                      if fin.any() else 0.0)
+                                row[f"lse_inf_ok_{name}"] = bool((torch.isinf(lse) == ~fin).all().item())
                             except Exception as exc:  # noqa: BLE001
-                                row[f"error_{c[0]}x{c[1]}"] = str(exc)[:300]
+                                row[f"error_{name}"] = str(exc)[:300]
                         o, _ = F.attention_forward(q, k, v, D ** -0.5, causal, bottom_right)
                         row["err_tma"] = (o.double() - ref).abs().max().item()
                         rows.append(row)
@@ -376,8 +382,8 @@ def sweep_gluon(opts):
                     flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
                     ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal)
                     cands = [("tma", lambda: F.attention_forward(q, k, v, D ** -0.5, causal))]
-                    cands += [(f"gluon{c[0]}x{c[1]}", lambda c=c: _gluon_forward(q, k, v, causal, c))
-                              for c in (GLUON_CONFIGS[D] if dt == "fp16" else GLUON_CONFIGS[D][:1])]
+                    cands += [(name, lambda c=c: _gluon_forward(q, k, v, causal, c))
+                              for name, c in list(GLUON_CONFIGS[D].items())[:None if dt == "fp16" else 1]]
                     qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
                     ctx = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
