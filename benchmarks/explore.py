@@ -312,12 +312,12 @@ def sweep_tma(opts):
     return rows
 
 
-_G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True)
+_G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
+_G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)  # 192-row items, as FlashAttention-3 at D = 64
 GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
-    128: {"persist": _G, "pingpong": {**_G, "PINGPONG": True}, "grid": {**_G, "PERSISTENT": False},
-          "n64x4": {**_G, "BLOCK_N": 64, "NUM_BUFFERS": 4}},
-    64: {"persist": _G, "pingpong": {**_G, "PINGPONG": True}, "grid": {**_G, "PERSISTENT": False},
-         "x3": {**_G, "NUM_BUFFERS": 3}}}
+    128: {"persist": _G},  # explore7/gluon_2b6137fa8c9f.json also tried one program per item, 64-key tiles, ping-pong
+    64: {"persist": _G, "c3": _G3, "c3n64": {**_G3, "BLOCK_N": 64, "NUM_BUFFERS": 4},
+         "c3n64x6": {**_G3, "BLOCK_N": 64, "NUM_BUFFERS": 6}}}
 GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),
     # GQA, and more items than SMs (persistent programs take several)
     (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),

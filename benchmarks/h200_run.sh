@@ -37,6 +37,8 @@ for step in "$@"; do
         --head-dims 64,128 --rep 40 --warmup 10 --out $R/fwd_final --no-plots > $R/fwd_final.txt 2>&1; grep -v "it/s" $R/fwd_final.txt | tail -52 ;;
     quick) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_launch.py tests/test_kvcache.py \
         tests/test_varlen.py tests/test_forward.py tests/test_backward.py > $R/pytest_quick.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_quick.txt | head -30 ;;
+    gluontests) timeout 200 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py tests/test_forward.py \
+        > $R/pytest_gluon.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon.txt | head -30 ;;
     kvtests) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_launch.py tests/test_kvcache.py \
         > $R/pytest_kv.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_kv.txt | head -30 ;;
     gputests) timeout 80 python -m pytest -v -n 8 -p no:cacheprovider --tb=line -m gpu tests > $R/pytest_gpu.txt 2>&1

@@ -139,6 +139,23 @@ def default_fwd_tma_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: 
     return _config(64, 32, 4, 3) if seqlen_q <= 8192 else _config(128, 128, 8, 3)
 
 
+# Hopper's Gluon forward (kernels/forward_gluon.py: FlashAttention-3's schedule, a TMA producer and two consumer
+# warpgroups, persistent): on by default on sm_90 where it beats the TMA kernel, off with FLASHTRITON_GLUON=0 (or
+# configs.USE_GLUON = False). Dense fp16/bf16 at the head dims below, softmax_scale > 0.
+USE_GLUON: bool = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
+
+
+def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict | None:
+    """The Gluon forward's config where it beats the TMA kernel, else None. From the H200 sweep
+    benchmarks/2026-11-29-h200/explore7/gluon_2b6137fa8c9f.json (fp16 TFLOP/s, Gluon / TMA kernel / cuDNN):
+    D = 128 non-causal at every T (T=512 452 / 388 / 517, T=8192 613 / 492 / 665); causal from Sk = 4096
+    (T=4096 505 / 457 / 555; T=2048 413 / 419 / 499). 128-key tiles, 2 stages, one program per SM; ping-pong
+    between the warpgroups lost 1-7 %. D = 64: the TMA kernel stays ahead (T=8192 459 against 402)."""
+    if head_dim != 128 or (causal and seqlen_k < 4096):
+        return None
+    return dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
+
+
 def varlen_fwd_tma_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> dict:
     """The TMA forward's tiles for packed sequences. On the varlen suite's batch (64 sequences, lengths
     1..4096, D=128 fp16; explore4/varlen.json, 42cd324f8c06) 128x128 with 8 warps was fastest or level:

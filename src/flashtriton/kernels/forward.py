@@ -28,6 +28,11 @@ from .common import (LOG2E, dot_settings, key_range, load_tile, sequence_bounds,
                      tma_descriptor, tma_layout_ok, tma_ok, tma_tile)
 from .launch import hooks_installed, launch, launch_and_keep
 
+try:  # Hopper's Gluon forward (triton >= 3.6 ships Gluon's Hopper API)
+    from . import forward_gluon
+except ImportError:  # pragma: no cover
+    forward_gluon = None
+
 
 @triton.jit
 def _attn_fwd_tile(
@@ -257,38 +262,49 @@ def _tma_args(q, k, v, out, lse, softmax_scale, block_m, block_n, varlen, cu_seq
 
 
 class _DenseTmaPlan:
-    """A dense TMA forward launch, fixed by shapes, strides, dtype, device and options. Host time matters: the
-    forward of a short sequence takes ~0.1 ms of GPU time, about what a launch costs in Python on a slow CPU."""
+    """A dense Hopper forward launch (the TMA kernel, or the Gluon one where `gluon`), fixed by shapes, strides,
+    dtype, device and options. Host time matters: the forward of a short sequence takes ~0.1 ms of GPU time,
+    about what a launch costs in Python on a slow CPU."""
 
-    __slots__ = ("grid", "ints", "meta", "block_m", "block_n", "relaunch")
+    __slots__ = ("fn", "grid", "ints", "meta", "block_m", "block_n", "gluon", "relaunch")
 
-    def __init__(self, grid, ints, meta, block_m, block_n):
-        self.grid, self.ints, self.meta, self.block_m, self.block_n = grid, ints, meta, block_m, block_n
+    def __init__(self, fn, grid, ints, meta, block_m, block_n, gluon=False):
+        self.fn, self.grid, self.ints, self.meta, self.block_m, self.block_n = fn, grid, ints, meta, block_m, block_n
+        self.gluon = gluon
         self.relaunch = None  # the compiled kernel, after the first launch
 
 
 @functools.lru_cache(maxsize=1024)
 def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, device, causal, causal_bottom_right,
-                    use_tma) -> _DenseTmaPlan | None:
-    """The plan of a dense TMA forward, or None where the TMA kernel does not take such tensors whatever their
-    addresses (`tma_layout_ok`; the output is contiguous)."""
+                    use_tma, use_gluon) -> _DenseTmaPlan | None:
+    """The plan of a dense Hopper forward, or None where the TMA kernels do not take such tensors whatever their
+    addresses (`tma_layout_ok`; the output is contiguous). The Gluon kernel where `configs.gluon_fwd_config`
+    has a config for the shape (and `use_gluon`: it is on, and softmax_scale > 0), else the TMA kernel."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1)
     if not use_tma or not tma_layout_ok(device, dtype, (q_shape, q_strides), (k_shape, k_strides),
                                         (k_shape, v_strides), (q_shape, out_strides)):
         return None
+    gluon_config = configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal) if use_gluon else None
+    if gluon_config is not None:
+        grid, ints, meta = forward_gluon.launch_parts(q_shape, k_shape, causal, causal_bottom_right, gluon_config,
+                                                      forward_gluon.num_sms(device.index))
+        return _DenseTmaPlan(forward_gluon._attn_fwd_gluon, grid, ints, meta, None, gluon_config["BLOCK_N"], True)
     config = configs.default_fwd_tma_config(head_dim, seqlen_q, k_shape[1], causal)
     grid, ints, meta = _tma_launch_parts(q_shape, k_shape, dtype, out_strides, (heads_q * seqlen_q, seqlen_q), causal,
                                          causal_bottom_right, config)
-    return _DenseTmaPlan(grid, ints, meta, config["BLOCK_M"], config["BLOCK_N"])
+    return _DenseTmaPlan(_attn_fwd_tma, grid, ints, meta, config["BLOCK_M"], config["BLOCK_N"])
 
 
 def _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale) -> None:
-    args = _tma_args(q, k, v, out, lse, softmax_scale, plan.block_m, plan.block_n, False, None, None, plan.ints)
+    if plan.gluon:
+        args = forward_gluon.launch_args(q, k, v, out, lse, softmax_scale, plan.block_n, plan.ints)
+    else:
+        args = _tma_args(q, k, v, out, lse, softmax_scale, plan.block_m, plan.block_n, False, None, None, plan.ints)
     if plan.relaunch is not None and not hooks_installed():
         plan.relaunch(plan.grid, args)
     else:
-        plan.relaunch = launch_and_keep(_attn_fwd_tma, plan.grid, args, plan.meta)
+        plan.relaunch = launch_and_keep(plan.fn, plan.grid, args, plan.meta)
 
 
 def attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,7 +334,8 @@ def launch_forward(
     Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
     "num_stages"} of the portable kernel instead of autotuning (always so under the interpreter). Without
     one, on Hopper, fp16/bf16 inputs (dense or varlen) with head dim 64 or 128 take the TMA kernel
-    (`_attn_fwd_tma`; FLASHTRITON_TMA=0 turns it off).
+    (`_attn_fwd_tma`; FLASHTRITON_TMA=0 turns it off), or for dense shapes where `configs.gluon_fwd_config`
+    says so the Gluon kernel (`forward_gluon`; FLASHTRITON_GLUON=0 turns it off).
     Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """
@@ -342,7 +359,8 @@ def launch_forward(
         # Dense on Hopper: a plan per call shape (TMA applicability, tiles, launch arguments, the compiled
         # kernel); per call only the addresses are checked (TMA needs 16-byte aligned bases).
         plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, bool(causal),
-                               bool(causal_bottom_right), configs.USE_TMA)
+                               bool(causal_bottom_right), configs.USE_TMA,
+                               configs.USE_GLUON and forward_gluon is not None and softmax_scale > 0)
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
             _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale)
             return out, lse, None

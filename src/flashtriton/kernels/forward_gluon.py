@@ -22,6 +22,7 @@ Compiles for sm_90 only; `forward.launch_forward` takes this path where `gluon_o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -34,13 +35,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
 
-BLOCK_M = gl.constexpr(128)  # two warpgroups of 64 rows
-ROWS = gl.constexpr(64)  # rows per warpgroup: wgmma's M
-FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # the 64 rows a consumer warpgroup owns
+ROWS = gl.constexpr(64)  # rows per consumer warpgroup: wgmma's M; an item has ROWS * N_CONSUMERS rows
+WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
 
 
 @gluon.jit
-def _decode_item(w, n_m, n_bh, heads, seqlen_k, causal_offset, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+def _decode_item(w, n_m, n_bh, heads, seqlen_k, causal_offset, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
     """Work item w -> (off_b, off_h, start_m, n_tiles). Causal: the longest query tiles (the last rows) first,
     over all heads; otherwise head-major, so that programs running together share a head's K/V in L2."""
     if IS_CAUSAL:
@@ -57,20 +58,21 @@ def _decode_item(w, n_m, n_bh, heads, seqlen_k, causal_offset, IS_CAUSAL: gl.con
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               n_items, n_m, n_bh, heads, group_size, seqlen_k, causal_offset,
-              IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
-    """TMA loads of this program's items: Q once both warpgroups are done with the previous item's; K/V tile c
-    (counted over all items) into stage c % NUM_BUFFERS once both released the tile it held (K and V have
+              IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr):
+    """TMA loads of this program's items: Q once the consumers are done with the previous item's; K/V tile c
+    (counted over all items) into stage c % NUM_BUFFERS once they all released the tile it held (K and V have
     their own barriers: S = Q Kᵀ can start before V lands)."""
+    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0
     for i in range(0, n_items):
         off_b, off_h, start_m, n_tiles = _decode_item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads,
-                                                      seqlen_k, causal_offset, IS_CAUSAL, BLOCK_N)
+                                                      seqlen_k, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
         off_hk = off_h // group_size
         mbarrier.wait(q_empty, (i & 1) ^ 1, pred=i > 0)
-        mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_q, [off_b, start_m * BLOCK_M, off_h, 0], q_ready, q_bufs.index(0))
-        tma.async_copy_global_to_shared(desc_q, [off_b, start_m * BLOCK_M + ROWS, off_h, 0], q_ready,
-                                        q_bufs.index(1))
+        mbarrier.expect(q_ready, N_CONSUMERS * desc_q.block_type.nbytes)
+        for h in gl.static_range(N_CONSUMERS):
+            tma.async_copy_global_to_shared(desc_q, [off_b, start_m * BLOCK_M + h * ROWS, off_h, 0], q_ready,
+                                            q_bufs.index(h))
         for t in range(n_tiles):
             stage = c % NUM_BUFFERS
             phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
@@ -185,8 +187,9 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn, c, g, n
 def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
               desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
               stride_lb, stride_lh, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
+              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each of this program's items."""
+    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -198,7 +201,7 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
     g = 0  # ping-pong turns taken
     for i in range(0, n_items):
         off_b, off_h, start_m, n_tiles = _decode_item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads,
-                                                      seqlen_k, causal_offset, IS_CAUSAL, BLOCK_N)
+                                                      seqlen_k, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
         row0 = start_m * BLOCK_M + WG * ROWS
         tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
         mbarrier.wait(q_ready, i & 1)
@@ -229,10 +232,12 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
 def _attn_fwd_gluon(
     desc_q, desc_k, desc_v, desc_o, LSE, qk_scale, stride_lb, stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr,
 ):
-    """Grid (programs,): program p takes items p, p + programs, ... of the cdiv(Sq, 128) · Hq · B. num_warps=4:
-    the producer; the two consumer warpgroups are worker partitions."""
+    """Grid (programs,): program p takes items p, p + programs, ... of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B.
+    num_warps=4: the producer; the N_CONSUMERS (2 or 3) consumer warpgroups are worker partitions."""
+    gl.static_assert((N_CONSUMERS == 2) | ((N_CONSUMERS == 3) & (not PINGPONG)), "2 consumers, or 3 without ping-pong")
+    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     pid = gl.program_id(0)
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
@@ -243,8 +248,8 @@ def _attn_fwd_gluon(
         causal_offset = gl.to_tensor(0)
 
     dtype: gl.constexpr = desc_q.dtype
-    q_bufs = gl.allocate_shared_memory(dtype, [2, 1, ROWS, 1, HEAD_DIM], desc_q.layout)
-    o_bufs = gl.allocate_shared_memory(dtype, [2, 1, ROWS, 1, HEAD_DIM], desc_o.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS, 1, ROWS, 1, HEAD_DIM], desc_q.layout)
+    o_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS, 1, ROWS, 1, HEAD_DIM], desc_o.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, HEAD_DIM], desc_k.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, HEAD_DIM], desc_v.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -255,14 +260,14 @@ def _attn_fwd_gluon(
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # one arrive per consumer warpgroup
+    mbarrier.init(q_empty, count=N_CONSUMERS)  # one arrive per consumer warpgroup
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=N_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=N_CONSUMERS)
     fence_async_shared()  # the initialised barriers, visible to TMA (async proxy)
     if PINGPONG:
         mbarrier.arrive(turn.index(0), count=1)  # the first warpgroup issues first
@@ -277,53 +282,93 @@ def _attn_fwd_gluon(
     qk_scale = gl.to_tensor(qk_scale)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    gl.warp_specialize([
-        (_producer, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, n_items, n_m, n_bh, heads, gl.to_tensor(GROUP_SIZE), seqlen_k, causal_offset,
-                     IS_CAUSAL, BLOCK_N, NUM_BUFFERS)),
-        (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                     desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale, stride_lb,
-                     stride_lh, FIRST_HALF, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)),
-        (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                     desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale, stride_lb,
-                     stride_lh, SECOND_HALF, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)),
-    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    group_size = gl.to_tensor(GROUP_SIZE)
+    # (Partition lists are written out: a kernel cannot hold a function in a variable.)
+    if N_CONSUMERS == 3:
+        gl.warp_specialize([
+            (_producer, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         n_items, n_m, n_bh, heads, group_size, seqlen_k, causal_offset, IS_CAUSAL, BLOCK_N,
+                         NUM_BUFFERS, N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
+                         stride_lb, stride_lh, WG0, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
+                         stride_lb, stride_lh, WG1, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
+                         stride_lb, stride_lh, WG2, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_producer, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         n_items, n_m, n_bh, heads, group_size, seqlen_k, causal_offset, IS_CAUSAL, BLOCK_N,
+                         NUM_BUFFERS, N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
+                         stride_lb, stride_lh, WG0, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
+                         stride_lb, stride_lh, WG1, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Rank-4 descriptor of a (B, S, H, D) tensor with block (1, rows, 1, D)."""
-    block = [1, rows, 1, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+_GL_DTYPE = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
 @functools.lru_cache(maxsize=None)
-def gluon_config(head_dim: int, causal: bool) -> dict:
-    """Tiles and schedule of the Gluon forward (benchmarks/explore.py gluon sweeps the alternatives).
-    PERSISTENT: one program per SM (else one per item)."""
-    return dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True)
+def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], _GL_DTYPE[dtype])
+
+
+# TensorDescriptor's __post_init__ re-checks what the caller checked (`common.tma_ok`: aligned base and strides,
+# sizes > 0): ~10 us per descriptor on a slow host, four per forward. Built without it where the fields match.
+_FAST_DESCRIPTOR = [f.name for f in dataclasses.fields(TensorDescriptor)] == \
+    ["base", "shape", "strides", "block_shape", "layout", "padding"]
+
+
+def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Rank-4 descriptor of a (B, S, H, D) tensor with block (1, rows, 1, D); `t` must pass `common.tma_ok`."""
+    head_dim = t.shape[-1]
+    block, layout = [1, rows, 1, head_dim], _smem_layout(rows, head_dim, t.dtype)
+    if not _FAST_DESCRIPTOR:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = \
+        t, list(t.shape), list(t.stride()), block, layout, "zero"
+    return desc
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config=None) -> None:
-    """Dense q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), out like q, lse (B, Hq, Sq) fp32; fp16/bf16, D 64 or 128,
-    16-byte aligned bases and strides, softmax_scale > 0 (the caller checks: `gluon_ok`)."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    config = dict(config or gluon_config(head_dim, bool(causal)))
+def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int):
+    """(grid, int arguments after the lse strides, constexprs and options, Q rows per descriptor block) of a
+    launch on dense q (B, Sq, Hq, D), k (B, Sk, Hkv, D) with a contiguous lse (B, Hq, Sq)."""
+    batch, seqlen_q, heads_q, head_dim = q_shape
+    config = dict(config)
     persistent = config.pop("PERSISTENT")
-    bn = config["BLOCK_N"]
-    items = triton.cdiv(seqlen_q, BLOCK_M.value) * heads_q * batch
-    programs = min(items, _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())) \
-        if persistent else items
-    _attn_fwd_gluon[(programs, )](
-        _descriptor(q, ROWS.value), _descriptor(k, bn), _descriptor(v, bn), _descriptor(out, ROWS.value), lse,
-        softmax_scale * LOG2E, lse.stride(0), lse.stride(1), heads_q, batch, heads_q // k.shape[2], seqlen_q,
-        k.shape[1], IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), HEAD_DIM=head_dim,
-        num_warps=4, **config)
+    items = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"]) * heads_q * batch
+    grid = (min(items, sms) if persistent else items, 1, 1)
+    ints = (heads_q * seqlen_q, seqlen_q, heads_q, batch, heads_q // k_shape[2], seqlen_q, k_shape[1])
+    meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), HEAD_DIM=head_dim,
+                num_warps=4, **config)
+    return grid, ints, meta
+
+
+def launch_args(q, k, v, out, lse, softmax_scale: float, block_n: int, ints: tuple) -> tuple:
+    """The kernel's runtime arguments: the four descriptors, lse, the scale, then `ints`."""
+    return (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, ROWS.value), lse,
+            softmax_scale * LOG2E, *ints)
+
+
+def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config) -> None:
+    """Dense q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), out like q, contiguous lse (B, Hq, Sq) fp32; fp16/bf16,
+    D 64 or 128, inputs that pass `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks)."""
+    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, num_sms(q.device.index))
+    _attn_fwd_gluon[grid](*launch_args(q, k, v, out, lse, softmax_scale, config["BLOCK_N"], ints), **meta)

@@ -25,6 +25,10 @@ try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
+try:  # Gluon's (triton >= 3.6), which carry a shared-memory layout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # pragma: no cover
+    GluonTensorDescriptor = None
 
 _Tensor = torch.Tensor
 
@@ -48,6 +52,10 @@ def _arg_key(arg):
         base = arg.base
         return (TensorDescriptor, base.dtype, base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
                 tuple(arg.block_shape), getattr(arg, "padding", None))
+    if GluonTensorDescriptor is not None and kind is GluonTensorDescriptor:
+        base = arg.base
+        return (GluonTensorDescriptor, base.dtype, base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
+                tuple(arg.block_shape), arg.layout, arg.padding)
     raise TypeError(kind.__name__)
 
 

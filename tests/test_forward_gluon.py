@@ -1,0 +1,121 @@
+"""Hopper's Gluon forward (kernels/forward_gluon.py). Gluon kernels compile for sm_90 only and do not run in the
+interpreter: the kernel tests run on a Hopper GPU; the host-side pieces are tested everywhere.
+
+flash_attn_func takes the Gluon kernel on sm_90 where `configs.gluon_fwd_config` says so (D = 128), so the
+forward tests of test_forward.py cover it there as well; these call it directly with every config the sweep
+tried, on shapes that reach each of its paths."""
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton import configs
+from flashtriton.kernels import forward_gluon as G
+from flashtriton.kernels import launch
+from flashtriton.kernels.forward import _dense_tma_plan
+from flashtriton.reference import attention_reference
+
+from accuracy import assert_close_to_exact, torch_attention
+from test_forward import make_qkv
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+hopper_only = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: sm_90 only (no interpreter)")
+
+_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
+CONFIGS = {
+    "default": _BASE,
+    "one program per item": {**_BASE, "PERSISTENT": False},
+    "64-key tiles, 4 stages": {**_BASE, "BLOCK_N": 64, "NUM_BUFFERS": 4},
+    "ping-pong": {**_BASE, "PINGPONG": True},
+    "three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "BLOCK_N": 64, "NUM_BUFFERS": 4},
+}
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): one token, odd lengths, Sq != Sk both ways (bottom-right causal
+# leaves rows with no key), GQA, and more items than SMs (a persistent program takes several, some with no key).
+SHAPES = [(2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (2, 200, 333, 4, 2), (1, 333, 200, 2, 2), (4, 1024, 64, 16, 4),
+          (3, 1000, 1000, 16, 8)]
+
+
+def run_gluon(q, k, v, causal, bottom_right, config, softmax_scale=None):
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
+    G.launch_forward_gluon(q, k, v, out, lse, scale, causal, bottom_right, config)
+    return out, lse
+
+
+@hopper_only
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("head_dim,dtype", [(128, torch.float16), (64, torch.bfloat16)])
+def test_gluon_kernel_against_float64(name, causal, bottom_right, head_dim, dtype, device):
+    for batch, seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
+        q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
+        out, lse = run_gluon(q, k, v, causal, bottom_right, CONFIGS[name])
+        exact, exact_lse = attention_reference(q, k, v, None, causal, bottom_right, return_lse=True)
+        where = f"{name}, shape {(batch, seqlen_q, seqlen_k, heads_q, heads_kv)}"
+        assert_close_to_exact(out, torch_attention(q, k, v, None, causal, bottom_right), exact, dtype, where)
+        seen = torch.isfinite(exact_lse)
+        assert torch.equal(torch.isfinite(lse), seen), f"{where}: lse -inf exactly on rows that see no key"
+        torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=1e-3, rtol=1e-3)
+        assert torch.all(out[~seen.transpose(1, 2)] == 0), where
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, device, monkeypatch):
+    """D = 128: the dispatch plans the Gluon kernel (non-causal always, causal from Sk = 4096), and its output
+    matches the TMA kernel's (FLASHTRITON_GLUON=0) to rounding; a negative scale is never given to it."""
+    seqlen = 4096 if causal else 512
+    q, k, v = make_qkv(2, seqlen, seqlen, 8, 2, 128, torch.float16, device)
+    plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, True,
+                           True, True)
+    assert plan is not None and plan.gluon
+    out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+    monkeypatch.setattr(configs, "USE_GLUON", False)
+    reference = flashtriton.flash_attn_func(q, k, v, causal=causal)
+    torch.testing.assert_close(out, reference, atol=2e-3, rtol=0)
+    monkeypatch.setattr(configs, "USE_GLUON", True)
+    negative = flashtriton.flash_attn_func(q, k, v, causal=causal, softmax_scale=-0.05)
+    exact = attention_reference(q, k, v, -0.05, causal)
+    assert_close_to_exact(negative, torch_attention(q, k, v, -0.05, causal), exact, torch.float16)
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_gluon_kernel_long_sequences(device):
+    for causal in (False, True):
+        q, k, v = make_qkv(1, 8192, 8192, 16, 16, 128, torch.bfloat16, device)
+        out, _ = run_gluon(q, k, v, causal, True, _BASE)
+        reference = attention_reference(q[:, :, :2], k[:, :, :2], v[:, :, :2], None, causal, dtype=torch.float32)
+        torch.testing.assert_close(out[:, :, :2].float(), reference, atol=1e-2, rtol=0)
+        assert torch.isfinite(out).all()
+
+
+def test_fast_descriptor_equals_the_checked_one():
+    """`descriptor` skips TensorDescriptor's checks; its fields must be what the checked constructor gives."""
+    t = torch.empty(2, 100, 4, 128, dtype=torch.bfloat16)
+    fast = G.descriptor(t, 64)
+    checked = G.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 64, 1, 128], G._smem_layout(64, 128, t.dtype))
+    for field in ("shape", "strides", "block_shape", "layout", "padding"):
+        assert getattr(fast, field) == getattr(checked, field), field
+    assert fast.base is t
+
+
+def test_launch_parts_count_items_and_cap_programs_at_the_sms():
+    q_shape, k_shape = (3, 1000, 16, 128), (3, 700, 4, 128)
+    items = 8 * 16 * 3  # cdiv(1000, 128) query tiles of 128 rows, per head and batch
+    grid, ints, meta = G.launch_parts(q_shape, k_shape, True, True, _BASE, sms=132)
+    assert grid == (132, 1, 1)
+    assert ints == (16 * 1000, 1000, 16, 3, 4, 1000, 700)  # lse strides, heads, batch, group, Sq, Sk
+    assert meta["IS_CAUSAL"] and meta["HEAD_DIM"] == 128 and "PERSISTENT" not in meta
+    assert G.launch_parts(q_shape, k_shape, False, True, {**_BASE, "PERSISTENT": False}, sms=132)[0] == (items, 1, 1)
+    three = {**_BASE, "N_CONSUMERS": 3}
+    assert G.launch_parts(q_shape, k_shape, False, True, {**three, "PERSISTENT": False}, 132)[0][0] == 6 * 16 * 3
+
+
+def test_launch_keys_tell_gluon_descriptor_layouts_apart():
+    t = torch.empty(1, 64, 2, 64, dtype=torch.float16)
+    a = launch._arg_key(G.descriptor(t, 64))
+    assert a == launch._arg_key(G.descriptor(t, 64))
+    assert a != launch._arg_key(G.descriptor(t, 32))
+    assert a != launch._arg_key(G.descriptor(t.to(torch.bfloat16), 64))
