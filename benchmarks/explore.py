@@ -316,8 +316,7 @@ _G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSIST
 _G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)  # 192-row items, as FlashAttention-3 at D = 64
 GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
     128: {"persist": _G},  # explore7/gluon_2b6137fa8c9f.json also tried one program per item, 64-key tiles, ping-pong
-    64: {"persist": _G, "c3": _G3, "c3n64": {**_G3, "BLOCK_N": 64, "NUM_BUFFERS": 4},
-         "c3n64x6": {**_G3, "BLOCK_N": 64, "NUM_BUFFERS": 6}}}
+    64: {"persist": _G, "c3": _G3}}  # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles
 GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),
     # GQA, and more items than SMs (persistent programs take several)
     (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),
@@ -381,7 +380,10 @@ def sweep_gluon(opts):
                     q, k, v = fwd_inputs(T, D, DTYPE[dt])
                     flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
                     ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal)
-                    cands = [("tma", lambda: F.attention_forward(q, k, v, D ** -0.5, causal))]
+                    tma_config = configs.default_fwd_tma_config(D, T, T, causal)
+                    cands = [("tma", lambda: _tma_forward(q, k, v, causal, (tma_config["BLOCK_M"], tma_config["BLOCK_N"],
+                                                                            tma_config["num_warps"],
+                                                                            tma_config["num_stages"])))]
                     cands += [(name, lambda c=c: _gluon_forward(q, k, v, causal, c))
                               for name, c in list(GLUON_CONFIGS[D].items())[:None if dt == "fp16" else 1]]
                     qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))

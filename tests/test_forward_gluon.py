@@ -27,12 +27,14 @@ CONFIGS = {
     "one program per item": {**_BASE, "PERSISTENT": False},
     "64-key tiles, 4 stages": {**_BASE, "BLOCK_N": 64, "NUM_BUFFERS": 4},
     "ping-pong": {**_BASE, "PINGPONG": True},
-    "three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "BLOCK_N": 64, "NUM_BUFFERS": 4},
+    "three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160},
+    "three consumers, 64-key tiles": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "BLOCK_N": 64, "NUM_BUFFERS": 4},
 }
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): one token, odd lengths, Sq != Sk both ways (bottom-right causal
-# leaves rows with no key), GQA, and more items than SMs (a persistent program takes several, some with no key).
+# leaves rows with no key), GQA, more items than SMs (a persistent program takes several, some with no key), and
+# keys long enough that the causal schedule splits the heads into groups (the last one smaller).
 SHAPES = [(2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (2, 200, 333, 4, 2), (1, 333, 200, 2, 2), (4, 1024, 64, 16, 4),
-          (3, 1000, 1000, 16, 8)]
+          (3, 1000, 1000, 16, 8), (1, 200, 16384, 4, 2)]
 
 
 def run_gluon(q, k, v, causal, bottom_right, config, softmax_scale=None):
@@ -64,7 +66,8 @@ def test_gluon_kernel_against_float64(name, causal, bottom_right, head_dim, dtyp
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, device, monkeypatch):
     """D = 128: the dispatch plans the Gluon kernel (non-causal always, causal from Sk = 4096), and its output
-    matches the TMA kernel's (FLASHTRITON_GLUON=0) to rounding; a negative scale is never given to it."""
+    matches the TMA kernel's (FLASHTRITON_GLUON=0) to rounding; softmax_scale = 0 (masked scores would be
+    -inf * 0) is never given to it."""
     seqlen = 4096 if causal else 512
     q, k, v = make_qkv(2, seqlen, seqlen, 8, 2, 128, torch.float16, device)
     plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, True,
@@ -75,9 +78,9 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, device,
     reference = flashtriton.flash_attn_func(q, k, v, causal=causal)
     torch.testing.assert_close(out, reference, atol=2e-3, rtol=0)
     monkeypatch.setattr(configs, "USE_GLUON", True)
-    negative = flashtriton.flash_attn_func(q, k, v, causal=causal, softmax_scale=-0.05)
-    exact = attention_reference(q, k, v, -0.05, causal)
-    assert_close_to_exact(negative, torch_attention(q, k, v, -0.05, causal), exact, torch.float16)
+    zero_scale = flashtriton.flash_attn_func(q, k, v, causal=causal, softmax_scale=0.0)  # the TMA kernel's
+    exact = attention_reference(q, k, v, 0.0, causal)
+    assert_close_to_exact(zero_scale, torch_attention(q, k, v, 0.0, causal), exact, torch.float16)
 
 
 @pytest.mark.gpu

@@ -37,16 +37,25 @@ from .common import LOG2E
 
 ROWS = gl.constexpr(64)  # rows per consumer warpgroup: wgmma's M; an item has ROWS * N_CONSUMERS rows
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
+L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the causal schedule keeps in use at once (L2: 50-60 MB)
 
 
 @gluon.jit
-def _decode_item(w, n_m, n_bh, heads, seqlen_k, causal_offset, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
-    """Work item w -> (off_b, off_h, start_m, n_tiles). Causal: the longest query tiles (the last rows) first,
-    over all heads; otherwise head-major, so that programs running together share a head's K/V in L2."""
+def _decode_item(w, n_m, n_bh, heads, seqlen_k, causal_offset, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Work item w -> (off_b, off_h, start_m, n_tiles).
+
+    Non-causal: head-major, so the programs running together read the same head's K/V (from L2).
+    Causal: heads go in groups whose K/V fit in L2_BUDGET; within a group the longest query tiles (the last
+    rows) come first, over the group's heads. (Longest first over all heads would have every running program
+    stream a different head's K/V from memory: at T = 16k that is the whole memory bandwidth.)"""
     if IS_CAUSAL:
-        start_m = n_m - 1 - w // n_bh
-        bh = w % n_bh
+        heads_per_group = gl.maximum(L2_BUDGET // (seqlen_k.to(gl.int64) * HEAD_DIM * 4), 1).to(gl.int32)
+        group = w // (n_m * heads_per_group)
+        group_heads = gl.minimum(heads_per_group, n_bh - group * heads_per_group)  # the last group may be smaller
+        r = w - group * n_m * heads_per_group
+        start_m = n_m - 1 - r // group_heads
+        bh = group * heads_per_group + r % group_heads
         hi = gl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
     else:
         bh = w // n_m
@@ -66,7 +75,8 @@ def _producer(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
     c = 0
     for i in range(0, n_items):
         off_b, off_h, start_m, n_tiles = _decode_item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads,
-                                                      seqlen_k, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+                                                      seqlen_k, causal_offset, IS_CAUSAL, desc_k.block_type.shape[3], BLOCK_M,
+                                                      BLOCK_N)
         off_hk = off_h // group_size
         mbarrier.wait(q_empty, (i & 1) ^ 1, pred=i > 0)
         mbarrier.expect(q_ready, N_CONSUMERS * desc_q.block_type.nbytes)
@@ -201,7 +211,7 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
     g = 0  # ping-pong turns taken
     for i in range(0, n_items):
         off_b, off_h, start_m, n_tiles = _decode_item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads,
-                                                      seqlen_k, causal_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+                                                      seqlen_k, causal_offset, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)
         row0 = start_m * BLOCK_M + WG * ROWS
         tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
         mbarrier.wait(q_ready, i & 1)
