@@ -148,14 +148,16 @@ USE_GLUON: bool = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict | None:
     """The Gluon forward's config where it beats the TMA kernel, else None. From the H200 sweeps
     benchmarks/2026-11-29-h200/explore7/gluon_*.json (fp16 TFLOP/s, Gluon / TMA kernel / cuDNN):
-    - D = 128 non-causal at every T (2b6137fa8c9f: T=512 452 / 388 / 517, T=8192 613 / 492 / 665): two consumer
+    - D = 128 at every T (2b6137fa8c9f non-causal: T=512 452 / 388 / 517, T=8192 613 / 492 / 665): two consumer
       warpgroups, 128-key tiles, 2 stages, one program per SM (one per item lost 0-15 %, 64-key tiles 10-20 %,
-      ping-pong between the warpgroups 1-7 %). Causal from Sk = 4096 (T=4096 505 / 457 / 555; T=2048 413 / 419).
+      ping-pong between the warpgroups 1-7 %). Causal since its items go in L2-sized head groups
+      (aed9f791d96e: T=512 252 / 230 / 326, T=1024 362 / 356 / 422, T=8192 498 / 472 / 583, T=16384 545 / 554 / 600;
+      before the grouping it lost below Sk = 4096).
     - D = 64 non-causal from Sk = 8192 with three consumer warpgroups (192-row items, FlashAttention-3's D = 64
       tiles; ccaefbc239e1: T=8192 481 / 447 / 482, T=16384 475 / 436 / 495; T=4096 445 / 483). Two warpgroups lose
       to the TMA kernel everywhere at D = 64, three with causal masks spill registers and lose."""
     base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
-    if head_dim == 128 and (not causal or seqlen_k >= 4096):
+    if head_dim == 128:
         return base
     if head_dim == 64 and not causal and seqlen_k >= 8192:
         return dict(base, N_CONSUMERS=3, CONSUMER_REGS=160)
