@@ -5,6 +5,11 @@ flash_attn_func takes the Gluon kernel on sm_90 where `configs.gluon_fwd_config`
 forward tests of test_forward.py cover it there as well; these call it directly with every config the sweep
 tried, on shapes that reach each of its paths."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -122,3 +127,24 @@ def test_launch_keys_tell_gluon_descriptor_layouts_apart():
     assert a == launch._arg_key(G.descriptor(t, 64))
     assert a != launch._arg_key(G.descriptor(t, 32))
     assert a != launch._arg_key(G.descriptor(t.to(torch.bfloat16), 64))
+
+
+def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
+    """What the dispatch launches compiles to sm_90 code on any machine (CI has no GPU): Gluon's frontend,
+    Triton's Hopper passes and ptxas, for each config `configs.gluon_fwd_config` returns. In a fresh process:
+    this one runs the kernels through the interpreter, which cannot compile them."""
+    script = (
+        "from flashtriton import configs\n"
+        "from flashtriton.kernels.forward_gluon import compile_for_sm90\n"
+        "for head_dim, causal in ((128, False), (128, True), (64, False)):\n"
+        "    config = configs.gluon_fwd_config(head_dim, 16384, 16384, causal)\n"
+        "    compiled = compile_for_sm90(head_dim, causal, config)\n"
+        "    ptx = compiled.asm['ptx']\n"
+        "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
+        "    print('compiled', head_dim, causal, compiled.metadata.shared)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 3

@@ -382,3 +382,24 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
     D 64 or 128, inputs that pass `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks)."""
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, num_sms(q.device.index))
     _attn_fwd_gluon[grid](*launch_args(q, k, v, out, lse, softmax_scale, config["BLOCK_N"], ints), **meta)
+
+
+def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16):
+    """Compile the kernel for sm_90 without a GPU (Triton's frontend and Hopper passes, then its bundled ptxas):
+    compiled.asm["ptx"] / ["cubin"], compiled.metadata.shared. For tests and for looking at what a change does
+    to registers and spills (`ptxas -v` on the PTX) before spending device time. Not under the interpreter."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(2, 256, 4, head_dim, dtype=dtype)
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, sms=1)
+    options = {"num_warps": meta.pop("num_warps")}
+    descriptors = {"desc_q": descriptor(t, ROWS.value), "desc_o": descriptor(t, ROWS.value),
+                   "desc_k": descriptor(t, config["BLOCK_N"]), "desc_v": descriptor(t, config["BLOCK_N"])}
+    names = _attn_fwd_gluon.arg_names
+    signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
+                 else "*fp32" if name == "LSE" else "fp32" if name == "qk_scale" else "i32" for name in names}
+    source = GluonASTSource(_attn_fwd_gluon, signature, constexprs=meta,
+                            attrs={(names.index("LSE"),): [["tt.divisibility", 16]]})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
