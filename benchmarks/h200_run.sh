@@ -37,7 +37,7 @@ for step in "$@"; do
         --head-dims 64,128 --rep 40 --warmup 10 --out $R/fwd_final --no-plots > $R/fwd_final.txt 2>&1; grep -v "it/s" $R/fwd_final.txt | tail -52 ;;
     quick) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_launch.py tests/test_kvcache.py \
         tests/test_varlen.py tests/test_forward.py tests/test_backward.py > $R/pytest_quick.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_quick.txt | head -30 ;;
-    gluontests) timeout 200 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py tests/test_forward.py \
+    gluontests) timeout 200 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py tests/test_forward.py tests/test_varlen.py \
         > $R/pytest_gluon.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon.txt | head -30 ;;
     kvtests) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_launch.py tests/test_kvcache.py \
         > $R/pytest_kv.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_kv.txt | head -30 ;;
@@ -53,5 +53,5 @@ for step in "$@"; do
     explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; tma) echo 400;; gluon) echo 360;; varlen) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
   esac
+  tar czf $OUT/results.tar.gz -C /tmp results  # after every step: a call cut short still returns what it ran
 done
-tar czf $OUT/results.tar.gz -C /tmp results

@@ -88,6 +88,44 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, device,
     assert_close_to_exact(zero_scale, torch_attention(q, k, v, 0.0, causal), exact, torch.float16)
 
 
+@hopper_only
+@pytest.mark.parametrize("name", ["default", "one program per item", "three consumers"])
+@pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
+def test_gluon_kernel_varlen(name, causal, bottom_right, device):
+    """Packed sequences (empty, one token, Sq != Sk, longer than a tile, GQA) against float64 per sequence. The
+    keys' tensor runs 40 rows past the last sequence, and sequence 1's values start with inf: a sequence's last
+    K/V tile reaches into the next one's rows (or those), where P is 0 but 0 * inf is NaN unless the kernel
+    clears them."""
+    from test_varlen import pack
+
+    gen = torch.Generator().manual_seed(1)
+    lengths_q, lengths_k = [130, 1, 0, 257, 64, 5], [100, 300, 7, 257, 1, 0]
+    q, cu_q = pack(lengths_q, 8, 128, torch.bfloat16, device, gen)
+    k, cu_k = pack(lengths_k + [40], 2, 128, torch.bfloat16, device, gen)
+    v, _ = pack(lengths_k + [40], 2, 128, torch.bfloat16, device, gen)
+    cu_k = cu_k[:-1]
+    v[cu_k[1]:cu_k[1] + 3] = float("inf")  # sequence 1's own values: its output is not checked
+    v[cu_k[-1]:] = float("inf")  # rows past the last sequence
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((8, q.shape[0]), float("nan"), dtype=torch.float32, device=device)
+    G.launch_forward_gluon(q, k, v, out, lse, 128 ** -0.5, causal, bottom_right, CONFIGS[name], cu_q, cu_k,
+                           max(lengths_q), max(lengths_k))
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        if lq == 0 or b == 1:
+            continue
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        qb, kb, vb = q[None, sq], k[None, sk], v[None, sk]
+        exact, exact_lse = attention_reference(qb, kb, vb, None, causal, bottom_right, return_lse=True)
+        seen = torch.isfinite(exact_lse[0])
+        assert torch.equal(torch.isfinite(lse[:, sq]), seen), f"{name}: sequence {b}"
+        if lk == 0:
+            assert torch.all(out[sq] == 0), f"{name}: sequence {b}"
+            continue
+        assert_close_to_exact(out[None, sq], torch_attention(qb, kb, vb, None, causal, bottom_right), exact,
+                              torch.bfloat16, f"{name}: sequence {b}")
+        torch.testing.assert_close(lse[:, sq][seen].double(), exact_lse[0][seen], atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.gpu
 @hopper_only
 def test_gluon_kernel_long_sequences(device):
@@ -103,10 +141,14 @@ def test_fast_descriptor_equals_the_checked_one():
     """`descriptor` skips TensorDescriptor's checks; its fields must be what the checked constructor gives."""
     t = torch.empty(2, 100, 4, 128, dtype=torch.bfloat16)
     fast = G.descriptor(t, 64)
-    checked = G.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 64, 1, 128], G._smem_layout(64, 128, t.dtype))
+    checked = G.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 64, 1, 128],
+                                 G._smem_layout((1, 64, 1, 128), t.dtype))
     for field in ("shape", "strides", "block_shape", "layout", "padding"):
         assert getattr(fast, field) == getattr(checked, field), field
     assert fast.base is t
+    packed = t.view(200, 4, 128)
+    assert G.descriptor(packed, 64, varlen=True).block_shape == [64, 1, 128]
+    assert G.descriptor(packed, 64, varlen=True).layout.rank == 3
 
 
 def test_launch_parts_count_items_and_cap_programs_at_the_sms():
@@ -114,8 +156,14 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
     items = 8 * 16 * 3  # cdiv(1000, 128) query tiles of 128 rows, per head and batch
     grid, ints, meta = G.launch_parts(q_shape, k_shape, True, True, _BASE, sms=132)
     assert grid == (132, 1, 1)
-    assert ints == (16 * 1000, 1000, 16, 3, 4, 1000, 700)  # lse strides, heads, batch, group, Sq, Sk
-    assert meta["IS_CAUSAL"] and meta["HEAD_DIM"] == 128 and "PERSISTENT" not in meta
+    # out strides (token, head), lse strides (batch, head), heads, batch, group, Sq, Sk
+    assert ints == (16 * 128, 128, 16 * 1000, 1000, 16, 3, 4, 1000, 700)
+    assert meta["IS_CAUSAL"] and not meta["IS_VARLEN"] and meta["HEAD_DIM"] == 128 and "PERSISTENT" not in meta
+    # varlen: 5 sequences packed in 3000 / 2000 tokens, the longest 900 / 700; lse (Hq, total_q)
+    grid, ints, meta = G.launch_parts((3000, 16, 128), (2000, 4, 128), False, True,
+                                      {**_BASE, "PERSISTENT": False}, 132, batch=5, max_seqlen_q=900, max_seqlen_k=700)
+    assert grid == (8 * 16 * 5, 1, 1) and meta["IS_VARLEN"]
+    assert ints == (16 * 128, 128, 0, 3000, 16, 5, 4, 900, 700)
     assert G.launch_parts(q_shape, k_shape, False, True, {**_BASE, "PERSISTENT": False}, sms=132)[0] == (items, 1, 1)
     three = {**_BASE, "N_CONSUMERS": 3}
     assert G.launch_parts(q_shape, k_shape, False, True, {**three, "PERSISTENT": False}, 132)[0][0] == 6 * 16 * 3
@@ -136,9 +184,10 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
     script = (
         "from flashtriton import configs\n"
         "from flashtriton.kernels.forward_gluon import compile_for_sm90\n"
-        "for head_dim, causal in ((128, False), (128, True), (64, False)):\n"
+        "for head_dim, causal, varlen in ((128, False, False), (128, True, False), (64, False, False),\n"
+        "                                 (128, True, True)):\n"
         "    config = configs.gluon_fwd_config(head_dim, 16384, 16384, causal)\n"
-        "    compiled = compile_for_sm90(head_dim, causal, config)\n"
+        "    compiled = compile_for_sm90(head_dim, causal, config, varlen=varlen)\n"
         "    ptx = compiled.asm['ptx']\n"
         "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
         "    print('compiled', head_dim, causal, compiled.metadata.shared)\n"
@@ -147,4 +196,4 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
     env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 3
+    assert done.stdout.count("compiled") == 4

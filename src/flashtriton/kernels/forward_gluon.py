@@ -41,60 +41,122 @@ L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the causal schedule k
 
 
 @gluon.jit
-def _decode_item(w, n_m, n_bh, heads, seqlen_k, causal_offset, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Work item w -> (off_b, off_h, start_m, n_tiles).
+def _item(w, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work item w -> (off_b, off_h, start_m).
 
     Non-causal: head-major, so the programs running together read the same head's K/V (from L2).
     Causal: heads go in groups whose K/V fit in L2_BUDGET; within a group the longest query tiles (the last
-    rows) come first, over the group's heads. (Longest first over all heads would have every running program
-    stream a different head's K/V from memory: at T = 16k that is the whole memory bandwidth.)"""
+    rows) come first, over the group's heads."""
     if IS_CAUSAL:
-        heads_per_group = gl.maximum(L2_BUDGET // (seqlen_k.to(gl.int64) * HEAD_DIM * 4), 1).to(gl.int32)
+        heads_per_group = gl.maximum(L2_BUDGET // (max_seqlen_k.to(gl.int64) * HEAD_DIM * 4), 1).to(gl.int32)
         group = w // (n_m * heads_per_group)
         group_heads = gl.minimum(heads_per_group, n_bh - group * heads_per_group)  # the last group may be smaller
         r = w - group * n_m * heads_per_group
         start_m = n_m - 1 - r // group_heads
         bh = group * heads_per_group + r % group_heads
-        hi = gl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
     else:
         bh = w // n_m
         start_m = w % n_m
-        hi = seqlen_k
-    return bh // heads, bh % heads, start_m, gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+    return bh // heads, bh % heads, start_m
 
 
 @gluon.jit
-def _producer(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              n_items, n_m, n_bh, heads, group_size, seqlen_k, causal_offset,
-              IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr):
+def _bounds(off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN: gl.constexpr,
+            IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr):
+    """An item's sequence: (q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows). Dense: the
+    whole (Sq, Sk); varlen: sequence off_b of the packed batch, and items past its last row have no rows."""
+    if IS_VARLEN:
+        q_start = gl.load(CU_SEQLENS_Q + off_b)
+        seqlen_q = gl.load(CU_SEQLENS_Q + off_b + 1) - q_start
+        k_start = gl.load(CU_SEQLENS_K + off_b)
+        seqlen_k = gl.load(CU_SEQLENS_K + off_b + 1) - k_start
+    else:
+        q_start = gl.to_tensor(0)
+        seqlen_q = max_seqlen_q
+        k_start = gl.to_tensor(0)
+        seqlen_k = max_seqlen_k
+    if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
+        causal_offset = seqlen_k - seqlen_q
+    else:
+        causal_offset = gl.to_tensor(0)
+    if IS_CAUSAL:
+        hi = gl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
+    else:
+        hi = seqlen_k
+    n_tiles = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+    return q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, start_m * BLOCK_M < seqlen_q
+
+
+@gluon.jit
+def _tma_load(desc, IS_VARLEN: gl.constexpr, off_b, row, head, bar, buf):
+    """Rows [row, row + block) of one head: dense descriptors are rank 4 over (B, S, H, D), varlen ones rank 3
+    over (total, H, D) with `row` a token index."""
+    if IS_VARLEN:
+        tma.async_copy_global_to_shared(desc, [row, head, 0], bar, buf)
+    else:
+        tma.async_copy_global_to_shared(desc, [off_b, row, head, 0], bar, buf)
+
+
+@gluon.jit
+def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Zero rows [first, BLOCK_N) of a (BLOCK_N, HEAD_DIM) tile in shared memory, 16 rows at a time."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    for chunk in gl.static_range(BLOCK_N // 16):
+        if (chunk + 1) * 16 > first:
+            part = tile.slice(chunk * 16, 16)
+            rows = chunk * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+            x = part.load(layout)
+            part.store(gl.where((rows < first)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _producer(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
+              v_empty, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size, max_seqlen_q, max_seqlen_k,
+              IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr):
     """TMA loads of this program's items: Q once the consumers are done with the previous item's; K/V tile c
     (counted over all items) into stage c % NUM_BUFFERS once they all released the tile it held (K and V have
-    their own barriers: S = Q Kᵀ can start before V lands)."""
+    their own barriers: S = Q Kᵀ can start before V lands). Varlen: a sequence's last V tile also holds rows of
+    the next sequence; P is 0 there, but 0 · inf is not 0, so those rows are zeroed in shared memory once the
+    tile has landed, and every V tile is announced on v_fixed as well."""
+    HEAD_DIM: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 1]
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
-    c = 0
+    c = 0  # K/V tiles issued, over all items
+    qi = 0  # items with rows, whose Q was loaded
     for i in range(0, n_items):
-        off_b, off_h, start_m, n_tiles = _decode_item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads,
-                                                      seqlen_k, causal_offset, IS_CAUSAL, desc_k.block_type.shape[3], BLOCK_M,
-                                                      BLOCK_N)
-        off_hk = off_h // group_size
-        mbarrier.wait(q_empty, (i & 1) ^ 1, pred=i > 0)
-        mbarrier.expect(q_ready, N_CONSUMERS * desc_q.block_type.nbytes)
-        for h in gl.static_range(N_CONSUMERS):
-            tma.async_copy_global_to_shared(desc_q, [off_b, start_m * BLOCK_M + h * ROWS, off_h, 0], q_ready,
-                                            q_bufs.index(h))
-        for t in range(n_tiles):
-            stage = c % NUM_BUFFERS
-            phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
-            mbarrier.wait(k_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
-            mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [off_b, t * BLOCK_N, off_hk, 0], k_ready.index(stage),
-                                            k_bufs.index(stage))
-            mbarrier.wait(v_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
-            mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_v, [off_b, t * BLOCK_N, off_hk, 0], v_ready.index(stage),
-                                            v_bufs.index(stage))
-            c += 1
+        off_b, off_h, start_m = _item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads, max_seqlen_k,
+                                      IS_CAUSAL, HEAD_DIM, BLOCK_M)
+        q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows = _bounds(
+            off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN, IS_CAUSAL,
+            CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+        if has_rows:
+            off_hk = off_h // group_size
+            mbarrier.wait(q_empty, (qi & 1) ^ 1, pred=qi > 0)
+            mbarrier.expect(q_ready, N_CONSUMERS * desc_q.block_type.nbytes)
+            for h in gl.static_range(N_CONSUMERS):
+                _tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m * BLOCK_M + h * ROWS, off_h, q_ready,
+                          q_bufs.index(h))
+            qi += 1
+            for t in range(n_tiles):
+                stage = c % NUM_BUFFERS
+                phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
+                mbarrier.wait(k_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
+                mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
+                _tma_load(desc_k, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, k_ready.index(stage),
+                          k_bufs.index(stage))
+                mbarrier.wait(v_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
+                mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+                _tma_load(desc_v, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, v_ready.index(stage),
+                          v_bufs.index(stage))
+                if IS_VARLEN:
+                    if (t + 1) * BLOCK_N > seqlen_k:
+                        mbarrier.wait(v_ready.index(stage), phase ^ 1)
+                        _zero_rows_from(v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - t * BLOCK_N,
+                                        BLOCK_N, HEAD_DIM)
+                        fence_async_shared()  # the generic stores, before the wgmma (async proxy) reads
+                    mbarrier.arrive(v_fixed.index(stage), count=1)
+                c += 1
 
 
 @gluon.jit
@@ -109,6 +171,13 @@ def _take_turn(turn, g, WG: gl.constexpr, PINGPONG: gl.constexpr):
 def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
+    mbarrier.wait(v_ready.index(stage), phase)
+    if IS_VARLEN:
+        mbarrier.wait(v_fixed.index(stage), phase)
 
 
 @gluon.jit
@@ -135,9 +204,9 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
 
 
 @gluon.jit
-def _attend(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn, c, g, n_tiles, row0, seqlen_k,
-            causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
+def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles, row0, seqlen_k,
+            causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1):
     (acc, m_i, l_i, next tile, next turn)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -169,7 +238,7 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn, c, g, n
         prev = stage
         stage = (c + j) % NUM_BUFFERS
         mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_BUFFERS) & 1)
-        mbarrier.wait(v_ready.index(prev), ((c + j - 1) // NUM_BUFFERS) & 1)
+        _wait_v(v_ready, v_fixed, prev, ((c + j - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
         g = _take_turn(turn, g, WG, PINGPONG)
         s_tok = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
@@ -184,7 +253,7 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn, c, g, n
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    mbarrier.wait(v_ready.index(stage), ((c + n_tiles - 1) // NUM_BUFFERS) & 1)
+    _wait_v(v_ready, v_fixed, stage, ((c + n_tiles - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
     g = _take_turn(turn, g, WG, PINGPONG)
     acc_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
@@ -194,11 +263,14 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn, c, g, n
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-              desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
-              stride_lb, stride_lh, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn,
+              desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, max_seqlen_q, max_seqlen_k,
+              qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
-    """Rows [64 WG, 64 WG + 64) of each of this program's items."""
+    """Rows [64 WG, 64 WG + 64) of each of this program's items. The output leaves through o_smem and a TMA
+    store (dense: rows past the sequence are clipped) or, varlen, through masked stores (a TMA store over the
+    packed tensor would write the next sequence's rows)."""
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -209,64 +281,84 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
     o_smem = o_bufs.index(WG)
     c = 0  # K/V tiles consumed, over all items
     g = 0  # ping-pong turns taken
+    qi = 0  # items with rows
     for i in range(0, n_items):
-        off_b, off_h, start_m, n_tiles = _decode_item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads,
-                                                      seqlen_k, causal_offset, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)
-        row0 = start_m * BLOCK_M + WG * ROWS
-        tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
-        mbarrier.wait(q_ready, i & 1)
-        if n_tiles > 0:
-            acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn, c, g, n_tiles,
-                                          row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL, HEAD_DIM, BLOCK_N,
-                                          NUM_BUFFERS, PINGPONG)
-        else:  # causal with Sq > Sk: rows that see no key
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-        mbarrier.arrive(q_empty, count=1)
+        off_b, off_h, start_m = _item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads, max_seqlen_k,
+                                      IS_CAUSAL, HEAD_DIM, BLOCK_M)
+        q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows = _bounds(
+            off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN, IS_CAUSAL,
+            CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+        if has_rows:
+            row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
+            if not IS_VARLEN:
+                tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
+            mbarrier.wait(q_ready, qi & 1)
+            qi += 1
+            if n_tiles > 0:
+                acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
+                                              g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL,
+                                              IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
+            else:  # causal with Sq > Sk: rows that see no key
+                acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+                m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+                l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            mbarrier.arrive(q_empty, count=1)
 
-        # out = acc / l, lse = m + log(l); rows that saw no key: out 0, lse -inf.
-        empty = l_i == 0.0
-        l_safe = gl.where(empty, 1.0, l_i)
-        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-        o_smem.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(desc_o, [off_b, row0, off_h, 0], o_smem)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
-    tma.store_wait(0)
+            # out = acc / l, lse = m + log(l); rows that saw no key: out 0, lse -inf.
+            empty = l_i == 0.0
+            l_safe = gl.where(empty, 1.0, l_i)
+            out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(dtype)
+            if IS_VARLEN:
+                o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+                o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                o_ptrs = (O + (q_start + o_rows)[:, None].to(gl.int64) * stride_om + off_h * stride_oh
+                          + o_cols[None, :])
+                gl.store(o_ptrs, out, mask=(o_rows < seqlen_q)[:, None])
+            else:
+                o_smem.reshape([ROWS, HEAD_DIM]).store(out)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(desc_o, [off_b, row0, off_h, 0], o_smem)
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start + rows, lse,
+                     mask=rows < seqlen_q)
+    if not IS_VARLEN:
+        tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "HEADS", "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K"])
+@gluon.jit(do_not_specialize=["stride_om", "stride_oh", "stride_lb", "stride_lh", "HEADS", "BATCH", "GROUP_SIZE",
+                              "SEQLEN_Q", "SEQLEN_K"])
 def _attn_fwd_gluon(
-    desc_q, desc_k, desc_v, desc_o, LSE, qk_scale, stride_lb, stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
-    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr,
+    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale, stride_om, stride_oh, stride_lb,
+    stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
+    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    N_CONSUMERS: gl.constexpr,
 ):
-    """Grid (programs,): program p takes items p, p + programs, ... of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B.
-    num_warps=4: the producer; the N_CONSUMERS (2 or 3) consumer warpgroups are worker partitions."""
+    """Grid (programs,): program p takes items p, p + programs, ... of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B
+    (varlen: Sq, Sk the longest sequences', B the sequences). num_warps=4: the producer; the N_CONSUMERS (2 or
+    3) consumer warpgroups are worker partitions."""
     gl.static_assert((N_CONSUMERS == 2) | ((N_CONSUMERS == 3) & (not PINGPONG)), "2 consumers, or 3 without ping-pong")
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     pid = gl.program_id(0)
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
     n_items = gl.cdiv(n_m * n_bh - pid, gl.num_programs(0))
-    if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
-        causal_offset = SEQLEN_K - SEQLEN_Q
-    else:
-        causal_offset = gl.to_tensor(0)
 
     dtype: gl.constexpr = desc_q.dtype
-    q_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS, 1, ROWS, 1, HEAD_DIM], desc_q.layout)
-    o_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS, 1, ROWS, 1, HEAD_DIM], desc_o.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, HEAD_DIM], desc_k.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, HEAD_DIM], desc_v.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    if IS_VARLEN:  # the output is stored from registers: no staging buffers
+        o_bufs = q_bufs
+    else:
+        o_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS] + desc_o.block_type.shape, desc_o.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    v_fixed = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
@@ -276,6 +368,7 @@ def _attn_fwd_gluon(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_fixed.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=N_CONSUMERS)
         mbarrier.init(v_empty.index(i), count=N_CONSUMERS)
     fence_async_shared()  # the initialised barriers, visible to TMA (async proxy)
@@ -287,39 +380,53 @@ def _attn_fwd_gluon(
     n_m = gl.to_tensor(n_m)
     n_bh = gl.to_tensor(n_bh)
     heads = gl.to_tensor(HEADS)
-    seqlen_q = gl.to_tensor(SEQLEN_Q)
-    seqlen_k = gl.to_tensor(SEQLEN_K)
+    group_size = gl.to_tensor(GROUP_SIZE)
+    max_seqlen_q = gl.to_tensor(SEQLEN_Q)
+    max_seqlen_k = gl.to_tensor(SEQLEN_K)
     qk_scale = gl.to_tensor(qk_scale)
+    stride_om = gl.to_tensor(stride_om)
+    stride_oh = gl.to_tensor(stride_oh)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    group_size = gl.to_tensor(GROUP_SIZE)
     # (Partition lists are written out: a kernel cannot hold a function in a variable.)
     if N_CONSUMERS == 3:
         gl.warp_specialize([
-            (_producer, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         n_items, n_m, n_bh, heads, group_size, seqlen_k, causal_offset, IS_CAUSAL, BLOCK_N,
-                         NUM_BUFFERS, N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
-                         stride_lb, stride_lh, WG0, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
-                         stride_lb, stride_lh, WG1, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
-                         stride_lb, stride_lh, WG2, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
+            (_producer, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
+                         k_empty, v_empty, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size,
+                         max_seqlen_q, max_seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
+                         N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
+                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
+                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG0,
+                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
+                         N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
+                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
+                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG1,
+                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
+                         N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
+                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
+                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG2,
+                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
+                         N_CONSUMERS)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_producer, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         n_items, n_m, n_bh, heads, group_size, seqlen_k, causal_offset, IS_CAUSAL, BLOCK_N,
-                         NUM_BUFFERS, N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
-                         stride_lb, stride_lh, WG0, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                         desc_o, LSE, n_items, n_m, n_bh, heads, seqlen_q, seqlen_k, causal_offset, qk_scale,
-                         stride_lb, stride_lh, WG1, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, N_CONSUMERS)),
+            (_producer, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
+                         k_empty, v_empty, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size,
+                         max_seqlen_q, max_seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
+                         N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
+                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
+                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG0,
+                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
+                         N_CONSUMERS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
+                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
+                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG1,
+                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
+                         N_CONSUMERS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -330,8 +437,8 @@ _GL_DTYPE = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], _GL_DTYPE[dtype])
+def _smem_layout(block: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPE[dtype])
 
 
 # TensorDescriptor's __post_init__ re-checks what the caller checked (`common.tma_ok`: aligned base and strides,
@@ -340,15 +447,17 @@ _FAST_DESCRIPTOR = [f.name for f in dataclasses.fields(TensorDescriptor)] == \
     ["base", "shape", "strides", "block_shape", "layout", "padding"]
 
 
-def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Rank-4 descriptor of a (B, S, H, D) tensor with block (1, rows, 1, D); `t` must pass `common.tma_ok`."""
+def descriptor(t: torch.Tensor, rows: int, varlen: bool = False) -> TensorDescriptor:
+    """Descriptor of one (rows, head) slab: of a (B, S, H, D) tensor, rank 4 with block (1, rows, 1, D), or of
+    a packed (total, H, D) one, rank 3 with block (rows, 1, D). `t` must pass `common.tma_ok`."""
     head_dim = t.shape[-1]
-    block, layout = [1, rows, 1, head_dim], _smem_layout(rows, head_dim, t.dtype)
+    block = (rows, 1, head_dim) if varlen else (1, rows, 1, head_dim)
+    layout = _smem_layout(block, t.dtype)
     if not _FAST_DESCRIPTOR:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = \
-        t, list(t.shape), list(t.stride()), block, layout, "zero"
+        t, list(t.shape), list(t.stride()), list(block), layout, "zero"
     return desc
 
 
@@ -357,34 +466,54 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int):
-    """(grid, int arguments after the lse strides, constexprs and options, Q rows per descriptor block) of a
-    launch on dense q (B, Sq, Hq, D), k (B, Sk, Hkv, D) with a contiguous lse (B, Hq, Sq)."""
-    batch, seqlen_q, heads_q, head_dim = q_shape
+def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,
+                 batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
+    """(grid, int arguments after the scale, constexprs and options) of a launch. Dense (batch None):
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), contiguous out like q and lse (B, Hq, Sq). Varlen: q (total_q, Hq, D),
+    k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens, contiguous out like q
+    and lse (Hq, total_q)."""
+    varlen = batch is not None
+    heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
+    if varlen:
+        seqlen_q, seqlen_k, lse_strides = max_seqlen_q, max_seqlen_k, (0, q_shape[0])
+    else:
+        batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
+        lse_strides = (heads_q * seqlen_q, seqlen_q)
     config = dict(config)
     persistent = config.pop("PERSISTENT")
     items = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"]) * heads_q * batch
     grid = (min(items, sms) if persistent else items, 1, 1)
-    ints = (heads_q * seqlen_q, seqlen_q, heads_q, batch, heads_q // k_shape[2], seqlen_q, k_shape[1])
-    meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), HEAD_DIM=head_dim,
-                num_warps=4, **config)
+    ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
+    meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+                HEAD_DIM=head_dim, num_warps=4, **config)
     return grid, ints, meta
 
 
-def launch_args(q, k, v, out, lse, softmax_scale: float, block_n: int, ints: tuple) -> tuple:
-    """The kernel's runtime arguments: the four descriptors, lse, the scale, then `ints`."""
-    return (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, ROWS.value), lse,
-            softmax_scale * LOG2E, *ints)
+def launch_args(q, k, v, out, lse, softmax_scale: float, block_n: int, ints: tuple, cu_seqlens_q=None,
+                cu_seqlens_k=None) -> tuple:
+    """The kernel's runtime arguments: the four descriptors, out, lse, cu_seqlens (varlen; else lse stands in),
+    the scale, then `ints`."""
+    varlen = cu_seqlens_q is not None
+    rows = ROWS.value
+    return (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
+            descriptor(out, rows, varlen), out, lse, cu_seqlens_q if varlen else lse,
+            cu_seqlens_k if varlen else lse, softmax_scale * LOG2E, *ints)
 
 
-def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config) -> None:
-    """Dense q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), out like q, contiguous lse (B, Hq, Sq) fp32; fp16/bf16,
-    D 64 or 128, inputs that pass `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks)."""
-    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, num_sms(q.device.index))
-    _attn_fwd_gluon[grid](*launch_args(q, k, v, out, lse, softmax_scale, config["BLOCK_N"], ints), **meta)
+def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config, cu_seqlens_q=None,
+                         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+    """Dense q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), out like q, lse (B, Hq, Sq); or varlen q (total_q, Hq, D),
+    k/v (total_k, Hkv, D), out like q, lse (Hq, total_q), cu_seqlens int32 (B + 1,). out and lse contiguous,
+    fp16/bf16, D 64 or 128, inputs that pass `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks)."""
+    batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
+    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, num_sms(q.device.index),
+                                    batch, max_seqlen_q, max_seqlen_k)
+    _attn_fwd_gluon[grid](*launch_args(q, k, v, out, lse, softmax_scale, config["BLOCK_N"], ints, cu_seqlens_q,
+                                       cu_seqlens_k), **meta)
 
 
-def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16):
+def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
+                     varlen: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's frontend and Hopper passes, then its bundled ptxas):
     compiled.asm["ptx"] / ["cubin"], compiled.metadata.shared. For tests and for looking at what a change does
     to registers and spills (`ptxas -v` on the PTX) before spending device time. Not under the interpreter."""
@@ -392,14 +521,19 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    t = torch.empty(2, 256, 4, head_dim, dtype=dtype)
-    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, sms=1)
+    t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
+    batch = 2 if varlen else None
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256)
     options = {"num_warps": meta.pop("num_warps")}
-    descriptors = {"desc_q": descriptor(t, ROWS.value), "desc_o": descriptor(t, ROWS.value),
-                   "desc_k": descriptor(t, config["BLOCK_N"]), "desc_v": descriptor(t, config["BLOCK_N"])}
+    rows = ROWS.value
+    descriptors = {"desc_q": descriptor(t, rows, varlen), "desc_o": descriptor(t, rows, varlen),
+                   "desc_k": descriptor(t, config["BLOCK_N"], varlen), "desc_v": descriptor(t, config["BLOCK_N"], varlen)}
+    pointers = {"O": "*bf16" if dtype == torch.bfloat16 else "*fp16", "LSE": "*fp32",
+                "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32"}
     names = _attn_fwd_gluon.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
-                 else "*fp32" if name == "LSE" else "fp32" if name == "qk_scale" else "i32" for name in names}
+                 else pointers[name] if name in pointers else "fp32" if name == "qk_scale" else "i32"
+                 for name in names}
     source = GluonASTSource(_attn_fwd_gluon, signature, constexprs=meta,
-                            attrs={(names.index("LSE"),): [["tt.divisibility", 16]]})
+                            attrs={(names.index(name),): [["tt.divisibility", 16]] for name in pointers})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
