@@ -3,7 +3,8 @@ interpreter: the kernel tests run on a Hopper GPU; the host-side pieces are test
 
 flash_attn_func takes the Gluon kernel on sm_90 where `configs.gluon_fwd_config` says so (D = 128), so the
 forward tests of test_forward.py cover it there as well; these call it directly with every config the sweep
-tried, on shapes that reach each of its paths."""
+tried, on shapes that reach each of its paths, and on packed (varlen) batches, which the dispatch does not give
+it (the TMA kernel is faster there, see configs.gluon_fwd_config)."""
 
 import os
 import subprocess

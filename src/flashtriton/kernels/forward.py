@@ -365,7 +365,7 @@ def launch_forward(
             _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale)
             return out, lse, None
     if config is None and varlen and tma_ok(q, k, v, out):
-        gluon_config = (configs.gluon_fwd_config(head_dim, seqlen_q, seqlen_k, bool(causal))
+        gluon_config = (configs.gluon_fwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), varlen=True)
                         if configs.USE_GLUON and forward_gluon is not None and softmax_scale > 0 else None)
         if gluon_config is not None:
             forward_gluon.launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
