@@ -1,23 +1,26 @@
-"""Hopper forward in Gluon with FlashAttention-3's schedule: a TMA producer, two consumer warpgroups, softmax
+"""Hopper forward in Gluon with FlashAttention-3's schedule: a TMA producer, consumer warpgroups, softmax
 overlapped with the matmuls, persistent programs.
 
-A work item is BLOCK_M = 128 query rows of one (batch, query head). Each program loops over items (one program
-per SM, or one per item) in three partitions:
-  - the producer (the default partition; one thread issues): TMA loads of each item's Q (two 64-row halves) and
-    of its K/V tiles into a ring of NUM_BUFFERS stages. A stage's "ready" barrier counts the bytes landed, its
-    "empty" barrier the two warpgroups done with it. Loads run ahead across items, so the next item's Q and
-    first K/V tiles arrive while the current one finishes.
-  - two consumer warpgroups (4 warps, CONSUMER_REGS registers per thread), each owning 64 of the rows (wgmma's
-    M). Per K/V tile j a warpgroup issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} as asynchronous wgmmas and
-    computes the softmax of S_j while the second runs (FlashAttention-3's intra-warpgroup overlap). With
-    PINGPONG the two warpgroups take turns issuing their matmuls, so that one's softmax runs while the other's
-    matmuls hold the tensor cores (FlashAttention-3's inter-warpgroup schedule). The output leaves through
-    shared memory and a TMA store (rows past the sequence are clipped); the log-sum-exp by plain stores.
+A work item is 64 · N_CONSUMERS query rows (128 with the default two consumers) of one (batch, query head).
+Each program loops over items (one program per SM, or one per item) in 1 + N_CONSUMERS partitions:
+  - the producer (the default partition; one thread issues): TMA loads of each item's Q (one 64-row block per
+    consumer) and of its K/V tiles into a ring of NUM_BUFFERS stages. A stage's "ready" barrier counts the
+    bytes landed, its "empty" barrier the consumers done with it. Loads run ahead across items, so the next
+    item's Q and first K/V tiles arrive while the current one finishes.
+  - N_CONSUMERS consumer warpgroups (4 warps, CONSUMER_REGS registers per thread), each owning 64 of the rows
+    (wgmma's M). Per K/V tile j a warpgroup issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} as asynchronous wgmmas
+    and computes the softmax of S_j while the second runs (FlashAttention-3's intra-warpgroup overlap). With
+    PINGPONG two warpgroups take turns issuing their matmuls, so that one's softmax runs while the other's
+    matmuls hold the tensor cores (FlashAttention-3's inter-warpgroup schedule; measured slower, off). The
+    output leaves through shared memory and a TMA store (dense: rows past the sequence are clipped) or masked
+    stores (varlen); the log-sum-exp by plain stores.
 
-Scores are in base 2 (log2(e) folded into qk_scale, which must be > 0). Dense (B, S, H, D) fp16/bf16 tensors,
-head dim 64 or 128, rank-4 descriptors with block (1, rows, 1, D): rows past the sequence arrive as zeros.
-Causal attention is bottom-right (or top-left) as in `forward.py`; causal items are handed out longest first.
-Compiles for sm_90 only; `forward.launch_forward` takes this path where `gluon_ok` says so.
+Scores are in base 2 (log2(e) folded into qk_scale, which must be > 0). fp16/bf16, head dim 64 or 128. Dense
+(B, S, H, D) tensors: rank-4 descriptors with block (1, rows, 1, D), rows past the sequence arrive as zeros.
+Varlen (total, H, D) tensors with cu_seqlens: rank-3 descriptors with block (rows, 1, D), whose rows past a
+sequence belong to the next one (masked in the scores; cleared in V by the producer). Causal attention is
+bottom-right (or top-left) as in `forward.py`; causal items are handed out longest first. Compiles for sm_90
+only; `forward.launch_forward` takes this path where `configs.gluon_fwd_config` gives a config.
 """
 
 from __future__ import annotations
