@@ -1,6 +1,6 @@
 """Sweep kernel variants on the GPU to choose heuristic configs (the experiments behind docs/performance.md).
 
-    python benchmarks/explore.py fwd|bwd|decode|host|tma|varlen --out DIR [--jobs N]
+    python benchmarks/explore.py fwd|bwd|decode|host|tma|varlen|gluon --out DIR [--jobs N]
 
 Each sweep compiles its variants first in N parallel processes (Triton's on-disk cache then serves the timing
 process), and times them one at a time in one process with `triton.testing.do_bench` (median, L2 flushed).
@@ -324,7 +324,7 @@ GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bott
     (2, 777, 1500, 12, 3)]
 
 
-def _gluon_forward(q, k, v, causal, c=None, bottom_right=True):
+def _gluon_forward(q, k, v, causal, c, bottom_right=True):
     from flashtriton.kernels import forward_gluon as G
 
     out = torch.empty_like(q)
