@@ -11,6 +11,7 @@ one row per (shape, variant) with ms and TFLOP/s (or GB/s for decode).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -260,6 +261,28 @@ def sweep_bwd(opts):
     return rows
 
 
+def _time_forward(cands, ref, flops, base, cudnn_context=None):
+    """Check each (name, fn) forward candidate against ref (the "cudnn" one returns SDPA's (B, H, S, D) layout),
+    then time it: one row per candidate, base + variant, ms, TFLOP/s, max error (or the error it raised).
+    `cudnn_context`, if given, is entered once around the cudnn candidate's check and timing."""
+    rows = []
+    for name, fn in cands:
+        context = cudnn_context if name == "cudnn" and cudnn_context is not None else contextlib.nullcontext()
+        try:
+            with context:
+                o = fn()
+                o = o[0] if isinstance(o, tuple) else o
+                if name == "cudnn":
+                    o = o.transpose(1, 2)
+                err = (o.float() - ref.float()).abs().max().item()
+                ms = bench(fn)
+            row = dict(base, variant=name, ms=ms, tflops=flops / ms / 1e9, err=err)
+        except Exception as exc:  # noqa: BLE001
+            row = dict(base, variant=name, error=str(exc)[:300])
+        rows.append(row)
+    return rows
+
+
 def _tma_forward(q, k, v, causal, c):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
@@ -282,7 +305,6 @@ def sweep_tma(opts):
                     q, k, v = fwd_inputs(T, D, DTYPE[dt])
                     flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
                     ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal)
-                    here = []
                     cands = [("portable", lambda: F.attention_forward(q, k, v, D ** -0.5, causal))]
                     cands += [(str(c), lambda c=c: _tma_forward(q, k, v, causal, c)) for c in TMA_CONFIGS[D]]
                     qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
@@ -292,20 +314,8 @@ def sweep_tma(opts):
                             return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
 
                     cands.append(("cudnn", cudnn))
-                    for name, fn in cands:
-                        try:
-                            o = fn()
-                            o = o[0] if isinstance(o, tuple) else o
-                            if name == "cudnn":
-                                o = o.transpose(1, 2)
-                            err = (o.float() - ref.float()).abs().max().item()
-                            ms = bench(fn)
-                            row = dict(D=D, dtype=dt, causal=causal, T=T, variant=name, ms=ms, tflops=flops / ms / 1e9,
-                                       err=err)
-                        except Exception as exc:  # noqa: BLE001
-                            row = dict(D=D, dtype=dt, causal=causal, T=T, variant=name, error=str(exc)[:200])
-                        rows.append(row)
-                        here.append(row)
+                    here = _time_forward(cands, ref, flops, dict(D=D, dtype=dt, causal=causal, T=T))
+                    rows += here
                     print(f"tma D={D} {dt} causal={int(causal)} T={T}:"
                           + "".join(f" | {r['variant']} {r.get('tflops', 0):.0f}" for r in here), flush=True)
                     del q, k, v, qb, kb, vb
@@ -392,26 +402,9 @@ def sweep_gluon(opts):
                     def cudnn():
                         return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
 
-                    here = []
-                    for name, fn in cands + [("cudnn", cudnn)]:
-                        try:
-                            if name == "cudnn":
-                                ctx.__enter__()
-                            o = fn()
-                            o = o[0] if isinstance(o, tuple) else o
-                            if name == "cudnn":
-                                o = o.transpose(1, 2)
-                            err = (o.float() - ref.float()).abs().max().item()
-                            ms = bench(fn)
-                            row = dict(D=D, dtype=dt, causal=causal, T=T, variant=name, ms=ms, tflops=flops / ms / 1e9,
-                                       err=err)
-                        except Exception as exc:  # noqa: BLE001
-                            row = dict(D=D, dtype=dt, causal=causal, T=T, variant=name, error=str(exc)[:300])
-                        finally:
-                            if name == "cudnn":
-                                ctx.__exit__(None, None, None)
-                        rows.append(row)
-                        here.append(row)
+                    here = _time_forward(cands + [("cudnn", cudnn)], ref, flops, dict(D=D, dtype=dt, causal=causal, T=T),
+                                         cudnn_context=ctx)
+                    rows += here
                     print(f"gluon D={D} {dt} causal={int(causal)} T={T}:"
                           + "".join(f" | {r['variant']} {r.get('tflops', 0):.0f}" + (" ERR" if "error" in r else "")
                                     for r in here), flush=True)

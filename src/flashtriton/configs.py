@@ -145,8 +145,8 @@ def default_fwd_tma_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: 
 USE_GLUON: bool = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 
 
-def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, varlen: bool = False) -> dict | None:
-    """The Gluon forward's config where it beats the TMA kernel, else None. From the H200 sweeps
+def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict | None:
+    """The Gluon forward's config for a dense shape where it beats the TMA kernel, else None. From the H200 sweeps
     benchmarks/2026-11-29-h200/explore7/gluon_*.json (fp16 TFLOP/s, Gluon / TMA kernel / cuDNN):
     - D = 128 at every T (2b6137fa8c9f non-causal: T=512 452 / 388 / 517, T=8192 613 / 492 / 665): two consumer
       warpgroups, 128-key tiles, 2 stages, one program per SM (one per item lost 0-15 %, 64-key tiles 10-20 %,
@@ -156,14 +156,13 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, 
     - D = 64 non-causal from Sk = 8192 with three consumer warpgroups (192-row items, FlashAttention-3's D = 64
       tiles; ccaefbc239e1: T=8192 481 / 447 / 482, T=16384 475 / 436 / 495; T=4096 445 / 483). Two warpgroups lose
       to the TMA kernel everywhere at D = 64, three with causal masks spill registers and lose.
-    - Varlen: none. The kernel takes packed batches (tests/test_forward_gluon.py), but on the varlen suite (64
-      sequences of 1..4096 tokens, D = 128; explore7/varlen_gluon_8fc4f2df6fa4/) it took 8.0 / 4.2 ms forward
-      (non-causal / causal) where the TMA kernel takes 6.8-6.9 / 4.0-4.1: half the items of the grid are past
-      their sequence's end, most have one or two K/V tiles, and the producer waits for each sequence's last V
-      tile to land before clearing the next sequence's rows in it."""
+    - Varlen: never asked (the dense launch plan is the only caller). The kernel takes packed batches
+      (tests/test_forward_gluon.py), but on the varlen suite (64 sequences of 1..4096 tokens, D = 128;
+      explore7/varlen_gluon_8fc4f2df6fa4/) it took 8.0 / 4.2 ms forward (non-causal / causal) where the TMA
+      kernel takes 6.8-6.9 / 4.0-4.1: half the items of the grid are past their sequence's end, most have one
+      or two K/V tiles, and the producer waits for each sequence's last V tile to land before clearing the next
+      sequence's rows in it."""
     base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
-    if varlen:
-        return None
     if head_dim == 128:
         return base
     if head_dim == 64 and not causal and seqlen_k >= 8192:

@@ -114,15 +114,15 @@ def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _producer(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
-              v_empty, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size, max_seqlen_q, max_seqlen_k,
-              IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
+def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr):
     """TMA loads of this program's items: Q once the consumers are done with the previous item's; K/V tile c
     (counted over all items) into stage c % NUM_BUFFERS once they all released the tile it held (K and V have
     their own barriers: S = Q Kᵀ can start before V lands). Varlen: a sequence's last V tile also holds rows of
     the next sequence; P is 0 there, but 0 · inf is not 0, so those rows are zeroed in shared memory once the
     tile has landed, and every V tile is announced on v_fixed as well."""
+    (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
+     CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size, max_seqlen_q, max_seqlen_k) = shared
     HEAD_DIM: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 1]
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0  # K/V tiles issued, over all items
@@ -266,14 +266,16 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn,
-              desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, max_seqlen_q, max_seqlen_k,
-              qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
-    """Rows [64 WG, 64 WG + 64) of each of this program's items. The output leaves through o_smem and a TMA
-    store (dense: rows past the sequence are clipped) or, varlen, through masked stores (a TMA store over the
-    packed tensor would write the next sequence's rows)."""
+def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+              IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+              PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
+    """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
+    kernel's `consumer_args`). The output leaves through o_smem and a TMA store (dense: rows past the sequence
+    are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would write the next
+    sequence's rows)."""
+    (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
+     LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, max_seqlen_q, max_seqlen_k, qk_scale, stride_om,
+     stride_oh, stride_lb, stride_lh) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -391,45 +393,30 @@ def _attn_fwd_gluon(
     stride_oh = gl.to_tensor(stride_oh)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    # (Partition lists are written out: a kernel cannot hold a function in a variable.)
+    producer_args = (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
+                     k_empty, v_empty, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size, max_seqlen_q,
+                     max_seqlen_k)
+    consumer_args = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn,
+                     desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, max_seqlen_q, max_seqlen_k,
+                     qk_scale, stride_om, stride_oh, stride_lb, stride_lh)
+    # One list per consumer count (a kernel cannot hold a function in a variable, nor grow a list in a loop).
     if N_CONSUMERS == 3:
         gl.warp_specialize([
-            (_producer, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
-                         k_empty, v_empty, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size,
-                         max_seqlen_q, max_seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
-                         N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
-                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
-                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG0,
-                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
-                         N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
-                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
-                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG1,
-                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
-                         N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
-                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
-                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG2,
-                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
-                         N_CONSUMERS)),
+            (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS)),
+            (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                         PINGPONG, N_CONSUMERS)),
+            (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                         PINGPONG, N_CONSUMERS)),
+            (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                         PINGPONG, N_CONSUMERS)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_producer, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
-                         k_empty, v_empty, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size,
-                         max_seqlen_q, max_seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
-                         N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
-                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
-                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG0,
-                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
-                         N_CONSUMERS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty,
-                         v_empty, turn, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads,
-                         max_seqlen_q, max_seqlen_k, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, WG1,
-                         IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG,
-                         N_CONSUMERS)),
+            (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS)),
+            (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                         PINGPONG, N_CONSUMERS)),
+            (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                         PINGPONG, N_CONSUMERS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
