@@ -166,6 +166,10 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
     assert grid == (8 * 16 * 5, 1, 1) and meta["IS_VARLEN"]
     assert ints == (16 * 128, 128, 0, 3000, 16, 5, 4, 900, 700)
     assert G.launch_parts(q_shape, k_shape, False, True, {**_BASE, "PERSISTENT": False}, sms=132)[0] == (items, 1, 1)
+    # causal items go in pairs (query tiles j and n_m - 1 - j): a grid of one program per pair
+    pairs = 4 * 16 * 3
+    assert G.launch_parts(q_shape, k_shape, True, True, {**_BASE, "PERSISTENT": False}, sms=132)[0] == (pairs, 1, 1)
+    assert G.launch_parts((1, 300, 2, 128), (1, 300, 2, 128), True, True, _BASE, sms=132)[0] == (2 * 2, 1, 1)
     three = {**_BASE, "N_CONSUMERS": 3}
     assert G.launch_parts(q_shape, k_shape, False, True, {**three, "PERSISTENT": False}, 132)[0][0] == 6 * 16 * 3
 

@@ -19,7 +19,7 @@ Scores are in base 2 (log2(e) folded into qk_scale, which must be > 0). fp16/bf1
 (B, S, H, D) tensors: rank-4 descriptors with block (1, rows, 1, D), rows past the sequence arrive as zeros.
 Varlen (total, H, D) tensors with cu_seqlens: rank-3 descriptors with block (rows, 1, D), whose rows past a
 sequence belong to the next one (masked in the scores; cleared in V by the producer). Causal attention is
-bottom-right (or top-left) as in `forward.py`; causal items are handed out longest first. Compiles for sm_90
+bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal work (`_item`). Compiles for sm_90
 only; `forward.launch_forward` takes this path where `configs.gluon_fwd_config` gives a config.
 """
 
@@ -44,23 +44,42 @@ L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the causal schedule k
 
 
 @gluon.jit
-def _item(w, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Work item w -> (off_b, off_h, start_m).
+def _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """This program's i-th work item -> (off_b, off_h, start_m); start_m >= n_m: an empty slot (no rows).
 
-    Non-causal: head-major, so the programs running together read the same head's K/V (from L2).
-    Causal: heads go in groups whose K/V fit in L2_BUDGET; within a group the longest query tiles (the last
-    rows) come first, over the group's heads."""
+    Non-causal: item pid + i · programs, head-major, so the programs running together read the same head's K/V
+    (from L2).
+    Causal: items come in pairs of equal total work, query tiles j and n_m - 1 - j of one head (the longer
+    first), and a program takes pairs pid, pid + programs, ...: items 2k and 2k + 1 are its k-th pair (with an odd
+    n_m the middle tile is a pair of its own and its second slot is empty). Handing out single items, even
+    longest first, left the programs' totals up to 20 % apart on the standard sweep (performance.md). Pairs
+    go in groups of heads whose K/V fit in L2_BUDGET, pair j of every head in the group before pair j + 1."""
     if IS_CAUSAL:
+        pairs = (n_m + 1) // 2
+        unit = gl.program_id(0) + (i // 2) * gl.num_programs(0)
         heads_per_group = gl.maximum(L2_BUDGET // (max_seqlen_k.to(gl.int64) * HEAD_DIM * 4), 1).to(gl.int32)
-        group = w // (n_m * heads_per_group)
+        group = unit // (pairs * heads_per_group)
         group_heads = gl.minimum(heads_per_group, n_bh - group * heads_per_group)  # the last group may be smaller
-        r = w - group * n_m * heads_per_group
-        start_m = n_m - 1 - r // group_heads
+        r = unit - group * pairs * heads_per_group
+        j = r // group_heads
         bh = group * heads_per_group + r % group_heads
+        start_m = n_m - 1 - j
+        if i % 2 == 1:
+            start_m = gl.where(j == n_m - 1 - j, n_m, j)  # the middle tile's second slot: empty
     else:
+        w = gl.program_id(0) + i * gl.num_programs(0)
         bh = w // n_m
         start_m = w % n_m
     return bh // heads, bh % heads, start_m
+
+
+@gluon.jit
+def _num_items(n_m, n_bh, IS_CAUSAL: gl.constexpr):
+    """How many work items (causal: 2 slots per pair) this program takes."""
+    if IS_CAUSAL:
+        return 2 * gl.cdiv((n_m + 1) // 2 * n_bh - gl.program_id(0), gl.num_programs(0))
+    else:
+        return gl.cdiv(n_m * n_bh - gl.program_id(0), gl.num_programs(0))
 
 
 @gluon.jit
@@ -128,8 +147,7 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
     c = 0  # K/V tiles issued, over all items
     qi = 0  # items with rows, whose Q was loaded
     for i in range(0, n_items):
-        off_b, off_h, start_m = _item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads, max_seqlen_k,
-                                      IS_CAUSAL, HEAD_DIM, BLOCK_M)
+        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, HEAD_DIM, BLOCK_M)
         q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows = _bounds(
             off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN, IS_CAUSAL,
             CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
@@ -288,8 +306,7 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
     g = 0  # ping-pong turns taken
     qi = 0  # items with rows
     for i in range(0, n_items):
-        off_b, off_h, start_m = _item(gl.program_id(0) + i * gl.num_programs(0), n_m, n_bh, heads, max_seqlen_k,
-                                      IS_CAUSAL, HEAD_DIM, BLOCK_M)
+        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, HEAD_DIM, BLOCK_M)
         q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows = _bounds(
             off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN, IS_CAUSAL,
             CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
@@ -340,15 +357,14 @@ def _attn_fwd_gluon(
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     N_CONSUMERS: gl.constexpr,
 ):
-    """Grid (programs,): program p takes items p, p + programs, ... of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B
-    (varlen: Sq, Sk the longest sequences', B the sequences). num_warps=4: the producer; the N_CONSUMERS (2 or
+    """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
+    longest sequences', B the sequences) as `_item` hands them out (causal: in pairs). num_warps=4: the producer; the N_CONSUMERS (2 or
     3) consumer warpgroups are worker partitions."""
     gl.static_assert((N_CONSUMERS == 2) | ((N_CONSUMERS == 3) & (not PINGPONG)), "2 consumers, or 3 without ping-pong")
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
-    pid = gl.program_id(0)
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
-    n_items = gl.cdiv(n_m * n_bh - pid, gl.num_programs(0))
+    n_items = _num_items(n_m, n_bh, IS_CAUSAL)
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
@@ -471,8 +487,9 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         lse_strides = (heads_q * seqlen_q, seqlen_q)
     config = dict(config)
     persistent = config.pop("PERSISTENT")
-    items = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"]) * heads_q * batch
-    grid = (min(items, sms) if persistent else items, 1, 1)
+    n_m = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
+    units = (n_m + 1) // 2 * heads_q * batch if causal else n_m * heads_q * batch  # causal: pairs of items
+    grid = (min(units, sms) if persistent else units, 1, 1)
     ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
     meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
                 HEAD_DIM=head_dim, num_warps=4, **config)
