@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -504,6 +506,11 @@ def _decode_row(Bsz, S, variant, splits, fn, kv_bytes, ref=None) -> dict:
     return dict(row, ms=ms, gbps=kv_bytes / ms / 1e6, ms_graph=ms_graph, gbps_graph=kv_bytes / ms_graph / 1e6)
 
 
+@triton.jit
+def _touch(X):
+    tl.store(X, tl.load(X))
+
+
 def sweep_decode(opts):
     jobs = [("decode", (c, s)) for c in DECODE_CONFIGS for s in (1, 2)]
     precompile(jobs, opts.jobs)
@@ -532,12 +539,15 @@ def sweep_decode(opts):
                     q, kh, vh, seqlens, S, 128 ** -0.5, False, num_splits=sp, config=dcfg(c)), kv_bytes, ref))
         rows.append(_decode_row(Bsz, S, "api_bhsd", 0, lambda: flashtriton.flash_attn_with_kvcache(
             q, kh, vh, cache_seqlens=seqlens), kv_bytes))
+        # The floor of this timing: a launch of a kernel that does next to nothing, timed the same way.
+        rows.append(_decode_row(Bsz, S, "empty kernel", 0, lambda: _touch[(1,)](seqlens), kv_bytes))
         backend = SDPBackend.CUDNN_ATTENTION if DEV == "cuda" else SDPBackend.MATH
         with sdpa_kernel([backend]):
             rows.append(_decode_row(Bsz, S, "sdpa_cudnn", 0, lambda: torch.nn.functional.scaled_dot_product_attention(
                 qb, kb, vb, enable_gqa=True), kv_bytes))
         del qb, kb, vb, inputs
-        here = [r for r in rows if r.get("B") == Bsz and r.get("S") == S and "gbps" in r]
+        here = [r for r in rows if r.get("B") == Bsz and r.get("S") == S and "gbps" in r and r["variant"] != "empty kernel"]
+        floor = [r for r in rows if r.get("B") == Bsz and r.get("S") == S and r["variant"] == "empty kernel" and "ms" in r]
         best = max(here, key=lambda r: r["gbps"])
         best_graph = max(here, key=lambda r: r.get("gbps_graph") or 0)
         named = {r["variant"]: r for r in here}
@@ -548,7 +558,8 @@ def sweep_decode(opts):
               f"graphs (GPU time only): best {best_graph['variant']} splits={best_graph['splits']} "
               f"{best_graph['gbps_graph']:.0f}; auto {auto[0]['gbps_graph'] if auto else 0:.0f}; "
               f"api {named['api']['gbps_graph']:.0f}; api_bhsd {named['api_bhsd']['gbps_graph']:.0f}; "
-              f"cudnn {named['sdpa_cudnn']['gbps_graph']:.0f}",
+              f"cudnn {named['sdpa_cudnn']['gbps_graph']:.0f} | empty kernel "
+              f"{floor[0]['ms'] * 1e3 if floor else 0:.1f} us ({floor[0]['ms_graph'] * 1e3 if floor else 0:.1f} in a graph)",
               flush=True)
         torch.cuda.empty_cache()
     return rows
@@ -633,7 +644,11 @@ def main():
     ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--decode-points", default="", help="decode: BxS points instead of the default, e.g. 1x1024,64x1024")
     opts = ap.parse_args()
+    if opts.decode_points:
+        global DECODE_POINTS
+        DECODE_POINTS = [tuple(int(x) for x in p.split("x")) for p in opts.decode_points.split(",")]
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
               "varlen": sweep_varlen, "gluon": sweep_gluon}

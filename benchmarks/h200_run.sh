@@ -4,7 +4,7 @@
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
 # Steps: tests (whole suite), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), serving (varlen,
-# decode). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
+# decode); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -51,7 +51,7 @@ for step in "$@"; do
     eco) timeout 200 python -m pytest -v -n 4 -p no:cacheprovider --tb=short -rs tests/test_notebook.py tests/test_compile.py \
         tests/test_transformers.py > $R/pytest_eco.txt 2>&1; grep -E "FAILED|ERROR|SKIPPED|passed|failed" $R/pytest_eco.txt | head -20 ;;
     explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; tma) echo 400;; gluon) echo 360;; varlen) echo 150;; *) echo 60;; esac)
-      timeout $lim python benchmarks/explore.py $sweep --out $R/explore > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
+      timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>      timeout $lim python benchmarks/explore.py $sweep --out $R/explore > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;1; tail -40 $R/explore_$sweep.txt ;;
   esac
   tar czf $OUT/results.tar.gz -C /tmp results  # after every step: a call cut short still returns what it ran
 done
