@@ -27,12 +27,16 @@ from test_forward import make_qkv
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper_only = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: sm_90 only (no interpreter)")
 
-_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
+_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
+             Q_BUFFERS=1, CAUSAL_PAIRS=True)
 CONFIGS = {
     "default": _BASE,
     "one program per item": {**_BASE, "PERSISTENT": False},
     "64-key tiles, 4 stages": {**_BASE, "BLOCK_N": 64, "NUM_BUFFERS": 4},
     "ping-pong": {**_BASE, "PINGPONG": True},
+    "two Q buffers": {**_BASE, "Q_BUFFERS": 2},
+    "causal items one at a time": {**_BASE, "CAUSAL_PAIRS": False},
+    "three consumers, two Q buffers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "Q_BUFFERS": 2},
     "three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160},
     "three consumers, 64-key tiles": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "BLOCK_N": 64, "NUM_BUFFERS": 4},
 }

@@ -162,7 +162,8 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
       kernel takes 6.8-6.9 / 4.0-4.1: half the items of the grid are past their sequence's end, most have one
       or two K/V tiles, and the producer waits for each sequence's last V tile to land before clearing the next
       sequence's rows in it."""
-    base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
+    base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
+                Q_BUFFERS=1, CAUSAL_PAIRS=True)
     if head_dim == 128:
         return base
     if head_dim == 64 and not causal and seqlen_k >= 8192:

@@ -44,28 +44,35 @@ L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the causal schedule k
 
 
 @gluon.jit
-def _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
+          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """This program's i-th work item -> (off_b, off_h, start_m); start_m >= n_m: an empty slot (no rows).
 
     Non-causal: item pid + i · programs, head-major, so the programs running together read the same head's K/V
     (from L2).
-    Causal: items come in pairs of equal total work, query tiles j and n_m - 1 - j of one head (the longer
-    first), and a program takes pairs pid, pid + programs, ...: items 2k and 2k + 1 are its k-th pair (with an odd
-    n_m the middle tile is a pair of its own and its second slot is empty). Handing out single items, even
-    longest first, left the programs' totals up to 20 % apart on the standard sweep (performance.md). Pairs
-    go in groups of heads whose K/V fit in L2_BUDGET, pair j of every head in the group before pair j + 1."""
+    Causal: heads go in groups whose K/V fit in L2_BUDGET. CAUSAL_PAIRS: items come in pairs of equal total work,
+    query tiles j and n_m - 1 - j of one head (the longer first), and a program takes pairs pid, pid + programs,
+    ...: its items 2k and 2k + 1 are its k-th pair (with an odd n_m the middle tile is a pair of its own and its
+    second slot is empty); pair j of every head in a group comes before pair j + 1. Otherwise items pid, pid +
+    programs, ... with the longest query tiles (the last rows) first within a group. Handed out one at a time,
+    the programs' totals ended up to 20 % apart from 2k keys on (performance.md, item 18)."""
     if IS_CAUSAL:
-        pairs = (n_m + 1) // 2
-        unit = gl.program_id(0) + (i // 2) * gl.num_programs(0)
         heads_per_group = gl.maximum(L2_BUDGET // (max_seqlen_k.to(gl.int64) * HEAD_DIM * 4), 1).to(gl.int32)
-        group = unit // (pairs * heads_per_group)
+        if CAUSAL_PAIRS:
+            per_head = (n_m + 1) // 2
+            unit = gl.program_id(0) + (i // 2) * gl.num_programs(0)
+        else:
+            per_head = n_m
+            unit = gl.program_id(0) + i * gl.num_programs(0)
+        group = unit // (per_head * heads_per_group)
         group_heads = gl.minimum(heads_per_group, n_bh - group * heads_per_group)  # the last group may be smaller
-        r = unit - group * pairs * heads_per_group
+        r = unit - group * per_head * heads_per_group
         j = r // group_heads
         bh = group * heads_per_group + r % group_heads
         start_m = n_m - 1 - j
-        if i % 2 == 1:
-            start_m = gl.where(j == n_m - 1 - j, n_m, j)  # the middle tile's second slot: empty
+        if CAUSAL_PAIRS:
+            if i % 2 == 1:
+                start_m = gl.where(j == n_m - 1 - j, n_m, j)  # the middle tile's second slot: empty
     else:
         w = gl.program_id(0) + i * gl.num_programs(0)
         bh = w // n_m
@@ -74,9 +81,9 @@ def _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, HEAD_DIM: 
 
 
 @gluon.jit
-def _num_items(n_m, n_bh, IS_CAUSAL: gl.constexpr):
-    """How many work items (causal: 2 slots per pair) this program takes."""
-    if IS_CAUSAL:
+def _num_items(n_m, n_bh, PAIRS: gl.constexpr):
+    """How many work items (in pairs: 2 slots per pair) this program takes."""
+    if PAIRS:
         return 2 * gl.cdiv((n_m + 1) // 2 * n_bh - gl.program_id(0), gl.num_programs(0))
     else:
         return gl.cdiv(n_m * n_bh - gl.program_id(0), gl.num_programs(0))
@@ -134,8 +141,10 @@ def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr):
-    """TMA loads of this program's items: Q once the consumers are done with the previous item's; K/V tile c
+              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              CAUSAL_PAIRS: gl.constexpr):
+    """TMA loads of this program's items: Q into slot qi % Q_BUFFERS once the consumers are done with the item
+    that held it (with two slots, an item's Q lands while the one before runs); K/V tile c
     (counted over all items) into stage c % NUM_BUFFERS once they all released the tile it held (K and V have
     their own barriers: S = Q Kᵀ can start before V lands). Varlen: a sequence's last V tile also holds rows of
     the next sequence; P is 0 there, but 0 · inf is not 0, so those rows are zeroed in shared memory once the
@@ -147,17 +156,18 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
     c = 0  # K/V tiles issued, over all items
     qi = 0  # items with rows, whose Q was loaded
     for i in range(0, n_items):
-        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, HEAD_DIM, BLOCK_M)
+        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
         q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows = _bounds(
             off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN, IS_CAUSAL,
             CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
         if has_rows:
             off_hk = off_h // group_size
-            mbarrier.wait(q_empty, (qi & 1) ^ 1, pred=qi > 0)
-            mbarrier.expect(q_ready, N_CONSUMERS * desc_q.block_type.nbytes)
+            qs = qi % Q_BUFFERS
+            mbarrier.wait(q_empty.index(qs), ((qi // Q_BUFFERS) & 1) ^ 1, pred=qi >= Q_BUFFERS)
+            mbarrier.expect(q_ready.index(qs), N_CONSUMERS * desc_q.block_type.nbytes)
             for h in gl.static_range(N_CONSUMERS):
-                _tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m * BLOCK_M + h * ROWS, off_h, q_ready,
-                          q_bufs.index(h))
+                _tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m * BLOCK_M + h * ROWS, off_h, q_ready.index(qs),
+                          q_bufs.index(qs * N_CONSUMERS + h))
             qi += 1
             for t in range(n_tiles):
                 stage = c % NUM_BUFFERS
@@ -286,7 +296,7 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
 @gluon.jit
 def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-              PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
+              PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
     kernel's `consumer_args`). The output leaves through o_smem and a TMA store (dense: rows past the sequence
     are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would write the next
@@ -300,13 +310,12 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     dtype: gl.constexpr = q_bufs.dtype
-    q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
     o_smem = o_bufs.index(WG)
     c = 0  # K/V tiles consumed, over all items
     g = 0  # ping-pong turns taken
     qi = 0  # items with rows
     for i in range(0, n_items):
-        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, HEAD_DIM, BLOCK_M)
+        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
         q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows = _bounds(
             off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN, IS_CAUSAL,
             CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
@@ -314,7 +323,9 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
             row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
             if not IS_VARLEN:
                 tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
-            mbarrier.wait(q_ready, qi & 1)
+            qs = qi % Q_BUFFERS
+            mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
+            q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
             qi += 1
             if n_tiles > 0:
                 acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
@@ -324,7 +335,7 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
                 acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
                 m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
                 l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-            mbarrier.arrive(q_empty, count=1)
+            mbarrier.arrive(q_empty.index(qs), count=1)
 
             # out = acc / l, lse = m + log(l); rows that saw no key: out 0, lse -inf.
             empty = l_i == 0.0
@@ -355,7 +366,7 @@ def _attn_fwd_gluon(
     stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-    N_CONSUMERS: gl.constexpr,
+    N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `_item` hands them out (causal: in pairs). num_warps=4: the producer; the N_CONSUMERS (2 or
@@ -364,26 +375,27 @@ def _attn_fwd_gluon(
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
-    n_items = _num_items(n_m, n_bh, IS_CAUSAL)
+    n_items = _num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
 
     dtype: gl.constexpr = desc_q.dtype
-    q_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
     if IS_VARLEN:  # the output is stored from registers: no staging buffers
         o_bufs = q_bufs
     else:
         o_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS] + desc_o.block_type.shape, desc_o.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_fixed = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=N_CONSUMERS)  # one arrive per consumer warpgroup
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=N_CONSUMERS)  # one arrive per consumer warpgroup
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(NUM_BUFFERS):
@@ -418,21 +430,23 @@ def _attn_fwd_gluon(
     # One list per consumer count (a kernel cannot hold a function in a variable, nor grow a list in a loop).
     if N_CONSUMERS == 3:
         gl.warp_specialize([
-            (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS)),
+            (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
+                         Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS)),
+            (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
+                         Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -488,7 +502,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     config = dict(config)
     persistent = config.pop("PERSISTENT")
     n_m = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
-    units = (n_m + 1) // 2 * heads_q * batch if causal else n_m * heads_q * batch  # causal: pairs of items
+    paired = causal and config["CAUSAL_PAIRS"]
+    units = ((n_m + 1) // 2 if paired else n_m) * heads_q * batch  # pairs of items, or items
     grid = (min(units, sms) if persistent else units, 1, 1)
     ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
     meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
