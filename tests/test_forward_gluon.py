@@ -60,6 +60,10 @@ def run_gluon(q, k, v, causal, bottom_right, config, softmax_scale=None):
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("head_dim,dtype", [(128, torch.float16), (64, torch.bfloat16)])
 def test_gluon_kernel_against_float64(name, causal, bottom_right, head_dim, dtype, device):
+    if G.shared_memory_bytes(CONFIGS[name], head_dim) > G.SHARED_MEMORY_LIMIT:
+        with pytest.raises(ValueError, match="shared memory"):
+            run_gluon(*make_qkv(1, 64, 64, 2, 2, head_dim, dtype, device), causal, bottom_right, CONFIGS[name])
+        return
     for batch, seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
         q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
         out, lse = run_gluon(q, k, v, causal, bottom_right, CONFIGS[name])
@@ -176,6 +180,17 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
     assert G.launch_parts((1, 300, 2, 128), (1, 300, 2, 128), True, True, _BASE, sms=132)[0] == (2 * 2, 1, 1)
     three = {**_BASE, "N_CONSUMERS": 3}
     assert G.launch_parts(q_shape, k_shape, False, True, {**three, "PERSISTENT": False}, 132)[0][0] == 6 * 16 * 3
+
+
+def test_shared_memory_estimate_and_limit():
+    # D = 128, two consumers: Q 2 x 16 KB, K/V ring 2 x 2 x 32 KB, O staging 2 x 16 KB (the compiled kernel holds
+    # 196976 bytes, barriers included); a second Q slot adds 32 KB; three consumers with two slots do not fit.
+    assert G.shared_memory_bytes(_BASE, 128) == 196608
+    assert G.shared_memory_bytes({**_BASE, "Q_BUFFERS": 2}, 128) == 196608 + 32768 <= G.SHARED_MEMORY_LIMIT
+    too_big = {**_BASE, "N_CONSUMERS": 3, "Q_BUFFERS": 2}
+    assert G.shared_memory_bytes(too_big, 64) <= G.SHARED_MEMORY_LIMIT < G.shared_memory_bytes(too_big, 128)
+    with pytest.raises(ValueError, match="shared memory"):
+        G.launch_parts((1, 256, 2, 128), (1, 256, 2, 128), False, True, too_big, 132)
 
 
 def test_launch_keys_tell_gluon_descriptor_layouts_apart():

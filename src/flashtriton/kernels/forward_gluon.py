@@ -486,6 +486,19 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90 (H100 / H200)
+
+
+def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen: bool = False) -> int:
+    """Shared memory of the kernel's tiles under `config` (barriers aside): Q slots, the K/V ring and, dense, the O
+    staging tiles. Three consumers with two Q slots at D = 128 need 272 KB: more than sm_90 has."""
+    rows = ROWS.value * config["N_CONSUMERS"]
+    q = config["Q_BUFFERS"] * rows * head_dim
+    kv = 2 * config["NUM_BUFFERS"] * config["BLOCK_N"] * head_dim
+    o = 0 if varlen else rows * head_dim
+    return elem_bytes * (q + kv + o)
+
+
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,
                  batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
     """(grid, int arguments after the scale, constexprs and options) of a launch. Dense (batch None):
@@ -499,6 +512,9 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     else:
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         lse_strides = (heads_q * seqlen_q, seqlen_q)
+    if shared_memory_bytes(config, head_dim, 2, varlen) > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"Gluon forward config {config} needs {shared_memory_bytes(config, head_dim, 2, varlen)} "
+                         f"bytes of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     config = dict(config)
     persistent = config.pop("PERSISTENT")
     n_m = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
