@@ -208,9 +208,10 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
     script = (
         "from flashtriton import configs\n"
         "from flashtriton.kernels.forward_gluon import compile_for_sm90\n"
-        "for head_dim, causal, varlen in ((128, False, False), (128, True, False), (64, False, False),\n"
-        "                                 (128, True, True)):\n"
-        "    config = configs.gluon_fwd_config(head_dim, 16384, 16384, causal)\n"
+        "for head_dim, causal, varlen, keys in ((128, False, False, 16384), (128, True, False, 16384),\n"
+        "                                       (128, True, False, 1024), (64, False, False, 16384),\n"
+        "                                       (128, True, True, 16384)):\n"
+        "    config = configs.gluon_fwd_config(head_dim, keys, keys, causal)\n"
         "    compiled = compile_for_sm90(head_dim, causal, config, varlen=varlen)\n"
         "    ptx = compiled.asm['ptx']\n"
         "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
@@ -220,4 +221,4 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
     env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 4
+    assert done.stdout.count("compiled") == 5

@@ -153,6 +153,11 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
       ping-pong between the warpgroups 1-7 %). Causal since its items go in L2-sized head groups
       (aed9f791d96e: T=512 252 / 230 / 326, T=1024 362 / 356 / 422, T=8192 498 / 472 / 583, T=16384 545 / 554 / 600;
       before the grouping it lost below Sk = 4096).
+    - Since session 6 (explore8/gluon_72e8c4a825c2.json, GPU time in CUDA graphs, fp16 D = 128, Gluon paired /
+      with two Q slots / unpaired / TMA kernel / cuDNN): causal items go in pairs of equal work (T=2048 485 / 490 /
+      423 / 426 / 500, T=8192 589 / 562 / 504 / 460 / 584, T=16384 593 / 591 / 504 / 564 / 606); two Q slots from
+      1k keys down, where items are short (non-causal T=512 456 / 496 / - / 391 / 512, causal T=512 249 / 294 /
+      261 / 260 / 328, T=1024 381 / 392), one above (non-causal T=2048-8192 lost 4-6 % with two).
     - D = 64 non-causal from Sk = 8192 with three consumer warpgroups (192-row items, FlashAttention-3's D = 64
       tiles; ccaefbc239e1: T=8192 481 / 447 / 482, T=16384 475 / 436 / 495; T=4096 445 / 483). Two warpgroups lose
       to the TMA kernel everywhere at D = 64, three with causal masks spill registers and lose.
@@ -165,7 +170,7 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
     base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
                 Q_BUFFERS=1, CAUSAL_PAIRS=True)
     if head_dim == 128:
-        return base
+        return dict(base, Q_BUFFERS=2) if seqlen_k <= 1024 else base
     if head_dim == 64 and not causal and seqlen_k >= 8192:
         return dict(base, N_CONSUMERS=3, CONSUMER_REGS=160)
     return None
