@@ -61,6 +61,9 @@ TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128
                64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
                     (128, 128, 4, 3)]}
 
+_GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
+GLUON_VARLEN = {"q1_unpaired": dict(_GV, Q_BUFFERS=1, CAUSAL_PAIRS=False), "q2_unpaired": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False),
+                "q2_paired": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=True)}
 VARLEN_FWD = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
 VARLEN_BWD_DKDV = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
 VARLEN_BWD_DQ = [(64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
@@ -447,8 +450,9 @@ def sweep_varlen(opts):
 
     jobs = [("varlen", ("fwd", c, x)) for c in (False, True) for x in VARLEN_FWD]
     jobs += [("varlen_tma", (c, x)) for c in (False, True) for x in TMA_CONFIGS[128]]
-    jobs += [("varlen", (w, c, x)) for c in (False, True) for w, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ))
-             for x in tab]
+    if not opts.fwd_only:
+        jobs += [("varlen", (w, c, x)) for c in (False, True)
+                 for w, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ)) for x in tab]
     precompile(jobs, opts.jobs)
     q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
     lens = (cu[1:] - cu[:-1]).tolist()
@@ -468,18 +472,38 @@ def sweep_varlen(opts):
                     return out
                 ms = bench(tma)
                 rows.append(dict(mode="fwd_tma", causal=causal, variant=str(c), ms=ms, tflops=fl_f / ms / 1e9))
+            from flashtriton.kernels import forward_gluon as G
+
+            ref = F._launch_forward_tma  # the TMA kernel's output: what each Gluon variant must match
+            ref_out = torch.empty_like(q)
+            ref(q, k, v, ref_out, torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32),
+                128 ** -0.5, causal, True, configs.varlen_fwd_tma_config(128, mx, mx, causal), cu, cu, mx, mx)
+            for name, gc in GLUON_VARLEN.items():
+                def gluon(gc=gc):
+                    out = torch.empty_like(q)
+                    lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
+                    G.launch_forward_gluon(q, k, v, out, lse, 128 ** -0.5, causal, True, gc, cu, cu, mx, mx)
+                    return out
+                err = (gluon().float() - ref_out.float()).abs().max().item()
+                ms = bench(gluon)
+                rows.append(dict(mode="fwd_gluon", causal=causal, variant=name, ms=ms, tflops=fl_f / ms / 1e9,
+                                 err_vs_tma=err))
         import flashtriton
 
         ms = bench(lambda: flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=causal))
         rows.append(dict(mode="fwd_api", causal=causal, variant="api", ms=ms, tflops=fl_f / ms / 1e9))
+        if opts.fwd_only:
+            continue
         out, lse = F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu, cu, mx, mx)
         state = (out, lse, torch.randn_like(q))
         for which, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ)):
             for c in tab:
                 ms = bench(lambda: _varlen_run(which, q, k, v, cu, mx, causal, c, state))
                 rows.append(dict(mode="bwd", kernel=which, causal=causal, variant=str(c), ms=ms, tflops=fl_b / ms / 1e9))
+    for causal in (False, True):
         print(f"varlen causal={int(causal)}:" + "".join(
             f" | {r['mode']}{'/' + r['kernel'] if 'kernel' in r else ''} {r['variant']} {r['ms']:.3f} ms"
+            + (f" (err {r['err_vs_tma']:.1e})" if "err_vs_tma" in r else "")
             for r in rows if r["causal"] == causal), flush=True)
     return rows
 
@@ -651,6 +675,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--head-dims", type=lambda x: [int(d) for d in x.split(",")], default=[128, 64],
                     help="gluon: head dims to sweep")
+    ap.add_argument("--fwd-only", action="store_true", help="varlen: the forward kernels only")
     ap.add_argument("--decode-points", default="", help="decode: BxS points instead of the default, e.g. 1x1024,64x1024")
     opts = ap.parse_args()
     if opts.decode_points:

@@ -3,7 +3,7 @@
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
 # Steps: tests (whole suite), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
-# eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), serving (varlen,
+# eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
@@ -28,6 +28,8 @@ for step in "$@"; do
       timeout 80 python -m flashtriton bench --suite decode --rep 60 --warmup 15 --decode-batches 1,8,64 \
         --decode-seqlens 1024,4096,32768,131072 --out $R/decode --no-plots > $R/decode.txt 2>&1
       grep -v "it/s" $R/varlen.txt | tail -14; grep -v "it/s" $R/decode.txt | tail -24 ;;
+    varlen) timeout 60 python -m flashtriton bench --suite varlen --rep 60 --warmup 15 --out $R/varlen --no-plots > $R/varlen.txt 2>&1
+      grep -v "it/s" $R/varlen.txt | tail -14 ;;
     final) timeout 290 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --modes fwd,bwd \
         --dtypes fp16,bf16 --head-dims 64,128 --rep 40 --warmup 10 --out $R/final --no-plots > $R/final.txt 2>&1
       grep -v "it/s" $R/final.txt | tail -100 ;;

@@ -161,18 +161,28 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
     - D = 64 non-causal from Sk = 8192 with three consumer warpgroups (192-row items, FlashAttention-3's D = 64
       tiles; ccaefbc239e1: T=8192 481 / 447 / 482, T=16384 475 / 436 / 495; T=4096 445 / 483). Two warpgroups lose
       to the TMA kernel everywhere at D = 64, three with causal masks spill registers and lose.
-    - Varlen: never asked (the dense launch plan is the only caller). The kernel takes packed batches
-      (tests/test_forward_gluon.py), but on the varlen suite (64 sequences of 1..4096 tokens, D = 128;
-      explore7/varlen_gluon_8fc4f2df6fa4/) it took 8.0 / 4.2 ms forward (non-causal / causal) where the TMA
-      kernel takes 6.8-6.9 / 4.0-4.1: half the items of the grid are past their sequence's end, most have one
-      or two K/V tiles, and the producer waits for each sequence's last V tile to land before clearing the next
-      sequence's rows in it."""
+    - Varlen: `gluon_varlen_config`."""
     base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
                 Q_BUFFERS=1, CAUSAL_PAIRS=True)
     if head_dim == 128:
         return dict(base, Q_BUFFERS=2) if seqlen_k <= 1024 else base
     if head_dim == 64 and not causal and seqlen_k >= 8192:
         return dict(base, N_CONSUMERS=3, CONSUMER_REGS=160)
+    return None
+
+
+def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> dict | None:
+    """The Gluon forward's config for packed (varlen) batches where it beats the TMA kernel, else None.
+    Session 5 (explore7/varlen_gluon_8fc4f2df6fa4/, the varlen suite: 64 sequences of 1..4096 tokens, D = 128) it
+    took 8.0 / 4.2 ms (non-causal / causal) against the TMA kernel's 6.8-6.9 / 4.0-4.1: half the items of the
+    grid are past their sequence's end, most have few K/V tiles, and non-causal every item ends on its
+    sequence's last V tile, which the producer waits for before clearing the next sequence's rows in it.
+    Session 6: two Q slots (short items) and the next item's sequence bounds loaded while the current one runs;
+    causal only (its items reach a sequence's last key once per sequence and head), items one at a time (pairs
+    are formed over the longest sequence's query tiles, which most sequences do not have)."""
+    if head_dim == 128 and causal:
+        return dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
+                    Q_BUFFERS=2, CAUSAL_PAIRS=False)
     return None
 
 

@@ -334,8 +334,9 @@ def launch_forward(
     Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
     "num_stages"} of the portable kernel instead of autotuning (always so under the interpreter). Without
     one, on Hopper, fp16/bf16 inputs (dense or varlen) with head dim 64 or 128 take the TMA kernel
-    (`_attn_fwd_tma`; FLASHTRITON_TMA=0 turns it off), or for dense shapes where `configs.gluon_fwd_config` says
-    so the Gluon kernel (`forward_gluon`; FLASHTRITON_GLUON=0 turns it off).
+    (`_attn_fwd_tma`; FLASHTRITON_TMA=0 turns it off), or where `configs.gluon_fwd_config` (dense) or
+    `configs.gluon_varlen_config` (varlen) say so the Gluon kernel (`forward_gluon`; FLASHTRITON_GLUON=0 turns
+    it off).
     Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """
@@ -364,7 +365,13 @@ def launch_forward(
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
             _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale)
             return out, lse, None
-    if config is None and varlen and tma_ok(q, k, v, out):  # (the Gluon kernel loses here: gluon_fwd_config)
+    if config is None and varlen and tma_ok(q, k, v, out):
+        gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal))
+                        if configs.USE_GLUON and forward_gluon is not None and softmax_scale > 0 else None)
+        if gluon_config is not None:
+            forward_gluon.launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
+                                               gluon_config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            return out, lse, None
         tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
         _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config,
                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

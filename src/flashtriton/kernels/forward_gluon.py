@@ -90,11 +90,9 @@ def _num_items(n_m, n_bh, PAIRS: gl.constexpr):
 
 
 @gluon.jit
-def _bounds(off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN: gl.constexpr,
-            IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr):
-    """An item's sequence: (q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows). Dense: the
-    whole (Sq, Sk); varlen: sequence off_b of the packed batch, and items past its last row have no rows."""
+def _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN: gl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k) of an item's sequence. Dense: the whole (Sq, Sk); varlen: sequence
+    off_b of the packed batch, from cu_seqlens (the loops load the next item's while the current one runs)."""
     if IS_VARLEN:
         q_start = gl.load(CU_SEQLENS_Q + off_b)
         seqlen_q = gl.load(CU_SEQLENS_Q + off_b + 1) - q_start
@@ -105,6 +103,14 @@ def _bounds(off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen
         seqlen_q = max_seqlen_q
         k_start = gl.to_tensor(0)
         seqlen_k = max_seqlen_k
+    return q_start, seqlen_q, k_start, seqlen_k
+
+
+@gluon.jit
+def _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """An item's (causal_offset, n_tiles, has_rows) in its sequence: items past a varlen sequence's last row have
+    no rows."""
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
         causal_offset = seqlen_k - seqlen_q
     else:
@@ -114,7 +120,7 @@ def _bounds(off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen
     else:
         hi = seqlen_k
     n_tiles = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
-    return q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, start_m * BLOCK_M < seqlen_q
+    return causal_offset, n_tiles, start_m * BLOCK_M < seqlen_q
 
 
 @gluon.jit
@@ -155,11 +161,22 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0  # K/V tiles issued, over all items
     qi = 0  # items with rows, whose Q was loaded
+    next_b, next_h, next_m = _item(0, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
+    next_seq = _sequence(next_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
     for i in range(0, n_items):
-        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-        q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows = _bounds(
-            off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN, IS_CAUSAL,
-            CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+        if IS_VARLEN:  # the next item's (this one's again after the last) bounds load while this item runs
+            off_b, off_h, start_m = next_b, next_h, next_m
+            q_start, seqlen_q, k_start, seqlen_k = next_seq
+            next_b, next_h, next_m = _item(gl.minimum(i + 1, n_items - 1), n_m, n_bh, heads, max_seqlen_k,
+                                           IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
+            next_seq = _sequence(next_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+        else:
+            off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM,
+                                          BLOCK_M)
+            q_start, seqlen_q, k_start, seqlen_k = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q,
+                                                             max_seqlen_k, IS_VARLEN)
+        causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                                   BLOCK_M, BLOCK_N)
         if has_rows:
             off_hk = off_h // group_size
             qs = qi % Q_BUFFERS
@@ -314,11 +331,22 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
     c = 0  # K/V tiles consumed, over all items
     g = 0  # ping-pong turns taken
     qi = 0  # items with rows
+    next_b, next_h, next_m = _item(0, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
+    next_seq = _sequence(next_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
     for i in range(0, n_items):
-        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-        q_start, seqlen_q, k_start, seqlen_k, causal_offset, n_tiles, has_rows = _bounds(
-            off_b, start_m, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN, IS_CAUSAL,
-            CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+        if IS_VARLEN:  # the next item's (this one's again after the last) bounds load while this item runs
+            off_b, off_h, start_m = next_b, next_h, next_m
+            q_start, seqlen_q, k_start, seqlen_k = next_seq
+            next_b, next_h, next_m = _item(gl.minimum(i + 1, n_items - 1), n_m, n_bh, heads, max_seqlen_k,
+                                           IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
+            next_seq = _sequence(next_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+        else:
+            off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM,
+                                          BLOCK_M)
+            q_start, seqlen_q, k_start, seqlen_k = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q,
+                                                             max_seqlen_k, IS_VARLEN)
+        causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                                   BLOCK_M, BLOCK_N)
         if has_rows:
             row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
             if not IS_VARLEN:
