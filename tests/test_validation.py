@@ -220,3 +220,30 @@ def test_strided_cu_seqlens_are_read_as_their_values(device):
     assert not cu_strided.is_contiguous()
     torch.testing.assert_close(flashtriton.flash_attn_varlen_func(x, x, x, cu_strided, cu_strided, 7, 7),
                                flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 7, 7))
+
+
+def test_cu_seqlens_values_are_copied_once_per_tensor_until_written(device, monkeypatch):
+    """The value check copies cu_seqlens to the host, which waits for the GPU: a tensor that passed is not
+    copied again until it is written (version counter), and a new tensor is always checked."""
+    calls = []
+    check = validation._check_cu_seqlens_values
+    monkeypatch.setattr(validation, "_check_cu_seqlens_values", lambda *a: calls.append(1) or check(*a))
+    monkeypatch.setattr(validation, "_CHECKED_CU_SEQLENS", {})
+    x = torch.randn(10, 2, 16, device=device, dtype=torch.float16)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32, device=device)
+    first = flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 7, 7)
+    torch.testing.assert_close(flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 7, 7), first)
+    assert len(calls) == 1
+    flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8)  # another maximum: checked again
+    assert len(calls) == 2
+    fresh = cu.clone()
+    flashtriton.flash_attn_varlen_func(x, x, x, fresh, fresh, 7, 7)
+    assert len(calls) == 3
+    cu[1] = 11  # written in place: past the end now, and found
+    with pytest.raises(ValueError, match="non-decreasing|past the end"):
+        flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 7, 7)
+    with torch.inference_mode():  # inference tensors carry no version counter: always checked
+        cu_inf = torch.tensor([0, 3, 10], dtype=torch.int32, device=device)
+        flashtriton.flash_attn_varlen_func(x, x, x, cu_inf, cu_inf, 7, 7)
+        flashtriton.flash_attn_varlen_func(x, x, x, cu_inf, cu_inf, 7, 7)
+    assert len(calls) == 6

@@ -110,7 +110,9 @@ def flash_attn_varlen_func(
         max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence.
         causal: per sequence, aligned bottom-right as in `flash_attn_func`.
         Other arguments as `flash_attn_func`. cu_seqlens are checked on the host (non-decreasing, inside the
-        tensor, max_seqlen large enough): one small device-to-host copy per call.
+        tensor, max_seqlen large enough): one small device-to-host copy, which waits for the GPU, per cu_seqlens
+        tensor; calls with tensors that passed and were not written since (torch's version counter) skip it.
+        A kernel that writes a cu_seqlens tensor behind torch's back (no version bump) must pass a new tensor.
     Returns:
         out: (total_q, nheads, headdim)
         and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32, None)
