@@ -124,6 +124,16 @@ def _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_
 
 
 @gluon.jit
+def _work_ahead(i, n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k,
+                IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Varlen: item i and its sequence's bounds, (off_b, off_h, start_m, (q_start, seqlen_q, k_start, seqlen_k)).
+    The loops fetch item i + 1's while item i runs (item i again after the last), so that the cu_seqlens loads
+    are not on an item's critical path."""
+    off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
+    return off_b, off_h, start_m, _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, True)
+
+
+@gluon.jit
 def _tma_load(desc, IS_VARLEN: gl.constexpr, off_b, row, head, bar, buf):
     """Rows [row, row + block) of one head: dense descriptors are rank 4 over (B, S, H, D), varlen ones rank 3
     over (total, H, D) with `row` a token index."""
@@ -161,20 +171,19 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0  # K/V tiles issued, over all items
     qi = 0  # items with rows, whose Q was loaded
-    next_b, next_h, next_m = _item(0, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-    next_seq = _sequence(next_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+    if IS_VARLEN:
+        ahead = _work_ahead(0, n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_CAUSAL,
+                            CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
     for i in range(0, n_items):
-        if IS_VARLEN:  # the next item's (this one's again after the last) bounds load while this item runs
-            off_b, off_h, start_m = next_b, next_h, next_m
-            q_start, seqlen_q, k_start, seqlen_k = next_seq
-            next_b, next_h, next_m = _item(gl.minimum(i + 1, n_items - 1), n_m, n_bh, heads, max_seqlen_k,
-                                           IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-            next_seq = _sequence(next_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+        if IS_VARLEN:
+            off_b, off_h, start_m, seq = ahead
+            ahead = _work_ahead(gl.minimum(i + 1, n_items - 1), n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                max_seqlen_q, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
         else:
             off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM,
                                           BLOCK_M)
-            q_start, seqlen_q, k_start, seqlen_k = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q,
-                                                             max_seqlen_k, IS_VARLEN)
+            seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+        q_start, seqlen_q, k_start, seqlen_k = seq
         causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                    BLOCK_M, BLOCK_N)
         if has_rows:
@@ -331,20 +340,19 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
     c = 0  # K/V tiles consumed, over all items
     g = 0  # ping-pong turns taken
     qi = 0  # items with rows
-    next_b, next_h, next_m = _item(0, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-    next_seq = _sequence(next_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+    if IS_VARLEN:
+        ahead = _work_ahead(0, n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_CAUSAL,
+                            CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
     for i in range(0, n_items):
-        if IS_VARLEN:  # the next item's (this one's again after the last) bounds load while this item runs
-            off_b, off_h, start_m = next_b, next_h, next_m
-            q_start, seqlen_q, k_start, seqlen_k = next_seq
-            next_b, next_h, next_m = _item(gl.minimum(i + 1, n_items - 1), n_m, n_bh, heads, max_seqlen_k,
-                                           IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-            next_seq = _sequence(next_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+        if IS_VARLEN:
+            off_b, off_h, start_m, seq = ahead
+            ahead = _work_ahead(gl.minimum(i + 1, n_items - 1), n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                max_seqlen_q, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
         else:
             off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM,
                                           BLOCK_M)
-            q_start, seqlen_q, k_start, seqlen_k = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q,
-                                                             max_seqlen_k, IS_VARLEN)
+            seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+        q_start, seqlen_q, k_start, seqlen_k = seq
         causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                    BLOCK_M, BLOCK_N)
         if has_rows:
