@@ -1,4 +1,4 @@
-"""Compile the attention kernels offline for sm_90 (no GPU needed) and write their PTX, so that a refactor
+"""Compile the attention kernels (Triton and Gluon) offline for sm_90 (no GPU needed) and write their PTX, so that a refactor
 can be shown to leave the generated code unchanged:
 
     python scripts/compare_ptx.py /tmp/before      # on the old commit
@@ -70,6 +70,24 @@ def main(out_dir: str) -> None:
             print(path)
     tma_kernels(out)
     decode_kernels(out)
+    gluon_kernels(out)
+
+
+def gluon_kernels(out: Path) -> None:
+    """The Gluon forward in every config the dispatch picks: dense D=128 (long and short keys, causal or not),
+    D=64 non-causal (three consumers), varlen D=128 causal."""
+    from flashtriton import configs
+    from flashtriton.kernels.forward_gluon import compile_for_sm90
+
+    cases = [(d, t, c, False) for d, t, c in ((128, 16384, False), (128, 16384, True), (128, 1024, False),
+                                              (128, 1024, True), (64, 16384, False))]
+    cases.append((128, 4096, True, True))
+    for head_dim, keys, causal, varlen in cases:
+        pick = configs.gluon_varlen_config if varlen else configs.gluon_fwd_config
+        compiled = compile_for_sm90(head_dim, causal, pick(head_dim, keys, keys, causal), varlen=varlen)
+        path = out / f"fwd_gluon_d{head_dim}_k{keys}_causal{int(causal)}_varlen{int(varlen)}.ptx"
+        path.write_text(code_only(compiled.asm["ptx"]))
+        print(path)
 
 
 def tma_kernels(out: Path) -> None:
