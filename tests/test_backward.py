@@ -313,3 +313,32 @@ def test_large_fp32_and_determinism(device):
     first = check_backward(q, k, v, dout, causal=True)
     second = grads(lambda a, b, c: flashtriton.flash_attn_func(a, b, c, causal=True), q, k, v, dout)[1]
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_accumulated_dq_mode_respects_determinism_requests(device, monkeypatch):
+    """FLASHTRITON_BWD_DQ=atomic makes the backward non-deterministic: deterministic=True is refused with a
+    clear error, and torch.use_deterministic_algorithms(True) sends the backward back to the dQ kernel."""
+    from flashtriton.kernels import backward
+
+    monkeypatch.setattr(configs, "BWD_DQ_MODE", "atomic")
+    q, k, v, dout = make_qkv(1, 20, 20, 2, 1, 32, torch.float16, device)
+    with pytest.raises(ValueError, match="deterministic=True"):
+        flashtriton.flash_attn_func(q, k, v, deterministic=True)
+    cu = torch.tensor([0, 20], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="deterministic=True"):
+        flashtriton.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, deterministic=True)
+    used = []
+    accumulate = backward._dkdv_with_dq
+    monkeypatch.setattr(backward, "_dkdv_with_dq", lambda *a: used.append(1) or accumulate(*a))
+    fn = lambda a, b, c: flashtriton.flash_attn_func(a, b, c, causal=True)  # noqa: E731
+    _, accumulated = grads(fn, q, k, v, dout)
+    assert used == [1]
+    check_grads(accumulated, q, k, v, dout, causal=True, what="atomic ")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _, kernel = grads(fn, q, k, v, dout)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert used == [1]  # not called again
+    check_grads(kernel, q, k, v, dout, causal=True)
