@@ -667,6 +667,33 @@ def sweep_host(opts):
             graph_ms = bench(lambda: g.replay())
             rows.append(dict(T=T, D=D, causal=causal, path=name, host_ms=host, ms=ms, graph_ms=graph_ms))
             print(rows[-1], flush=True)
+    # The varlen suite's batch: the API's forward (causal: the Gluon kernel) against the kernel launched directly.
+    vq, vk, vv, cu, mx = _varlen_inputs(small=SMOKE)
+    from flashtriton.kernels import forward_gluon as G
+
+    def gluon_direct():
+        out = torch.empty_like(vq)
+        lse = torch.empty(vq.shape[1], vq.shape[0], device=vq.device, dtype=torch.float32)
+        G.launch_forward_gluon(vq, vk, vv, out, lse, 128 ** -0.5, True, True,
+                               configs.gluon_varlen_config(128, mx, mx, True), cu, cu, mx, mx)
+        return out
+
+    varlen_calls = [("flash_attn_varlen_func", lambda: flashtriton.flash_attn_varlen_func(vq, vk, vv, cu, cu, mx, mx,
+                                                                                         causal=True)),
+                    ("launch_forward varlen", lambda: F.attention_forward(vq, vk, vv, 128 ** -0.5, True, True, cu, cu,
+                                                                          mx, mx))]
+    if DEV == "cuda" and configs.gluon_varlen_config(128, mx, mx, True) is not None:
+        varlen_calls.append(("gluon kernel varlen", gluon_direct))
+    for name, fn in varlen_calls:
+        fn()
+        torch.cuda.synchronize() if DEV == "cuda" else None
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        host = (time.perf_counter() - t0) / 20 * 1e3  # enqueue time, while the GPU runs the previous calls
+        torch.cuda.synchronize() if DEV == "cuda" else None
+        rows.append(dict(path=name, varlen=True, host_ms=host, ms=bench(fn), graph_ms=bench_graph(fn)))
+        print(rows[-1], flush=True)
     # where the host time goes: cProfile of a forward call and of a decode call (B=1, 4k cache)
     import cProfile
     import pstats
