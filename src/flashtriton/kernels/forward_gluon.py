@@ -20,7 +20,8 @@ Scores are in base 2 (log2(e) folded into qk_scale, which must be > 0). fp16/bf1
 Varlen (total, H, D) tensors with cu_seqlens: rank-3 descriptors with block (rows, 1, D), whose rows past a
 sequence belong to the next one (masked in the scores; cleared in V by the producer). Causal attention is
 bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal work (`_item`). Compiles for sm_90
-only; `forward.launch_forward` takes this path where `configs.gluon_fwd_config` gives a config.
+only; `forward.launch_forward` takes this path where `configs.gluon_fwd_config` (dense) or
+`configs.gluon_varlen_config` (varlen) gives a config.
 """
 
 from __future__ import annotations
