@@ -125,13 +125,37 @@ def _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_
 
 
 @gluon.jit
-def _work_ahead(i, n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k,
-                IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Varlen: item i and its sequence's bounds, (off_b, off_h, start_m, (q_start, seqlen_q, k_start, seqlen_k)).
-    The loops fetch item i + 1's while item i runs (item i again after the last), so that the cu_seqlens loads
-    are not on an item's critical path."""
-    off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-    return off_b, off_h, start_m, _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, True)
+def _work_ahead(i, items, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, IS_VARLEN: gl.constexpr,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Varlen: item i and its sequence's bounds, (off_b, off_h, start_m, (q_start, seqlen_q, k_start, seqlen_k));
+    `items` = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k). Dense: 0 (unused)."""
+    if IS_VARLEN:
+        n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k = items
+        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
+        return off_b, off_h, start_m, _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, True)
+    else:
+        return 0
+
+
+@gluon.jit
+def _work(i, n_items, ahead, items, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+          CAUSAL_PAIRS: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr):
+    """This program's item i, what both partitions loop over: (off_b, off_h, start_m, (q_start, seqlen_q,
+    k_start, seqlen_k), (causal_offset, n_tiles, has_rows), ahead). Varlen: `ahead` holds item i, fetched while
+    item i - 1 ran (`_work_ahead`), and comes back holding item i + 1 (item i again after the last), so that the
+    cu_seqlens loads are not on an item's critical path."""
+    n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k = items
+    if IS_VARLEN:
+        off_b, off_h, start_m, seq = ahead
+        ahead = _work_ahead(gl.minimum(i + 1, n_items - 1), items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM,
+                            BLOCK_M)
+    else:
+        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
+        seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = seq
+    bounds = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+    return off_b, off_h, start_m, seq, bounds, ahead
 
 
 @gluon.jit
@@ -172,21 +196,13 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0  # K/V tiles issued, over all items
     qi = 0  # items with rows, whose Q was loaded
-    if IS_VARLEN:
-        ahead = _work_ahead(0, n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_CAUSAL,
-                            CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
+    items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k)
+    ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
     for i in range(0, n_items):
-        if IS_VARLEN:
-            off_b, off_h, start_m, seq = ahead
-            ahead = _work_ahead(gl.minimum(i + 1, n_items - 1), n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K,
-                                max_seqlen_q, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-        else:
-            off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM,
-                                          BLOCK_M)
-            seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+        off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                                          CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
         q_start, seqlen_q, k_start, seqlen_k = seq
-        causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                                   BLOCK_M, BLOCK_N)
+        causal_offset, n_tiles, has_rows = bounds
         if has_rows:
             off_hk = off_h // group_size
             qs = qi % Q_BUFFERS
@@ -341,21 +357,13 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
     c = 0  # K/V tiles consumed, over all items
     g = 0  # ping-pong turns taken
     qi = 0  # items with rows
-    if IS_VARLEN:
-        ahead = _work_ahead(0, n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_CAUSAL,
-                            CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
+    items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k)
+    ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
     for i in range(0, n_items):
-        if IS_VARLEN:
-            off_b, off_h, start_m, seq = ahead
-            ahead = _work_ahead(gl.minimum(i + 1, n_items - 1), n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K,
-                                max_seqlen_q, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-        else:
-            off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM,
-                                          BLOCK_M)
-            seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+        off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                                          CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
         q_start, seqlen_q, k_start, seqlen_k = seq
-        causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                                   BLOCK_M, BLOCK_N)
+        causal_offset, n_tiles, has_rows = bounds
         if has_rows:
             row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
             if not IS_VARLEN:
