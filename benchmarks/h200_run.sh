@@ -3,7 +3,8 @@
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
 # Steps: tests (whole suite), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
-# eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
+# eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), bwd_dq (the backward sweep with
+# FLASHTRITON_BWD_DQ=atomic, then tma), serving (varlen,
 # decode); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
@@ -30,6 +31,9 @@ for step in "$@"; do
       grep -v "it/s" $R/varlen.txt | tail -14; grep -v "it/s" $R/decode.txt | tail -24 ;;
     varlen) timeout 60 python -m flashtriton bench --suite varlen --rep 60 --warmup 15 --out $R/varlen --no-plots > $R/varlen.txt 2>&1
       grep -v "it/s" $R/varlen.txt | tail -14 ;;
+    bwd_dq) for mode in atomic tma; do FLASHTRITON_BWD_DQ=$mode timeout 150 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn \
+        --modes bwd --dtypes fp16 --head-dims 64,128 --rep 40 --warmup 10 --out $R/bwd_$mode --no-plots > $R/bwd_$mode.txt 2>&1
+      grep -v "it/s" $R/bwd_$mode.txt | tail -28; done ;;
     final) timeout 290 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --modes fwd,bwd \
         --dtypes fp16,bf16 --head-dims 64,128 --rep 40 --warmup 10 --out $R/final --no-plots > $R/final.txt 2>&1
       grep -v "it/s" $R/final.txt | tail -100 ;;
