@@ -8,7 +8,9 @@ where delta = rowsum(dO ∘ O) (FlashAttention-2 §3.2). Three kernels:
      accumulators resident and streams Q/dO tiles of every query head of its GQA group, so the group sum
      happens in registers: no atomics, no copies of K/V.
   3. `_attn_bwd_dq`: one program per (BLOCK_M query rows, batch·query head), streaming K/V tiles. A
-     separate kernel instead of atomic adds into dQ: the result is bitwise deterministic.
+     separate kernel instead of atomic adds into dQ: the result is bitwise deterministic. (Experimental,
+     `dq_mode` "atomic" / "tma": the dK/dV kernel adds dS K into an fp32 accumulator instead, and this kernel
+     is not run.)
 Scores are in base 2 (log2(e) folded into the scale, exp2). Causal (bottom-right, or top-left with
 CAUSAL_BOTTOM_RIGHT=False): tiles that see nothing are skipped, tiles entirely visible run unmasked, and only
 tiles on the diagonal or at the end of the sequence pay for masks — as in the forward.
@@ -110,7 +112,7 @@ def _attn_bwd_dkdv_tile(
     to the resident key tile's dK, dV. One flat loop over (head, row tile): a nested loop over heads costs
     the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed.
     DQ_MODE > 0: also dS K for those rows, added into the fp32 dQ accumulator (`_add_dq`): the dQ kernel's
-    second pass over the scores is saved, at the cost of a bitwise deterministic result."""
+    second pass over the scores is saved, at the cost of bitwise determinism."""
     n_tiles = tl.cdiv(end_m - start_m, BLOCK_M)
     # max(.., 1): an empty stage must not divide by zero, even in the addresses the software pipeline
     # computes ahead of the loop (seen on the H200 as an illegal memory access).
@@ -437,7 +439,7 @@ def attention_backward(
     )
     dq_mode = configs.BWD_DQ_MODE if dq_mode is None else dq_mode
     if dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode must be one of {sorted(DQ_MODES)}, got {dq_mode!r}")
+        raise ValueError(f"dq_mode (FLASHTRITON_BWD_DQ) must be one of {sorted(DQ_MODES)}, got {dq_mode!r}")
     if config is None and INTERPRET:
         config = configs.BWD_INTERPRETER_CONFIG
     if config is None and (not configs.AUTOTUNE or dq_mode != "kernel"):
