@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--modes", default=None, help="comma list of fwd,bwd,fwd_bwd (default fwd,bwd; decode is always fwd)")
     a("--dtypes", default=None, help="comma list of fp16,bf16,fp32 (default fp16)")
     a("--causal", default=None, help="comma list of 0,1 (default 0,1)")
-    a("--head-dims", default=None, help="standard sweep head dims (default 64,128; 256 also works)")
+    a("--head-dims", default=None, help="standard sweep head dims (default 64,128,256; quick 128)")
     a("--seqlens", default=None, help="standard sweep T values (default 512,...,16384; 1k style allowed)")
     a("--tokens", type=int, default=16384, help="standard sweep: B*T (default 16384)")
     a("--hidden", type=int, default=2048, help="standard sweep: H*D (default 2048)")
@@ -83,7 +83,8 @@ def resolve(args: argparse.Namespace, interpreter: bool = False) -> argparse.Nam
     args.causal_list = [bool(c) for c in causal]
     if args.append and not args.out:
         raise ValueError("--append merges into --out DIR's bench.json: give --out")
-    head_dims = C.parse_int_list(args.head_dims, "--head-dims") if args.head_dims else ([128] if quick else [64, 128])
+    head_dims = (C.parse_int_list(args.head_dims, "--head-dims") if args.head_dims
+                 else ([128] if quick else [64, 128, 256]))  # the FlashAttention papers' sweep
     seqlens = (C.parse_int_list(args.seqlens, "--seqlens") if args.seqlens
                else ([1024, 4096] if quick else STANDARD_SEQLENS))
     if args.shape:
