@@ -191,12 +191,11 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
     the next sequence; P is 0 there, but 0 · inf is not 0, so those rows are zeroed in shared memory once the
     tile has landed, and every V tile is announced on v_fixed as well."""
     (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
-     CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size, max_seqlen_q, max_seqlen_k) = shared
+     items, n_items, group_size) = shared
     HEAD_DIM: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 1]
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0  # K/V tiles issued, over all items
     qi = 0  # items with rows, whose Q was loaded
-    items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k)
     ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
     for i in range(0, n_items):
         off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
@@ -345,8 +344,7 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
     are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would write the next
     sequence's rows)."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
-     LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, max_seqlen_q, max_seqlen_k, qk_scale, stride_om,
-     stride_oh, stride_lb, stride_lh) = shared
+     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -357,7 +355,6 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
     c = 0  # K/V tiles consumed, over all items
     g = 0  # ping-pong turns taken
     qi = 0  # items with rows
-    items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k)
     ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
     for i in range(0, n_items):
         off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
@@ -466,12 +463,11 @@ def _attn_fwd_gluon(
     stride_oh = gl.to_tensor(stride_oh)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
+    items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k)  # what `_work` hands out
     producer_args = (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
-                     k_empty, v_empty, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, group_size, max_seqlen_q,
-                     max_seqlen_k)
+                     k_empty, v_empty, items, n_items, group_size)
     consumer_args = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn,
-                     desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, n_items, n_m, n_bh, heads, max_seqlen_q, max_seqlen_k,
-                     qk_scale, stride_om, stride_oh, stride_lb, stride_lh)
+                     desc_o, O, LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh)
     # One list per consumer count (a kernel cannot hold a function in a variable, nor grow a list in a loop).
     if N_CONSUMERS == 3:
         gl.warp_specialize([
