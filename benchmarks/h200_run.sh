@@ -2,14 +2,14 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,bwd_dq,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), bwd_dq (the backward sweep with
 # FLASHTRITON_BWD_DQ=atomic, then tma), serving (varlen,
 # decode); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-R=/tmp/results; mkdir -p $R
+R=/tmp/results; rm -rf $R; mkdir -p $R  # results of earlier calls can survive on the device: check git_sha.txt
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv | tee $R/nvidia-smi.txt
 git rev-parse HEAD > $R/git_sha.txt 2>/dev/null || echo unknown > $R/git_sha.txt
 for step in "$@"; do
@@ -45,6 +45,8 @@ for step in "$@"; do
         tests/test_varlen.py tests/test_forward.py tests/test_backward.py > $R/pytest_quick.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_quick.txt | head -30 ;;
     gluontests) timeout 200 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py tests/test_forward.py tests/test_varlen.py \
         > $R/pytest_gluon.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon.txt | head -30 ;;
+    bwdtests) timeout 200 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_backward.py \
+        > $R/pytest_bwd.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_bwd.txt | head -30 ;;
     kvtests) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_launch.py tests/test_kvcache.py \
         > $R/pytest_kv.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_kv.txt | head -30 ;;
     gputests) timeout 80 python -m pytest -v -n 8 -p no:cacheprovider --tb=line -m gpu tests > $R/pytest_gpu.txt 2>&1
