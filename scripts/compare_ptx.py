@@ -62,8 +62,6 @@ def main(out_dir: str) -> None:
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                               IS_CAUSAL=causal, CAUSAL_BOTTOM_RIGHT=True, IS_VARLEN=varlen, UPCAST_DOT=False,
                               DOT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n)
-            constexprs.update({n: v for n, v in (("DQ_ACC", None), ("desc_dq", None), ("DQ_MODE", 0))
-                               if n in fn.arg_names})  # dQ by its own kernel
             sig, attrs = signature(fn, constexprs)
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))

@@ -206,69 +206,6 @@ def test_forced_configs_per_kernel_and_top_left(device):
     check_grads(ours, q, k, v, dout, causal=True, bottom_right=False, softmax_scale=0.2)
 
 
-# dQ accumulated by the dK/dV kernel (dq_mode "atomic"; "tma" on sm_90, where the TMA kernels take the tensors,
-# else the same as "atomic"): odd lengths through all three masking stages, GQA (each kv program adds into its
-# group's query heads), Sq != Sk both ways, top-left causal, a padded head dim, fp16 and bf16.
-ACCUMULATED_DQ_CASES = [
-    dict(shape=(2, 100, 90, 4, 2, 64), causal=True, dtype=torch.float16),
-    dict(shape=(1, 40, 130, 2, 1, 48), causal=True, dtype=torch.float16),
-    dict(shape=(1, 130, 40, 2, 2, 64), causal=False, dtype=torch.bfloat16),
-    dict(shape=(2, 77, 77, 3, 3, 128), causal=True, dtype=torch.float16, bottom_right=False),
-]
-
-
-@pytest.mark.parametrize("dq_mode", ["atomic", "tma"])
-@pytest.mark.parametrize("case", ACCUMULATED_DQ_CASES, ids=lambda c: str(c["shape"]))
-def test_dq_accumulated_by_the_dkdv_kernel(case, dq_mode, device):
-    q, k, v, dout = make_qkv(*case["shape"], case["dtype"], device, seed=6)
-    bottom_right = case.get("bottom_right", True)
-    scale = case["shape"][-1] ** -0.5
-    out, lse = attention_forward(q, k, v, scale, case["causal"], causal_bottom_right=bottom_right)
-    ours = attention_backward(dout, q, k, v, out, lse, scale, case["causal"], causal_bottom_right=bottom_right,
-                              dq_mode=dq_mode)
-    check_grads(ours, q, k, v, dout, case["causal"], bottom_right=bottom_right, what=f"{dq_mode} ")
-    kernel = attention_backward(dout, q, k, v, out, lse, scale, case["causal"], causal_bottom_right=bottom_right,
-                                dq_mode="kernel")
-    torch.testing.assert_close(ours[1], kernel[1], atol=0, rtol=0)  # dK, dV: the same kernel, the same sums
-    torch.testing.assert_close(ours[2], kernel[2], atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("dq_mode", ["atomic", "tma"])
-def test_dq_accumulated_for_varlen(dq_mode, device):
-    """Packed sequences (empty ones, one token, Sq != Sk): the accumulator's rows of each sequence only, and
-    rows no sequence covers keep dQ = 0."""
-    gen = torch.Generator().manual_seed(7)
-    lengths_q, lengths_k = [3, 40, 1, 17, 0], [10, 20, 5, 0, 1]
-    q, cu_q = pack(lengths_q + [6], 4, 64, torch.float16, device, gen)  # 6 trailing rows outside every sequence
-    k, cu_k = pack(lengths_k, 2, 64, torch.float16, device, gen)
-    v, _ = pack(lengths_k, 2, 64, torch.float16, device, gen)
-    dout, _ = pack(lengths_q + [6], 4, 64, torch.float16, device, gen)
-    cu_q = cu_q[:-1]
-    args = (0.125, True, True, cu_q, cu_k, max(lengths_q), max(lengths_k))
-    out, lse = attention_forward(q, k, v, *args)
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *args, dq_mode=dq_mode)
-    _, _, dv_kernel = attention_backward(dout, q, k, v, out, lse, *args, dq_mode="kernel")
-    assert torch.equal(dv, dv_kernel)
-    assert torch.all(dq[cu_q[-1]:] == 0)
-    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
-        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if lq == 0:
-            continue
-        if lk == 0:
-            assert torch.all(dq[sq] == 0)
-            continue
-        ours = (dq[None, sq], dk[None, sk], dv[None, sk])
-        check_grads(ours, q[None, sq], k[None, sk], v[None, sk], dout[None, sq], True, softmax_scale=0.125,
-                    what=f"{dq_mode} seq {b} ")
-
-
-def test_dq_mode_is_checked(device):
-    q, k, v, dout = make_qkv(1, 8, 8, 1, 1, 16, torch.float16, device)
-    out, lse = attention_forward(q, k, v, 0.25, False)
-    with pytest.raises(ValueError, match="dq_mode"):
-        attention_backward(dout, q, k, v, out, lse, 0.25, False, dq_mode="fast")
-
-
 @pytest.mark.parametrize("shape", [(0, 16, 16), (2, 0, 16), (2, 16, 0)])
 def test_empty_inputs_give_zero_gradients(shape, device):
     batch, seqlen_q, seqlen_k = shape
@@ -315,30 +252,28 @@ def test_large_fp32_and_determinism(device):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_accumulated_dq_mode_respects_determinism_requests(device, monkeypatch):
-    """FLASHTRITON_BWD_DQ=atomic makes the backward non-deterministic: deterministic=True is refused with a
-    clear error, and torch.use_deterministic_algorithms(True) sends the backward back to the dQ kernel."""
-    from flashtriton.kernels import backward
-
-    monkeypatch.setattr(configs, "BWD_DQ_MODE", "atomic")
+def test_deterministic_requests_are_accepted(device):
+    """deterministic=True (flash-attn's flag) is accepted by both entry points and changes nothing: the backward
+    is always bitwise deterministic (dQ has its own kernel, no atomics). So is torch.use_deterministic_algorithms."""
     q, k, v, dout = make_qkv(1, 20, 20, 2, 1, 32, torch.float16, device)
-    with pytest.raises(ValueError, match="deterministic=True"):
-        flashtriton.flash_attn_func(q, k, v, deterministic=True)
     cu = torch.tensor([0, 20], dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="deterministic=True"):
-        flashtriton.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, deterministic=True)
-    used = []
-    accumulate = backward._dkdv_with_dq
-    monkeypatch.setattr(backward, "_dkdv_with_dq", lambda *a: used.append(1) or accumulate(*a))
-    fn = lambda a, b, c: flashtriton.flash_attn_func(a, b, c, causal=True)  # noqa: E731
-    _, accumulated = grads(fn, q, k, v, dout)
-    assert used == [1]
-    check_grads(accumulated, q, k, v, dout, causal=True, what="atomic ")
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        _, kernel = grads(fn, q, k, v, dout)
-    finally:
-        torch.use_deterministic_algorithms(previous)
-    assert used == [1]  # not called again
-    check_grads(kernel, q, k, v, dout, causal=True)
+
+    def dense(deterministic):
+        return lambda a, b, c: flashtriton.flash_attn_func(a, b, c, causal=True, deterministic=deterministic)
+
+    def varlen(deterministic):
+        return lambda a, b, c: flashtriton.flash_attn_varlen_func(a[0], b[0], c[0], cu, cu, 20, 20, causal=True,
+                                                                  deterministic=deterministic)[None]
+
+    for fn in (dense, varlen):
+        _, plain = grads(fn(False), q, k, v, dout)
+        _, flagged = grads(fn(True), q, k, v, dout)
+        assert all(torch.equal(a, b) for a, b in zip(plain, flagged))
+        check_grads(flagged, q, k, v, dout, causal=True, what=f"{fn.__name__} ")
+        previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            _, under_torch_flag = grads(fn(True), q, k, v, dout)
+        finally:
+            torch.use_deterministic_algorithms(previous)
+        assert all(torch.equal(a, b) for a, b in zip(plain, under_torch_flag))

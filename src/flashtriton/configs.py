@@ -295,10 +295,6 @@ def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.dev
 
 
 # The one config the interpreter uses for both kernels.
-# How the backward computes dQ (kernels.backward.attention_backward's dq_mode): "kernel" (its own kernel,
-# deterministic; the default), "atomic" or "tma" (accumulated by the dK/dV kernel; not measured on the H200 yet).
-BWD_DQ_MODE: str = os.environ.get("FLASHTRITON_BWD_DQ", "kernel")
-
 BWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 
 

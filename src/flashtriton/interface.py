@@ -12,7 +12,6 @@ import math
 
 import torch
 
-from . import configs
 from . import validation as V
 from .ops import attention
 
@@ -26,13 +25,6 @@ def _unsupported_flash_args(dropout_p, window_size, softcap, alibi_slopes) -> No
     V.not_implemented("window_size", window_size, (-1, -1))
     V.not_implemented("softcap", softcap, 0.0)
     V.not_implemented("alibi_slopes", alibi_slopes, None)
-
-
-def _check_deterministic(deterministic) -> None:
-    if deterministic and configs.BWD_DQ_MODE != "kernel":
-        raise ValueError(f"deterministic=True asks for a bitwise deterministic backward, but FLASHTRITON_BWD_DQ="
-                         f"{configs.BWD_DQ_MODE} accumulates dQ with atomic adds; leave FLASHTRITON_BWD_DQ unset "
-                         f"(or 'kernel')")
 
 
 def flash_attn_func(
@@ -66,10 +58,7 @@ def flash_attn_func(
                                                          1 0
                                                          1 1
             A row that sees no key returns 0 (and lse -inf).
-        deterministic: the backward is bitwise deterministic by default whatever this says (dQ has its own
-            kernel, no atomics). With FLASHTRITON_BWD_DQ=atomic|tma (experimental) it is not, and
-            deterministic=True then raises ValueError; so does torch.use_deterministic_algorithms(True) turn the
-            accumulating modes off.
+        deterministic: accepted; flashtriton's backward is always deterministic (no atomics).
         return_attn_probs: also return the log-sum-exp (the probabilities are never formed: None).
         dropout_p, window_size, softcap, alibi_slopes: not supported yet; any non-default value raises
             NotImplementedError.
@@ -78,7 +67,6 @@ def flash_attn_func(
         and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q) fp32 natural log, None)
     """
     _unsupported_flash_args(dropout_p, window_size, softcap, alibi_slopes)
-    _check_deterministic(deterministic)
     V.check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen, nheads, headdim)")
     V.check_same("batch sizes of q, k, v", q=q.shape[0], k=k.shape[0], v=v.shape[0])
     V.check_same("sequence lengths of k and v", k=k.shape[1], v=v.shape[1])
@@ -130,7 +118,6 @@ def flash_attn_varlen_func(
         and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32, None)
     """
     _unsupported_flash_args(dropout_p, window_size, softcap, alibi_slopes)
-    _check_deterministic(deterministic)
     V.not_implemented("block_table", block_table, None)
     V.check_tensors(("q", "k", "v"), (q, k, v), 3, "(total_tokens, nheads, headdim)")
     V.check_same("total key tokens of k and v", k=k.shape[0], v=v.shape[0])

@@ -57,7 +57,6 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom
     return attention_backward(
         dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, zero_fill=not covers_all,
-        dq_mode="kernel" if torch.are_deterministic_algorithms_enabled() else None,
     )
 
 

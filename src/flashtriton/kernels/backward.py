@@ -8,9 +8,7 @@ where delta = rowsum(dO ∘ O) (FlashAttention-2 §3.2). Three kernels:
      accumulators resident and streams Q/dO tiles of every query head of its GQA group, so the group sum
      happens in registers: no atomics, no copies of K/V.
   3. `_attn_bwd_dq`: one program per (BLOCK_M query rows, batch·query head), streaming K/V tiles. A
-     separate kernel instead of atomic adds into dQ: the result is bitwise deterministic. (Experimental,
-     `dq_mode` "atomic" / "tma": the dK/dV kernel adds dS K into an fp32 accumulator instead, and this kernel
-     is not run.)
+     separate kernel instead of atomic adds into dQ: the result is bitwise deterministic.
 Scores are in base 2 (log2(e) folded into the scale, exp2). Causal (bottom-right, or top-left with
 CAUSAL_BOTTOM_RIGHT=False): tiles that see nothing are skipped, tiles entirely visible run unmasked, and only
 tiles on the diagonal or at the end of the sequence pay for masks — as in the forward.
@@ -25,7 +23,7 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds, tma_descriptor, tma_ok
+from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds
 from .launch import launch
 
 PREPROCESS_BLOCK_M = 64
@@ -77,25 +75,6 @@ def _load_lse_delta(lse_ptrs, delta_ptrs, rows, seqlen_q, MASK_ROWS: tl.constexp
 
 
 @triton.jit
-def _add_dq(dq, DQ_ACC, desc_dq, dqa_offs, stride_dqam, stride_dqah, off_b, q_start, head, m, m64, rows, seqlen_q,
-            offs_d, MASKED: tl.constexpr, IS_VARLEN: tl.constexpr, DQ_MODE: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Add a (BLOCK_M, BLOCK_D) fp32 partial dQ of rows [m, m + BLOCK_M) of one query head into the fp32
-    accumulator: DQ_MODE 1 by atomic adds at each element, 2 by one TMA reduce-add of the tile (sm_90; rows past
-    a varlen sequence add zeros to the next one's, as P is 0 there)."""
-    if DQ_MODE == 1:
-        mask = rows[:, None] < seqlen_q
-        if BLOCK_D != HEAD_DIM:
-            mask = mask & (offs_d[None, :] < HEAD_DIM)
-        tl.atomic_add(DQ_ACC + (head * stride_dqah + m64 * stride_dqam) + dqa_offs, dq, mask=mask, sem="relaxed")
-    else:
-        if IS_VARLEN:
-            desc_dq.atomic_add([(q_start + m).to(tl.int32), head, 0], dq.reshape(BLOCK_M, 1, HEAD_DIM))
-        else:
-            desc_dq.atomic_add([off_b, m, head, 0], dq.reshape(1, BLOCK_M, 1, HEAD_DIM))
-
-
-@triton.jit
 def _attn_bwd_dkdv_tile(
     dk, dv, k, v,
     Q, DO, LSE, DELTA,  # scalar pointers at (batch, first query head of the group, row 0)
@@ -103,16 +82,12 @@ def _attn_bwd_dkdv_tile(
     q_offs, do_offs,  # (BLOCK_M, BLOCK_D) offsets of a tile inside one head
     offs_n, offs_m, offs_d,
     start_m, end_m, group_size, seqlen_q, causal_offset, qk_scale,
-    DQ_ACC, desc_dq, dqa_offs, stride_dqam, stride_dqah, off_b, q_start, first_head,  # DQ_MODE > 0: dQ too
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DQ_MODE: tl.constexpr,
 ):
     """Add the contribution of query rows [start_m, end_m) of each of the group's `group_size` query heads
     to the resident key tile's dK, dV. One flat loop over (head, row tile): a nested loop over heads costs
-    the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed.
-    DQ_MODE > 0: also dS K for those rows, added into the fp32 dQ accumulator (`_add_dq`): the dQ kernel's
-    second pass over the scores is saved, at the cost of bitwise determinism."""
+    the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed."""
     n_tiles = tl.cdiv(end_m - start_m, BLOCK_M)
     # max(.., 1): an empty stage must not divide by zero, even in the addresses the software pipeline
     # computes ahead of the loop (seen on the H200 as an illegal memory access).
@@ -139,17 +114,12 @@ def _attn_bwd_dkdv_tile(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
-        if DQ_MODE != 0:
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D) fp32
-            _add_dq(dq, DQ_ACC, desc_dq, dqa_offs, stride_dqam, stride_dqah, off_b, q_start, first_head + g, m, m64,
-                    rows, seqlen_q, offs_d, MASKED, IS_VARLEN, DQ_MODE, HEAD_DIM, BLOCK_D, BLOCK_M)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
-    DQ_ACC, desc_dq,  # DQ_MODE 1: the fp32 dQ accumulator (contiguous, shaped like q); 2: its TMA descriptor
     CU_SEQLENS_Q, CU_SEQLENS_K,
     softmax_scale, qk_scale,  # qk_scale = softmax_scale * log2(e)
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -166,7 +136,6 @@ def _attn_bwd_dkdv(
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DQ_MODE: tl.constexpr = 0,  # 0: dQ by `_attn_bwd_dq`; 1 / 2: accumulated here (`_add_dq`)
 ):
     pid_n = tl.program_id(0)  # grid (key tiles, kv heads, batch)
     off_hk = tl.program_id(1)
@@ -217,17 +186,6 @@ def _attn_bwd_dkdv(
     delta_head = DELTA + batch_l + (off_hk * GROUP_SIZE) * stride_lh
     q_offs = offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, BLOCK_D)
     do_offs = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, BLOCK_D)
-    # The dQ accumulator is contiguous like q: (B, Sq, Hq, D) or (total_q, Hq, D), Hq = GROUP_SIZE x the grid's kv
-    # heads. At (batch, row 0) when DQ_MODE is 1.
-    stride_dqah = HEAD_DIM
-    stride_dqam = GROUP_SIZE * tl.num_programs(1) * HEAD_DIM
-    dqa_head = DQ_ACC
-    if DQ_MODE == 1:
-        if IS_VARLEN:
-            dqa_head = DQ_ACC + q_start.to(tl.int64) * stride_dqam
-        else:
-            dqa_head = DQ_ACC + b64 * SEQLEN_Q * stride_dqam
-    dqa_offs = offs_m[:, None] * stride_dqam + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
     for stage in tl.static_range(3):  # masked [lo, mid), unmasked [mid, full), masked [full, seqlen_q)
         start = lo if stage == 0 else (mid if stage == 1 else full)
         end = mid if stage == 0 else (full if stage == 1 else seqlen_q)
@@ -235,8 +193,7 @@ def _attn_bwd_dkdv(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qh, stride_dom, stride_doh, stride_lh, q_offs, do_offs, offs_n, offs_m, offs_d,
             start, end, GROUP_SIZE, seqlen_q, causal_offset, qk_scale,
-            dqa_head, desc_dq, dqa_offs, stride_dqam, stride_dqah, off_b, q_start, off_hk * GROUP_SIZE,
-            stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST_DOT, DOT_PRECISION, IS_VARLEN, DQ_MODE,
+            stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST_DOT, DOT_PRECISION,
         )
 
     n_mask = offs_n[:, None] < seqlen_k
@@ -384,7 +341,6 @@ def attention_backward(
     max_seqlen_k: int | None = None,
     config: dict | None = None,
     zero_fill: bool = True,
-    dq_mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs (what `attention_forward` took and returned).
 
@@ -395,11 +351,6 @@ def attention_backward(
     for both kernels, or {"dkdv": {...}, "dq": {...}} one each, instead of autotuning.
     Varlen with `zero_fill`: the gradients start at zero, so tokens outside every sequence get 0; pass False
     when cu_seqlens cover every token (the kernels write every other row), saving three memsets.
-    `dq_mode` (default `configs.BWD_DQ_MODE`, FLASHTRITON_BWD_DQ): "kernel" computes dQ in its own kernel
-    (deterministic); "atomic" adds each key tile's dS K into an fp32 accumulator from the dK/dV kernel (one pass
-    over the scores instead of two; not bitwise deterministic); "tma" does those adds as TMA reduce-adds of whole
-    tiles (sm_90, head dim 64 / 128, where the TMA kernels take the tensors; else "atomic"). Not tuned: the two
-    accumulating modes take the dK/dV kernel's heuristic config (autotuning would add into dQ on every trial).
     """
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
@@ -437,12 +388,9 @@ def attention_backward(
         IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
-    dq_mode = configs.BWD_DQ_MODE if dq_mode is None else dq_mode
-    if dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode (FLASHTRITON_BWD_DQ) must be one of {sorted(DQ_MODES)}, got {dq_mode!r}")
     if config is None and INTERPRET:
         config = configs.BWD_INTERPRETER_CONFIG
-    if config is None and (not configs.AUTOTUNE or dq_mode != "kernel"):
+    if config is None and not configs.AUTOTUNE:
         config = configs.default_bwd_configs(block_d, q.element_size(), q.device, bool(causal))
     if config is not None and "dkdv" not in config:
         config = {"dkdv": config, "dq": config}
@@ -453,13 +401,8 @@ def attention_backward(
     def grid_dq(meta):
         return (configs.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
-    if dq_mode != "kernel":
-        _dkdv_with_dq(dq, dq_mode, q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, common, dk_s, dv_s,
-                      l_s, heads_q // heads_kv, tail, constexprs, config["dkdv"], grid_dkdv(config["dkdv"]),
-                      softmax_scale)
-        return dq, dk, dv
-    args_dkdv = (q, k, v, dout, lse, delta, dk, dv, None, None, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s,
-                 *l_s, heads_q // heads_kv, *tail)
+    args_dkdv = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s, *l_s,
+                 heads_q // heads_kv, *tail)
     args_dq = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common, *dq_s, *l_s,
                heads_q // heads_kv, *tail)
     if config is None:
@@ -469,20 +412,3 @@ def attention_backward(
         launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"]})
         launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"]})
     return dq, dk, dv
-
-
-DQ_MODES = {"kernel": 0, "atomic": 1, "tma": 2}
-
-
-def _dkdv_with_dq(dq, dq_mode, q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, common, dk_s, dv_s,
-                  l_s, group_size, tail, constexprs, config, grid, softmax_scale) -> None:
-    """The dK/dV kernel adding every tile's dS K into an fp32 accumulator like q (contiguous), then
-    dq = softmax_scale · accumulator. The accumulator starts at zero: rows no sequence covers get dQ = 0."""
-    varlen = cu_seqlens_q is not None
-    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    tma = dq_mode == "tma" and constexprs["BLOCK_D"] == constexprs["HEAD_DIM"] and tma_ok(q, k, v)
-    desc = tma_descriptor(acc, config["BLOCK_M"], varlen) if tma else None
-    args = (q, k, v, dout, lse, delta, dk, dv, acc if not tma else None, desc, cu_seqlens_q, cu_seqlens_k, *common,
-            *dk_s, *dv_s, *l_s, group_size, *tail)
-    launch(_attn_bwd_dkdv, grid, args, {**constexprs, **config, "DQ_MODE": 2 if tma else 1})
-    dq.copy_(acc.mul_(softmax_scale))
