@@ -266,51 +266,6 @@ def sweep_bwd(opts):
     return rows
 
 
-BWD_DQ_DKDV = [(32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 2)]
-
-
-def sweep_bwd_dq(opts):
-    """The backward with dQ accumulated by the dK/dV kernel (dq_mode "atomic": element atomics, "tma": TMA
-    reduce-adds of whole tiles) at several dK/dV tiles, against the default (dQ by its own kernel) and cuDNN's
-    backward in the same process; every variant's gradients checked against the default's first."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    rows = []
-    for D in opts.head_dims:
-        for causal in (False, True):
-            for T in FWD_SEQLENS:
-                q, k, v = fwd_inputs(T, D, torch.float16)
-                out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
-                do = torch.randn_like(out)
-                flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
-                base = configs.default_bwd_configs(D, 2, q.device, causal)
-                ref = B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal, config=base)
-                cands = [("kernel", base, "kernel")]
-                cands += [(f"{mode} {c}", dict(base, dkdv=cfg(c)), mode) for mode in ("atomic", "tma") for c in BWD_DQ_DKDV]
-                here = []
-                for name, config, mode in cands:
-                    def run(config=config, mode=mode):
-                        return B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal, config=config, dq_mode=mode)
-                    try:
-                        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(run(), ref))
-                        ms = bench(run)
-                        here.append(dict(D=D, causal=causal, T=T, variant=name, ms=ms, tflops=flops / ms / 1e9, err=err))
-                    except Exception as exc:  # noqa: BLE001
-                        here.append(dict(D=D, causal=causal, T=T, variant=name, error=str(exc)[:200]))
-                if DEV == "cuda":
-                    qb, kb, vb, ob = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v, do))
-                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                        o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
-                        ms = bench(lambda: torch.autograd.grad(o, (qb, kb, vb), ob.detach(), retain_graph=True))
-                    here.append(dict(D=D, causal=causal, T=T, variant="cudnn", ms=ms, tflops=flops / ms / 1e9))
-                rows += here
-                print(f"bwd_dq D={D} causal={int(causal)} T={T}:" + "".join(
-                    f" | {r['variant']} {r['tflops']:.0f}" + (f" (err {r['err']:.1e})" if "err" in r else "")
-                    if "tflops" in r else f" | {r['variant']} ERROR" for r in here), flush=True)
-                del q, k, v, out, lse, do
-    return rows
-
-
 def _time_forward(cands, ref, flops, base, cudnn_context=None):
     """Check each (name, fn) forward candidate against ref (the "cudnn" one returns SDPA's (B, H, S, D) layout),
     then time it in a CUDA graph (GPU time only): one row per candidate, base + variant, ms, TFLOP/s, max error
@@ -747,11 +702,11 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "bwd_dq", "decode", "host", "tma", "varlen", "gluon"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--head-dims", type=lambda x: [int(d) for d in x.split(",")], default=[128, 64],
-                    help="gluon, bwd_dq: head dims to sweep")
+                    help="gluon: head dims to sweep")
     ap.add_argument("--fwd-only", action="store_true", help="varlen: the forward kernels only")
     ap.add_argument("--decode-points", default="", help="decode: BxS points instead of the default, e.g. 1x1024,64x1024")
     opts = ap.parse_args()
@@ -759,7 +714,7 @@ def main():
         global DECODE_POINTS
         DECODE_POINTS = [tuple(int(x) for x in p.split("x")) for p in opts.decode_points.split(",")]
     t0 = time.time()
-    sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "bwd_dq": sweep_bwd_dq, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
+    sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
               "varlen": sweep_varlen, "gluon": sweep_gluon}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,7 @@
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
 # Steps: tests (whole suite), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
-# eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,bwd_dq,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), bwd_dq (the backward sweep with
-# FLASHTRITON_BWD_DQ=atomic, then tma), serving (varlen,
+# eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
@@ -31,9 +30,6 @@ for step in "$@"; do
       grep -v "it/s" $R/varlen.txt | tail -14; grep -v "it/s" $R/decode.txt | tail -24 ;;
     varlen) timeout 60 python -m flashtriton bench --suite varlen --rep 60 --warmup 15 --out $R/varlen --no-plots > $R/varlen.txt 2>&1
       grep -v "it/s" $R/varlen.txt | tail -14 ;;
-    bwd_dq) for mode in atomic tma; do FLASHTRITON_BWD_DQ=$mode timeout 150 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn \
-        --modes bwd --dtypes fp16 --head-dims 64,128 --rep 40 --warmup 10 --out $R/bwd_$mode --no-plots > $R/bwd_$mode.txt 2>&1
-      grep -v "it/s" $R/bwd_$mode.txt | tail -28; done ;;
     final) timeout 290 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --modes fwd,bwd \
         --dtypes fp16,bf16 --head-dims 64,128 --rep 40 --warmup 10 --out $R/final --no-plots > $R/final.txt 2>&1
       grep -v "it/s" $R/final.txt | tail -100 ;;
@@ -58,7 +54,7 @@ for step in "$@"; do
       timeout 120 python -m flashtriton tune -B 4 -H 16 -T 4096 -D 128 --causal --out $R/tune_d128 2>&1 | tail -25 | tee $R/tune_d128.txt ;;
     eco) timeout 200 python -m pytest -v -n 4 -p no:cacheprovider --tb=short -rs tests/test_notebook.py tests/test_compile.py \
         tests/test_transformers.py > $R/pytest_eco.txt 2>&1; grep -E "FAILED|ERROR|SKIPPED|passed|failed" $R/pytest_eco.txt | head -20 ;;
-    explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd|bwd_dq) echo 300;; decode) echo 240;; tma) echo 400;; gluon) echo 360;; varlen) echo 150;; *) echo 60;; esac)
+    explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; tma) echo 400;; gluon) echo 360;; varlen) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
   esac
   tar czf $OUT/results.tar.gz -C /tmp results  # after every step: a call cut short still returns what it ran
