@@ -61,7 +61,7 @@ TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128
                64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
                     (128, 128, 4, 3)]}
 
-_GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, EXP_FMA=0)
+_GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
 GLUON_VARLEN = {"q1_unpaired": dict(_GV, Q_BUFFERS=1, CAUSAL_PAIRS=False), "q2_unpaired": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False),
                 "q2_paired": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=True)}
 VARLEN_FWD = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
@@ -329,15 +329,14 @@ def sweep_tma(opts):
 
 
 _G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, Q_BUFFERS=1,
-          CAUSAL_PAIRS=True, EXP_FMA=0)
+          CAUSAL_PAIRS=True)
 _G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)  # 192-row items, as FlashAttention-3 at D = 64
 GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
     # explore7/gluon_2b6137fa8c9f.json also tried one program per item, 64-key tiles, ping-pong
-    # explore8/gluon_72e8c4a825c2.json: items one at a time (unpaired), also with two Q slots
-    128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "fma": dict(_G, EXP_FMA=2), "q2_fma": dict(_G, Q_BUFFERS=2, EXP_FMA=2)},
-    # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles; "fma": half the exponentials by a polynomial
-    64: {"persist": _G, "fma": dict(_G, EXP_FMA=2), "q2_fma": dict(_G, Q_BUFFERS=2, EXP_FMA=2), "c3": _G3,
-         "c3_fma": dict(_G3, EXP_FMA=2), "c3_q2": dict(_G3, Q_BUFFERS=2)}}
+    128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "unpaired": dict(_G, CAUSAL_PAIRS=False),
+          "q2_unpaired": dict(_G, Q_BUFFERS=2, CAUSAL_PAIRS=False)},
+    # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles
+    64: {"persist": _G, "c3": _G3, "c3_q2": dict(_G3, Q_BUFFERS=2)}}
 GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),
     # GQA, and more items than SMs (persistent programs take several)
     (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),

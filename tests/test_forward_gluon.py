@@ -28,7 +28,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 hopper_only = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: sm_90 only (no interpreter)")
 
 _BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
-             Q_BUFFERS=1, CAUSAL_PAIRS=True, EXP_FMA=0)
+             Q_BUFFERS=1, CAUSAL_PAIRS=True)
 CONFIGS = {
     "default": _BASE,
     "one program per item": {**_BASE, "PERSISTENT": False},
@@ -36,8 +36,6 @@ CONFIGS = {
     "ping-pong": {**_BASE, "PINGPONG": True},
     "two Q buffers": {**_BASE, "Q_BUFFERS": 2},
     "causal items one at a time": {**_BASE, "CAUSAL_PAIRS": False},
-    "half the exponentials on the FMA units": {**_BASE, "EXP_FMA": 2},
-    "three consumers, exponentials on the FMA units": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "EXP_FMA": 2},
     "three consumers, two Q buffers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "Q_BUFFERS": 2},
     "varlen dispatch": configs.gluon_varlen_config(128, 4096, 4096, True),
     "three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160},

@@ -253,41 +253,9 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
         mbarrier.wait(v_fixed.index(stage), phase)
 
 
-# 2^f ~ EXP2_C0 + f (EXP2_C1 + f (EXP2_C2 + f EXP2_C3)) on f in [-1/2, 1/2], relative error < 7.5e-5 (a
-# least-squares fit weighted toward minimax; below the 4.9e-4 of rounding P to fp16).
-EXP2_C0, EXP2_C1 = gl.constexpr(0.99992806), gl.constexpr(0.693261)
-EXP2_C2, EXP2_C3 = gl.constexpr(0.24261111), gl.constexpr(0.05517153)
-ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: x + ROUND_MAGIC rounds x to an integer, kept in the low bits
-
-
-@gluon.jit
-def _exp2_fma(x):
-    """2^x on the FMA units instead of the MUFU (FlashAttention-4's trick): x = j + f with j an integer and |f| <= 1/2,
-    2^f by a cubic, then j added to the exponent bits. x < -120 (and -inf) gives 0."""
-    xc = gl.maximum(x, -120.0)
-    r = xc + ROUND_MAGIC
-    f = xc - (r - ROUND_MAGIC)
-    p = gl.fma(gl.fma(gl.fma(f, EXP2_C3, EXP2_C2), f, EXP2_C1), f, EXP2_C0)
-    bits = p.to(gl.int32, bitcast=True) + (r.to(gl.int32, bitcast=True) << 23)  # r's low bits hold j (mod 2^9)
-    return gl.where(x < -120.0, 0.0, bits.to(gl.float32, bitcast=True))
-
-
-@gluon.jit
-def _exp2_split(x, EXP_FMA: gl.constexpr):
-    """2^x of a (ROWS, BLOCK_N) tile with 1/EXP_FMA of the columns on the FMA units (EXP_FMA 0: none): the MUFU
-    computes 16 exponentials per clock per SM, as long as a 128-key tile's two matmuls take at D = 64."""
-    if EXP_FMA == 0:
-        return gl.exp2(x)
-    else:
-        gl.static_assert(EXP_FMA == 2, "EXP_FMA: 0 or 2")
-        x0, x1 = x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute(0, 2, 1).split()
-        y = gl.join(gl.exp2(x0), _exp2_fma(x1)).permute(0, 2, 1).reshape([x.shape[0], x.shape[1]])
-        return gl.convert_layout(y, x.type.layout)
-
-
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
-                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, EXP_FMA: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Fold raw scores s (ROWS, BLOCK_N) of keys [n, n + BLOCK_N) into (m_i, l_i): (p, alpha, m_new, l_new).
     Only tiles that reach past the keys or, causal, past the first row's diagonal pay for the mask."""
     need_mask = n + BLOCK_N > seqlen_k
@@ -302,7 +270,7 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = _exp2_split(s * qk_scale - m_safe[:, None], EXP_FMA)
+    p = gl.exp2(s * qk_scale - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
@@ -311,8 +279,7 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
 @gluon.jit
 def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles, row0, seqlen_k,
             causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
-            EXP_FMA: gl.constexpr):
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1):
     (acc, m_i, l_i, next tile, next turn)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -337,7 +304,7 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, row0, rows, seqlen_k, causal_offset, qk_scale, IS_CAUSAL,
-                                       BLOCK_N, s_layout, EXP_FMA)
+                                       BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_tiles):
@@ -353,7 +320,7 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, rows, seqlen_k, causal_offset, qk_scale,
-                                           IS_CAUSAL, BLOCK_N, s_layout, EXP_FMA)
+                                           IS_CAUSAL, BLOCK_N, s_layout)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -371,8 +338,7 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
 @gluon.jit
 def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-              PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
-              EXP_FMA: gl.constexpr):
+              PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
     kernel's `consumer_args`). The output leaves through o_smem and a TMA store (dense: rows past the sequence
     are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would write the next
@@ -406,7 +372,7 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
             if n_tiles > 0:
                 acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
                                               g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL,
-                                              IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, EXP_FMA)
+                                              IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
             else:  # causal with Sq > Sk: rows that see no key
                 acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
                 m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -442,7 +408,7 @@ def _attn_fwd_gluon(
     stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-    N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, EXP_FMA: gl.constexpr,
+    N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `_item` hands them out (causal: in pairs). num_warps=4: the producer; the N_CONSUMERS (2 or
@@ -508,20 +474,20 @@ def _attn_fwd_gluon(
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
                          Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, EXP_FMA)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, EXP_FMA)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, EXP_FMA)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
                          Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, EXP_FMA)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, EXP_FMA)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
