@@ -61,9 +61,10 @@ TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128
                64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
                     (128, 128, 4, 3)]}
 
-_GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2)
-GLUON_VARLEN = {"q1_unpaired": dict(_GV, Q_BUFFERS=1, CAUSAL_PAIRS=False), "q2_unpaired": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False),
-                "q2_paired": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=True)}
+_GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, DYNAMIC=False)
+GLUON_VARLEN = {"q2_static": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False),
+                "q2_dynamic": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False, DYNAMIC=True),
+                "q1_dynamic": dict(_GV, Q_BUFFERS=1, CAUSAL_PAIRS=False, DYNAMIC=True)}
 VARLEN_FWD = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
 VARLEN_BWD_DKDV = [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3)]
 VARLEN_BWD_DQ = [(64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
@@ -329,7 +330,7 @@ def sweep_tma(opts):
 
 
 _G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, Q_BUFFERS=1,
-          CAUSAL_PAIRS=True)
+          CAUSAL_PAIRS=True, DYNAMIC=False)
 _G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)  # 192-row items, as FlashAttention-3 at D = 64
 GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
     # explore7/gluon_2b6137fa8c9f.json also tried one program per item, 64-key tiles, ping-pong

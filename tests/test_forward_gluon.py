@@ -28,7 +28,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 hopper_only = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: sm_90 only (no interpreter)")
 
 _BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
-             Q_BUFFERS=1, CAUSAL_PAIRS=True)
+             Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False)
 CONFIGS = {
     "default": _BASE,
     "one program per item": {**_BASE, "PERSISTENT": False},
@@ -38,6 +38,8 @@ CONFIGS = {
     "causal items one at a time": {**_BASE, "CAUSAL_PAIRS": False},
     "three consumers, two Q buffers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "Q_BUFFERS": 2},
     "varlen dispatch": configs.gluon_varlen_config(128, 4096, 4096, True),
+    "varlen, static schedule": {**configs.gluon_varlen_config(128, 4096, 4096, True), "DYNAMIC": False},
+    "varlen, dynamic schedule, one Q slot": {**configs.gluon_varlen_config(128, 4096, 4096, True), "Q_BUFFERS": 1},
     "three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160},
     "three consumers, 64-key tiles": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "BLOCK_N": 64, "NUM_BUFFERS": 4},
 }
@@ -63,6 +65,10 @@ def run_gluon(q, k, v, causal, bottom_right, config, softmax_scale=None):
 def test_gluon_kernel_against_float64(name, causal, bottom_right, head_dim, dtype, device):
     if G.shared_memory_bytes(CONFIGS[name], head_dim) > G.SHARED_MEMORY_LIMIT:
         with pytest.raises(ValueError, match="shared memory"):
+            run_gluon(*make_qkv(1, 64, 64, 2, 2, head_dim, dtype, device), causal, bottom_right, CONFIGS[name])
+        return
+    if CONFIGS[name]["DYNAMIC"]:
+        with pytest.raises(ValueError, match="dynamic schedule"):
             run_gluon(*make_qkv(1, 64, 64, 2, 2, head_dim, dtype, device), causal, bottom_right, CONFIGS[name])
         return
     for batch, seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
@@ -100,7 +106,8 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, device,
 
 @hopper_only
 @pytest.mark.parametrize("name", ["default", "one program per item", "three consumers", "two Q buffers",
-                                  "causal items one at a time", "varlen dispatch"])
+                                  "causal items one at a time", "varlen dispatch", "varlen, static schedule",
+                                  "varlen, dynamic schedule, one Q slot"])
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 def test_gluon_kernel_varlen(name, causal, bottom_right, device):
     """Packed sequences (empty, one token, Sq != Sk, longer than a tile, GQA) against float64 per sequence. The
@@ -135,6 +142,38 @@ def test_gluon_kernel_varlen(name, causal, bottom_right, device):
         assert_close_to_exact(out[None, sq], torch_attention(qb, kb, vb, None, causal, bottom_right), exact,
                               torch.bfloat16, f"{name}: sequence {b}")
         torch.testing.assert_close(lse[:, sq][seen].double(), exact_lse[0][seen], atol=1e-3, rtol=1e-3)
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["varlen dispatch", "varlen, static schedule"])
+def test_gluon_kernel_varlen_many_items_per_program(name, causal, device):
+    """More items than programs (each program takes several, from the counter in the dynamic schedule), lengths
+    mixed from 1 to 700 with some empty, GQA: every sequence against float64 on two query heads of different kv
+    heads, and every lse finite. Launched twice: the second launch must not see the first one's counter."""
+    from test_varlen import pack
+
+    gen = torch.Generator().manual_seed(7)
+    lengths = torch.randint(0, 701, (48,), generator=gen).tolist()
+    lengths[3] = lengths[17] = 0
+    q, cu = pack(lengths, 16, 128, torch.float16, device, gen)
+    k, _ = pack(lengths, 4, 128, torch.float16, device, gen)
+    v, _ = pack(lengths, 4, 128, torch.float16, device, gen)
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((16, q.shape[0]), float("nan"), dtype=torch.float32, device=device)
+        G.launch_forward_gluon(q, k, v, out, lse, 128 ** -0.5, causal, True, CONFIGS[name], cu, cu, max(lengths),
+                               max(lengths))
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), name
+    heads = [0, 13]  # kv heads 0 and 3
+    for b, length in enumerate(lengths):
+        if length == 0:
+            continue
+        rows = slice(cu[b], cu[b + 1])
+        qb, kb, vb = q[None, rows][:, :, heads], k[None, rows][:, :, [0, 3]], v[None, rows][:, :, [0, 3]]
+        exact = attention_reference(qb, kb, vb, 128 ** -0.5, causal)
+        assert_close_to_exact(out[None, rows][:, :, heads], torch_attention(qb, kb, vb, 128 ** -0.5, causal), exact,
+                              torch.float16, f"{name}: sequence {b} of length {length}")
 
 
 @pytest.mark.gpu

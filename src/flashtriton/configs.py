@@ -163,7 +163,7 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
       to the TMA kernel everywhere at D = 64, three with causal masks spill registers and lose.
     - Varlen: `gluon_varlen_config`."""
     base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
-                Q_BUFFERS=1, CAUSAL_PAIRS=True)
+                Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False)
     if head_dim == 128:
         return dict(base, Q_BUFFERS=2) if seqlen_k <= 1024 else base
     if head_dim == 64 and not causal and seqlen_k >= 8192:
@@ -182,7 +182,7 @@ def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, cau
     are formed over the longest sequence's query tiles, which most sequences do not have)."""
     if head_dim == 128 and causal:
         return dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
-                    Q_BUFFERS=2, CAUSAL_PAIRS=False)
+                    Q_BUFFERS=2, CAUSAL_PAIRS=False, DYNAMIC=True)
     return None
 
 

@@ -45,40 +45,50 @@ L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the causal schedule k
 
 
 @gluon.jit
-def _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
-          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """This program's i-th work item -> (off_b, off_h, start_m); start_m >= n_m: an empty slot (no rows).
+def _unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
+               HEAD_DIM: gl.constexpr):
+    """Work unit -> (off_b, off_h, start_m) (in pairs: the pair's first item).
 
-    Non-causal: item pid + i · programs, head-major, so the programs running together read the same head's K/V
-    (from L2).
-    Causal: heads go in groups whose K/V fit in L2_BUDGET. CAUSAL_PAIRS: items come in pairs of equal total work,
-    query tiles j and n_m - 1 - j of one head (the longer first), and a program takes pairs pid, pid + programs,
-    ...: its items 2k and 2k + 1 are its k-th pair (with an odd n_m the middle tile is a pair of its own and its
-    second slot is empty); pair j of every head in a group comes before pair j + 1. Otherwise items pid, pid +
-    programs, ... with the longest query tiles (the last rows) first within a group. Handed out one at a time,
-    the programs' totals ended up to 20 % apart from 2k keys on (performance.md, item 18)."""
+    Non-causal: head-major, so the programs running together read the same head's K/V (from L2).
+    Causal: heads go in groups whose K/V fit in L2_BUDGET; within a group, query tile j (counted from the last)
+    of every head comes before tile j + 1: the longest items first. CAUSAL_PAIRS: unit j of a head is the pair
+    of query tiles j and n_m - 1 - j (equal total work, see `_item`)."""
     if IS_CAUSAL:
         heads_per_group = gl.maximum(L2_BUDGET // (max_seqlen_k.to(gl.int64) * HEAD_DIM * 4), 1).to(gl.int32)
         if CAUSAL_PAIRS:
             per_head = (n_m + 1) // 2
-            unit = gl.program_id(0) + (i // 2) * gl.num_programs(0)
         else:
             per_head = n_m
-            unit = gl.program_id(0) + i * gl.num_programs(0)
         group = unit // (per_head * heads_per_group)
         group_heads = gl.minimum(heads_per_group, n_bh - group * heads_per_group)  # the last group may be smaller
         r = unit - group * per_head * heads_per_group
         j = r // group_heads
         bh = group * heads_per_group + r % group_heads
         start_m = n_m - 1 - j
-        if CAUSAL_PAIRS:
-            if i % 2 == 1:
-                start_m = gl.where(j == n_m - 1 - j, n_m, j)  # the middle tile's second slot: empty
     else:
-        w = gl.program_id(0) + i * gl.num_programs(0)
-        bh = w // n_m
-        start_m = w % n_m
+        bh = unit // n_m
+        start_m = unit % n_m
     return bh // heads, bh % heads, start_m
+
+
+@gluon.jit
+def _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
+          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """This program's i-th work item (static schedule) -> (off_b, off_h, start_m); start_m >= n_m: an empty slot.
+
+    Units (`_unit_item`) pid, pid + programs, ...; CAUSAL_PAIRS: items 2k and 2k + 1 are the program's k-th pair
+    (with an odd n_m the middle tile is a pair of its own and its second slot is empty). Handed out one at a
+    time, the programs' totals ended up to 20 % apart from 2k keys on (performance.md, item 18)."""
+    if IS_CAUSAL and CAUSAL_PAIRS:
+        unit = gl.program_id(0) + (i // 2) * gl.num_programs(0)
+    else:
+        unit = gl.program_id(0) + i * gl.num_programs(0)
+    off_b, off_h, start_m = _unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM)
+    if IS_CAUSAL and CAUSAL_PAIRS:
+        if i % 2 == 1:
+            j = n_m - 1 - start_m
+            start_m = gl.where(j == n_m - 1 - j, n_m, j)  # the middle tile's second slot: empty
+    return off_b, off_h, start_m
 
 
 @gluon.jit
@@ -158,6 +168,35 @@ def _work(i, n_items, ahead, items, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT
     return off_b, off_h, start_m, seq, bounds, ahead
 
 
+# Dynamic schedule (varlen): the producer takes units from a global counter and posts each item with rows to
+# the consumers in the shared-memory slot of its Q: (off_b, off_h, start_m, q_start, seqlen_q, seqlen_k), and
+# off_b = -1 once the counter has run out.
+ITEM_FIELDS = gl.constexpr(8)
+
+
+@gluon.jit
+def _post_item(slot, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k):
+    """Write an item into its slot; the caller's arrive on the Q slot's barrier then publishes it (release)."""
+    layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [4], [0])  # every thread holds all fields
+    f = gl.arange(0, ITEM_FIELDS, layout=layout)
+    vals = gl.where(f == 0, off_b, gl.where(f == 1, off_h, gl.where(f == 2, start_m, gl.where(
+        f == 3, q_start, gl.where(f == 4, seqlen_q, seqlen_k)))))
+    slot.store(vals)
+    gl.thread_barrier()  # every producer thread's copy is written before the one that arrives goes on
+
+
+@gluon.jit
+def _read_item(slot):
+    """The item posted in `slot` (after its Q barrier's wait): (off_b, off_h, start_m, q_start, seqlen_q,
+    seqlen_k)."""
+    layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [4], [0])
+    f = gl.arange(0, ITEM_FIELDS, layout=layout)
+    vals = slot.load(layout)
+    return (gl.sum(gl.where(f == 0, vals, 0), 0), gl.sum(gl.where(f == 1, vals, 0), 0),
+            gl.sum(gl.where(f == 2, vals, 0), 0), gl.sum(gl.where(f == 3, vals, 0), 0),
+            gl.sum(gl.where(f == 4, vals, 0), 0), gl.sum(gl.where(f == 5, vals, 0), 0))
+
+
 @gluon.jit
 def _tma_load(desc, IS_VARLEN: gl.constexpr, off_b, row, head, bar, buf):
     """Rows [row, row + block) of one head: dense descriptors are rank 4 over (B, S, H, D), varlen ones rank 3
@@ -181,55 +220,90 @@ def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
+def _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DYNAMIC: gl.constexpr):
+    """One item's loads (see `_producer`): its Q into slot qi % Q_BUFFERS (DYNAMIC: the item posted there too),
+    its n_tiles K/V tiles into the ring from tile c on. Returns (qi + 1, c + n_tiles)."""
+    (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
+     items, n_items, group_size, slots, COUNTER) = shared
+    HEAD_DIM: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 1]
+    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
+    q_start, seqlen_q, k_start, seqlen_k = seq
+    off_hk = off_h // group_size
+    qs = qi % Q_BUFFERS
+    mbarrier.wait(q_empty.index(qs), ((qi // Q_BUFFERS) & 1) ^ 1, pred=qi >= Q_BUFFERS)
+    if DYNAMIC:
+        _post_item(slots.index(qs), off_b, off_h, start_m, q_start, seqlen_q, seqlen_k)
+    mbarrier.expect(q_ready.index(qs), N_CONSUMERS * desc_q.block_type.nbytes)
+    for h in gl.static_range(N_CONSUMERS):
+        _tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m * BLOCK_M + h * ROWS, off_h, q_ready.index(qs),
+                  q_bufs.index(qs * N_CONSUMERS + h))
+    for t in range(n_tiles):
+        stage = c % NUM_BUFFERS
+        phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
+        mbarrier.wait(k_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
+        mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
+        _tma_load(desc_k, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, k_ready.index(stage), k_bufs.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
+        mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+        _tma_load(desc_v, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, v_ready.index(stage), v_bufs.index(stage))
+        if IS_VARLEN:
+            if (t + 1) * BLOCK_N > seqlen_k:
+                mbarrier.wait(v_ready.index(stage), phase ^ 1)
+                _zero_rows_from(v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - t * BLOCK_N,
+                                BLOCK_N, HEAD_DIM)
+                fence_async_shared()  # the generic stores, before the wgmma (async proxy) reads
+            mbarrier.arrive(v_fixed.index(stage), count=1)
+        c += 1
+    return qi + 1, c
+
+
+@gluon.jit
 def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
-              CAUSAL_PAIRS: gl.constexpr):
+              CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr):
     """TMA loads of this program's items: Q into slot qi % Q_BUFFERS once the consumers are done with the item
     that held it (with two slots, an item's Q lands while the one before runs); K/V tile c
     (counted over all items) into stage c % NUM_BUFFERS once they all released the tile it held (K and V have
     their own barriers: S = Q Kᵀ can start before V lands). Varlen: a sequence's last V tile also holds rows of
     the next sequence; P is 0 there, but 0 · inf is not 0, so those rows are zeroed in shared memory once the
-    tile has landed, and every V tile is announced on v_fixed as well."""
+    tile has landed, and every V tile is announced on v_fixed as well.
+    Static schedule: the items `_item` gives this program. DYNAMIC (varlen): units from the global COUNTER, the
+    next one taken while the current one loads, so that a program that drew short items draws more (a static
+    schedule left the busiest program 5-11 % above the mean on mixed lengths); items without rows are skipped
+    here, and the consumers learn each item from its Q slot."""
     (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
-     items, n_items, group_size) = shared
+     items, n_items, group_size, slots, COUNTER) = shared
     HEAD_DIM: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 1]
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0  # K/V tiles issued, over all items
     qi = 0  # items with rows, whose Q was loaded
-    ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
-    for i in range(0, n_items):
-        off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                                          CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
-        q_start, seqlen_q, k_start, seqlen_k = seq
-        causal_offset, n_tiles, has_rows = bounds
-        if has_rows:
-            off_hk = off_h // group_size
-            qs = qi % Q_BUFFERS
-            mbarrier.wait(q_empty.index(qs), ((qi // Q_BUFFERS) & 1) ^ 1, pred=qi >= Q_BUFFERS)
-            mbarrier.expect(q_ready.index(qs), N_CONSUMERS * desc_q.block_type.nbytes)
-            for h in gl.static_range(N_CONSUMERS):
-                _tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m * BLOCK_M + h * ROWS, off_h, q_ready.index(qs),
-                          q_bufs.index(qs * N_CONSUMERS + h))
-            qi += 1
-            for t in range(n_tiles):
-                stage = c % NUM_BUFFERS
-                phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
-                mbarrier.wait(k_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
-                mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-                _tma_load(desc_k, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, k_ready.index(stage),
-                          k_bufs.index(stage))
-                mbarrier.wait(v_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
-                mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-                _tma_load(desc_v, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, v_ready.index(stage),
-                          v_bufs.index(stage))
-                if IS_VARLEN:
-                    if (t + 1) * BLOCK_N > seqlen_k:
-                        mbarrier.wait(v_ready.index(stage), phase ^ 1)
-                        _zero_rows_from(v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - t * BLOCK_N,
-                                        BLOCK_N, HEAD_DIM)
-                        fence_async_shared()  # the generic stores, before the wgmma (async proxy) reads
-                    mbarrier.arrive(v_fixed.index(stage), count=1)
-                c += 1
+    if DYNAMIC:
+        n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k = items
+        unit = gl.atomic_add(COUNTER, 1, sem="relaxed")
+        while unit < n_m * n_bh:
+            next_unit = gl.atomic_add(COUNTER, 1, sem="relaxed")  # in flight while this unit's loads are issued
+            off_b, off_h, start_m = _unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, False, HEAD_DIM)
+            seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, True)
+            causal_offset, n_tiles, has_rows = _bounds(start_m, seq[1], seq[3], IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                                       BLOCK_M, BLOCK_N)
+            if has_rows:
+                qi, c = _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
+                                   N_CONSUMERS, Q_BUFFERS, DYNAMIC)
+            unit = next_unit
+        qs = qi % Q_BUFFERS  # the end: an item with off_b = -1, and no Q
+        mbarrier.wait(q_empty.index(qs), ((qi // Q_BUFFERS) & 1) ^ 1, pred=qi >= Q_BUFFERS)
+        _post_item(slots.index(qs), -1, 0, 0, 0, 0, 0)
+        mbarrier.arrive(q_ready.index(qs), count=1)
+    else:
+        ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
+        for i in range(0, n_items):
+            off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                                              CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
+            causal_offset, n_tiles, has_rows = bounds
+            if has_rows:
+                qi, c = _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
+                                   N_CONSUMERS, Q_BUFFERS, DYNAMIC)
 
 
 @gluon.jit
@@ -336,84 +410,116 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
 
 
 @gluon.jit
-def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-              IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-              PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr):
-    """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
-    kernel's `consumer_args`). The output leaves through o_smem and a TMA store (dense: rows past the sequence
-    are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would write the next
-    sequence's rows)."""
+def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles,
+                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
+    """One item's rows of this warpgroup, its Q landed in slot qs: attend, release the slot, store out and lse.
+    Returns the ring's next tile and the next ping-pong turn."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
-     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh) = shared
+     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     dtype: gl.constexpr = q_bufs.dtype
-    o_smem = o_bufs.index(WG)
+    row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
+    q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
+    if n_tiles > 0:
+        acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
+                                      g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL,
+                                      IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
+    else:  # causal with Sq > Sk: rows that see no key
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    mbarrier.arrive(q_empty.index(qs), count=1)
+
+    # out = acc / l, lse = m + log(l); rows that saw no key: out 0, lse -inf.
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(dtype)
+    if IS_VARLEN:
+        o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (O + (q_start + o_rows)[:, None].to(gl.int64) * stride_om + off_h * stride_oh
+                  + o_cols[None, :])
+        gl.store(o_ptrs, out, mask=(o_rows < seqlen_q)[:, None])
+    else:
+        o_smem = o_bufs.index(WG)
+        o_smem.reshape([ROWS, HEAD_DIM]).store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_o, [off_b, row0, off_h, 0], o_smem)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start + rows, lse,
+             mask=rows < seqlen_q)
+    return c, g
+
+
+@gluon.jit
+def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+              IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+              PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
+              DYNAMIC: gl.constexpr):
+    """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
+    kernel's `consumer_args`). The output leaves through o_smem and a TMA store (dense: rows past the sequence
+    are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would write the next
+    sequence's rows). DYNAMIC: the items the producer posts in the Q slots, until one says there are no more."""
+    (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
+     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0  # K/V tiles consumed, over all items
     g = 0  # ping-pong turns taken
     qi = 0  # items with rows
-    ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
-    for i in range(0, n_items):
-        off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                                          CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
-        q_start, seqlen_q, k_start, seqlen_k = seq
-        causal_offset, n_tiles, has_rows = bounds
-        if has_rows:
-            row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
-            if not IS_VARLEN:
-                tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
+    if DYNAMIC:
+        more = gl.to_tensor(True)
+        while more:
             qs = qi % Q_BUFFERS
             mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
-            q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
+            off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = _read_item(slots.index(qs))
+            more = off_b >= 0
+            if more:
+                causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                                           BLOCK_M, BLOCK_N)
+                c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
+                                     causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                                     PINGPONG, N_CONSUMERS)
             qi += 1
-            if n_tiles > 0:
-                acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
-                                              g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL,
-                                              IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
-            else:  # causal with Sq > Sk: rows that see no key
-                acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-                m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-                l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-            mbarrier.arrive(q_empty.index(qs), count=1)
-
-            # out = acc / l, lse = m + log(l); rows that saw no key: out 0, lse -inf.
-            empty = l_i == 0.0
-            l_safe = gl.where(empty, 1.0, l_i)
-            out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(dtype)
-            if IS_VARLEN:
-                o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-                o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                o_ptrs = (O + (q_start + o_rows)[:, None].to(gl.int64) * stride_om + off_h * stride_oh
-                          + o_cols[None, :])
-                gl.store(o_ptrs, out, mask=(o_rows < seqlen_q)[:, None])
-            else:
-                o_smem.reshape([ROWS, HEAD_DIM]).store(out)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(desc_o, [off_b, row0, off_h, 0], o_smem)
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start + rows, lse,
-                     mask=rows < seqlen_q)
-    if not IS_VARLEN:
-        tma.store_wait(0)
+    else:
+        ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
+        for i in range(0, n_items):
+            off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                                              CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
+            q_start, seqlen_q, k_start, seqlen_k = seq
+            causal_offset, n_tiles, has_rows = bounds
+            if has_rows:
+                if not IS_VARLEN:
+                    tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
+                qs = qi % Q_BUFFERS
+                mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
+                c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
+                                     causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                                     PINGPONG, N_CONSUMERS)
+                qi += 1
+        if not IS_VARLEN:
+            tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["stride_om", "stride_oh", "stride_lb", "stride_lh", "HEADS", "BATCH", "GROUP_SIZE",
                               "SEQLEN_Q", "SEQLEN_K"])
 def _attn_fwd_gluon(
-    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale, stride_om, stride_oh, stride_lb,
+    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale, stride_om, stride_oh, stride_lb,
     stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-    N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
+    N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `_item` hands them out (causal: in pairs). num_warps=4: the producer; the N_CONSUMERS (2 or
     3) consumer warpgroups are worker partitions."""
     gl.static_assert((N_CONSUMERS == 2) | ((N_CONSUMERS == 3) & (not PINGPONG)), "2 consumers, or 3 without ping-pong")
+    gl.static_assert(not DYNAMIC or (IS_VARLEN and not (IS_CAUSAL and CAUSAL_PAIRS)), "DYNAMIC: varlen, unpaired")
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
@@ -435,6 +541,10 @@ def _attn_fwd_gluon(
     v_fixed = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    if DYNAMIC:  # the items the producer posts to the consumers, one slot per Q slot
+        slots = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        slots = q_ready  # unused
     for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=N_CONSUMERS)  # one arrive per consumer warpgroup
@@ -465,29 +575,29 @@ def _attn_fwd_gluon(
     stride_lh = gl.to_tensor(stride_lh)
     items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k)  # what `_work` hands out
     producer_args = (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
-                     k_empty, v_empty, items, n_items, group_size)
+                     k_empty, v_empty, items, n_items, group_size, slots, COUNTER)
     consumer_args = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn,
-                     desc_o, O, LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh)
+                     desc_o, O, LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots)
     # One list per consumer count (a kernel cannot hold a function in a variable, nor grow a list in a loop).
     if N_CONSUMERS == 3:
         gl.warp_specialize([
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
-                         Q_BUFFERS, CAUSAL_PAIRS)),
+                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
-                         Q_BUFFERS, CAUSAL_PAIRS)),
+                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -556,6 +666,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     if shared_memory_bytes(config, head_dim, 2, varlen) > SHARED_MEMORY_LIMIT:
         raise ValueError(f"Gluon forward config {config} needs {shared_memory_bytes(config, head_dim, 2, varlen)} "
                          f"bytes of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
+    if config["DYNAMIC"] and (not varlen or (causal and config["CAUSAL_PAIRS"])):
+        raise ValueError(f"Gluon forward config {config}: the dynamic schedule is for varlen batches, items one at a time")
     config = dict(config)
     persistent = config.pop("PERSISTENT")
     n_m = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
@@ -569,14 +681,14 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
 
 
 def launch_args(q, k, v, out, lse, softmax_scale: float, block_n: int, ints: tuple, cu_seqlens_q=None,
-                cu_seqlens_k=None) -> tuple:
+                cu_seqlens_k=None, counter=None) -> tuple:
     """The kernel's runtime arguments: the four descriptors, out, lse, cu_seqlens (varlen; else lse stands in),
-    the scale, then `ints`."""
+    the dynamic schedule's counter (a zeroed int32; else lse stands in), the scale, then `ints`."""
     varlen = cu_seqlens_q is not None
     rows = ROWS.value
     return (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
             descriptor(out, rows, varlen), out, lse, cu_seqlens_q if varlen else lse,
-            cu_seqlens_k if varlen else lse, softmax_scale * LOG2E, *ints)
+            cu_seqlens_k if varlen else lse, lse if counter is None else counter, softmax_scale * LOG2E, *ints)
 
 
 def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config, cu_seqlens_q=None,
@@ -587,8 +699,9 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
     batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, num_sms(q.device.index),
                                     batch, max_seqlen_q, max_seqlen_k)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config["DYNAMIC"] else None  # one per launch
     _attn_fwd_gluon[grid](*launch_args(q, k, v, out, lse, softmax_scale, config["BLOCK_N"], ints, cu_seqlens_q,
-                                       cu_seqlens_k), **meta)
+                                       cu_seqlens_k, counter), **meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
@@ -608,7 +721,8 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     descriptors = {"desc_q": descriptor(t, rows, varlen), "desc_o": descriptor(t, rows, varlen),
                    "desc_k": descriptor(t, config["BLOCK_N"], varlen), "desc_v": descriptor(t, config["BLOCK_N"], varlen)}
     pointers = {"O": "*bf16" if dtype == torch.bfloat16 else "*fp16", "LSE": "*fp32",
-                "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32"}
+                "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
+                "COUNTER": "*i32" if config["DYNAMIC"] else "*fp32"}
     names = _attn_fwd_gluon.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
                  else pointers[name] if name in pointers else "fp32" if name == "qk_scale" else "i32"
