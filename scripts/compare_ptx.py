@@ -75,13 +75,13 @@ def main(out_dir: str) -> None:
 
 def gluon_kernels(out: Path) -> None:
     """The Gluon forward in every config the dispatch picks: dense D=128 (long and short keys, causal or not),
-    D=64 non-causal (three consumers), varlen D=128 causal."""
+    D=64 non-causal (three consumers), varlen D=128 (dynamic schedule), causal or not."""
     from flashtriton import configs
     from flashtriton.kernels.forward_gluon import compile_for_sm90
 
     cases = [(d, t, c, False) for d, t, c in ((128, 16384, False), (128, 16384, True), (128, 1024, False),
                                               (128, 1024, True), (64, 16384, False))]
-    cases.append((128, 4096, True, True))
+    cases += [(128, 4096, True, True), (128, 4096, False, True)]
     for head_dim, keys, causal, varlen in cases:
         pick = configs.gluon_varlen_config if varlen else configs.gluon_fwd_config
         compiled = compile_for_sm90(head_dim, causal, pick(head_dim, keys, keys, causal), varlen=varlen)

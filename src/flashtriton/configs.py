@@ -179,10 +179,13 @@ def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, cau
     sequence's last V tile, which the producer waits for before clearing the next sequence's rows in it.
     Session 6: two Q slots (short items) and the next item's sequence bounds loaded while the current one runs;
     causal only (its items reach a sequence's last key once per sequence and head), items one at a time (pairs
-    are formed over the longest sequence's query tiles, which most sequences do not have)."""
-    if head_dim == 128 and causal:
+    are formed over the longest sequence's query tiles, which most sequences do not have).
+    Session 7 (explore9/varlen_fwd_de6340f13ce5.json, same batch, ms causal / non-causal): items from a global
+    counter (DYNAMIC) instead of a static share per program, 4.14 → 3.70 with two Q slots and 3.33 with one;
+    non-causal 7.43 → 6.31 / 6.06, ahead of the TMA kernel's best tiles (6.48): both take it."""
+    if head_dim == 128:
         return dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
-                    Q_BUFFERS=2, CAUSAL_PAIRS=False, DYNAMIC=True)
+                    Q_BUFFERS=1, CAUSAL_PAIRS=False, DYNAMIC=True)
     return None
 
 
