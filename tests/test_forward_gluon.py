@@ -67,10 +67,6 @@ def test_gluon_kernel_against_float64(name, causal, bottom_right, head_dim, dtyp
         with pytest.raises(ValueError, match="shared memory"):
             run_gluon(*make_qkv(1, 64, 64, 2, 2, head_dim, dtype, device), causal, bottom_right, CONFIGS[name])
         return
-    if CONFIGS[name]["DYNAMIC"]:
-        with pytest.raises(ValueError, match="dynamic schedule"):
-            run_gluon(*make_qkv(1, 64, 64, 2, 2, head_dim, dtype, device), causal, bottom_right, CONFIGS[name])
-        return
     for batch, seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
         q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
         out, lse = run_gluon(q, k, v, causal, bottom_right, CONFIGS[name])
@@ -221,6 +217,14 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
     assert G.launch_parts((1, 300, 2, 128), (1, 300, 2, 128), True, True, _BASE, sms=132)[0] == (2 * 2, 1, 1)
     three = {**_BASE, "N_CONSUMERS": 3}
     assert G.launch_parts(q_shape, k_shape, False, True, {**three, "PERSISTENT": False}, 132)[0][0] == 6 * 16 * 3
+
+
+def test_dynamic_schedule_takes_causal_items_one_at_a_time():
+    with pytest.raises(ValueError, match="dynamic schedule"):
+        G.launch_parts((2, 256, 4, 128), (2, 256, 4, 128), True, True, {**_BASE, "DYNAMIC": True}, 132)
+    grid, _, meta = G.launch_parts((2, 256, 4, 128), (2, 256, 4, 128), True, True,
+                                   {**_BASE, "DYNAMIC": True, "CAUSAL_PAIRS": False}, 132)
+    assert meta["DYNAMIC"] and grid == (2 * 4 * 2, 1, 1)  # one program per item up to the SM count
 
 
 def test_shared_memory_estimate_and_limit():

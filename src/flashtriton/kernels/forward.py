@@ -298,7 +298,8 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
 
 def _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale) -> None:
     if plan.gluon:
-        args = forward_gluon.launch_args(q, k, v, out, lse, softmax_scale, plan.block_n, plan.ints)
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.meta["DYNAMIC"] else None
+        args = forward_gluon.launch_args(q, k, v, out, lse, softmax_scale, plan.block_n, plan.ints, None, None, counter)
     else:
         args = _tma_args(q, k, v, out, lse, softmax_scale, plan.block_m, plan.block_n, False, None, None, plan.ints)
     if plan.relaunch is not None and not hooks_installed():

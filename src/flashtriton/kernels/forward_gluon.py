@@ -168,7 +168,7 @@ def _work(i, n_items, ahead, items, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT
     return off_b, off_h, start_m, seq, bounds, ahead
 
 
-# Dynamic schedule (varlen): the producer takes units from a global counter and posts each item with rows to
+# Dynamic schedule: the producer takes units from a global counter and posts each item with rows to
 # the consumers in the shared-memory slot of its Q: (off_b, off_h, start_m, q_start, seqlen_q, seqlen_k), and
 # off_b = -1 once the counter has run out.
 ITEM_FIELDS = gl.constexpr(8)
@@ -268,7 +268,7 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
     their own barriers: S = Q Kᵀ can start before V lands). Varlen: a sequence's last V tile also holds rows of
     the next sequence; P is 0 there, but 0 · inf is not 0, so those rows are zeroed in shared memory once the
     tile has landed, and every V tile is announced on v_fixed as well.
-    Static schedule: the items `_item` gives this program. DYNAMIC (varlen): units from the global COUNTER, the
+    Static schedule: the items `_item` gives this program. DYNAMIC: units from the global COUNTER, the
     next one taken while the current one loads, so that a program that drew short items draws more (a static
     schedule left the busiest program 5-11 % above the mean on mixed lengths); items without rows are skipped
     here, and the consumers learn each item from its Q slot."""
@@ -284,7 +284,7 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
         while unit < n_m * n_bh:
             next_unit = gl.atomic_add(COUNTER, 1, sem="relaxed")  # in flight while this unit's loads are issued
             off_b, off_h, start_m = _unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, False, HEAD_DIM)
-            seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, True)
+            seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
             causal_offset, n_tiles, has_rows = _bounds(start_m, seq[1], seq[3], IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                        BLOCK_M, BLOCK_N)
             if has_rows:
@@ -480,12 +480,16 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
             off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = _read_item(slots.index(qs))
             more = off_b >= 0
             if more:
+                if not IS_VARLEN:
+                    tma.store_wait(0)  # the previous item's output has left o_smem
                 causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                            BLOCK_M, BLOCK_N)
                 c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
                                      causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                                      PINGPONG, N_CONSUMERS)
             qi += 1
+        if not IS_VARLEN:
+            tma.store_wait(0)
     else:
         ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
         for i in range(0, n_items):
@@ -519,7 +523,7 @@ def _attn_fwd_gluon(
     longest sequences', B the sequences) as `_item` hands them out (causal: in pairs). num_warps=4: the producer; the N_CONSUMERS (2 or
     3) consumer warpgroups are worker partitions."""
     gl.static_assert((N_CONSUMERS == 2) | ((N_CONSUMERS == 3) & (not PINGPONG)), "2 consumers, or 3 without ping-pong")
-    gl.static_assert(not DYNAMIC or (IS_VARLEN and not (IS_CAUSAL and CAUSAL_PAIRS)), "DYNAMIC: varlen, unpaired")
+    gl.static_assert(not (DYNAMIC and IS_CAUSAL and CAUSAL_PAIRS), "DYNAMIC: items one at a time")
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
@@ -666,8 +670,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     if shared_memory_bytes(config, head_dim, 2, varlen) > SHARED_MEMORY_LIMIT:
         raise ValueError(f"Gluon forward config {config} needs {shared_memory_bytes(config, head_dim, 2, varlen)} "
                          f"bytes of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
-    if config["DYNAMIC"] and (not varlen or (causal and config["CAUSAL_PAIRS"])):
-        raise ValueError(f"Gluon forward config {config}: the dynamic schedule is for varlen batches, items one at a time")
+    if config["DYNAMIC"] and causal and config["CAUSAL_PAIRS"]:
+        raise ValueError(f"Gluon forward config {config}: the dynamic schedule takes items one at a time")
     config = dict(config)
     persistent = config.pop("PERSISTENT")
     n_m = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
