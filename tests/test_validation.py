@@ -212,6 +212,39 @@ def test_offsets_within_int32_pass():
     validation.check_int32_offsets(("q",), (_Strided((64, 4096, 32, 128), (2**24, 4096, 128, 1)),), (4096,))
 
 
+def test_batches_and_heads_beyond_the_launch_grid_are_refused(device):
+    """The kernels' grid holds heads and batch entries on CUDA's y / z axes (at most 65535 each): more is refused
+    before anything is launched, in every entry point (tensors with expanded strides: no memory behind them)."""
+    many = validation.GRID_LIMIT + 1
+    q = torch.randn(1, 1, 1, 16, device=device, dtype=torch.float16).expand(many, 1, 1, 16)
+    with pytest.raises(NotImplementedError, match="launch grid"):
+        flashtriton.flash_attn_func(q, q, q)
+    with pytest.raises(NotImplementedError, match="launch grid"):
+        flashtriton.scaled_dot_product_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2))
+    heads = torch.randn(1, 1, 1, 16, device=device, dtype=torch.float16).expand(1, 1, many, 16)
+    with pytest.raises(NotImplementedError, match="launch grid"):
+        flashtriton.flash_attn_func(heads, heads, heads)
+    packed = torch.randn(1, 1, 16, device=device, dtype=torch.float16)
+    cu = torch.tensor([0] + [1] * many, dtype=torch.int32, device=device)  # one token, then empty sequences
+    with pytest.raises(NotImplementedError, match="launch grid"):
+        flashtriton.flash_attn_varlen_func(packed, packed, packed, cu, cu, 1, 1)
+    validation.check_grid(validation.GRID_LIMIT, validation.GRID_LIMIT)  # the limit itself is fine
+
+
+def test_gluon_work_units_must_fit_32_bit_counters():
+    """Varlen work units span the longest sequence's query tiles for every sequence: many (empty) sequences with
+    one long one would overflow the Gluon kernel's int32 unit count; its launcher refuses that, and the
+    dispatch leaves such batches to the TMA kernel (whose grid is (tiles, heads, batch))."""
+    forward_gluon = pytest.importorskip("flashtriton.kernels.forward_gluon")
+    from flashtriton import configs
+
+    config = configs.gluon_varlen_config(128, 2**20, 2**20, True)
+    assert forward_gluon.work_units(2**20, 64, 40000, config, True) >= forward_gluon.UNIT_LIMIT
+    assert forward_gluon.work_units(4096, 16, 64, config, True) == 32 * 16 * 64
+    with pytest.raises(ValueError, match="32-bit"):
+        forward_gluon.launch_parts((2**20, 64, 128), (2**20, 8, 128), True, True, config, 132, 40000, 2**20, 2**20)
+
+
 def test_strided_cu_seqlens_are_read_as_their_values(device):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(10, 2, 16, generator=gen).to(device=device, dtype=torch.float16)

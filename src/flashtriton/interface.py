@@ -75,6 +75,7 @@ def flash_attn_func(
     V.check_scale("softmax_scale", softmax_scale)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     V.check_int32_offsets(("q", "k", "v"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
+    V.check_grid(q.shape[0], q.shape[2])
     out, lse = attention(
         q, k, v, _default_scale(softmax_scale, q.shape[-1]), bool(causal), True,
         None, None, q.shape[1], k.shape[1],
@@ -129,6 +130,7 @@ def flash_attn_varlen_func(
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # kernels index them densely
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     V.check_int32_offsets(("q", "k", "v"), (q, k, v), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
+    V.check_grid(batch, q.shape[1])
     if q.shape[1] * q.shape[0] >= V.INT32_LIMIT:
         raise NotImplementedError(f"nheads x total_q = {q.shape[1] * q.shape[0]} must be below 2**31 (32-bit offsets)")
     out, lse = attention(
@@ -170,6 +172,7 @@ def scaled_dot_product_attention(
     V.check_scale("scale", scale)
     q, k, v = (V.last_dim_contiguous(t.transpose(1, 2)) for t in (query, key, value))  # (B, S, H, D) views
     V.check_int32_offsets(("query", "key", "value"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
+    V.check_grid(q.shape[0], q.shape[2])
     out, _ = attention(
         q, k, v, _default_scale(scale, q.shape[-1]), bool(is_causal), False,
         None, None, q.shape[1], k.shape[1],

@@ -117,6 +117,18 @@ def check_int32_offsets(names: tuple[str, ...], tensors: tuple, seq_len_of: tupl
             )
 
 
+GRID_LIMIT = 65535  # CUDA's largest grid y / z: the attention kernels put heads and batch entries there
+
+
+def check_grid(batch: int, heads: int) -> None:
+    """The forward and backward kernels run a grid (tiles, heads, batch): both must fit CUDA's y / z limit."""
+    if batch > GRID_LIMIT or heads > GRID_LIMIT:
+        raise NotImplementedError(
+            f"batch {batch} and heads {heads} must each be at most {GRID_LIMIT} (the kernels' launch grid); "
+            f"split the call"
+        )
+
+
 def plain_tensors(*tensors) -> bool:
     """Whether every argument is a plain torch.Tensor or None: no subclass (fake, functional) is being traced."""
     return all(t is None or type(t) is torch.Tensor for t in tensors)

@@ -369,6 +369,9 @@ def launch_forward(
     if config is None and varlen and tma_ok(q, k, v, out):
         gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal))
                         if configs.USE_GLUON and forward_gluon is not None and softmax_scale > 0 else None)
+        if gluon_config is not None and (forward_gluon.work_units(seqlen_q, heads_q, batch, gluon_config, bool(causal))
+                                         >= forward_gluon.UNIT_LIMIT):  # many (empty) sequences: the TMA kernel
+            gluon_config = None
         if gluon_config is not None:
             forward_gluon.launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
                                                gluon_config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

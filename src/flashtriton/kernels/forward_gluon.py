@@ -643,6 +643,15 @@ def num_sms(device_index: int) -> int:
 
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90 (H100 / H200)
+# Work units are counted in int32, and a program's last draw (or static slot) runs up to one grid past the end.
+UNIT_LIMIT = 2**31 - 2**20
+
+
+def work_units(seqlen_q: int, heads_q: int, batch: int, config: dict, causal: bool) -> int:
+    """How many work units a launch hands out: query tiles (in pairs: pairs of them) x heads x batch entries;
+    varlen: over the longest sequence's tiles, for every sequence."""
+    n_m = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
+    return ((n_m + 1) // 2 if causal and config["CAUSAL_PAIRS"] else n_m) * heads_q * batch
 
 
 def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen: bool = False) -> int:
@@ -673,11 +682,11 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
                          f"bytes of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if config["DYNAMIC"] and causal and config["CAUSAL_PAIRS"]:
         raise ValueError(f"Gluon forward config {config}: the dynamic schedule takes items one at a time")
+    units = work_units(seqlen_q, heads_q, batch, config, causal)  # pairs of items, or items
+    if units >= UNIT_LIMIT:
+        raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
     config = dict(config)
     persistent = config.pop("PERSISTENT")
-    n_m = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
-    paired = causal and config["CAUSAL_PAIRS"]
-    units = ((n_m + 1) // 2 if paired else n_m) * heads_q * batch  # pairs of items, or items
     grid = (min(units, sms) if persistent else units, 1, 1)
     ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
     meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
