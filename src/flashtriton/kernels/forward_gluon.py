@@ -489,8 +489,6 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
                                      causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                                      PINGPONG, N_CONSUMERS)
             qi += 1
-        if not IS_VARLEN:
-            tma.store_wait(0)
     else:
         ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
         for i in range(0, n_items):
@@ -507,8 +505,8 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
                                      causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                                      PINGPONG, N_CONSUMERS)
                 qi += 1
-        if not IS_VARLEN:
-            tma.store_wait(0)
+    if not IS_VARLEN:
+        tma.store_wait(0)  # the last item's output has left o_smem
 
 
 @gluon.jit(do_not_specialize=["stride_om", "stride_oh", "stride_lb", "stride_lh", "HEADS", "BATCH", "GROUP_SIZE",
