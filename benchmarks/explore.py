@@ -267,6 +267,63 @@ def sweep_bwd(opts):
     return rows
 
 
+GLUON_BWD = {"gluon_s2": dict(NUM_STAGES=2, CONSUMER_REGS=240), "gluon_s3": dict(NUM_STAGES=3, CONSUMER_REGS=240)}
+GLUON_BWD_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+
+
+def sweep_gluon_bwd(opts):
+    """The whole backward (preprocess, dK/dV, dQ) with the Gluon dK/dV kernel under each GLUON_BWD config, with
+    the Triton one (the default configs), and cuDNN's backward (torch autograd through SDPA), fp16, the standard
+    sweep's shapes. Gluon variants are checked against the Triton kernel's gradients (max abs difference); all
+    timed eagerly with do_bench (a backward runs >= 0.1 ms, its host time hides)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for D in opts.head_dims:
+        for causal in (False, True):
+            for T in GLUON_BWD_SEQLENS:
+                q, k, v = fwd_inputs(T, D, torch.float16)
+                out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
+                do = torch.randn_like(out)
+                flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
+                base = dict(D=D, causal=causal, T=T)
+
+                def run(gluon_cfg):
+                    configs.USE_GLUON_BWD = gluon_cfg is not None
+                    if gluon_cfg is not None:
+                        configs.gluon_bwd_config = lambda *a, c=gluon_cfg: c
+                    return B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal)
+
+                real_config = configs.gluon_bwd_config
+                ref = run(None)
+                for name, c in [("triton", None)] + list(GLUON_BWD.items()):
+                    try:
+                        got = run(c)
+                        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
+                        ms = bench(lambda: run(c))
+                        rows.append(dict(base, variant=name, ms=ms, tflops=flops / ms / 1e9, err=err))
+                    except Exception as exc:  # noqa: BLE001
+                        rows.append(dict(base, variant=name, error=str(exc)[:300]))
+                    finally:
+                        configs.gluon_bwd_config = real_config
+                        configs.USE_GLUON_BWD = True
+                try:
+                    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        dot = do.transpose(1, 2)
+                        ms = bench(lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True))
+                    rows.append(dict(base, variant="cudnn", ms=ms, tflops=flops / ms / 1e9))
+                except Exception as exc:  # noqa: BLE001
+                    rows.append(dict(base, variant="cudnn", error=str(exc)[:300]))
+                sel = rows[-len(GLUON_BWD) - 2:]
+                print(f"gluon_bwd D={D} causal={int(causal)} T={T}:" + "".join(
+                    f" | {r['variant']} {r['tflops']:.0f}" + (f" (err {r['err']:.1e})" if "err" in r else "")
+                    if "tflops" in r else f" | {r['variant']} ERROR {r['error'][:120]}" for r in sel), flush=True)
+                del q, k, v, out, lse, do
+    return rows
+
+
 def _time_forward(cands, ref, flops, base, cudnn_context=None):
     """Check each (name, fn) forward candidate against ref (the "cudnn" one returns SDPA's (B, H, S, D) layout),
     then time it in a CUDA graph (GPU time only): one row per candidate, base + variant, ms, TFLOP/s, max error
@@ -704,7 +761,7 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--head-dims", type=lambda x: [int(d) for d in x.split(",")], default=[128, 64],
@@ -717,7 +774,7 @@ def main():
         DECODE_POINTS = [tuple(int(x) for x in p.split("x")) for p in opts.decode_points.split(",")]
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
-              "varlen": sweep_varlen, "gluon": sweep_gluon}
+              "varlen": sweep_varlen, "gluon": sweep_gluon, "gluon_bwd": sweep_gluon_bwd}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=__import__("triton").__version__,

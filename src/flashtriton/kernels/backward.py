@@ -23,8 +23,13 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds
+from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds, tma_ok
 from .launch import launch
+
+try:  # Hopper's Gluon dK/dV kernel (triton >= 3.6 ships Gluon's Hopper API)
+    from . import backward_gluon
+except ImportError:  # pragma: no cover
+    backward_gluon = None
 
 PREPROCESS_BLOCK_M = 64
 
@@ -370,11 +375,24 @@ def attention_backward(
     if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
         return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
     q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s, o_s = strides
+    block_d = configs.padded_head_dim(head_dim)
+    gluon_config = None
+    if (not varlen and config is None and backward_gluon is not None and configs.USE_GLUON
+            and configs.USE_GLUON_BWD and tma_ok(q, k, v, dout, dk, dv)
+            and all(st > 0 for t in (q, k, v, dout) for st in t.stride())):  # no broadcast (stride-0) dims
+        gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal))
 
     lse = lse.contiguous()  # already so as the forward returns it
-    delta = torch.empty_like(lse)  # rowsum(dO * O), fp32, laid out like lse
+    if gluon_config is not None:
+        # The Gluon kernel loads whole 64-row tiles of lse and delta: padded copies, lse -inf and delta 0 past Sq.
+        padded = backward_gluon.padded_seqlen(seqlen_q)
+        lse_pad = torch.full((batch, heads_q, padded), float("-inf"), dtype=torch.float32, device=q.device)
+        lse_pad[:, :, :seqlen_q] = lse
+        lse = lse_pad
+        delta = torch.zeros_like(lse_pad)
+    else:
+        delta = torch.empty_like(lse)  # rowsum(dO * O), fp32, laid out like lse
     l_s = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    block_d = configs.padded_head_dim(head_dim)
 
     launch(_attn_bwd_preprocess, (configs.cdiv(seqlen_q, PREPROCESS_BLOCK_M), heads_q, batch),
            (out, dout, delta, cu_seqlens_q, *o_s, *do_s, *l_s, seqlen_q),
@@ -405,10 +423,15 @@ def attention_backward(
                  heads_q // heads_kv, *tail)
     args_dq = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common, *dq_s, *l_s,
                heads_q // heads_kv, *tail)
-    if config is None:
+    if gluon_config is not None:
+        backward_gluon.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
+                                         causal_bottom_right, gluon_config)
+    elif config is None:
         _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
-        _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
     else:
         launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"]})
+    if config is None:
+        _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
+    else:
         launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"]})
     return dq, dk, dv

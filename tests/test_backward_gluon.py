@@ -1,0 +1,140 @@
+"""Hopper's Gluon dK/dV kernel (kernels/backward_gluon.py). Gluon kernels compile for sm_90 only and do not run in
+the interpreter: the kernel tests run on a Hopper GPU; compiling and the host-side pieces are tested everywhere.
+
+The backward takes the Gluon kernel on sm_90 where `configs.gluon_bwd_config` gives a config (D = 64 and 128), so
+test_backward.py covers it there as well; these tests call `attention_backward` with the kernel on and off, on
+shapes that reach each of its paths, and check which kernel ran."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton import configs
+from flashtriton.kernels import backward as B
+from flashtriton.kernels import backward_gluon as BG
+from flashtriton.kernels.forward import attention_forward
+
+from test_backward import check_grads, make_qkv
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+hopper_only = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: sm_90 only (no interpreter)")
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): one token, odd lengths, Sq != Sk both ways (bottom-right causal
+# leaves rows with no key and key blocks no query sees), GQA, key counts that are not a multiple of 128, many
+# programs.
+SHAPES = [(2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (2, 200, 333, 4, 2), (1, 333, 200, 2, 2), (2, 1024, 64, 8, 2),
+          (3, 300, 1000, 8, 8), (1, 1000, 1000, 4, 1)]
+
+
+def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softmax_scale=None):
+    """(dq, dk, dv) of the forward + `attention_backward`, with the Gluon dK/dV kernel on or off; asserts that the
+    kernel that was asked for is the one that ran."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out, lse = attention_forward(q, k, v, scale, causal, bottom_right)
+    monkeypatch.setattr(configs, "USE_GLUON_BWD", use_gluon)
+    ran = []
+    real = BG.launch_dkdv_gluon
+    monkeypatch.setattr(BG, "launch_dkdv_gluon", lambda *a, **kw: (ran.append(1), real(*a, **kw))[1])
+    grads = B.attention_backward(dout, q, k, v, out, lse, scale, causal, bottom_right)
+    assert bool(ran) == use_gluon, f"Gluon dK/dV kernel ran: {bool(ran)}, asked for {use_gluon}"
+    return grads
+
+
+@hopper_only
+@pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("head_dim,dtype", [(128, torch.float16), (64, torch.bfloat16), (128, torch.bfloat16)])
+def test_gluon_dkdv_against_float64(causal, bottom_right, head_dim, dtype, device, monkeypatch):
+    for shape in SHAPES:
+        q, k, v, dout = make_qkv(*shape, head_dim, dtype, device)
+        ours = backward(q, k, v, dout, causal, bottom_right, True, monkeypatch)
+        check_grads(ours, q, k, v, dout, causal, bottom_right, what=f"shape {shape}: ")
+
+
+@hopper_only
+def test_gluon_dkdv_equals_the_triton_kernel_closely(device, monkeypatch):
+    """Same inputs, the two dK/dV kernels: the same sums in another order, so equal to within a few ulps."""
+    q, k, v, dout = make_qkv(2, 700, 900, 8, 2, 128, torch.float16, device, seed=3)
+    for causal in (False, True):
+        ours = backward(q, k, v, dout, causal, True, True, monkeypatch)
+        theirs = backward(q, k, v, dout, causal, True, False, monkeypatch)
+        torch.testing.assert_close(ours[0], theirs[0], atol=0, rtol=0)  # dQ: the same Triton kernel
+        for a, b in zip(ours[1:], theirs[1:]):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+@hopper_only
+def test_gluon_dkdv_negative_scale_and_strided_inputs(device, monkeypatch):
+    q, k, v, dout = make_qkv(2, 130, 250, 4, 2, 64, torch.float16, device, seed=5)
+    ours = backward(q, k, v, dout, True, True, True, monkeypatch, softmax_scale=-0.3)
+    check_grads(ours, q, k, v, dout, True, softmax_scale=-0.3, what="negative scale: ")
+    # views into wider tensors (strides that are not the shape's), still TMA-aligned
+    wide = [torch.cat([t, t], dim=-2)[:, :, : t.shape[2]] for t in (q, k, v, dout)]
+    assert not wide[0].is_contiguous()
+    ours = backward(*wide, False, True, True, monkeypatch)
+    check_grads(ours, *wide, False, what="strided: ")
+
+
+@hopper_only
+def test_broadcast_upstream_gradient_takes_the_triton_kernel(device, monkeypatch):
+    """An upstream gradient with stride-0 dims (out.sum().backward()) is not given to TMA."""
+    q, k, v, dout = make_qkv(1, 64, 64, 2, 2, 64, torch.float16, device)
+    dout = torch.ones(1, 1, 1, 64, dtype=q.dtype, device=device).expand_as(q)
+    ours = backward(q, k, v, dout, False, True, False, monkeypatch)  # asserts the Triton kernel ran
+    check_grads(ours, q, k, v, dout, False)
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_gluon_dkdv_long_sequence(device, monkeypatch):
+    q, k, v, dout = make_qkv(1, 4096, 4096, 4, 2, 128, torch.bfloat16, device, seed=7)
+    for causal in (False, True):
+        ours = backward(q, k, v, dout, causal, True, True, monkeypatch)
+        theirs = backward(q, k, v, dout, causal, True, False, monkeypatch)
+        for a, b in zip(ours[1:], theirs[1:]):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_launch_parts_and_padding():
+    grid, ints, meta = BG.launch_parts((3, 1000, 16, 128), (3, 700, 4, 128), True, False, {"NUM_STAGES": 2,
+                                                                                          "CONSUMER_REGS": 240})
+    assert grid == (6, 4, 3)  # cdiv(700, 128) key blocks, kv heads, batch
+    assert ints == (16, 4, 1000, 700, 1024)  # Hq, group size, Sq, Sk, Sq padded to a multiple of 64
+    assert meta["IS_CAUSAL"] and not meta["CAUSAL_BOTTOM_RIGHT"] and meta["HEAD_DIM"] == 128
+    assert [BG.padded_seqlen(n) for n in (1, 64, 65)] == [64, 64, 128]
+    rows = BG.row_descriptor(torch.empty(2, 3, 128))
+    assert rows.shape == [2 * 3 * 128] and rows.block_shape == [64]
+
+
+def test_dispatch_config():
+    assert configs.gluon_bwd_config(128, 4096, 4096, True) is not None
+    assert configs.gluon_bwd_config(64, 4096, 4096, False) is not None
+    assert configs.gluon_bwd_config(256, 4096, 4096, False) is None
+    assert configs.gluon_bwd_config(96, 4096, 4096, False) is None
+
+
+def test_gluon_dkdv_compiles_for_sm90_without_a_gpu():
+    """What the dispatch launches compiles to sm_90 code on any machine (CI has no GPU). In a fresh process: this
+    one runs the kernels through the interpreter, which cannot compile Gluon."""
+    script = (
+        "import torch\n"
+        "from flashtriton import configs\n"
+        "from flashtriton.kernels.backward_gluon import compile_for_sm90\n"
+        "for head_dim, causal, dtype in ((128, False, torch.float16), (128, True, torch.bfloat16),\n"
+        "                                (64, False, torch.bfloat16), (64, True, torch.float16)):\n"
+        "    compiled = compile_for_sm90(head_dim, causal, configs.gluon_bwd_config(head_dim, 4096, 4096, causal),\n"
+        "                                dtype)\n"
+        "    ptx = compiled.asm['ptx']\n"
+        "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
+        "    print('compiled', head_dim, causal, compiled.metadata.shared)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 4
