@@ -324,6 +324,51 @@ def sweep_gluon_bwd(opts):
     return rows
 
 
+BWD_KERNEL_POINTS = [(D, c, T) for D in (128, 64) for c in (False, True) for T in (1024, 8192)]
+
+
+def sweep_bwd_kernels(opts):
+    """GPU time of each backward kernel (torch.profiler, mean over 5 calls) with the Gluon dK/dV kernel and with
+    the Triton one, and of cuDNN's backward kernels, at BWD_KERNEL_POINTS (fp16, the standard sweep's shapes)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_times(fn, calls=5):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        times = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time / calls
+        return times
+
+    rows = []
+    for D, causal, T in BWD_KERNEL_POINTS:
+        q, k, v = fwd_inputs(T, D, torch.float16)
+        out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
+        do = torch.randn_like(out)
+        flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
+        for name, on in (("gluon", True), ("triton", False)):
+            configs.USE_GLUON_BWD = on
+            times = kernel_times(lambda: B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal))
+            rows.append(dict(D=D, causal=causal, T=T, variant=name, kernels_us=times, flops=flops))
+        configs.USE_GLUON_BWD = True
+        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            times = kernel_times(lambda: torch.autograd.grad(o, (qt, kt, vt), do.transpose(1, 2), retain_graph=True))
+        rows.append(dict(D=D, causal=causal, T=T, variant="cudnn", kernels_us=times, flops=flops))
+        for r in rows[-3:]:
+            print(f"bwd_kernels D={D} causal={int(causal)} T={T} {r['variant']}: total "
+                  f"{sum(r['kernels_us'].values()):.0f} us |" + " |".join(
+                      f" {n} {t:.0f}" for n, t in sorted(r["kernels_us"].items(), key=lambda x: -x[1])), flush=True)
+    return rows
+
+
 def _time_forward(cands, ref, flops, base, cudnn_context=None):
     """Check each (name, fn) forward candidate against ref (the "cudnn" one returns SDPA's (B, H, S, D) layout),
     then time it in a CUDA graph (GPU time only): one row per candidate, base + variant, ms, TFLOP/s, max error
@@ -761,7 +806,7 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd", "bwd_kernels"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--head-dims", type=lambda x: [int(d) for d in x.split(",")], default=[128, 64],
@@ -774,7 +819,7 @@ def main():
         DECODE_POINTS = [tuple(int(x) for x in p.split("x")) for p in opts.decode_points.split(",")]
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
-              "varlen": sweep_varlen, "gluon": sweep_gluon, "gluon_bwd": sweep_gluon_bwd}
+              "varlen": sweep_varlen, "gluon": sweep_gluon, "gluon_bwd": sweep_gluon_bwd, "bwd_kernels": sweep_bwd_kernels}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=__import__("triton").__version__,
