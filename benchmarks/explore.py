@@ -267,7 +267,11 @@ def sweep_bwd(opts):
     return rows
 
 
-GLUON_BWD = {"gluon_s2": dict(NUM_STAGES=2, CONSUMER_REGS=240), "gluon_s3": dict(NUM_STAGES=3, CONSUMER_REGS=240)}
+_DKDV2, _DKDV3 = dict(NUM_STAGES=2, CONSUMER_REGS=240), dict(NUM_STAGES=3, CONSUMER_REGS=240)
+GLUON_BWD = {"dkdv_only": {"dkdv": _DKDV2, "dq": None},
+             "dq64": {"dkdv": _DKDV2, "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
+             "dq64_s3": {"dkdv": _DKDV3, "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)},
+             "dq128": {"dkdv": _DKDV2, "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}}
 GLUON_BWD_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 
 

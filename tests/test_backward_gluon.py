@@ -1,9 +1,10 @@
-"""Hopper's Gluon dK/dV kernel (kernels/backward_gluon.py). Gluon kernels compile for sm_90 only and do not run in
-the interpreter: the kernel tests run on a Hopper GPU; compiling and the host-side pieces are tested everywhere.
+"""Hopper's Gluon backward kernels (kernels/backward_gluon.py: dK/dV and dQ). Gluon kernels compile for sm_90 only
+and do not run in the interpreter: the kernel tests run on a Hopper GPU; compiling and the host-side pieces are
+tested everywhere.
 
-The backward takes the Gluon kernel on sm_90 where `configs.gluon_bwd_config` gives a config (D = 64 and 128), so
-test_backward.py covers it there as well; these tests call `attention_backward` with the kernel on and off, on
-shapes that reach each of its paths, and check which kernel ran."""
+The backward takes the Gluon kernels on sm_90 where `configs.gluon_bwd_config` gives a config (D = 64 and 128), so
+test_backward.py covers them there as well; these tests call `attention_backward` with them on and off, on
+shapes that reach each of their paths, and check which kernels ran."""
 
 import os
 import subprocess
@@ -31,44 +32,59 @@ SHAPES = [(2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (2, 200, 333, 4, 2), (1, 333, 200,
           (3, 300, 1000, 8, 8), (1, 1000, 1000, 4, 1)]
 
 
-def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softmax_scale=None):
-    """(dq, dk, dv) of the forward + `attention_backward`, with the Gluon dK/dV kernel on or off; asserts that the
-    kernel that was asked for is the one that ran."""
+def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softmax_scale=None, config=None):
+    """(dq, dk, dv) of the forward + `attention_backward`, with the Gluon kernels on (under `config`, else the
+    dispatch's) or off; asserts that the kernels asked for are the ones that ran."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = attention_forward(q, k, v, scale, causal, bottom_right)
     monkeypatch.setattr(configs, "USE_GLUON_BWD", use_gluon)
+    if config is not None:
+        monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
     ran = []
-    real = BG.launch_dkdv_gluon
-    monkeypatch.setattr(BG, "launch_dkdv_gluon", lambda *a, **kw: (ran.append(1), real(*a, **kw))[1])
+    for name in ("launch_dkdv_gluon", "launch_dq_gluon"):
+        real = getattr(BG, name)
+        monkeypatch.setattr(BG, name, lambda *a, real=real, name=name, **kw: (ran.append(name), real(*a, **kw))[1])
     grads = B.attention_backward(dout, q, k, v, out, lse, scale, causal, bottom_right)
-    assert bool(ran) == use_gluon, f"Gluon dK/dV kernel ran: {bool(ran)}, asked for {use_gluon}"
+    expected = []
+    if use_gluon:
+        config = configs.gluon_bwd_config(q.shape[-1], q.shape[1], k.shape[1], causal)
+        expected = ["launch_dkdv_gluon"] + (["launch_dq_gluon"] if config["dq"] is not None else [])
+    assert ran == expected, f"Gluon kernels that ran: {ran}, expected {expected}"
     return grads
 
 
+_DEFAULT = configs.gluon_bwd_config(128, 4096, 4096, False)
+CONFIGS = {
+    "dispatch": None,
+    "dQ by 128-key tiles, 3 stages": {**_DEFAULT, "dq": dict(BLOCK_N=128, NUM_STAGES=3, CONSUMER_REGS=240)},
+    "dK/dV 3 stages, Triton dQ": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": None},
+}
+
+
 @hopper_only
+@pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("head_dim,dtype", [(128, torch.float16), (64, torch.bfloat16), (128, torch.bfloat16)])
-def test_gluon_dkdv_against_float64(causal, bottom_right, head_dim, dtype, device, monkeypatch):
+def test_gluon_backward_against_float64(name, causal, bottom_right, head_dim, dtype, device, monkeypatch):
     for shape in SHAPES:
         q, k, v, dout = make_qkv(*shape, head_dim, dtype, device)
-        ours = backward(q, k, v, dout, causal, bottom_right, True, monkeypatch)
-        check_grads(ours, q, k, v, dout, causal, bottom_right, what=f"shape {shape}: ")
+        ours = backward(q, k, v, dout, causal, bottom_right, True, monkeypatch, config=CONFIGS[name])
+        check_grads(ours, q, k, v, dout, causal, bottom_right, what=f"{name}, shape {shape}: ")
 
 
 @hopper_only
-def test_gluon_dkdv_equals_the_triton_kernel_closely(device, monkeypatch):
-    """Same inputs, the two dK/dV kernels: the same sums in another order, so equal to within a few ulps."""
+def test_gluon_backward_equals_the_triton_kernels_closely(device, monkeypatch):
+    """Same inputs, the Gluon and the Triton kernels: the same sums in another order, so close to a few ulps."""
     q, k, v, dout = make_qkv(2, 700, 900, 8, 2, 128, torch.float16, device, seed=3)
     for causal in (False, True):
         ours = backward(q, k, v, dout, causal, True, True, monkeypatch)
         theirs = backward(q, k, v, dout, causal, True, False, monkeypatch)
-        torch.testing.assert_close(ours[0], theirs[0], atol=0, rtol=0)  # dQ: the same Triton kernel
-        for a, b in zip(ours[1:], theirs[1:]):
+        for a, b in zip(ours, theirs):
             torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
 @hopper_only
-def test_gluon_dkdv_other_scales_and_strided_inputs(device, monkeypatch):
+def test_gluon_backward_other_scales_and_strided_inputs(device, monkeypatch):
     q, k, v, dout = make_qkv(2, 130, 250, 4, 2, 64, torch.float16, device, seed=5)
     for scale in (0.3, 0.0):  # 0: uniform attention over the keys each row sees
         ours = backward(q, k, v, dout, True, True, True, monkeypatch, softmax_scale=scale)
@@ -91,35 +107,39 @@ def test_broadcast_upstream_gradient_takes_the_triton_kernel(device, monkeypatch
 
 @pytest.mark.gpu
 @hopper_only
-def test_gluon_dkdv_long_sequence(device, monkeypatch):
+def test_gluon_backward_long_sequence(device, monkeypatch):
     q, k, v, dout = make_qkv(1, 4096, 4096, 4, 2, 128, torch.bfloat16, device, seed=7)
     for causal in (False, True):
         ours = backward(q, k, v, dout, causal, True, True, monkeypatch)
         theirs = backward(q, k, v, dout, causal, True, False, monkeypatch)
-        for a, b in zip(ours[1:], theirs[1:]):
+        for a, b in zip(ours, theirs):
             assert torch.isfinite(a).all()
             torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_launch_parts_and_padding():
-    grid, ints, meta = BG.launch_parts((3, 1000, 16, 128), (3, 700, 4, 128), True, False, {"NUM_STAGES": 2,
-                                                                                          "CONSUMER_REGS": 240})
+    dkdv, dq = _DEFAULT["dkdv"], _DEFAULT["dq"]
+    grid, ints, meta = BG.launch_parts((3, 1000, 16, 128), (3, 700, 4, 128), True, False, dkdv)
     assert grid == (6, 4, 3)  # cdiv(700, 128) key blocks, kv heads, batch
-    assert ints == (16, 4, 1000, 700, 1024)  # Hq, group size, Sq, Sk, Sq padded to a multiple of 64
+    assert ints == (16, 4, 1000, 700, 1024)  # Hq, group size, Sq, Sk, Sq padded to a multiple of 128
     assert meta["IS_CAUSAL"] and not meta["CAUSAL_BOTTOM_RIGHT"] and meta["HEAD_DIM"] == 128
-    assert [BG.padded_seqlen(n) for n in (1, 64, 65)] == [64, 64, 128]
+    grid, ints, meta = BG.launch_parts((3, 1000, 16, 128), (3, 700, 4, 128), False, True, dq, "dq")
+    assert grid == (8, 16, 3) and meta["BLOCK_N"] == dq["BLOCK_N"]  # cdiv(1000, 128) query tiles, heads, batch
+    assert [BG.padded_seqlen(n) for n in (1, 128, 129)] == [128, 128, 256]
     rows = BG.row_descriptor(torch.empty(2, 3, 128))
     assert rows.shape == [2 * 3 * 128] and rows.block_shape == [64]
 
 
 def test_dispatch_config():
-    assert configs.gluon_bwd_config(128, 4096, 4096, True) is not None
-    assert configs.gluon_bwd_config(64, 4096, 4096, False) is not None
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal)
+            assert set(config) == {"dkdv", "dq"} and config["dkdv"]["NUM_STAGES"] >= 2
     assert configs.gluon_bwd_config(256, 4096, 4096, False) is None
     assert configs.gluon_bwd_config(96, 4096, 4096, False) is None
 
 
-def test_gluon_dkdv_compiles_for_sm90_without_a_gpu():
+def test_gluon_backward_compiles_for_sm90_without_a_gpu():
     """What the dispatch launches compiles to sm_90 code on any machine (CI has no GPU). In a fresh process: this
     one runs the kernels through the interpreter, which cannot compile Gluon."""
     script = (
@@ -128,14 +148,18 @@ def test_gluon_dkdv_compiles_for_sm90_without_a_gpu():
         "from flashtriton.kernels.backward_gluon import compile_for_sm90\n"
         "for head_dim, causal, dtype in ((128, False, torch.float16), (128, True, torch.bfloat16),\n"
         "                                (64, False, torch.bfloat16), (64, True, torch.float16)):\n"
-        "    compiled = compile_for_sm90(head_dim, causal, configs.gluon_bwd_config(head_dim, 4096, 4096, causal),\n"
-        "                                dtype)\n"
-        "    ptx = compiled.asm['ptx']\n"
-        "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
-        "    print('compiled', head_dim, causal, compiled.metadata.shared)\n"
+        "    config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal)\n"
+        "    for kernel in ('dkdv', 'dq'):\n"
+        "        if config[kernel] is None:\n"
+        "            print('compiled', kernel, 'Triton')\n"
+        "            continue\n"
+        "        compiled = compile_for_sm90(head_dim, causal, config[kernel], dtype, kernel)\n"
+        "        ptx = compiled.asm['ptx']\n"
+        "        assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
+        "        print('compiled', kernel, head_dim, causal, compiled.metadata.shared)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 4
+    assert done.stdout.count("compiled") == 8

@@ -297,16 +297,17 @@ def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.dev
     return {kernel: _config(*_BWD_TABLE[kernel][key][0]) for kernel in ("dkdv", "dq")}
 
 
-# Hopper's Gluon dK/dV kernel (kernels/backward_gluon.py: a TMA producer and two consumer warpgroups holding 128
-# keys), with the Triton dQ kernel: dense fp16/bf16 at D = 64 and 128 on sm_90, under USE_GLUON, and only where no
-# Triton config is forced. FLASHTRITON_GLUON_BWD=0 (or configs.USE_GLUON_BWD = False) keeps the Triton dK/dV kernel.
+# Hopper's Gluon backward kernels (kernels/backward_gluon.py: a TMA producer and two consumer warpgroups; dK/dV
+# holding 128 keys, dQ holding 128 query rows): dense fp16/bf16 at D = 64 and 128 on sm_90, under USE_GLUON, and
+# only where no Triton config is forced. FLASHTRITON_GLUON_BWD=0 (or configs.USE_GLUON_BWD = False) keeps the
+# Triton kernels.
 USE_GLUON_BWD: bool = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
 
 
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict | None:
-    """The Gluon dK/dV kernel's config for a dense shape, else None (the Triton kernel)."""
+    """{"dkdv": config, "dq": config or None (the Triton dQ kernel)} for a dense shape, or None (both Triton)."""
     if head_dim in (64, 128):
-        return dict(NUM_STAGES=2, CONSUMER_REGS=240)
+        return {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)}
     return None
 
 

@@ -378,13 +378,13 @@ def attention_backward(
     block_d = configs.padded_head_dim(head_dim)
     gluon_config = None
     if (not varlen and config is None and backward_gluon is not None and configs.USE_GLUON
-            and configs.USE_GLUON_BWD and tma_ok(q, k, v, dout, dk, dv)
+            and configs.USE_GLUON_BWD and tma_ok(q, k, v, dout, dq, dk, dv)
             and all(st > 0 for t in (q, k, v, dout) for st in t.stride())):  # no broadcast (stride-0) dims
         gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal))
 
     lse = lse.contiguous()  # already so as the forward returns it
     if gluon_config is not None:
-        # The Gluon kernel loads whole 64-row tiles of lse and delta: padded copies, lse -inf and delta 0 past Sq.
+        # The Gluon kernels load whole tiles of lse and delta: padded copies, lse -inf and delta 0 past Sq.
         padded = backward_gluon.padded_seqlen(seqlen_q)
         lse_pad = torch.full((batch, heads_q, padded), float("-inf"), dtype=torch.float32, device=q.device)
         lse_pad[:, :, :seqlen_q] = lse
@@ -425,12 +425,15 @@ def attention_backward(
                heads_q // heads_kv, *tail)
     if gluon_config is not None:
         backward_gluon.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
-                                         causal_bottom_right, gluon_config)
+                                         causal_bottom_right, gluon_config["dkdv"])
     elif config is None:
         _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
     else:
         launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"]})
-    if config is None:
+    if gluon_config is not None and gluon_config["dq"] is not None:
+        backward_gluon.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal, causal_bottom_right,
+                                       gluon_config["dq"])
+    elif config is None:
         _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
     else:
         launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"]})

@@ -185,6 +185,143 @@ def _attn_bwd_dkdv_gluon(
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
+@gluon.jit
+def _dq_producer(shared, place, NUM_STAGES: gl.constexpr):
+    """Q and dO of the program's rows once (one 64-row block per consumer), then its K/V tiles into the ring, tile j
+    into stage j % NUM_STAGES once both consumers released the tile it held."""
+    (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty) = shared
+    off_b, off_h, off_hk, start_m, n_tiles = place
+    BLOCK_N: gl.constexpr = desc_k.block_type.shape[1]
+    mbarrier.expect(q_ready, 4 * desc_q.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(desc_q, [off_b, start_m + w * ROWS, off_h, 0], q_ready, q_bufs.index(w))
+        tma.async_copy_global_to_shared(desc_do, [off_b, start_m + w * ROWS, off_h, 0], q_ready, do_bufs.index(w))
+    for j in range(n_tiles):
+        stage = j % NUM_STAGES
+        mbarrier.wait(kv_empty.index(stage), ((j // NUM_STAGES) & 1) ^ 1, pred=j >= NUM_STAGES)
+        mbarrier.expect(kv_ready.index(stage), 2 * desc_k.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k, [off_b, j * BLOCK_N, off_hk, 0], kv_ready.index(stage),
+                                        k_bufs.index(stage))
+        tma.async_copy_global_to_shared(desc_v, [off_b, j * BLOCK_N, off_hk, 0], kv_ready.index(stage),
+                                        v_bufs.index(stage))
+
+
+@gluon.jit
+def _dq_consumer(shared, place, seqlen_k, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
+                 WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr):
+    """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its TMA store."""
+    (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq) = shared
+    off_b, off_h, off_hk, start_m, n_tiles = place
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dtype: gl.constexpr = q_bufs.dtype
+    row0 = start_m + WG * ROWS
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (BLOCK_N,)
+    lse = gl.load(lse_ptr + rows)  # padded: rows past Sq hold -inf
+    lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = gl.load(delta_ptr + rows)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
+    do = do_bufs.index(WG).reshape([ROWS, HEAD_DIM])
+    mbarrier.wait(q_ready, 0)
+    for j in range(n_tiles):
+        stage = j % NUM_STAGES
+        mbarrier.wait(kv_ready.index(stage), (j // NUM_STAGES) & 1)
+        k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        v = v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S (ROWS, BLOCK_N)
+        dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        p = gl.exp2(s * qk_scale - lse[:, None])
+        n = j * BLOCK_N
+        need_mask = n + BLOCK_N > seqlen_k
+        if IS_CAUSAL:
+            need_mask = need_mask | (n + BLOCK_N - 1 > row0 + causal_offset)
+        if need_mask:
+            visible = (n + cols)[None, :] < seqlen_k
+            if IS_CAUSAL:
+                visible = visible & ((n + cols)[None, :] <= rows[:, None] + causal_offset)
+            p = gl.where(visible, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+
+    q.store((dq * softmax_scale).to(dtype))  # this warpgroup's Q buffer, its last wgmma done
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_dq, [off_b, row0, off_h, 0], q_bufs.index(WG))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["HEADS_Q", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"])
+def _attn_bwd_dq_gluon(
+    desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, softmax_scale, qk_scale,
+    HEADS_Q, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
+    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """Grid (cdiv(Sq, 128), Hq, B); num_warps=4: the producer; two consumer warpgroups of 64 query rows each.
+    Causal: the last query tiles (the most keys) start first."""
+    n_m = gl.num_programs(0)
+    if IS_CAUSAL:
+        start_m = (n_m - 1 - gl.program_id(0)) * KEYS
+    else:
+        start_m = gl.program_id(0) * KEYS
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    off_hk = off_h // GROUP_SIZE
+    if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
+        causal_offset = SEQLEN_K - SEQLEN_Q
+    else:
+        causal_offset = 0
+    if IS_CAUSAL:  # keys up to the last row's diagonal
+        hi = gl.minimum(SEQLEN_K, gl.maximum(start_m + KEYS + causal_offset, 0))
+    else:
+        hi = SEQLEN_K
+    n_tiles = gl.cdiv(hi, BLOCK_N)  # 0: rows that see no key, dQ = 0
+
+    dtype: gl.constexpr = desc_q.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + desc_q.block_type.shape, desc_q.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [2] + desc_do.block_type.shape, desc_do.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + desc_k.block_type.shape, desc_k.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + desc_v.block_type.shape, desc_v.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    fence_async_shared()
+
+    rows_base = (off_b.to(gl.int64) * HEADS_Q + off_h) * SEQLEN_PAD  # this (batch, head)'s padded lse / delta
+    place = (gl.to_tensor(off_b), gl.to_tensor(off_h), gl.to_tensor(off_hk), gl.to_tensor(start_m),
+             gl.to_tensor(n_tiles))
+    seqlen_k = gl.to_tensor(SEQLEN_K)
+    causal_offset = gl.to_tensor(causal_offset)
+    qk_scale = gl.to_tensor(qk_scale)
+    softmax_scale = gl.to_tensor(softmax_scale)
+    lse_ptr = LSE + rows_base
+    delta_ptr = DELTA + rows_base
+    producer_args = (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty)
+    consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq)
+    gl.warp_specialize([
+        (_dq_producer, (producer_args, place, NUM_STAGES)),
+        (_dq_consumer, (consumer_args, place, seqlen_k, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
+                        gl.constexpr(0), IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+        (_dq_consumer, (consumer_args, place, seqlen_k, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
+                        gl.constexpr(1), IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
@@ -200,14 +337,19 @@ def row_descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 
 def padded_seqlen(seqlen_q: int) -> int:
-    return triton.cdiv(seqlen_q, BLOCK_M.value) * BLOCK_M.value
+    """lse / delta rows per (batch, head): Sq rounded up to the dQ kernel's 128-row tiles."""
+    return triton.cdiv(seqlen_q, KEYS.value) * KEYS.value
 
 
-def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict):
-    """(grid, int arguments after the scales, constexprs and options) for q (B, Sq, Hq, D), k (B, Sk, Hkv, D)."""
+def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv"):
+    """(grid, int arguments after the scales, constexprs and options) of the dK/dV or the dQ kernel for
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D)."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     seqlen_k, heads_kv = k_shape[1], k_shape[2]
-    grid = (triton.cdiv(seqlen_k, KEYS.value), heads_kv, batch)
+    if kernel == "dkdv":
+        grid = (triton.cdiv(seqlen_k, KEYS.value), heads_kv, batch)
+    else:
+        grid = (triton.cdiv(seqlen_q, KEYS.value), heads_q, batch)
     ints = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, padded_seqlen(seqlen_q))
     meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), HEAD_DIM=head_dim,
                 num_warps=4, **config)
@@ -217,7 +359,7 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
                       config) -> None:
     """q, dout (B, Sq, Hq, D); k, v, dk, dv (B, Sk, Hkv, D); lse_pad / delta_pad contiguous fp32 (B, Hq, Sq_pad)
-    (`padded_seqlen`; lse −inf and delta 0 past Sq). Inputs that pass `common.tma_ok`, D 64 or 128, Sq, Sk > 0."""
+    (`padded_seqlen`; lse -inf and delta 0 past Sq). Inputs that pass `common.tma_ok`, D 64 or 128, Sq, Sk > 0."""
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config)
     rows = ROWS.value
     args = (descriptor(q, rows), descriptor(k, rows), descriptor(v, rows), descriptor(dout, rows),
@@ -226,22 +368,38 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
     launch(_attn_bwd_dkdv_gluon, grid, args, meta)
 
 
-def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16):
-    """Compile for sm_90 without a GPU (as `forward_gluon.compile_for_sm90`): for tests and `ptxas -v`."""
+def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
+                    config) -> None:
+    """dQ (times the softmax scale) into dq (like q); the inputs as `launch_dkdv_gluon`'s."""
+    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, "dq")
+    rows, block_n = ROWS.value, config["BLOCK_N"]
+    args = (descriptor(q, rows), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, rows),
+            descriptor(dq, rows), lse_pad, delta_pad, softmax_scale, softmax_scale * LOG2E, *ints)
+    launch(_attn_bwd_dq_gluon, grid, args, meta)
+
+
+def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
+                     kernel: str = "dkdv"):
+    """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon.compile_for_sm90`): for tests
+    and `ptxas -v`."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(2, 256, 4, head_dim, dtype=dtype)
     rows_t = torch.empty(2, 4, 256, dtype=torch.float32)
-    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config)
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel)
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
-    descriptors = {name: descriptor(t, rows) for name in ("desc_q", "desc_k", "desc_v", "desc_do", "desc_dk",
-                                                           "desc_dv")}
+    fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
+    kv_rows = rows if kernel == "dkdv" else config["BLOCK_N"]
+    descriptors = {name: descriptor(t, kv_rows if name in ("desc_k", "desc_v") else rows)
+                   for name in ("desc_q", "desc_k", "desc_v", "desc_do", "desc_dk", "desc_dv", "desc_dq")}
     descriptors.update(desc_lse=row_descriptor(rows_t), desc_delta=row_descriptor(rows_t))
-    names = _attn_bwd_dkdv_gluon.arg_names
+    names = fn.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
-                 else "fp32" if name in ("softmax_scale", "qk_scale") else "i32" for name in names}
-    source = GluonASTSource(_attn_bwd_dkdv_gluon, signature, constexprs=meta)
+                 else "*fp32" if name in ("LSE", "DELTA") else "fp32" if name in ("softmax_scale", "qk_scale")
+                 else "i32" for name in names}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("LSE", "DELTA") if name in names}
+    source = GluonASTSource(fn, signature, constexprs=meta, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
