@@ -47,7 +47,7 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
     grads = B.attention_backward(dout, q, k, v, out, lse, scale, causal, bottom_right)
     expected = []
     if use_gluon:
-        config = configs.gluon_bwd_config(q.shape[-1], q.shape[1], k.shape[1], causal)
+        config = configs.gluon_bwd_config(q.shape[-1], q.shape[1], k.shape[1], causal)  # patched if given
         expected = ["launch_dkdv_gluon"] + (["launch_dq_gluon"] if config["dq"] is not None else [])
     assert ran == expected, f"Gluon kernels that ran: {ran}, expected {expected}"
     return grads
@@ -56,7 +56,9 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
 _DEFAULT = configs.gluon_bwd_config(128, 4096, 4096, False)
 CONFIGS = {
     "dispatch": None,
-    "dQ by 128-key tiles, 3 stages": {**_DEFAULT, "dq": dict(BLOCK_N=128, NUM_STAGES=3, CONSUMER_REGS=240)},
+    "dQ by 128-key tiles": {**_DEFAULT, "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)},
+    "dQ by 64-key tiles, 2 stages": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+                                     "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
     "dK/dV 3 stages, Triton dQ": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": None},
 }
 
@@ -133,10 +135,29 @@ def test_launch_parts_and_padding():
 def test_dispatch_config():
     for head_dim in (64, 128):
         for causal in (False, True):
-            config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal)
-            assert set(config) == {"dkdv", "dq"} and config["dkdv"]["NUM_STAGES"] >= 2
+            for seqlen in (512, 1024, 4096):
+                config = configs.gluon_bwd_config(head_dim, seqlen, seqlen, causal)
+                assert set(config) == {"dkdv", "dq"}
+                assert BG.shared_memory_bytes(config["dkdv"], head_dim) <= BG.SHARED_MEMORY_LIMIT
+                if config["dq"] is not None:
+                    assert BG.shared_memory_bytes(config["dq"], head_dim, "dq") <= BG.SHARED_MEMORY_LIMIT
+    assert configs.gluon_bwd_config(128, 512, 512, True)["dq"] is not None
+    assert configs.gluon_bwd_config(64, 1024, 1024, True)["dq"] is None  # short causal D = 64: Triton's dQ
     assert configs.gluon_bwd_config(256, 4096, 4096, False) is None
     assert configs.gluon_bwd_config(96, 4096, 4096, False) is None
+
+
+def test_shared_memory_estimate_and_limit():
+    # D = 128 dQ: Q and dO of 128 rows (64 KB), per stage K and V tiles of 64 keys (32 KB); the compiled kernel holds
+    # 131328 bytes with 2 stages (barriers included). 128-key tiles with 3 stages do not fit.
+    dq = dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)
+    assert BG.shared_memory_bytes(dq, 128, "dq") == 131072
+    too_big = dict(dq, BLOCK_N=128, NUM_STAGES=3)
+    assert BG.shared_memory_bytes(too_big, 64, "dq") <= BG.SHARED_MEMORY_LIMIT < BG.shared_memory_bytes(too_big, 128, "dq")
+    with pytest.raises(ValueError, match="shared memory"):
+        BG.launch_parts((1, 256, 2, 128), (1, 256, 2, 128), False, True, too_big, "dq")
+    # dK/dV at D = 128, 2 stages: K and V of 128 keys (64 KB), per stage Q, dO (32 KB) and lse, delta (512 B)
+    assert BG.shared_memory_bytes(dict(NUM_STAGES=2), 128) == 65536 + 2 * 33280
 
 
 def test_gluon_backward_compiles_for_sm90_without_a_gpu():

@@ -305,9 +305,22 @@ USE_GLUON_BWD: bool = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
 
 
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict | None:
-    """{"dkdv": config, "dq": config or None (the Triton dQ kernel)} for a dense shape, or None (both Triton)."""
-    if head_dim in (64, 128):
-        return {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)}
+    """{"dkdv": config, "dq": config or None (the Triton dQ kernel)} for a dense shape, or None (both Triton).
+    From the H200 sweep benchmarks/2026-11-29-h200/explore10/gluon_bwd_8c6167939b66.json (fp16, the whole backward
+    in TFLOP/s: Triton kernels / Gluon dK/dV + Triton dQ / both Gluon, dQ by 64-key tiles, 3 stages / by 128-key
+    tiles / cuDNN):
+    - D = 128: both Gluon, 3 stages, dQ by 64-key tiles (128-key tiles need 64 score registers more per thread):
+      non-causal T=8192 344 / 401 / 478 / 468 / 531, causal T=16384 339 / 398 / 482 / 464 / 577, T=512 187 / 209 /
+      227 / 224 / 212.
+    - D = 64: dQ by 128-key tiles, 2 stages (T=8192 non-causal 318 / 342 / 355 / 372 / 438); the Triton dQ kernel
+      where the rows are few and short (causal up to 1024 keys: T=1024 230 / 245 / 234 / 237 / 248; non-causal
+      T=512 255 / 264 / 260 / 258 / 281)."""
+    if head_dim == 128:
+        return {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
+    if head_dim == 64:
+        short = seqlen_k <= (1024 if causal else 512)
+        return {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+                "dq": None if short else dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
     return None
 
 

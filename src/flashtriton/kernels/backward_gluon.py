@@ -341,11 +341,28 @@ def padded_seqlen(seqlen_q: int) -> int:
     return triton.cdiv(seqlen_q, KEYS.value) * KEYS.value
 
 
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90
+
+
+def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2) -> int:
+    """Shared memory of a kernel's tiles (barriers aside). dK/dV: K and V of 128 keys, and per stage a 64-row Q and
+    dO tile with their lse and delta. dQ: Q and dO of 128 rows, and per stage a K and a V tile."""
+    resident = 2 * KEYS.value * head_dim * elem_bytes
+    if kernel == "dkdv":
+        per_stage = 2 * BLOCK_M.value * (head_dim * elem_bytes + 4)
+    else:
+        per_stage = 2 * config["BLOCK_N"] * head_dim * elem_bytes
+    return resident + config["NUM_STAGES"] * per_stage
+
+
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv"):
     """(grid, int arguments after the scales, constexprs and options) of the dK/dV or the dQ kernel for
     q (B, Sq, Hq, D), k (B, Sk, Hkv, D)."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     seqlen_k, heads_kv = k_shape[1], k_shape[2]
+    if shared_memory_bytes(config, head_dim, kernel) > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"Gluon {kernel} config {config} needs {shared_memory_bytes(config, head_dim, kernel)} bytes "
+                         f"of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if kernel == "dkdv":
         grid = (triton.cdiv(seqlen_k, KEYS.value), heads_kv, batch)
     else:
