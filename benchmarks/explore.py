@@ -267,14 +267,11 @@ def sweep_bwd(opts):
     return rows
 
 
-_DKDV2, _DKDV3 = dict(NUM_STAGES=2, CONSUMER_REGS=240, DEFER=False), dict(NUM_STAGES=3, CONSUMER_REGS=240, DEFER=False)
-_DQ64_3 = dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240, DEFER=False)
-_DQ128 = dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240, DEFER=False)
-GLUON_BWD = {"dq64_s3": {"dkdv": _DKDV3, "dq": _DQ64_3},
-             "dq64_s3_defer": {"dkdv": dict(_DKDV3, DEFER=True), "dq": dict(_DQ64_3, DEFER=True)},
-             "dq128": {"dkdv": _DKDV2, "dq": _DQ128},
-             "dq128_defer": {"dkdv": dict(_DKDV2, DEFER=True), "dq": dict(_DQ128, DEFER=True)},
-             "dq128_dkdv3_defer": {"dkdv": dict(_DKDV3, DEFER=True), "dq": dict(_DQ128, DEFER=True)}}
+_DKDV2, _DKDV3 = dict(NUM_STAGES=2, CONSUMER_REGS=240), dict(NUM_STAGES=3, CONSUMER_REGS=240)
+GLUON_BWD = {"dkdv_only": {"dkdv": _DKDV2, "dq": None},
+             "dq64": {"dkdv": _DKDV2, "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
+             "dq64_s3": {"dkdv": _DKDV3, "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)},
+             "dq128": {"dkdv": _DKDV2, "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}}
 GLUON_BWD_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 
 

@@ -56,15 +56,10 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
 _DEFAULT = configs.gluon_bwd_config(128, 4096, 4096, False)
 CONFIGS = {
     "dispatch": None,
-    "dQ by 128-key tiles": {**_DEFAULT, "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240, DEFER=False)},
-    "dQ by 64-key tiles, 2 stages": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, DEFER=False),
-                                     "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240, DEFER=False)},
-    "deferred waits": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240, DEFER=True),
-                       "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240, DEFER=True)},
-    "deferred waits, 2 stages, dQ by 128-key tiles": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, DEFER=True),
-                                                      "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240,
-                                                                 DEFER=True)},
-    "dK/dV 3 stages, Triton dQ": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240, DEFER=False), "dq": None},
+    "dQ by 128-key tiles": {**_DEFAULT, "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)},
+    "dQ by 64-key tiles, 2 stages": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+                                     "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
+    "dK/dV 3 stages, Triton dQ": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": None},
 }
 
 
@@ -155,7 +150,7 @@ def test_dispatch_config():
 def test_shared_memory_estimate_and_limit():
     # D = 128 dQ: Q and dO of 128 rows (64 KB), per stage K and V tiles of 64 keys (32 KB); the compiled kernel holds
     # 131328 bytes with 2 stages (barriers included). 128-key tiles with 3 stages do not fit.
-    dq = dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240, DEFER=False)
+    dq = dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)
     assert BG.shared_memory_bytes(dq, 128, "dq") == 131072
     too_big = dict(dq, BLOCK_N=128, NUM_STAGES=3)
     assert BG.shared_memory_bytes(too_big, 64, "dq") <= BG.SHARED_MEMORY_LIMIT < BG.shared_memory_bytes(too_big, 128, "dq")

@@ -316,12 +316,11 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
       where the rows are few and short (causal up to 1024 keys: T=1024 230 / 245 / 234 / 237 / 248; non-causal
       T=512 255 / 264 / 260 / 258 / 281)."""
     if head_dim == 128:
-        return {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240, DEFER=False),
-                "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240, DEFER=False)}
+        return {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
     if head_dim == 64:
         short = seqlen_k <= (1024 if causal else 512)
-        return {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, DEFER=False),
-                "dq": None if short else dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240, DEFER=False)}
+        return {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+                "dq": None if short else dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
     return None
 
 

@@ -27,7 +27,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_init, warpgroup_mma_wait)
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
@@ -67,11 +67,8 @@ def _producer(shared, place, group_size, heads_q, seqlen_pad, NUM_STAGES: gl.con
 
 @gluon.jit
 def _consumer(shared, place, causal_offset, qk_scale, softmax_scale,
-              WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              DEFER: gl.constexpr):
-    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their TMA stores.
-    DEFER: a tile's dV and dK wgmmas are waited for (and its stage released) after the next tile's Sᵀ and dPᵀ are
-    issued, instead of before."""
+              WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their TMA stores."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -89,11 +86,6 @@ def _consumer(shared, place, causal_offset, qk_scale, softmax_scale,
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     k = k_bufs.index(WG).reshape([ROWS, HEAD_DIM])
     v = v_bufs.index(WG).reshape([ROWS, HEAD_DIM])
-    p_op = gl.zeros([ROWS, BLOCK_M], dtype, op_layout)  # the last tile's operands: live until its wgmmas end
-    ds_op = gl.zeros([ROWS, BLOCK_M], dtype, op_layout)
-    if DEFER:  # the accumulators go round the loop as the wgmmas' pending results
-        dk = warpgroup_mma_init(dk)
-        dv = warpgroup_mma_init(dv)
     mbarrier.wait(kv_ready, 0)
     for it in range(n_iters):
         g = it // n_m
@@ -106,26 +98,20 @@ def _consumer(shared, place, causal_offset, qk_scale, softmax_scale,
         dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
         lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
         lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        # DEFER: the previous tile's dV, dK complete here (wgmmas complete in order), overlapped with this Sᵀ
-        s, dv, dk, p_op, ds_op = warpgroup_mma_wait(1, deps=(s_tok, dv, dk, p_op, ds_op))
-        if DEFER:
-            if it > 0:
-                mbarrier.arrive(empty.index((it - 1) % NUM_STAGES), count=1)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
         p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
         if IS_CAUSAL:
             if m + causal_offset < first_key + ROWS - 1:  # the tile reaches past some row's diagonal
                 p = gl.where(keys[:, None] <= (m + cols)[None, :] + causal_offset, p, 0.0)
         p_op = gl.convert_layout(p.to(dtype), op_layout)
-        dv = warpgroup_mma(p_op, do, dv, is_async=True)
+        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
         delta = delta_bufs.index(stage).load(col_layout)
         dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
         ds = p * (dp - delta[None, :])  # dSᵀ
         ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-        if not DEFER:
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-            mbarrier.arrive(empty.index(stage), count=1)
-    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        mbarrier.arrive(empty.index(stage), count=1)
 
     k.store((dk * softmax_scale).to(dtype))  # the buffers are this warpgroup's alone, its last wgmma done
     v.store(dv.to(dtype))
@@ -140,7 +126,7 @@ def _attn_bwd_dkdv_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, softmax_scale, qk_scale,
     HEADS_Q, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 128), Hkv, B); num_warps=4: the producer; two consumer warpgroups as workers."""
     start_n = gl.program_id(0) * KEYS  # causal: the first keys see the most queries and start first
@@ -193,9 +179,9 @@ def _attn_bwd_dkdv_gluon(
     gl.warp_specialize([
         (_producer, (producer_args, place, group_size, heads_q, seqlen_pad, NUM_STAGES)),
         (_consumer, (consumer_args, place, causal_offset, qk_scale, softmax_scale, gl.constexpr(0), IS_CAUSAL,
-                     HEAD_DIM, NUM_STAGES, DEFER)),
+                     HEAD_DIM, NUM_STAGES)),
         (_consumer, (consumer_args, place, causal_offset, qk_scale, softmax_scale, gl.constexpr(1), IS_CAUSAL,
-                     HEAD_DIM, NUM_STAGES, DEFER)),
+                     HEAD_DIM, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -223,9 +209,8 @@ def _dq_producer(shared, place, NUM_STAGES: gl.constexpr):
 @gluon.jit
 def _dq_consumer(shared, place, seqlen_k, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, DEFER: gl.constexpr):
-    """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its TMA store. DEFER: a
-    tile's dQ wgmma is waited for (and its stage released) after the next tile's S and dP are issued."""
+                 NUM_STAGES: gl.constexpr):
+    """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its TMA store."""
     (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq) = shared
     off_b, off_h, off_hk, start_m, n_tiles = place
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -244,9 +229,6 @@ def _dq_consumer(shared, place, seqlen_k, causal_offset, qk_scale, softmax_scale
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
     do = do_bufs.index(WG).reshape([ROWS, HEAD_DIM])
-    ds_op = gl.zeros([ROWS, BLOCK_N], dtype, op_layout)  # the last tile's operand: live until its wgmma ends
-    if DEFER:  # the accumulator goes round the loop as the wgmma's pending result
-        dq = warpgroup_mma_init(dq)
     mbarrier.wait(q_ready, 0)
     for j in range(n_tiles):
         stage = j % NUM_STAGES
@@ -255,11 +237,7 @@ def _dq_consumer(shared, place, seqlen_k, causal_offset, qk_scale, softmax_scale
         v = v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S (ROWS, BLOCK_N)
         dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP
-        # DEFER: the previous tile's dQ wgmma completes here, overlapped with this S
-        s, dq, ds_op = warpgroup_mma_wait(1, deps=(s_tok, dq, ds_op))
-        if DEFER:
-            if j > 0:
-                mbarrier.arrive(kv_empty.index((j - 1) % NUM_STAGES), count=1)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
         p = gl.exp2(s * qk_scale - lse[:, None])
         n = j * BLOCK_N
         need_mask = n + BLOCK_N > seqlen_k
@@ -273,11 +251,9 @@ def _dq_consumer(shared, place, seqlen_k, causal_offset, qk_scale, softmax_scale
         dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
         ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
         ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-        dq = warpgroup_mma(ds_op, k, dq, is_async=True)
-        if not DEFER:
-            dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
-            mbarrier.arrive(kv_empty.index(stage), count=1)
-    dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+        dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
 
     q.store((dq * softmax_scale).to(dtype))  # this warpgroup's Q buffer, its last wgmma done
     fence_async_shared()
@@ -290,7 +266,7 @@ def _attn_bwd_dq_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, softmax_scale, qk_scale,
     HEADS_Q, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Grid (cdiv(Sq, 128), Hq, B); num_warps=4: the producer; two consumer warpgroups of 64 query rows each.
     Causal: the last query tiles (the most keys) start first."""
@@ -340,9 +316,9 @@ def _attn_bwd_dq_gluon(
     gl.warp_specialize([
         (_dq_producer, (producer_args, place, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seqlen_k, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
-                        gl.constexpr(0), IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, DEFER)),
+                        gl.constexpr(0), IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seqlen_k, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
-                        gl.constexpr(1), IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, DEFER)),
+                        gl.constexpr(1), IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
