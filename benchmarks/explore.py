@@ -373,6 +373,59 @@ def sweep_bwd_kernels(opts):
     return rows
 
 
+BWD_HOST_POINTS = [(128, True, 512), (128, False, 512), (64, True, 1024), (128, False, 4096)]
+
+
+def sweep_bwd_host(opts):
+    """Where a short backward's time goes: at BWD_HOST_POINTS (fp16), the Gluon and the Triton kernels, called
+    directly (`attention_backward`) and through autograd (flash_attn_func, out.backward(retain_graph=True), grads
+    set to None, as `flashtriton bench` times it): eager do_bench medians, CUDA-graph GPU time (direct call),
+    host time per call (20 calls without a sync), and the kernels the autograd call launches (profiler)."""
+    import flashtriton
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for D, causal, T in BWD_HOST_POINTS:
+        q, k, v = fwd_inputs(T, D, torch.float16)
+        out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
+        do = torch.randn_like(out)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
+        for name, on in (("gluon", True), ("triton", False)):
+            configs.USE_GLUON_BWD = on
+            direct = lambda: B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal)  # noqa: E731
+            o = flashtriton.flash_attn_func(*leaves, causal=causal)
+
+            def auto():
+                o.backward(do, retain_graph=True)
+                for t in leaves:
+                    t.grad = None
+
+            row = dict(D=D, causal=causal, T=T, variant=name)
+            row["direct_ms"] = bench(direct)
+            row["graph_ms"] = bench_graph(direct)
+            row["autograd_ms"] = bench(auto)
+            for what, fn in (("direct", direct), ("autograd", auto)):
+                fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                row[f"{what}_host_ms"] = (time.perf_counter() - t0) / 20 * 1e3
+                torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                auto()
+                torch.cuda.synchronize()
+            row["autograd_kernels"] = sorted({e.name[:50] for e in prof.events() if e.device_type.name == "CUDA"})
+            row["tflops_graph"] = flops / row["graph_ms"] / 1e9
+            rows.append(row)
+            print(f"bwd_host D={D} causal={int(causal)} T={T} {name}: " + " ".join(
+                f"{k2}={v2:.3f}" for k2, v2 in row.items() if isinstance(v2, float)) + f" | {row['autograd_kernels']}",
+                flush=True)
+        configs.USE_GLUON_BWD = True
+    return rows
+
+
 def _time_forward(cands, ref, flops, base, cudnn_context=None):
     """Check each (name, fn) forward candidate against ref (the "cudnn" one returns SDPA's (B, H, S, D) layout),
     then time it in a CUDA graph (GPU time only): one row per candidate, base + variant, ms, TFLOP/s, max error
@@ -810,7 +863,7 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd", "bwd_kernels"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd", "bwd_kernels", "bwd_host"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--head-dims", type=lambda x: [int(d) for d in x.split(",")], default=[128, 64],
@@ -823,7 +876,7 @@ def main():
         DECODE_POINTS = [tuple(int(x) for x in p.split("x")) for p in opts.decode_points.split(",")]
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
-              "varlen": sweep_varlen, "gluon": sweep_gluon, "gluon_bwd": sweep_gluon_bwd, "bwd_kernels": sweep_bwd_kernels}
+              "varlen": sweep_varlen, "gluon": sweep_gluon, "gluon_bwd": sweep_gluon_bwd, "bwd_kernels": sweep_bwd_kernels, "bwd_host": sweep_bwd_host}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=__import__("triton").__version__,
