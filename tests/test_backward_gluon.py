@@ -34,11 +34,13 @@ SHAPES = [(2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (2, 200, 333, 4, 2), (1, 333, 200,
 
 def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softmax_scale=None, config=None):
     """(dq, dk, dv) of the forward + `attention_backward`, with the Gluon kernels on (under `config`, else the
-    dispatch's) or off; asserts that the kernels asked for are the ones that ran."""
+    dispatch's config for the head dim, whatever the size of the problem) or off; asserts that the kernels asked
+    for are the ones that ran."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = attention_forward(q, k, v, scale, causal, bottom_right)
     monkeypatch.setattr(configs, "USE_GLUON_BWD", use_gluon)
-    if config is not None:
+    if use_gluon:
+        config = config or configs.gluon_bwd_config(q.shape[-1], q.shape[1], k.shape[1], causal)
         monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
     ran = []
     for name in ("launch_dkdv_gluon", "launch_dq_gluon"):
@@ -47,7 +49,6 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
     grads = B.attention_backward(dout, q, k, v, out, lse, scale, causal, bottom_right)
     expected = []
     if use_gluon:
-        config = configs.gluon_bwd_config(q.shape[-1], q.shape[1], k.shape[1], causal)  # patched if given
         expected = ["launch_dkdv_gluon"] + (["launch_dq_gluon"] if config["dq"] is not None else [])
     assert ran == expected, f"Gluon kernels that ran: {ran}, expected {expected}"
     return grads
@@ -123,11 +124,16 @@ def test_launch_parts_and_padding():
     dkdv, dq = _DEFAULT["dkdv"], _DEFAULT["dq"]
     grid, ints, meta = BG.launch_parts((3, 1000, 16, 128), (3, 700, 4, 128), True, False, dkdv)
     assert grid == (6, 4, 3)  # cdiv(700, 128) key blocks, kv heads, batch
-    assert ints == (16, 4, 1000, 700, 1024)  # Hq, group size, Sq, Sk, Sq padded to a multiple of 128
+    assert ints == (16, 3, 4, 1000, 700, 1024)  # Hq, batch, group size, Sq, Sk, Sq padded to a multiple of 128
     assert meta["IS_CAUSAL"] and not meta["CAUSAL_BOTTOM_RIGHT"] and meta["HEAD_DIM"] == 128
+    assert not meta["IS_VARLEN"]
+    # varlen: 5 sequences packed in 3000 / 2000 tokens, the longest 900 / 700; lse rows per head: total + 128
+    grid, ints, meta = BG.launch_parts((3000, 16, 128), (2000, 4, 128), False, True, dkdv, "dkdv", 5, 900, 700)
+    assert grid == (6, 4, 5) and ints == (16, 5, 4, 900, 700, 3128) and meta["IS_VARLEN"]
     grid, ints, meta = BG.launch_parts((3, 1000, 16, 128), (3, 700, 4, 128), False, True, dq, "dq")
     assert grid == (8, 16, 3) and meta["BLOCK_N"] == dq["BLOCK_N"]  # cdiv(1000, 128) query tiles, heads, batch
     assert [BG.padded_seqlen(n) for n in (1, 128, 129)] == [128, 128, 256]
+    assert BG.padded_rows(129, False) == 256 and BG.padded_rows(129, True) == 257
     rows = BG.row_descriptor(torch.empty(2, 3, 128))
     assert rows.shape == [2 * 3 * 128] and rows.block_shape == [64]
 
@@ -135,16 +141,66 @@ def test_launch_parts_and_padding():
 def test_dispatch_config():
     for head_dim in (64, 128):
         for causal in (False, True):
-            for seqlen in (512, 1024, 4096):
-                config = configs.gluon_bwd_config(head_dim, seqlen, seqlen, causal)
-                assert set(config) == {"dkdv", "dq"}
-                assert BG.shared_memory_bytes(config["dkdv"], head_dim) <= BG.SHARED_MEMORY_LIMIT
-                if config["dq"] is not None:
-                    assert BG.shared_memory_bytes(config["dq"], head_dim, "dq") <= BG.SHARED_MEMORY_LIMIT
-    assert configs.gluon_bwd_config(128, 512, 512, True)["dq"] is not None
-    assert configs.gluon_bwd_config(64, 1024, 1024, True)["dq"] is None  # short causal D = 64: Triton's dQ
+            config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal)
+            assert set(config) == {"dkdv", "dq"}
+            assert BG.shared_memory_bytes(config["dkdv"], head_dim) <= BG.SHARED_MEMORY_LIMIT
+            assert BG.shared_memory_bytes(config["dq"], head_dim, "dq") <= BG.SHARED_MEMORY_LIMIT
+    # short problems keep the Triton kernels: the Gluon launches' host time would show
+    little = configs.GLUON_BWD_MIN_FLOPS / 2
+    assert configs.gluon_bwd_config(128, 512, 512, True, little) is None
+    assert configs.gluon_bwd_config(128, 512, 512, True, 2 * configs.GLUON_BWD_MIN_FLOPS) is not None
     assert configs.gluon_bwd_config(256, 4096, 4096, False) is None
     assert configs.gluon_bwd_config(96, 4096, 4096, False) is None
+
+
+@hopper_only
+def test_dispatch_takes_the_gluon_kernels_for_large_problems_only(device, monkeypatch):
+    ran = []
+    for name in ("launch_dkdv_gluon", "launch_dq_gluon"):
+        real = getattr(BG, name)
+        monkeypatch.setattr(BG, name, lambda *a, real=real, name=name, **kw: (ran.append(name), real(*a, **kw))[1])
+    for seqlen, expected in ((64, []), (4096, ["launch_dkdv_gluon", "launch_dq_gluon"])):
+        q, k, v, dout = make_qkv(4, seqlen, seqlen, 16, 16, 128, torch.bfloat16, device)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        flashtriton.flash_attn_func(*leaves, causal=False).backward(dout)
+        assert ran == expected, seqlen
+        ran.clear()
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_backward_varlen(causal, head_dim, device, monkeypatch):
+    """Packed sequences (empty ones, one token, Sq != Sk, GQA) with rows of other data before and after them:
+    per-sequence gradients against float64, and the rows outside every sequence left alone."""
+    from test_varlen import pack
+
+    lengths_q, lengths_k = [5, 0, 1, 200, 33, 130, 64], [9, 4, 1, 150, 20, 0, 64]
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float16
+    q, cu_q = pack(lengths_q, 4, head_dim, dtype, device, gen)
+    k, cu_k = pack(lengths_k, 2, head_dim, dtype, device, gen)
+    v, _ = pack(lengths_k, 2, head_dim, dtype, device, gen)
+    dout, _ = pack(lengths_q, 4, head_dim, dtype, device, gen)
+    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: _DEFAULT if head_dim == 128 else
+                        {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+                         "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)})
+    ran = []
+    for name in ("launch_dkdv_gluon", "launch_dq_gluon"):
+        real = getattr(BG, name)
+        monkeypatch.setattr(BG, name, lambda *a, real=real, name=name, **kw: (ran.append(name), real(*a, **kw))[1])
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flashtriton.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal)
+    out.backward(dout)
+    assert ran == ["launch_dkdv_gluon", "launch_dq_gluon"]
+    dq, dk, dv = (t.grad for t in leaves)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lq == 0 or lk == 0:
+            assert torch.all(dq[sq] == 0) and torch.all(dk[sk] == 0) and torch.all(dv[sk] == 0), f"seq {b}"
+            continue
+        ours = (dq[None, sq], dk[None, sk], dv[None, sk])
+        check_grads(ours, q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal, what=f"seq {b}: ")
 
 
 def test_shared_memory_estimate_and_limit():
@@ -171,10 +227,7 @@ def test_gluon_backward_compiles_for_sm90_without_a_gpu():
         "                                (64, False, torch.bfloat16), (64, True, torch.float16)):\n"
         "    config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal)\n"
         "    for kernel in ('dkdv', 'dq'):\n"
-        "        if config[kernel] is None:\n"
-        "            print('compiled', kernel, 'Triton')\n"
-        "            continue\n"
-        "        compiled = compile_for_sm90(head_dim, causal, config[kernel], dtype, kernel)\n"
+        "        compiled = compile_for_sm90(head_dim, causal, config[kernel], dtype, kernel, varlen=causal)\n"
         "        ptx = compiled.asm['ptx']\n"
         "        assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
         "        print('compiled', kernel, head_dim, causal, compiled.metadata.shared)\n"

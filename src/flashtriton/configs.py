@@ -298,29 +298,35 @@ def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.dev
 
 
 # Hopper's Gluon backward kernels (kernels/backward_gluon.py: a TMA producer and two consumer warpgroups; dK/dV
-# holding 128 keys, dQ holding 128 query rows): dense fp16/bf16 at D = 64 and 128 on sm_90, under USE_GLUON, and
-# only where no Triton config is forced. FLASHTRITON_GLUON_BWD=0 (or configs.USE_GLUON_BWD = False) keeps the
-# Triton kernels.
+# holding 128 keys, dQ holding 128 query rows): fp16/bf16 at D = 64 and 128 on sm_90, dense or varlen, under
+# USE_GLUON, and only where no Triton config is forced. FLASHTRITON_GLUON_BWD=0 (or configs.USE_GLUON_BWD = False)
+# keeps the Triton kernels.
 USE_GLUON_BWD: bool = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
+# Below this much work (forward FLOPs, 4·B·Hq·Sq·Sk·D, halved when causal) the backward takes the Triton kernels:
+# its GPU time (< ~0.5 ms) no longer hides the Gluon launches' host time (two launches with 13 TMA descriptors
+# encoded per call: 0.24-0.32 ms per backward called directly, 0.6-0.85 ms through autograd on the H200 machine's
+# CPU, against 0.09-0.15 / 0.25-0.44 ms for the Triton kernels; explore10/bwd_host_41791d293830.json). In the
+# standard sweep that is T = 512, and T = 1024 causal.
+GLUON_BWD_MIN_FLOPS = 1e11
 
 
-def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict | None:
-    """{"dkdv": config, "dq": config or None (the Triton dQ kernel)} for a dense shape, or None (both Triton).
+def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
+                     fwd_flops: float = float("inf")) -> dict | None:
+    """{"dkdv": config, "dq": config} of the Gluon backward kernels, or None (the Triton kernels).
     From the H200 sweep benchmarks/2026-11-29-h200/explore10/gluon_bwd_8c6167939b66.json (fp16, the whole backward
-    in TFLOP/s: Triton kernels / Gluon dK/dV + Triton dQ / both Gluon, dQ by 64-key tiles, 3 stages / by 128-key
-    tiles / cuDNN):
+    in TFLOP/s of GPU time: Triton kernels / Gluon dK/dV + Triton dQ / both Gluon, dQ by 64-key tiles, 3 stages /
+    by 128-key tiles / cuDNN):
     - D = 128: both Gluon, 3 stages, dQ by 64-key tiles (128-key tiles need 64 score registers more per thread):
       non-causal T=8192 344 / 401 / 478 / 468 / 531, causal T=16384 339 / 398 / 482 / 464 / 577, T=512 187 / 209 /
       227 / 224 / 212.
-    - D = 64: dQ by 128-key tiles, 2 stages (T=8192 non-causal 318 / 342 / 355 / 372 / 438); the Triton dQ kernel
-      where the rows are few and short (causal up to 1024 keys: T=1024 230 / 245 / 234 / 237 / 248; non-causal
-      T=512 255 / 264 / 260 / 258 / 281)."""
+    - D = 64: dQ by 128-key tiles, 2 stages (non-causal T=8192 318 / 342 / 355 / 372 / 438).
+    - Less work than GLUON_BWD_MIN_FLOPS: None."""
+    if fwd_flops < GLUON_BWD_MIN_FLOPS:
+        return None
     if head_dim == 128:
         return {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
     if head_dim == 64:
-        short = seqlen_k <= (1024 if causal else 512)
-        return {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
-                "dq": None if short else dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
+        return {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240), "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
     return None
 
 

@@ -377,17 +377,19 @@ def attention_backward(
     q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s, o_s = strides
     block_d = configs.padded_head_dim(head_dim)
     gluon_config = None
-    if (not varlen and config is None and backward_gluon is not None and configs.USE_GLUON
-            and configs.USE_GLUON_BWD and tma_ok(q, k, v, dout, dq, dk, dv)
+    if (config is None and backward_gluon is not None and configs.USE_GLUON and configs.USE_GLUON_BWD
+            and tma_ok(q, k, v, dout, dq, dk, dv)
             and all(st > 0 for t in (q, k, v, dout) for st in t.stride())):  # no broadcast (stride-0) dims
-        gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal))
+        rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
+        fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
+        gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops)
 
     lse = lse.contiguous()  # already so as the forward returns it
     if gluon_config is not None:
-        # The Gluon kernels load whole tiles of lse and delta: padded copies, lse -inf and delta 0 past Sq.
-        padded = backward_gluon.padded_seqlen(seqlen_q)
-        lse_pad = torch.full((batch, heads_q, padded), float("-inf"), dtype=torch.float32, device=q.device)
-        lse_pad[:, :, :seqlen_q] = lse
+        # The Gluon kernels load whole tiles of lse and delta: padded copies, lse -inf and delta 0 on the padding.
+        padded = backward_gluon.padded_rows(q.shape[0] if varlen else seqlen_q, varlen)
+        lse_pad = torch.full((*lse.shape[:-1], padded), float("-inf"), dtype=torch.float32, device=q.device)
+        lse_pad[..., :lse.shape[-1]] = lse
         lse = lse_pad
         delta = torch.zeros_like(lse_pad)
     else:
@@ -423,16 +425,17 @@ def attention_backward(
                  heads_q // heads_kv, *tail)
     args_dq = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common, *dq_s, *l_s,
                heads_q // heads_kv, *tail)
+    varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if gluon_config is not None:
         backward_gluon.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
-                                         causal_bottom_right, gluon_config["dkdv"])
+                                         causal_bottom_right, gluon_config["dkdv"], *varlen_args)
     elif config is None:
         _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
     else:
         launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"]})
     if gluon_config is not None and gluon_config["dq"] is not None:
         backward_gluon.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal, causal_bottom_right,
-                                       gluon_config["dq"])
+                                       gluon_config["dq"], *varlen_args)
     elif config is None:
         _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
     else:

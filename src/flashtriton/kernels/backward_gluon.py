@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
-from .forward_gluon import descriptor
+from .forward_gluon import _tma_load, descriptor
 from .launch import launch
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
@@ -40,17 +40,50 @@ KEYS = gl.constexpr(2 * 64)  # keys per program
 
 
 @gluon.jit
-def _producer(shared, place, group_size, heads_q, seqlen_pad, NUM_STAGES: gl.constexpr):
+def _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQLEN_Q, SEQLEN_K, IS_VARLEN: gl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k) of batch entry off_b: dense, the whole (Sq, Sk); varlen, sequence
+    off_b of the packed batch."""
+    if IS_VARLEN:
+        q_start = gl.load(CU_SEQLENS_Q + off_b)
+        seqlen_q = gl.load(CU_SEQLENS_Q + off_b + 1) - q_start
+        k_start = gl.load(CU_SEQLENS_K + off_b)
+        seqlen_k = gl.load(CU_SEQLENS_K + off_b + 1) - k_start
+    else:
+        q_start = gl.to_tensor(0)
+        seqlen_q = gl.to_tensor(SEQLEN_Q)
+        k_start = gl.to_tensor(0)
+        seqlen_k = gl.to_tensor(SEQLEN_K)
+    return q_start, seqlen_q, k_start, seqlen_k
+
+
+@gluon.jit
+def _store_rows(base, stride_n, first, n_valid, vals, layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Varlen epilogue: rows first + i (i < n_valid) of a packed (total, H, D) tensor, from registers; `base`
+    points at (token 0, this head). A TMA store would also write the rows past the sequence, the next one's."""
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    ptrs = base + (first + rows)[:, None].to(gl.int64) * stride_n + cols[None, :]
+    gl.store(ptrs, vals, mask=(rows < n_valid)[:, None])
+
+
+@gluon.jit
+def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl.constexpr,
+              NUM_STAGES: gl.constexpr):
     """K/V of the program's keys once, then for each (query head g of the group, query tile) its Q, dO, lse and
     delta into stage it % NUM_STAGES, once both consumers released the tile it held."""
     (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
      kv_ready, ready, empty) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
+    q_start, seqlen_q, k_start, seqlen_k = seq
     mbarrier.expect(kv_ready, 4 * desc_k.block_type.nbytes)
     for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(desc_k, [off_b, start_n + w * ROWS, off_hk, 0], kv_ready, k_bufs.index(w))
-        tma.async_copy_global_to_shared(desc_v, [off_b, start_n + w * ROWS, off_hk, 0], kv_ready, v_bufs.index(w))
+        _tma_load(desc_k, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, k_bufs.index(w))
+        _tma_load(desc_v, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, v_bufs.index(w))
     TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes + 2 * desc_lse.block_type.nbytes
+    if IS_VARLEN:  # lse / delta (Hq, total_q + pad)
+        batch_rows = q_start
+    else:  # lse / delta (B, Hq, Sq_pad)
+        batch_rows = off_b * heads_q * seqlen_pad
     for it in range(n_iters):
         g = it // n_m
         m = lo + (it - g * n_m) * BLOCK_M
@@ -58,19 +91,22 @@ def _producer(shared, place, group_size, heads_q, seqlen_pad, NUM_STAGES: gl.con
         stage = it % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1, pred=it >= NUM_STAGES)
         mbarrier.expect(ready.index(stage), TILE_BYTES)
-        tma.async_copy_global_to_shared(desc_q, [off_b, m, off_h, 0], ready.index(stage), q_bufs.index(stage))
-        tma.async_copy_global_to_shared(desc_do, [off_b, m, off_h, 0], ready.index(stage), do_bufs.index(stage))
-        row = (off_b * heads_q + off_h) * seqlen_pad + m  # in the flattened (B, Hq, Sq_pad) lse / delta
+        _tma_load(desc_q, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), q_bufs.index(stage))
+        _tma_load(desc_do, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), do_bufs.index(stage))
+        row = batch_rows + off_h * seqlen_pad + m  # in the flattened lse / delta
         tma.async_copy_global_to_shared(desc_lse, [row], ready.index(stage), lse_bufs.index(stage))
         tma.async_copy_global_to_shared(desc_delta, [row], ready.index(stage), delta_bufs.index(stage))
 
 
 @gluon.jit
-def _consumer(shared, place, causal_offset, qk_scale, softmax_scale,
-              WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their TMA stores."""
-    (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv) = shared
+def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
+              WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+              NUM_STAGES: gl.constexpr):
+    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores."""
+    (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
+     stride_dkn, stride_dkh, stride_dvn, stride_dvh) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
+    q_start, seqlen_q, k_start, seqlen_k = seq
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -78,7 +114,7 @@ def _consumer(shared, place, causal_offset, qk_scale, softmax_scale,
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_bufs.dtype
-    first_key = start_n + WG * ROWS
+    first_key = start_n + WG * ROWS  # in the sequence
     keys = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
     cols = gl.arange(0, BLOCK_M, layout=col_layout)  # (BLOCK_M,)
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
@@ -97,6 +133,8 @@ def _consumer(shared, place, causal_offset, qk_scale, softmax_scale,
         s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
         dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
         lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
+        if IS_VARLEN:  # rows past the sequence are the next one's: no P there
+            lse = gl.where(m + cols < seqlen_q, lse, float("-inf"))
         lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
@@ -113,34 +151,47 @@ def _consumer(shared, place, causal_offset, qk_scale, softmax_scale,
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         mbarrier.arrive(empty.index(stage), count=1)
 
-    k.store((dk * softmax_scale).to(dtype))  # the buffers are this warpgroup's alone, its last wgmma done
-    v.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(desc_dk, [off_b, first_key, off_hk, 0], k_bufs.index(WG))
-    tma.async_copy_shared_to_global(desc_dv, [off_b, first_key, off_hk, 0], v_bufs.index(WG))
-    tma.store_wait(0)
+    dk = (dk * softmax_scale).to(dtype)
+    dv = dv.to(dtype)
+    if IS_VARLEN:
+        n_valid = seqlen_k - first_key
+        _store_rows(DK + off_hk * stride_dkh, stride_dkn, k_start + first_key, n_valid, dk, acc_layout, HEAD_DIM)
+        _store_rows(DV + off_hk * stride_dvh, stride_dvn, k_start + first_key, n_valid, dv, acc_layout, HEAD_DIM)
+    else:
+        k.store(dk)  # the buffers are this warpgroup's alone, its last wgmma done
+        v.store(dv)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_dk, [off_b, first_key, off_hk, 0], k_bufs.index(WG))
+        tma.async_copy_shared_to_global(desc_dv, [off_b, first_key, off_hk, 0], v_bufs.index(WG))
+        tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["HEADS_Q", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"])
+@gluon.jit(do_not_specialize=["stride_dkn", "stride_dkh", "stride_dvn", "stride_dvh", "HEADS_Q", "BATCH",
+                              "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"])
 def _attn_bwd_dkdv_gluon(
-    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, softmax_scale, qk_scale,
-    HEADS_Q, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
-    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
+    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K,
+    softmax_scale, qk_scale, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+    HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
+    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """Grid (cdiv(Sk, 128), Hkv, B); num_warps=4: the producer; two consumer warpgroups as workers."""
+    """Grid (cdiv(Sk, 128), Hkv, B) (varlen: Sk the longest sequence's); num_warps=4: the producer; two consumer
+    warpgroups as workers."""
     start_n = gl.program_id(0) * KEYS  # causal: the first keys see the most queries and start first
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
+    seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQLEN_Q, SEQLEN_K, IS_VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = seq
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
-        causal_offset = SEQLEN_K - SEQLEN_Q
+        causal_offset = seqlen_k - seqlen_q
     else:
-        causal_offset = 0
+        causal_offset = gl.to_tensor(0)
     if IS_CAUSAL:  # the first query tile with a row that sees key start_n
         lo = gl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
     else:
-        lo = 0
-    n_m = gl.cdiv(gl.maximum(SEQLEN_Q - lo, 0), BLOCK_M)  # query tiles per head; 0: dK = dV = 0
+        lo = gl.to_tensor(0)
+    n_m = gl.cdiv(gl.maximum(seqlen_q - lo, 0), BLOCK_M)  # query tiles per head; 0: dK = dV = 0
+    n_m = gl.where(start_n < seqlen_k, n_m, 0)  # varlen: keys past a shorter sequence's end, nothing to do
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + desc_q.block_type.shape, desc_q.layout)
@@ -160,69 +211,64 @@ def _attn_bwd_dkdv_gluon(
     fence_async_shared()
 
     # Worker partitions take tensors, not Python numbers: gl.to_tensor.
-    off_b = gl.to_tensor(off_b)
-    off_hk = gl.to_tensor(off_hk)
-    start_n = gl.to_tensor(start_n)
-    lo = gl.to_tensor(lo)
-    n_m = gl.to_tensor(n_m)
     group_size = gl.to_tensor(GROUP_SIZE)
-    n_iters = n_m * group_size
-    heads_q = gl.to_tensor(HEADS_Q)
-    seqlen_pad = gl.to_tensor(SEQLEN_PAD)
-    causal_offset = gl.to_tensor(causal_offset)
-    qk_scale = gl.to_tensor(qk_scale)
-    softmax_scale = gl.to_tensor(softmax_scale)
+    place = (gl.to_tensor(off_b), gl.to_tensor(off_hk), gl.to_tensor(start_n), lo, n_m, n_m * group_size)
     producer_args = (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_bufs, do_bufs, k_bufs, v_bufs,
                      lse_bufs, delta_bufs, kv_ready, ready, empty)
-    consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv)
-    place = (off_b, off_hk, start_n, lo, n_m, n_iters)  # the program's keys and query tiles
+    consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv,
+                     DK, DV, gl.to_tensor(stride_dkn), gl.to_tensor(stride_dkh), gl.to_tensor(stride_dvn),
+                     gl.to_tensor(stride_dvh))
+    scales = (causal_offset, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     gl.warp_specialize([
-        (_producer, (producer_args, place, group_size, heads_q, seqlen_pad, NUM_STAGES)),
-        (_consumer, (consumer_args, place, causal_offset, qk_scale, softmax_scale, gl.constexpr(0), IS_CAUSAL,
-                     HEAD_DIM, NUM_STAGES)),
-        (_consumer, (consumer_args, place, causal_offset, qk_scale, softmax_scale, gl.constexpr(1), IS_CAUSAL,
-                     HEAD_DIM, NUM_STAGES)),
+        (_producer, (producer_args, place, seq, group_size, gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD),
+                     IS_VARLEN, NUM_STAGES)),
+        (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], gl.constexpr(0), IS_CAUSAL,
+                     IS_VARLEN, HEAD_DIM, NUM_STAGES)),
+        (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], gl.constexpr(1), IS_CAUSAL,
+                     IS_VARLEN, HEAD_DIM, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 @gluon.jit
-def _dq_producer(shared, place, NUM_STAGES: gl.constexpr):
+def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Q and dO of the program's rows once (one 64-row block per consumer), then its K/V tiles into the ring, tile j
     into stage j % NUM_STAGES once both consumers released the tile it held."""
     (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty) = shared
     off_b, off_h, off_hk, start_m, n_tiles = place
-    BLOCK_N: gl.constexpr = desc_k.block_type.shape[1]
+    q_start, seqlen_q, k_start, seqlen_k = seq
+    BLOCK_N: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 3]
     mbarrier.expect(q_ready, 4 * desc_q.block_type.nbytes)
     for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(desc_q, [off_b, start_m + w * ROWS, off_h, 0], q_ready, q_bufs.index(w))
-        tma.async_copy_global_to_shared(desc_do, [off_b, start_m + w * ROWS, off_h, 0], q_ready, do_bufs.index(w))
+        _tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m + w * ROWS, off_h, q_ready, q_bufs.index(w))
+        _tma_load(desc_do, IS_VARLEN, off_b, q_start + start_m + w * ROWS, off_h, q_ready, do_bufs.index(w))
     for j in range(n_tiles):
         stage = j % NUM_STAGES
         mbarrier.wait(kv_empty.index(stage), ((j // NUM_STAGES) & 1) ^ 1, pred=j >= NUM_STAGES)
         mbarrier.expect(kv_ready.index(stage), 2 * desc_k.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [off_b, j * BLOCK_N, off_hk, 0], kv_ready.index(stage),
-                                        k_bufs.index(stage))
-        tma.async_copy_global_to_shared(desc_v, [off_b, j * BLOCK_N, off_hk, 0], kv_ready.index(stage),
-                                        v_bufs.index(stage))
+        _tma_load(desc_k, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), k_bufs.index(stage))
+        _tma_load(desc_v, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), v_bufs.index(stage))
 
 
 @gluon.jit
-def _dq_consumer(shared, place, seqlen_k, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
-                 WG: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr):
-    """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its TMA store."""
-    (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq) = shared
+def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
+                 WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store."""
+    (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh) = shared
     off_b, off_h, off_hk, start_m, n_tiles = place
+    q_start, seqlen_q, k_start, seqlen_k = seq
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
-    row0 = start_m + WG * ROWS
+    row0 = start_m + WG * ROWS  # in the sequence
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (BLOCK_N,)
-    lse = gl.load(lse_ptr + rows)  # padded: rows past Sq hold -inf
+    lse = gl.load(lse_ptr + rows)  # padded: rows past the last sequence hold -inf
+    if IS_VARLEN:  # rows past the sequence are the next one's: no P there
+        lse = gl.where(rows < seqlen_q, lse, float("-inf"))
     lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = gl.load(delta_ptr + rows)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -255,21 +301,26 @@ def _dq_consumer(shared, place, seqlen_k, causal_offset, qk_scale, softmax_scale
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
         mbarrier.arrive(kv_empty.index(stage), count=1)
 
-    q.store((dq * softmax_scale).to(dtype))  # this warpgroup's Q buffer, its last wgmma done
-    fence_async_shared()
-    tma.async_copy_shared_to_global(desc_dq, [off_b, row0, off_h, 0], q_bufs.index(WG))
-    tma.store_wait(0)
+    dq = (dq * softmax_scale).to(dtype)
+    if IS_VARLEN:
+        _store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq, acc_layout, HEAD_DIM)
+    else:
+        q.store(dq)  # this warpgroup's Q buffer, its last wgmma done
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_dq, [off_b, row0, off_h, 0], q_bufs.index(WG))
+        tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["HEADS_Q", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"])
+@gluon.jit(do_not_specialize=["stride_dqm", "stride_dqh", "HEADS_Q", "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K",
+                              "SEQLEN_PAD"])
 def _attn_bwd_dq_gluon(
-    desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, softmax_scale, qk_scale,
-    HEADS_Q, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
-    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HEAD_DIM: gl.constexpr,
+    desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, softmax_scale, qk_scale,
+    stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
+    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """Grid (cdiv(Sq, 128), Hq, B); num_warps=4: the producer; two consumer warpgroups of 64 query rows each.
-    Causal: the last query tiles (the most keys) start first."""
+    """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); num_warps=4: the producer; two consumer
+    warpgroups of 64 query rows each. Causal: the last query tiles (the most keys) start first."""
     n_m = gl.num_programs(0)
     if IS_CAUSAL:
         start_m = (n_m - 1 - gl.program_id(0)) * KEYS
@@ -278,15 +329,18 @@ def _attn_bwd_dq_gluon(
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
     off_hk = off_h // GROUP_SIZE
+    seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQLEN_Q, SEQLEN_K, IS_VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = seq
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
-        causal_offset = SEQLEN_K - SEQLEN_Q
+        causal_offset = seqlen_k - seqlen_q
     else:
-        causal_offset = 0
+        causal_offset = gl.to_tensor(0)
     if IS_CAUSAL:  # keys up to the last row's diagonal
-        hi = gl.minimum(SEQLEN_K, gl.maximum(start_m + KEYS + causal_offset, 0))
+        hi = gl.minimum(seqlen_k, gl.maximum(start_m + KEYS + causal_offset, 0))
     else:
-        hi = SEQLEN_K
+        hi = seqlen_k
     n_tiles = gl.cdiv(hi, BLOCK_N)  # 0: rows that see no key, dQ = 0
+    n_tiles = gl.where(start_m < seqlen_q, n_tiles, 0)  # varlen: rows past a shorter sequence's end
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + desc_q.block_type.shape, desc_q.layout)
@@ -302,23 +356,23 @@ def _attn_bwd_dq_gluon(
         mbarrier.init(kv_empty.index(i), count=2)
     fence_async_shared()
 
-    rows_base = (off_b.to(gl.int64) * HEADS_Q + off_h) * SEQLEN_PAD  # this (batch, head)'s padded lse / delta
-    place = (gl.to_tensor(off_b), gl.to_tensor(off_h), gl.to_tensor(off_hk), gl.to_tensor(start_m),
-             gl.to_tensor(n_tiles))
-    seqlen_k = gl.to_tensor(SEQLEN_K)
-    causal_offset = gl.to_tensor(causal_offset)
-    qk_scale = gl.to_tensor(qk_scale)
-    softmax_scale = gl.to_tensor(softmax_scale)
+    if IS_VARLEN:  # lse / delta (Hq, total_q + pad)
+        rows_base = off_h.to(gl.int64) * SEQLEN_PAD + q_start
+    else:  # lse / delta (B, Hq, Sq_pad)
+        rows_base = (off_b.to(gl.int64) * HEADS_Q + off_h) * SEQLEN_PAD
+    place = (gl.to_tensor(off_b), gl.to_tensor(off_h), gl.to_tensor(off_hk), gl.to_tensor(start_m), n_tiles)
+    producer_args = (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty)
+    consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ,
+                     gl.to_tensor(stride_dqm), gl.to_tensor(stride_dqh))
+    scales = (causal_offset, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     lse_ptr = LSE + rows_base
     delta_ptr = DELTA + rows_base
-    producer_args = (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty)
-    consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq)
     gl.warp_specialize([
-        (_dq_producer, (producer_args, place, NUM_STAGES)),
-        (_dq_consumer, (consumer_args, place, seqlen_k, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
-                        gl.constexpr(0), IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
-        (_dq_consumer, (consumer_args, place, seqlen_k, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
-                        gl.constexpr(1), IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+        (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
+        (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr,
+                        gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+        (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr,
+                        gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -331,14 +385,20 @@ def _row_layout():
 
 
 def row_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """Descriptor of a contiguous fp32 (B, Hq, Sq_pad) tensor as one flat row, in blocks of BLOCK_M values."""
+    """Descriptor of a contiguous fp32 lse / delta buffer as one flat row, in blocks of BLOCK_M values."""
     flat = t.view(-1)
     return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value], _row_layout())
 
 
 def padded_seqlen(seqlen_q: int) -> int:
-    """lse / delta rows per (batch, head): Sq rounded up to the dQ kernel's 128-row tiles."""
+    """lse / delta rows per (batch, head) of a dense batch: Sq rounded up to the dQ kernel's 128-row tiles."""
     return triton.cdiv(seqlen_q, KEYS.value) * KEYS.value
+
+
+def padded_rows(seqlen_q: int, varlen: bool) -> int:
+    """lse / delta rows per head: dense, `padded_seqlen`; varlen (Hq, total_q + 128), so that the last sequence's
+    last tile stays inside."""
+    return seqlen_q + KEYS.value if varlen else padded_seqlen(seqlen_q)
 
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90
@@ -355,11 +415,18 @@ def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_
     return resident + config["NUM_STAGES"] * per_stage
 
 
-def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv"):
-    """(grid, int arguments after the scales, constexprs and options) of the dK/dV or the dQ kernel for
-    q (B, Sq, Hq, D), k (B, Sk, Hkv, D)."""
-    batch, seqlen_q, heads_q, head_dim = q_shape
-    seqlen_k, heads_kv = k_shape[1], k_shape[2]
+def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv",
+                 batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
+    """(grid, int arguments after the scales and output strides, constexprs and options) of the dK/dV or the dQ
+    kernel. Dense (batch None): q (B, Sq, Hq, D), k (B, Sk, Hkv, D). Varlen: q (total_q, Hq, D),
+    k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens."""
+    varlen = batch is not None
+    heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
+    if varlen:
+        seqlen_q, seqlen_k, pad = max_seqlen_q, max_seqlen_k, padded_rows(q_shape[0], True)
+    else:
+        batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
+        pad = padded_rows(seqlen_q, False)
     if shared_memory_bytes(config, head_dim, kernel) > SHARED_MEMORY_LIMIT:
         raise ValueError(f"Gluon {kernel} config {config} needs {shared_memory_bytes(config, head_dim, kernel)} bytes "
                          f"of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
@@ -367,56 +434,71 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         grid = (triton.cdiv(seqlen_k, KEYS.value), heads_kv, batch)
     else:
         grid = (triton.cdiv(seqlen_q, KEYS.value), heads_q, batch)
-    ints = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, padded_seqlen(seqlen_q))
-    meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), HEAD_DIM=head_dim,
-                num_warps=4, **config)
+    ints = (heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k, pad)
+    meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+                HEAD_DIM=head_dim, num_warps=4, **config)
     return grid, ints, meta
 
 
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
-                      config) -> None:
-    """q, dout (B, Sq, Hq, D); k, v, dk, dv (B, Sk, Hkv, D); lse_pad / delta_pad contiguous fp32 (B, Hq, Sq_pad)
-    (`padded_seqlen`; lse -inf and delta 0 past Sq). Inputs that pass `common.tma_ok`, D 64 or 128, Sq, Sk > 0."""
-    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config)
+                      config, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+    """Dense q, dout (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D), lse_pad / delta_pad contiguous fp32
+    (B, Hq, `padded_rows`); or varlen q, dout (total_q, Hq, D), k, v, dk, dv (total_k, Hkv, D), lse_pad / delta_pad
+    (Hq, `padded_rows`), cu_seqlens int32 (B + 1,). lse -inf and delta 0 on the padding. Inputs that pass
+    `common.tma_ok`, D 64 or 128, Sq, Sk > 0; dk / dv with a contiguous last dim (varlen: stored row by row)."""
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.numel() - 1 if varlen else None
+    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, "dkdv", batch,
+                                    max_seqlen_q, max_seqlen_k)
     rows = ROWS.value
-    args = (descriptor(q, rows), descriptor(k, rows), descriptor(v, rows), descriptor(dout, rows),
-            descriptor(dk, rows), descriptor(dv, rows), row_descriptor(lse_pad), row_descriptor(delta_pad),
-            softmax_scale, softmax_scale * LOG2E, *ints)
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
+    args = (descriptor(q, rows, varlen), descriptor(k, rows, varlen), descriptor(v, rows, varlen),
+            descriptor(dout, rows, varlen), descriptor(dk, rows, varlen), descriptor(dv, rows, varlen),
+            row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, softmax_scale,
+            softmax_scale * LOG2E, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
     launch(_attn_bwd_dkdv_gluon, grid, args, meta)
 
 
-def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
-                    config) -> None:
+def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right, config,
+                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """dQ (times the softmax scale) into dq (like q); the inputs as `launch_dkdv_gluon`'s."""
-    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, "dq")
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.numel() - 1 if varlen else None
+    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, "dq", batch,
+                                    max_seqlen_q, max_seqlen_k)
     rows, block_n = ROWS.value, config["BLOCK_N"]
-    args = (descriptor(q, rows), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, rows),
-            descriptor(dq, rows), lse_pad, delta_pad, softmax_scale, softmax_scale * LOG2E, *ints)
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
+    args = (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
+            descriptor(dout, rows, varlen), descriptor(dq, rows, varlen), lse_pad, delta_pad, dq, cu_q, cu_k,
+            softmax_scale, softmax_scale * LOG2E, dq.stride(-3), dq.stride(-2), *ints)
     launch(_attn_bwd_dq_gluon, grid, args, meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
-                     kernel: str = "dkdv"):
+                     kernel: str = "dkdv", varlen: bool = False):
     """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon.compile_for_sm90`): for tests
     and `ptxas -v`."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    t = torch.empty(2, 256, 4, head_dim, dtype=dtype)
-    rows_t = torch.empty(2, 4, 256, dtype=torch.float32)
-    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel)
+    t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
+    rows_t = torch.empty(4, 1024, dtype=torch.float32)
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256)
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
     fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
     kv_rows = rows if kernel == "dkdv" else config["BLOCK_N"]
-    descriptors = {name: descriptor(t, kv_rows if name in ("desc_k", "desc_v") else rows)
+    descriptors = {name: descriptor(t, kv_rows if name in ("desc_k", "desc_v") else rows, varlen)
                    for name in ("desc_q", "desc_k", "desc_v", "desc_do", "desc_dk", "desc_dv", "desc_dq")}
     descriptors.update(desc_lse=row_descriptor(rows_t), desc_delta=row_descriptor(rows_t))
+    element = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DK": element, "DV": element, "DQ": element,
+                "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32"}
     names = fn.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
-                 else "*fp32" if name in ("LSE", "DELTA") else "fp32" if name in ("softmax_scale", "qk_scale")
+                 else pointers[name] if name in pointers else "fp32" if name in ("softmax_scale", "qk_scale")
                  else "i32" for name in names}
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("LSE", "DELTA") if name in names}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers if name in names}
     source = GluonASTSource(fn, signature, constexprs=meta, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
