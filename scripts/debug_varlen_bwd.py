@@ -5,7 +5,7 @@ import sys
 
 VARIANT = os.environ.get("VARIANT")
 if VARIANT is None:
-    for v in ("dkdv", "dq", "dkdv_nostore", "dq_nostore", "dkdv_dense_like", "dq_noload"):
+    for v in ("dkdv", "dq", "dkdv_nostore", "dq_nostore", "dkdv_dense_like", "dq_dense_like"):
         r = subprocess.run([sys.executable, __file__], env={**os.environ, "VARIANT": v, "CUDA_LAUNCH_BLOCKING": "1"},
                            capture_output=True, text=True, timeout=120)
         tail = (r.stdout + r.stderr).strip().splitlines()[-2:]
@@ -27,7 +27,7 @@ if VARIANT.endswith("nostore"):
     BG._store_rows = _no_store
 
 lengths_q, lengths_k = [5, 0, 1, 200, 33, 130, 64], [9, 4, 1, 150, 20, 0, 64]
-if VARIANT == "dkdv_dense_like":
+if VARIANT.endswith("dense_like"):
     lengths_q, lengths_k = [256, 256], [256, 256]
 gen = torch.Generator().manual_seed(11)
 dev = "cuda"
