@@ -79,11 +79,11 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
     for w in gl.static_range(2):
         _tma_load(desc_k, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, k_bufs.index(w))
         _tma_load(desc_v, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, v_bufs.index(w))
-    TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes + 2 * desc_lse.block_type.nbytes
-    if IS_VARLEN:  # lse / delta (Hq, total_q + pad)
-        batch_rows = q_start
-    else:  # lse / delta (B, Hq, Sq_pad)
-        batch_rows = off_b * heads_q * seqlen_pad
+    if IS_VARLEN:  # Q and dO; the consumers load lse / delta themselves (see `_consumer`)
+        TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes
+    else:  # Q, dO, lse and delta; lse / delta (B, Hq, Sq_pad)
+        TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes + 2 * desc_lse.block_type.nbytes
+    batch_rows = off_b * heads_q * seqlen_pad
     for it in range(n_iters):
         g = it // n_m
         m = lo + (it - g * n_m) * BLOCK_M
@@ -93,9 +93,10 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
         mbarrier.expect(ready.index(stage), TILE_BYTES)
         _tma_load(desc_q, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), q_bufs.index(stage))
         _tma_load(desc_do, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), do_bufs.index(stage))
-        row = batch_rows + off_h * seqlen_pad + m  # in the flattened lse / delta
-        tma.async_copy_global_to_shared(desc_lse, [row], ready.index(stage), lse_bufs.index(stage))
-        tma.async_copy_global_to_shared(desc_delta, [row], ready.index(stage), delta_bufs.index(stage))
+        if not IS_VARLEN:
+            row = batch_rows + off_h * seqlen_pad + m  # in the flattened lse / delta
+            tma.async_copy_global_to_shared(desc_lse, [row], ready.index(stage), lse_bufs.index(stage))
+            tma.async_copy_global_to_shared(desc_delta, [row], ready.index(stage), delta_bufs.index(stage))
 
 
 @gluon.jit
@@ -104,7 +105,7 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
               NUM_STAGES: gl.constexpr):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
-     stride_dkn, stride_dkh, stride_dvn, stride_dvh) = shared
+     stride_dkn, stride_dkh, stride_dvn, stride_dvh, LSE, DELTA, group_size, seqlen_pad) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -132,9 +133,16 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
         do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
         s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
         dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
-        lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
-        if IS_VARLEN:  # rows past the sequence are the next one's: no P there
-            lse = gl.where(m + cols < seqlen_q, lse, float("-inf"))
+        if IS_VARLEN:
+            # (Hq, total_q + pad): a sequence's rows start anywhere, and a TMA copy of a 1-d tensor from an
+            # address that is not 16-byte aligned faults (an illegal instruction on the H200). Rows past the
+            # sequence are the next one's: no P there.
+            lse_row = (off_hk * group_size + g) * seqlen_pad + q_start + m
+            in_seq = m + cols < seqlen_q
+            lse = gl.load(LSE + lse_row + cols, mask=in_seq, other=float("-inf"))  # (BLOCK_M,)
+            delta = gl.load(DELTA + lse_row + cols, mask=in_seq, other=0.0)
+        else:
+            lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
         lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
@@ -143,7 +151,8 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
                 p = gl.where(keys[:, None] <= (m + cols)[None, :] + causal_offset, p, 0.0)
         p_op = gl.convert_layout(p.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-        delta = delta_bufs.index(stage).load(col_layout)
+        if not IS_VARLEN:
+            delta = delta_bufs.index(stage).load(col_layout)
         dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
         ds = p * (dp - delta[None, :])  # dSᵀ
         ds_op = gl.convert_layout(ds.to(dtype), op_layout)
@@ -169,8 +178,8 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
 @gluon.jit(do_not_specialize=["stride_dkn", "stride_dkh", "stride_dvn", "stride_dvh", "HEADS_Q", "BATCH",
                               "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"])
 def _attn_bwd_dkdv_gluon(
-    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K,
-    softmax_scale, qk_scale, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, DK, DV, LSE, DELTA, CU_SEQLENS_Q,
+    CU_SEQLENS_K, softmax_scale, qk_scale, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -217,7 +226,7 @@ def _attn_bwd_dkdv_gluon(
                      lse_bufs, delta_bufs, kv_ready, ready, empty)
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv,
                      DK, DV, gl.to_tensor(stride_dkn), gl.to_tensor(stride_dkh), gl.to_tensor(stride_dvn),
-                     gl.to_tensor(stride_dvh))
+                     gl.to_tensor(stride_dvh), LSE, DELTA, group_size, gl.to_tensor(SEQLEN_PAD))
     scales = (causal_offset, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     gl.warp_specialize([
         (_producer, (producer_args, place, seq, group_size, gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD),
@@ -454,7 +463,7 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
     args = (descriptor(q, rows, varlen), descriptor(k, rows, varlen), descriptor(v, rows, varlen),
             descriptor(dout, rows, varlen), descriptor(dk, rows, varlen), descriptor(dv, rows, varlen),
-            row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, softmax_scale,
+            row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, lse_pad, delta_pad, cu_q, cu_k, softmax_scale,
             softmax_scale * LOG2E, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
     launch(_attn_bwd_dkdv_gluon, grid, args, meta)
 
