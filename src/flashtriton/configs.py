@@ -298,8 +298,8 @@ def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.dev
 
 
 # Hopper's Gluon backward kernels (kernels/backward_gluon.py: a TMA producer and two consumer warpgroups; dK/dV
-# holding 128 keys, dQ holding 128 query rows): fp16/bf16 at D = 64 and 128 on sm_90, dense or varlen, under
-# USE_GLUON, and only where no Triton config is forced. FLASHTRITON_GLUON_BWD=0 (or configs.USE_GLUON_BWD = False)
+# holding 128 keys, dQ holding 128 query rows): fp16/bf16 at D = 64 and 128 on sm_90, dense (varlen works and is
+# tested, but measured slower: `gluon_bwd_config`), under USE_GLUON, and only where no Triton config is forced. FLASHTRITON_GLUON_BWD=0 (or configs.USE_GLUON_BWD = False)
 # keeps the Triton kernels.
 USE_GLUON_BWD: bool = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
 # Below this much work (forward FLOPs, 4·B·Hq·Sq·Sk·D, halved when causal) the backward takes the Triton kernels:
@@ -311,7 +311,7 @@ GLUON_BWD_MIN_FLOPS = 1e11
 
 
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
-                     fwd_flops: float = float("inf")) -> dict | None:
+                     fwd_flops: float = float("inf"), varlen: bool = False) -> dict | None:
     """{"dkdv": config, "dq": config} of the Gluon backward kernels, or None (the Triton kernels).
     From the H200 sweep benchmarks/2026-11-29-h200/explore10/gluon_bwd_8c6167939b66.json (fp16, the whole backward
     in TFLOP/s of GPU time: Triton kernels / Gluon dK/dV + Triton dQ / both Gluon, dQ by 64-key tiles, 3 stages /
@@ -320,8 +320,12 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
       non-causal T=8192 344 / 401 / 478 / 468 / 531, causal T=16384 339 / 398 / 482 / 464 / 577, T=512 187 / 209 /
       227 / 224 / 212.
     - D = 64: dQ by 128-key tiles, 2 stages (non-causal T=8192 318 / 342 / 355 / 372 / 438).
-    - Less work than GLUON_BWD_MIN_FLOPS: None."""
-    if fwd_flops < GLUON_BWD_MIN_FLOPS:
+    - Less work than GLUON_BWD_MIN_FLOPS: None.
+    - Varlen: None. On the varlen suite's batch (64 sequences of 1..4096 tokens, D = 128) the Gluon kernels took
+      27.2 / 18.7 ms (non-causal / causal; explore10/varlen_3959b9332bfa/) against the Triton kernels' 25.8 / 13.6
+      (runs/31dc993b0f2b/serving/varlen/): 128-key blocks are mostly empty on short sequences, and the dK/dV
+      consumers load each tile's lse / delta themselves (unaligned rows)."""
+    if fwd_flops < GLUON_BWD_MIN_FLOPS or varlen:
         return None
     if head_dim == 128:
         return {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}

@@ -13,6 +13,9 @@ Scores are in base 2 (log2(e) folded into the scale, exp2). Causal (bottom-right
 CAUSAL_BOTTOM_RIGHT=False): tiles that see nothing are skipped, tiles entirely visible run unmasked, and only
 tiles on the diagonal or at the end of the sequence pay for masks — as in the forward.
 Rows that see no key have lse = -inf: they are given lse = +inf here so that P = 0 and their gradient is 0.
+On sm_90, `attention_backward` gives kernels 2 and 3 to Hopper's Gluon kernels (`backward_gluon`) where
+`configs.gluon_bwd_config` says so (dense fp16/bf16, D = 64 / 128, enough work to hide their host time); lse and
+delta then come padded to whole tiles.
 """
 
 from __future__ import annotations
@@ -351,9 +354,10 @@ def attention_backward(
 
     Dense:  dout, q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse (B, Hq, Sq) fp32
     Varlen: dout, q, out (total_q, Hq, D); k, v (total_k, Hkv, D); lse (Hq, total_q); cu_seqlens int32 (B + 1,)
-    Returns dq like q and dk, dv like k, v (GQA: summed over each kv head's query heads). Deterministic.
-    Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
-    for both kernels, or {"dkdv": {...}, "dq": {...}} one each, instead of autotuning.
+    Returns dq like q and dk, dv like k, v (GQA: summed over each kv head's query heads). Deterministic (the
+    Gluon kernels too: no atomics). Any strides with a contiguous last dim. `config` forces the Triton kernels'
+    {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} for both, or {"dkdv": {...}, "dq": {...}} one each, instead of
+    autotuning (and of the Gluon kernels).
     Varlen with `zero_fill`: the gradients start at zero, so tokens outside every sequence get 0; pass False
     when cu_seqlens cover every token (the kernels write every other row), saving three memsets.
     """
@@ -382,7 +386,7 @@ def attention_backward(
             and all(st > 0 for t in (q, k, v, dout) for st in t.stride())):  # no broadcast (stride-0) dims
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
-        gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops)
+        gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)
 
     lse = lse.contiguous()  # already so as the forward returns it
     if gluon_config is not None:
