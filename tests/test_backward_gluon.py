@@ -32,6 +32,15 @@ SHAPES = [(2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (2, 200, 333, 4, 2), (1, 333, 200,
           (3, 300, 1000, 8, 8), (1, 1000, 1000, 4, 1)]
 
 
+def record_gluon_launches(monkeypatch) -> list:
+    """The names of the Gluon backward launchers called from now on, in order."""
+    ran = []
+    for name in ("launch_dkdv_gluon", "launch_dq_gluon"):
+        real = getattr(BG, name)
+        monkeypatch.setattr(BG, name, lambda *a, real=real, name=name, **kw: (ran.append(name), real(*a, **kw))[1])
+    return ran
+
+
 def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softmax_scale=None, config=None):
     """(dq, dk, dv) of the forward + `attention_backward`, with the Gluon kernels on (under `config`, else the
     dispatch's config for the head dim, whatever the size of the problem) or off; asserts that the kernels asked
@@ -42,10 +51,7 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
     if use_gluon:
         config = config or configs.gluon_bwd_config(q.shape[-1], q.shape[1], k.shape[1], causal)
         monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
-    ran = []
-    for name in ("launch_dkdv_gluon", "launch_dq_gluon"):
-        real = getattr(BG, name)
-        monkeypatch.setattr(BG, name, lambda *a, real=real, name=name, **kw: (ran.append(name), real(*a, **kw))[1])
+    ran = record_gluon_launches(monkeypatch)
     grads = B.attention_backward(dout, q, k, v, out, lse, scale, causal, bottom_right)
     expected = []
     if use_gluon:
@@ -156,10 +162,7 @@ def test_dispatch_config():
 
 @hopper_only
 def test_dispatch_takes_the_gluon_kernels_for_large_problems_only(device, monkeypatch):
-    ran = []
-    for name in ("launch_dkdv_gluon", "launch_dq_gluon"):
-        real = getattr(BG, name)
-        monkeypatch.setattr(BG, name, lambda *a, real=real, name=name, **kw: (ran.append(name), real(*a, **kw))[1])
+    ran = record_gluon_launches(monkeypatch)
     for seqlen, expected in ((64, []), (4096, ["launch_dkdv_gluon", "launch_dq_gluon"])):
         q, k, v, dout = make_qkv(4, seqlen, seqlen, 16, 16, 128, torch.bfloat16, device)
         leaves = [t.requires_grad_() for t in (q, k, v)]
@@ -186,10 +189,7 @@ def test_gluon_backward_varlen(causal, head_dim, device, monkeypatch):
     monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: _DEFAULT if head_dim == 128 else
                         {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                          "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)})
-    ran = []
-    for name in ("launch_dkdv_gluon", "launch_dq_gluon"):
-        real = getattr(BG, name)
-        monkeypatch.setattr(BG, name, lambda *a, real=real, name=name, **kw: (ran.append(name), real(*a, **kw))[1])
+    ran = record_gluon_launches(monkeypatch)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out = flashtriton.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal)
     out.backward(dout)

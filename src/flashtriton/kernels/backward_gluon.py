@@ -31,29 +31,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
-from .forward_gluon import _tma_load, descriptor
+from .forward_gluon import _sequence, _tma_load, descriptor
 from .launch import launch
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
 BLOCK_M = gl.constexpr(64)  # query rows per streamed tile
 KEYS = gl.constexpr(2 * 64)  # keys per program
-
-
-@gluon.jit
-def _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQLEN_Q, SEQLEN_K, IS_VARLEN: gl.constexpr):
-    """(q_start, seqlen_q, k_start, seqlen_k) of batch entry off_b: dense, the whole (Sq, Sk); varlen, sequence
-    off_b of the packed batch."""
-    if IS_VARLEN:
-        q_start = gl.load(CU_SEQLENS_Q + off_b)
-        seqlen_q = gl.load(CU_SEQLENS_Q + off_b + 1) - q_start
-        k_start = gl.load(CU_SEQLENS_K + off_b)
-        seqlen_k = gl.load(CU_SEQLENS_K + off_b + 1) - k_start
-    else:
-        q_start = gl.to_tensor(0)
-        seqlen_q = gl.to_tensor(SEQLEN_Q)
-        k_start = gl.to_tensor(0)
-        seqlen_k = gl.to_tensor(SEQLEN_K)
-    return q_start, seqlen_q, k_start, seqlen_k
 
 
 @gluon.jit
@@ -189,7 +172,7 @@ def _attn_bwd_dkdv_gluon(
     start_n = gl.program_id(0) * KEYS  # causal: the first keys see the most queries and start first
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
-    seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQLEN_Q, SEQLEN_K, IS_VARLEN)
+    seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K), IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
         causal_offset = seqlen_k - seqlen_q
@@ -338,7 +321,7 @@ def _attn_bwd_dq_gluon(
     off_h = gl.program_id(1)
     off_b = gl.program_id(2)
     off_hk = off_h // GROUP_SIZE
-    seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQLEN_Q, SEQLEN_K, IS_VARLEN)
+    seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K), IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
         causal_offset = seqlen_k - seqlen_q
