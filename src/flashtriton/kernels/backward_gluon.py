@@ -1,21 +1,31 @@
-"""Hopper backward, dK and dV, in Gluon: a TMA producer and two consumer warpgroups (FlashAttention-3's layout,
-without its in-kernel dQ).
+"""Hopper backward in Gluon: dK/dV and dQ, each with a TMA producer and two consumer warpgroups (FlashAttention-3's
+layout, with dQ in a kernel of its own instead of accumulated: no atomics, deterministic).
 
-A program owns 128 keys of one (batch, kv head): K and V stay in shared memory, each consumer warpgroup keeps the
-fp32 dK, dV of its 64 keys in registers. The producer streams 64-row tiles of Q, dO and their rows' log-sum-exp
-and delta (for every query head of the GQA group) through a ring of NUM_STAGES stages. Per tile a warpgroup
-computes, on transposed scores (keys x queries, so no tile is ever transposed in registers):
+dK/dV (`_attn_bwd_dkdv_gluon`): a program owns 128 keys of one (batch, kv head): K and V stay in shared memory,
+each consumer warpgroup keeps the fp32 dK, dV of its 64 keys in registers. The producer streams 64-row tiles of
+Q, dO and their rows' log-sum-exp and delta (for every query head of the GQA group) through a ring of NUM_STAGES
+stages. Per tile a warpgroup computes, on transposed scores (keys x queries, so no tile is ever transposed in
+registers):
     Sᵀ = K Qᵀ      Pᵀ = exp2(Sᵀ · qk_scale − lse · log2 e)      dV += Pᵀ dO
     dPᵀ = V dOᵀ    dSᵀ = Pᵀ ∘ (dPᵀ − delta)                      dK += dSᵀ Q
 with Sᵀ and dPᵀ issued together as asynchronous wgmmas and Pᵀ / dSᵀ fed to the next wgmma from registers.
 The other warpgroup's matmuls run while one computes its exponentials. dK (times the softmax scale) and dV
 leave through the K/V buffers and TMA stores that clip rows past the keys.
 
-lse and delta come padded: (B, Hq, Sq_pad) fp32 with Sq_pad a multiple of 64, lse = −inf and delta = 0 on rows
-past Sq, so every tile loads whole and rows past the queries (zero-filled by TMA) give P = 0. Rows that see no
-key (lse = −inf) get P = 0 too. Causal (bottom-right, or top-left): a program's query tiles start at the first
-row that sees its first key; only tiles that reach its last key pay for the mask.
-dQ is computed by the Triton kernel of `backward.py`. Dense (B, S, H, D) tensors, D 64 or 128, fp16/bf16; sm_90.
+dQ (`_attn_bwd_dq_gluon`): a program owns 128 query rows (Q, dO, lse, delta resident; 64 rows per consumer) and
+streams K/V tiles of BLOCK_N keys: S = Q Kᵀ and dP = dO Vᵀ as asynchronous wgmmas, dS = P ∘ (dP − delta),
+dQ += dS K with dS from registers; the result leaves through the Q buffer and a TMA store.
+
+lse and delta come padded (`padded_rows`): dense (B, Hq, Sq_pad) fp32 with Sq_pad a multiple of 128, lse = −inf
+and delta = 0 on rows past Sq, so every tile loads whole and rows past the queries (zero-filled by TMA) give
+P = 0. Rows that see no key (lse = −inf) get P = 0 too. Causal (bottom-right, or top-left): a dK/dV program's query
+tiles start at the first row that sees its first key, a dQ program's keys end at its last row's diagonal; only
+tiles that cross a diagonal pay for the mask.
+Varlen (packed (total, H, D) tensors, cu_seqlens): rank-3 descriptors, whose rows past a sequence belong to the
+next one, so P is masked there; lse / delta (Hq, total_q + 128), loaded by the dK/dV consumers themselves (a 1-d
+TMA copy from a row that is not 16-byte aligned faults); results stored row by row. Works and is tested, but
+`configs.gluon_bwd_config` keeps varlen on the Triton kernels (measured faster there).
+D 64 or 128, fp16/bf16; sm_90. `backward.attention_backward` launches these where `configs.gluon_bwd_config` says.
 """
 
 from __future__ import annotations
