@@ -41,12 +41,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
-from .forward_gluon import _sequence, _tma_load, descriptor
+from .forward_gluon import _sequence, _tma_load, descriptor, wgmma_layout
 from .launch import launch
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
 BLOCK_M = gl.constexpr(64)  # query rows per streamed tile
 KEYS = gl.constexpr(2 * 64)  # keys per program
+
+
+@gluon.jit
+def _lse_base2(lse):
+    """lse in base 2 for exp2(s · qk_scale − lse); rows that see no key (−inf) get +inf, so that their P is 0."""
+    return gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
 
 @gluon.jit
@@ -101,10 +107,8 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
      stride_dkn, stride_dkh, stride_dvn, stride_dvh, LSE, DELTA, group_size, seqlen_pad) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_bufs.dtype
@@ -136,7 +140,7 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
             delta = gl.load(DELTA + lse_row + cols, mask=in_seq, other=0.0)
         else:
             lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
-        lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        lse = _lse_base2(lse)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
         if IS_CAUSAL:
@@ -259,10 +263,8 @@ def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse
     (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh) = shared
     off_b, off_h, off_hk, start_m, n_tiles = place
     q_start, seqlen_q, k_start, seqlen_k = seq
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
     row0 = start_m + WG * ROWS  # in the sequence
@@ -271,7 +273,7 @@ def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse
     lse = gl.load(lse_ptr + rows)  # padded: rows past the last sequence hold -inf
     if IS_VARLEN:  # rows past the sequence are the next one's: no P there
         lse = gl.where(rows < seqlen_q, lse, float("-inf"))
-    lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse = _lse_base2(lse)
     delta = gl.load(delta_ptr + rows)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)

@@ -45,6 +45,13 @@ WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 ro
 L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the causal schedule keeps in use at once (L2: 50-60 MB)
 
 
+@gluon.constexpr_function
+def wgmma_layout(n):
+    """Registers of a (64, n) wgmma accumulator held by one warpgroup (4 warps along the rows): the layout of
+    the scores (n = a tile's keys or rows) and of the output / gradient accumulators (n = the head dim)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
                HEAD_DIM: gl.constexpr):
@@ -357,10 +364,8 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1):
     (acc, m_i, l_i, next tile, next turn)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q.dtype
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
@@ -419,10 +424,8 @@ def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, se
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
      LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     dtype: gl.constexpr = q_bufs.dtype
     row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
     q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
