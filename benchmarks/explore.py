@@ -328,6 +328,66 @@ def sweep_gluon_bwd(opts):
     return rows
 
 
+VARLEN_BWD_GLUON = {
+    "gluon_d3_q64s3": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)},
+    "gluon_d2_q64s2": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
+    "gluon_d3_q128s2": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)},
+    "gluon_d3_qtriton": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": None},
+}
+
+
+def sweep_varlen_bwd(opts):
+    """The whole varlen backward on the varlen suite's batch (64 sequences, 1..4096, H=16, D=128, fp16): the Triton
+    kernels against the Gluon ones under each VARLEN_BWD_GLUON config (lse / delta in the aligned padded layout).
+    Each variant's gradients against the Triton kernels' (max abs difference), then eager (do_bench) and CUDA-graph
+    (GPU time) medians; the dense backward on the batch padded to its longest sequence for the ratio of the issue."""
+    from flashtriton.bench_core import varlen_flops
+
+    q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    rows = []
+    real_config = configs.gluon_bwd_config
+    for causal in (False, True):
+        fl_b = varlen_flops(lens, 16, 128, causal, "bwd")
+        out, lse = F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu, cu, mx, mx)
+        do = torch.randn_like(q)
+
+        def run(gc, use=True):
+            configs.USE_GLUON_BWD = use
+            configs.gluon_bwd_config = (lambda *a, c=gc: c) if gc is not None else real_config
+            try:
+                return B.attention_backward(do, q, k, v, out, lse, 128 ** -0.5, causal, True, cu, cu, mx, mx,
+                                            zero_fill=False)
+            finally:
+                configs.gluon_bwd_config = real_config
+                configs.USE_GLUON_BWD = True
+
+        ref = run(None, use=False)
+        variants = [("triton", None, False), ("dispatch", None, True)] + [(n, c, True) for n, c in VARLEN_BWD_GLUON.items()]
+        for name, gc, use in variants:
+            try:
+                got = run(gc, use)
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
+                ms = bench(lambda: run(gc, use))
+                ms_graph = bench_graph(lambda: run(gc, use))
+                rows.append(dict(causal=causal, variant=name, ms=ms, ms_graph=ms_graph, tflops=fl_b / ms / 1e9, err=err))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(dict(causal=causal, variant=name, error=str(exc)[:300]))
+        # the dense path on the padded batch (B = 64, S = longest), what the issue's ratio is taken against
+        nb = len(lens)
+        qp, kp, vp = (torch.randn(nb, mx, 16, 128, device=DEV, dtype=torch.float16) for _ in range(3))
+        outp, lsep = F.attention_forward(qp, kp, vp, 128 ** -0.5, causal)
+        dop = torch.randn_like(qp)
+        ms = bench(lambda: B.attention_backward(dop, qp, kp, vp, outp, lsep, 128 ** -0.5, causal))
+        rows.append(dict(causal=causal, variant="dense_padded", ms=ms))
+        del qp, kp, vp, outp, lsep, dop
+        print(f"varlen_bwd causal={int(causal)}:" + "".join(
+            f" | {r['variant']} {r['ms']:.2f} ms" + (f" graph {r['ms_graph']:.2f} err {r['err']:.1e}" if "err" in r else "")
+            if "ms" in r else f" | {r['variant']} ERROR {r['error'][:200]}" for r in rows if r["causal"] == causal),
+            flush=True)
+    return rows
+
+
 BWD_KERNEL_POINTS = [(D, c, T) for D in (128, 64) for c in (False, True) for T in (1024, 8192)]
 
 
@@ -863,7 +923,7 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd", "bwd_kernels", "bwd_host"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd", "bwd_kernels", "bwd_host", "varlen_bwd"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--head-dims", type=lambda x: [int(d) for d in x.split(",")], default=[128, 64],
@@ -876,7 +936,8 @@ def main():
         DECODE_POINTS = [tuple(int(x) for x in p.split("x")) for p in opts.decode_points.split(",")]
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
-              "varlen": sweep_varlen, "gluon": sweep_gluon, "gluon_bwd": sweep_gluon_bwd, "bwd_kernels": sweep_bwd_kernels, "bwd_host": sweep_bwd_host}
+              "varlen": sweep_varlen, "gluon": sweep_gluon, "gluon_bwd": sweep_gluon_bwd, "bwd_kernels": sweep_bwd_kernels, "bwd_host": sweep_bwd_host,
+              "varlen_bwd": sweep_varlen_bwd}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=__import__("triton").__version__,

@@ -71,6 +71,23 @@ def main(out_dir: str) -> None:
     tma_kernels(out)
     decode_kernels(out)
     gluon_kernels(out)
+    gluon_bwd_kernels(out)
+
+
+def gluon_bwd_kernels(out: Path) -> None:
+    """The Gluon backward (dK/dV and dQ) in every config the dispatch picks, dense and varlen, causal or not."""
+    from flashtriton import configs
+    from flashtriton.kernels.backward_gluon import compile_for_sm90
+
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            for varlen in (False, True):
+                config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal)
+                for kernel in ("dkdv", "dq"):
+                    compiled = compile_for_sm90(head_dim, causal, config[kernel], kernel=kernel, varlen=varlen)
+                    path = out / f"bwd_gluon_{kernel}_d{head_dim}_causal{int(causal)}_varlen{int(varlen)}.ptx"
+                    path.write_text(code_only(compiled.asm["ptx"]))
+                    print(path)
 
 
 def gluon_kernels(out: Path) -> None:

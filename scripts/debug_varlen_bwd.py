@@ -17,6 +17,7 @@ from triton.experimental import gluon  # noqa: E402
 
 sys.path.insert(0, "tests")
 from flashtriton.kernels import backward_gluon as BG  # noqa: E402
+from flashtriton.kernels.backward import preprocess  # noqa: E402
 from flashtriton.kernels.forward import attention_forward  # noqa: E402
 from test_varlen import pack  # noqa: E402
 
@@ -37,10 +38,7 @@ v, _ = pack(lengths_k, 2, 128, torch.float16, dev, gen)
 do, _ = pack(lengths_q, 4, 128, torch.float16, dev, gen)
 out, lse = attention_forward(q, k, v, 128 ** -0.5, True, True, cu_q, cu_k, max(lengths_q), max(lengths_k))
 torch.cuda.synchronize()
-pad = BG.padded_rows(q.shape[0], True)
-lse_pad = torch.full((4, pad), float("-inf"), device=dev)
-lse_pad[:, : q.shape[0]] = lse
-delta = torch.zeros_like(lse_pad)
+lse_pad, delta = preprocess(out, do, lse, cu_q, max(lengths_q), padded=True)  # the layout the kernels read
 dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
 if VARIANT.startswith("dkdv"):

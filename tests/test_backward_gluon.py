@@ -138,15 +138,54 @@ def test_launch_parts_and_padding():
     assert ints == (16, 3, 4, 1000, 700, 1024)  # Hq, batch, group size, Sq, Sk, Sq padded to a multiple of 128
     assert meta["IS_CAUSAL"] and not meta["CAUSAL_BOTTOM_RIGHT"] and meta["HEAD_DIM"] == 128
     assert not meta["IS_VARLEN"]
-    # varlen: 5 sequences packed in 3000 / 2000 tokens, the longest 900 / 700; lse rows per head: total + 128
+    # varlen: 5 sequences packed in 3000 / 2000 tokens, the longest 900 / 700; lse rows per head: each sequence
+    # moved to a 16-byte aligned row (at most 4 rows more each), plus 128
     grid, ints, meta = BG.launch_parts((3000, 16, 128), (2000, 4, 128), False, True, dkdv, "dkdv", 5, 900, 700)
-    assert grid == (6, 4, 5) and ints == (16, 5, 4, 900, 700, 3128) and meta["IS_VARLEN"]
+    assert grid == (6, 4, 5) and ints == (16, 5, 4, 900, 700, 3000 + 4 * 5 + 128) and meta["IS_VARLEN"]
     grid, ints, meta = BG.launch_parts((3, 1000, 16, 128), (3, 700, 4, 128), False, True, dq, "dq")
     assert grid == (8, 16, 3) and meta["BLOCK_N"] == dq["BLOCK_N"]  # cdiv(1000, 128) query tiles, heads, batch
     assert [BG.padded_seqlen(n) for n in (1, 128, 129)] == [128, 128, 256]
-    assert BG.padded_rows(129, False) == 256 and BG.padded_rows(129, True) == 257
+    assert BG.padded_rows(129, False) == 256 and BG.padded_rows(129, True, 3) == 4 * (33 + 3) + 128
     rows = BG.row_descriptor(torch.empty(2, 3, 128))
     assert rows.shape == [2 * 3 * 128] and rows.block_shape == [64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_preprocess_writes_the_padded_layout(dtype, device):
+    """The preprocess launch gives the Gluon kernels lse and delta = rowsum(dO ∘ O) in their padded layout. Dense:
+    (B, Hq, Sq rounded up to 128), lse -inf and delta 0 on the padding. Varlen: each sequence at a 16-byte aligned
+    row, in order, none overlapping the next. Runs everywhere (the preprocess is a Triton kernel)."""
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+    out, dout, lse = rand(2, 70, 3, 64), rand(2, 70, 3, 64), rand(2, 3, 70, dt=torch.float32)
+    delta_ref = (out.float() * dout.float()).sum(-1).transpose(1, 2)  # (B, H, Sq)
+    lse_pad, delta = B.preprocess(out, dout, lse, padded=True)
+    assert lse_pad.shape == delta.shape == (2, 3, 128)
+    torch.testing.assert_close(lse_pad[..., :70], lse, rtol=0, atol=0)
+    torch.testing.assert_close(delta[..., :70], delta_ref, rtol=1e-5, atol=1e-5)
+    assert torch.all(lse_pad[..., 70:] == float("-inf")) and torch.all(delta[..., 70:] == 0)
+    same_lse, plain = B.preprocess(out, dout, lse)  # the Triton kernels' layout: delta like lse
+    assert same_lse is lse and plain.shape == lse.shape
+    torch.testing.assert_close(plain, delta_ref, rtol=1e-5, atol=1e-5)
+
+    lengths = [5, 0, 1, 70, 3, 8]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    total = sum(lengths)
+    out, dout, lse = rand(total, 3, 64), rand(total, 3, 64), rand(3, total, dt=torch.float32)
+    delta_ref = (out.float() * dout.float()).sum(-1).t()  # (H, total)
+    lse_pad, delta = B.preprocess(out, dout, lse, cu, max(lengths), padded=True)
+    assert lse_pad.shape == delta.shape == (3, BG.padded_rows(total, True, len(lengths)))
+    end = 0
+    for b, n in enumerate(lengths):
+        start = 4 * (-(-int(cu[b]) // 4) + b)  # backward_gluon._lse_rows
+        assert start % 4 == 0 and start >= end, b
+        end = start + n
+        torch.testing.assert_close(lse_pad[:, start:end], lse[:, cu[b]:cu[b + 1]], rtol=0, atol=0)
+        torch.testing.assert_close(delta[:, start:end], delta_ref[:, cu[b]:cu[b + 1]], rtol=1e-5, atol=1e-5)
+    assert end + 128 <= lse_pad.shape[1]  # the last tile of the last sequence stays inside
 
 
 def test_dispatch_config():
@@ -160,7 +199,7 @@ def test_dispatch_config():
     little = configs.GLUON_BWD_MIN_FLOPS / 2
     assert configs.gluon_bwd_config(128, 512, 512, True, little) is None
     assert configs.gluon_bwd_config(128, 512, 512, True, 2 * configs.GLUON_BWD_MIN_FLOPS) is not None
-    assert configs.gluon_bwd_config(128, 4096, 4096, False, varlen=True) is None  # measured slower there
+    assert configs.gluon_bwd_config(128, 4096, 4096, False, varlen=True) == configs.gluon_bwd_config(128, 4096, 4096, False)
     assert configs.gluon_bwd_config(256, 4096, 4096, False) is None
     assert configs.gluon_bwd_config(96, 4096, 4096, False) is None
 

@@ -321,11 +321,11 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
       227 / 224 / 212.
     - D = 64: dQ by 128-key tiles, 2 stages (non-causal T=8192 318 / 342 / 355 / 372 / 438).
     - Less work than GLUON_BWD_MIN_FLOPS: None.
-    - Varlen: None. On the varlen suite's batch (64 sequences of 1..4096 tokens, D = 128) the Gluon kernels took
-      27.2 / 18.7 ms (non-causal / causal; explore10/varlen_3959b9332bfa/) against the Triton kernels' 25.8 / 13.6
-      (runs/31dc993b0f2b/serving/varlen/): 128-key blocks are mostly empty on short sequences, and the dK/dV
-      consumers load each tile's lse / delta themselves (unaligned rows)."""
-    if fwd_flops < GLUON_BWD_MIN_FLOPS or varlen:
+    - Varlen: the same configs (lse / delta at aligned rows come by TMA, programs past a sequence's end return at
+      once). Before that (explore10/varlen_3959b9332bfa/) the Gluon kernels took 27.2 / 18.7 ms (non-causal /
+      causal) on the varlen suite's batch against the Triton kernels' 25.8 / 13.6: the dK/dV consumers loaded each
+      tile's lse / delta themselves, unaligned, on the critical path."""
+    if fwd_flops < GLUON_BWD_MIN_FLOPS:
         return None
     if head_dim == 128:
         return {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}

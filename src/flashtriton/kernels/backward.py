@@ -39,14 +39,20 @@ PREPROCESS_BLOCK_M = 64
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, DELTA, CU_SEQLENS_Q,
+    O, DO, LSE, DELTA, LSE_PAD, CU_SEQLENS_Q,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh,  # lse (and unpadded delta)
+    stride_pb, stride_ph,  # padded lse / delta
     SEQLEN_Q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    PADDED: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32. Grid (query tiles, heads, batch)."""
+    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32. Grid (query tiles, heads, batch).
+    PADDED=False (the Triton kernels): delta laid out like lse. PADDED (the Gluon kernels, `backward_gluon.
+    _lse_rows`): delta and a copy of lse in the padded layout. Dense (B, Hq, Sq_pad), the grid covering Sq_pad:
+    rows past Sq get lse -inf and delta 0. Varlen (Hq, padded_rows): sequence b at row 4 · (ceil(start / 4) + b);
+    the gaps between sequences stay unwritten (the kernels mask them)."""
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -55,17 +61,29 @@ def _attn_bwd_preprocess(
     batch_o = b64 * stride_ob + q_start * stride_om
     batch_do = b64 * stride_dob + q_start * stride_dom
     batch_l = b64 * stride_lb + q_start
-    if pid_m * BLOCK_M >= seqlen_q:
+    if (not PADDED or IS_VARLEN) and pid_m * BLOCK_M >= seqlen_q:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    in_seq = offs_m < seqlen_q
+    mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(O + batch_o + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
                 mask=mask, other=0.0)  # (BLOCK_M, BLOCK_D)
     do = tl.load(DO + batch_do + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=mask, other=0.0)  # (BLOCK_M, BLOCK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BLOCK_M,)
-    tl.store(DELTA + batch_l + off_h * stride_lh + offs_m, delta, mask=offs_m < seqlen_q)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BLOCK_M,) 0 past the sequence
+    if PADDED:
+        lse = tl.load(LSE + batch_l + off_h * stride_lh + offs_m, mask=in_seq, other=float("-inf"))
+        if IS_VARLEN:  # the same row as backward_gluon._lse_rows
+            padded = off_h * stride_ph + ((q_start + 3) // 4 + off_b) * 4 + offs_m
+            tl.store(LSE_PAD + padded, lse, mask=in_seq)
+            tl.store(DELTA + padded, delta, mask=in_seq)
+        else:
+            padded = b64 * stride_pb + off_h * stride_ph + offs_m
+            tl.store(LSE_PAD + padded, lse)
+            tl.store(DELTA + padded, delta)
+    else:
+        tl.store(DELTA + batch_l + off_h * stride_lh + offs_m, delta, mask=in_seq)
 
 
 @triton.jit
@@ -333,6 +351,38 @@ _attn_bwd_dq_tuned = triton.autotune(
 )(_attn_bwd_dq)
 
 
+def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=False):
+    """(lse, delta) for the backward kernels; delta = rowsum(dO ∘ O) in fp32. out, dout (B, Sq, Hq, D) with lse
+    (B, Hq, Sq), or varlen (total_q, Hq, D) with lse (Hq, total_q) and cu_seqlens_q. Not padded: delta like lse,
+    lse itself. Padded (the Gluon kernels, which load whole 16-byte aligned tiles): both in
+    `backward_gluon.padded_rows`' layout, written by the one preprocess launch (no fill, no copy)."""
+    varlen = cu_seqlens_q is not None
+    heads_q, head_dim = out.shape[-2], out.shape[-1]
+    if varlen:
+        batch, seqlen_q = cu_seqlens_q.numel() - 1, max_seqlen_q
+        o_s, do_s = (0, *out.stride()), (0, *dout.stride())
+        l_s = (0, lse.stride(0))
+    else:
+        batch, seqlen_q = out.shape[0], out.shape[1]
+        o_s, do_s, l_s = out.stride(), dout.stride(), (lse.stride(0), lse.stride(1))
+    rows = seqlen_q
+    if padded:
+        n_pad = backward_gluon.padded_rows(out.shape[0] if varlen else seqlen_q, varlen, batch)
+        lse_out = torch.empty((*lse.shape[:-1], n_pad), dtype=torch.float32, device=out.device)
+        delta = torch.empty_like(lse_out)
+        p_s = (0, lse_out.stride(0)) if varlen else (lse_out.stride(0), lse_out.stride(1))
+        if not varlen:
+            rows = n_pad  # the padding rows are written too
+    else:
+        lse_out, delta = lse, torch.empty_like(lse)
+        p_s = l_s
+    launch(_attn_bwd_preprocess, (configs.cdiv(rows, PREPROCESS_BLOCK_M), heads_q, batch),
+           (out, dout, lse, delta, lse_out, cu_seqlens_q, *o_s, *do_s, *l_s, *p_s, seqlen_q),
+           dict(HEAD_DIM=head_dim, BLOCK_D=configs.padded_head_dim(head_dim), IS_VARLEN=varlen,
+                BLOCK_M=PREPROCESS_BLOCK_M, PADDED=padded))
+    return lse_out, delta
+
+
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -371,14 +421,14 @@ def attention_backward(
         batch = cu_seqlens_q.numel() - 1
         heads_q, heads_kv = q.shape[1], k.shape[1]
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-        strides = [(0, *t.stride()) for t in (q, k, v, dout, dq, dk, dv, out)]  # zero batch stride
+        strides = [(0, *t.stride()) for t in (q, k, v, dout, dq, dk, dv)]  # zero batch stride
     else:
         batch, seqlen_q, heads_q, _ = q.shape
         seqlen_k, heads_kv = k.shape[1], k.shape[2]
-        strides = [t.stride() for t in (q, k, v, dout, dq, dk, dv, out)]
+        strides = [t.stride() for t in (q, k, v, dout, dq, dk, dv)]
     if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
         return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
-    q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s, o_s = strides
+    q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s = strides
     block_d = configs.padded_head_dim(head_dim)
     gluon_config = None
     if (config is None and backward_gluon is not None and configs.USE_GLUON and configs.USE_GLUON_BWD
@@ -387,22 +437,13 @@ def attention_backward(
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
         gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)
+        pad = backward_gluon.padded_rows(q.shape[0] if varlen else seqlen_q, varlen, batch)
+        if heads_q * (1 if varlen else batch) * pad >= 2**31:  # the padded lse / delta's TMA coordinates are int32
+            gluon_config = None
 
     lse = lse.contiguous()  # already so as the forward returns it
-    if gluon_config is not None:
-        # The Gluon kernels load whole tiles of lse and delta: padded copies, lse -inf and delta 0 on the padding.
-        padded = backward_gluon.padded_rows(q.shape[0] if varlen else seqlen_q, varlen)
-        lse_pad = torch.full((*lse.shape[:-1], padded), float("-inf"), dtype=torch.float32, device=q.device)
-        lse_pad[..., :lse.shape[-1]] = lse
-        lse = lse_pad
-        delta = torch.zeros_like(lse_pad)
-    else:
-        delta = torch.empty_like(lse)  # rowsum(dO * O), fp32, laid out like lse
+    lse, delta = preprocess(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None)
     l_s = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-
-    launch(_attn_bwd_preprocess, (configs.cdiv(seqlen_q, PREPROCESS_BLOCK_M), heads_q, batch),
-           (out, dout, delta, cu_seqlens_q, *o_s, *do_s, *l_s, seqlen_q),
-           dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M))
 
     upcast, precision = dot_settings(q.dtype)
     common = (softmax_scale, softmax_scale * LOG2E, *q_s, *k_s, *v_s, *do_s)

@@ -56,6 +56,19 @@ def _lse_base2(lse):
 
 
 @gluon.jit
+def _lse_rows(off_b, off_h, heads_q, seqlen_pad, q_start, IS_VARLEN: gl.constexpr):
+    """Where the padded lse / delta of (sequence / batch entry off_b, query head off_h) start. Dense (B, Hq, Sq_pad):
+    (off_b · Hq + off_h) · Sq_pad. Varlen (Hq, `padded_rows`): sequence b starts at 4 · (ceil(q_start / 4) + b),
+    16-byte aligned so that its tiles can come by TMA, and at least its length past sequence b − 1's start (the
+    preprocess writes this layout: `backward._attn_bwd_preprocess`). int32, as TMA coordinates are: the launcher
+    keeps the buffers under 2**31 values."""
+    if IS_VARLEN:
+        return off_h * seqlen_pad + ((q_start + 3) // 4 + off_b) * 4
+    else:
+        return (off_b * heads_q + off_h) * seqlen_pad
+
+
+@gluon.jit
 def _store_rows(base, stride_n, first, n_valid, vals, layout: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Varlen epilogue: rows first + i (i < n_valid) of a packed (total, H, D) tensor, from registers; `base`
     points at (token 0, this head). A TMA store would also write the rows past the sequence, the next one's."""
@@ -78,11 +91,7 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
     for w in gl.static_range(2):
         _tma_load(desc_k, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, k_bufs.index(w))
         _tma_load(desc_v, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, v_bufs.index(w))
-    if IS_VARLEN:  # Q and dO; the consumers load lse / delta themselves (see `_consumer`)
-        TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes
-    else:  # Q, dO, lse and delta; lse / delta (B, Hq, Sq_pad)
-        TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes + 2 * desc_lse.block_type.nbytes
-    batch_rows = off_b * heads_q * seqlen_pad
+    TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes + 2 * desc_lse.block_type.nbytes  # Q, dO, lse, delta
     for it in range(n_iters):
         g = it // n_m
         m = lo + (it - g * n_m) * BLOCK_M
@@ -92,10 +101,9 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
         mbarrier.expect(ready.index(stage), TILE_BYTES)
         _tma_load(desc_q, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), q_bufs.index(stage))
         _tma_load(desc_do, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), do_bufs.index(stage))
-        if not IS_VARLEN:
-            row = batch_rows + off_h * seqlen_pad + m  # in the flattened lse / delta
-            tma.async_copy_global_to_shared(desc_lse, [row], ready.index(stage), lse_bufs.index(stage))
-            tma.async_copy_global_to_shared(desc_delta, [row], ready.index(stage), delta_bufs.index(stage))
+        row = _lse_rows(off_b, off_h, heads_q, seqlen_pad, q_start, IS_VARLEN) + m  # in the flattened lse / delta
+        tma.async_copy_global_to_shared(desc_lse, [row], ready.index(stage), lse_bufs.index(stage))
+        tma.async_copy_global_to_shared(desc_delta, [row], ready.index(stage), delta_bufs.index(stage))
 
 
 @gluon.jit
@@ -104,7 +112,7 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
               NUM_STAGES: gl.constexpr):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
-     stride_dkn, stride_dkh, stride_dvn, stride_dvh, LSE, DELTA, group_size, seqlen_pad) = shared
+     stride_dkn, stride_dkh, stride_dvn, stride_dvh) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
@@ -130,16 +138,10 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
         do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
         s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
         dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
-        if IS_VARLEN:
-            # (Hq, total_q + pad): a sequence's rows start anywhere, and a TMA copy of a 1-d tensor from an
-            # address that is not 16-byte aligned faults (an illegal instruction on the H200). Rows past the
-            # sequence are the next one's: no P there.
-            lse_row = (off_hk * group_size + g) * seqlen_pad + q_start + m
+        lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
+        if IS_VARLEN:  # rows past the sequence: the layout's gap (never written) or the next sequence's; no P there
             in_seq = m + cols < seqlen_q
-            lse = gl.load(LSE + lse_row + cols, mask=in_seq, other=float("-inf"))  # (BLOCK_M,)
-            delta = gl.load(DELTA + lse_row + cols, mask=in_seq, other=0.0)
-        else:
-            lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
+            lse = gl.where(in_seq, lse, float("-inf"))
         lse = _lse_base2(lse)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
@@ -148,8 +150,9 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
                 p = gl.where(keys[:, None] <= (m + cols)[None, :] + causal_offset, p, 0.0)
         p_op = gl.convert_layout(p.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-        if not IS_VARLEN:
-            delta = delta_bufs.index(stage).load(col_layout)
+        delta = delta_bufs.index(stage).load(col_layout)
+        if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
+            delta = gl.where(in_seq, delta, 0.0)
         dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
         ds = p * (dp - delta[None, :])  # dSᵀ
         ds_op = gl.convert_layout(ds.to(dtype), op_layout)
@@ -175,7 +178,7 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
 @gluon.jit(do_not_specialize=["stride_dkn", "stride_dkh", "stride_dvn", "stride_dvh", "HEADS_Q", "BATCH",
                               "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"])
 def _attn_bwd_dkdv_gluon(
-    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, DK, DV, LSE, DELTA, CU_SEQLENS_Q,
+    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, DK, DV, CU_SEQLENS_Q,
     CU_SEQLENS_K, softmax_scale, qk_scale, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -197,7 +200,9 @@ def _attn_bwd_dkdv_gluon(
     else:
         lo = gl.to_tensor(0)
     n_m = gl.cdiv(gl.maximum(seqlen_q - lo, 0), BLOCK_M)  # query tiles per head; 0: dK = dV = 0
-    n_m = gl.where(start_n < seqlen_k, n_m, 0)  # varlen: keys past a shorter sequence's end, nothing to do
+    if IS_VARLEN:
+        if start_n >= seqlen_k:  # keys past a shorter sequence's end: nothing to do (no K/V load, no barrier)
+            return
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + desc_q.block_type.shape, desc_q.layout)
@@ -223,7 +228,7 @@ def _attn_bwd_dkdv_gluon(
                      lse_bufs, delta_bufs, kv_ready, ready, empty)
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv,
                      DK, DV, gl.to_tensor(stride_dkn), gl.to_tensor(stride_dkh), gl.to_tensor(stride_dvn),
-                     gl.to_tensor(stride_dvh), LSE, DELTA, group_size, gl.to_tensor(SEQLEN_PAD))
+                     gl.to_tensor(stride_dvh))
     scales = (causal_offset, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     gl.warp_specialize([
         (_producer, (producer_args, place, seq, group_size, gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD),
@@ -271,10 +276,11 @@ def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (BLOCK_N,)
     lse = gl.load(lse_ptr + rows)  # padded: rows past the last sequence hold -inf
-    if IS_VARLEN:  # rows past the sequence are the next one's: no P there
-        lse = gl.where(rows < seqlen_q, lse, float("-inf"))
-    lse = _lse_base2(lse)
     delta = gl.load(delta_ptr + rows)
+    if IS_VARLEN:  # rows past the sequence: the layout's gap or the next sequence's; no P there (and 0 · NaN)
+        lse = gl.where(rows < seqlen_q, lse, float("-inf"))
+        delta = gl.where(rows < seqlen_q, delta, 0.0)
+    lse = _lse_base2(lse)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
@@ -344,7 +350,9 @@ def _attn_bwd_dq_gluon(
     else:
         hi = seqlen_k
     n_tiles = gl.cdiv(hi, BLOCK_N)  # 0: rows that see no key, dQ = 0
-    n_tiles = gl.where(start_m < seqlen_q, n_tiles, 0)  # varlen: rows past a shorter sequence's end
+    if IS_VARLEN:
+        if start_m >= seqlen_q:  # rows past a shorter sequence's end: nothing to do
+            return
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + desc_q.block_type.shape, desc_q.layout)
@@ -360,8 +368,8 @@ def _attn_bwd_dq_gluon(
         mbarrier.init(kv_empty.index(i), count=2)
     fence_async_shared()
 
-    if IS_VARLEN:  # lse / delta (Hq, total_q + pad)
-        rows_base = off_h.to(gl.int64) * SEQLEN_PAD + q_start
+    if IS_VARLEN:  # lse / delta (Hq, `padded_rows`), sequences at aligned rows
+        rows_base = _lse_rows(off_b, off_h, HEADS_Q, SEQLEN_PAD, q_start, True)
     else:  # lse / delta (B, Hq, Sq_pad)
         rows_base = (off_b.to(gl.int64) * HEADS_Q + off_h) * SEQLEN_PAD
     place = (gl.to_tensor(off_b), gl.to_tensor(off_h), gl.to_tensor(off_hk), gl.to_tensor(start_m), n_tiles)
@@ -399,10 +407,11 @@ def padded_seqlen(seqlen_q: int) -> int:
     return triton.cdiv(seqlen_q, KEYS.value) * KEYS.value
 
 
-def padded_rows(seqlen_q: int, varlen: bool) -> int:
-    """lse / delta rows per head: dense, `padded_seqlen`; varlen (Hq, total_q + 128), so that the last sequence's
-    last tile stays inside."""
-    return seqlen_q + KEYS.value if varlen else padded_seqlen(seqlen_q)
+def padded_rows(seqlen_q: int, varlen: bool, batch: int = 0) -> int:
+    """lse / delta rows per (batch entry and) head. Dense: `padded_seqlen`. Varlen (seqlen_q = total_q, `batch`
+    sequences): each sequence starts at a 16-byte aligned row (`_lse_rows`), the last 128 rows a margin so that the
+    last sequence's last tile stays inside."""
+    return 4 * (triton.cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
 
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90
@@ -427,7 +436,7 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
     if varlen:
-        seqlen_q, seqlen_k, pad = max_seqlen_q, max_seqlen_k, padded_rows(q_shape[0], True)
+        seqlen_q, seqlen_k, pad = max_seqlen_q, max_seqlen_k, padded_rows(q_shape[0], True, batch)
     else:
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         pad = padded_rows(seqlen_q, False)
@@ -458,7 +467,7 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
     args = (descriptor(q, rows, varlen), descriptor(k, rows, varlen), descriptor(v, rows, varlen),
             descriptor(dout, rows, varlen), descriptor(dk, rows, varlen), descriptor(dv, rows, varlen),
-            row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, lse_pad, delta_pad, cu_q, cu_k, softmax_scale,
+            row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, softmax_scale,
             softmax_scale * LOG2E, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
     launch(_attn_bwd_dkdv_gluon, grid, args, meta)
 
