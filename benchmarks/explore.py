@@ -381,34 +381,58 @@ def sweep_varlen_bwd(opts):
         ms = bench(lambda: B.attention_backward(dop, qp, kp, vp, outp, lsep, 128 ** -0.5, causal))
         rows.append(dict(causal=causal, variant="dense_padded", ms=ms))
         del qp, kp, vp, outp, lsep, dop
+        if DEV == "cuda":  # where the Gluon kernels' time goes: per kernel, as given / longest first / 2x the grid
+            cu_sorted = torch.tensor([0] + torch.tensor(sorted(lens, reverse=True)).cumsum(0).tolist(),
+                                     dtype=torch.int32, device=DEV)
+            out_s, lse_s = F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu_sorted, cu_sorted, mx, mx)
+            for name, cu_, mx_, o_, l_ in (("as_given", cu, mx, out, lse), ("longest_first", cu_sorted, mx, out_s, lse_s),
+                                           ("grid_x2", cu, 2 * mx, out, lse)):
+                times = kernel_times(lambda: B.attention_backward(do, q, k, v, o_, l_, 128 ** -0.5, causal, True, cu_, cu_,
+                                                                  mx_, mx_, zero_fill=False))
+                rows.append(dict(causal=causal, variant=f"kernels_{name}", kernels_us=times))
+            for nb, T in ((8, 2048), (4, 4096)):  # dense shapes of the batch's FLOP-weighted length (~3k)
+                qd, kd, vd = (torch.randn(nb, T, 16, 128, device=DEV, dtype=torch.float16) for _ in range(3))
+                od, ld = F.attention_forward(qd, kd, vd, 128 ** -0.5, causal)
+                dod = torch.randn_like(qd)
+                times = kernel_times(lambda: B.attention_backward(dod, qd, kd, vd, od, ld, 128 ** -0.5, causal))
+                rows.append(dict(causal=causal, variant=f"kernels_dense_{nb}x{T}", kernels_us=times,
+                                 flops=attention_flops(nb, 16, T, 128, causal, "bwd")))
+            rows.append(dict(causal=causal, variant="flops_varlen", flops=fl_b))
         print(f"varlen_bwd causal={int(causal)}:" + "".join(
             f" | {r['variant']} {r['ms']:.2f} ms" + (f" graph {r['ms_graph']:.2f} err {r['err']:.1e}" if "err" in r else "")
-            if "ms" in r else f" | {r['variant']} ERROR {r['error'][:200]}" for r in rows if r["causal"] == causal),
-            flush=True)
+            if "ms" in r else f" | {r['variant']} ERROR {r['error'][:200]}" for r in rows
+            if r["causal"] == causal and "kernels_us" not in r and "flops" not in r), flush=True)
+        for r in rows:
+            if r["causal"] == causal and "kernels_us" in r:
+                print(f"  {r['variant']}: total {sum(r['kernels_us'].values()):.0f} us |" + " |".join(
+                    f" {n} {t:.0f}" for n, t in sorted(r["kernels_us"].items(), key=lambda x: -x[1])), flush=True)
     return rows
 
 
 BWD_KERNEL_POINTS = [(D, c, T) for D in (128, 64) for c in (False, True) for T in (1024, 8192)]
 
 
+def kernel_times(fn, calls=5):
+    """{kernel name: GPU µs per call} of fn's launches (torch.profiler, mean over `calls` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time / calls
+    return times
+
+
 def sweep_bwd_kernels(opts):
     """GPU time of each backward kernel (torch.profiler, mean over 5 calls) with the Gluon dK/dV kernel and with
     the Triton one, and of cuDNN's backward kernels, at BWD_KERNEL_POINTS (fp16, the standard sweep's shapes)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.profiler import ProfilerActivity, profile
-
-    def kernel_times(fn, calls=5):
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-        times = {}
-        for e in prof.events():
-            if e.device_type.name == "CUDA":
-                times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time / calls
-        return times
 
     rows = []
     for D, causal, T in BWD_KERNEL_POINTS:

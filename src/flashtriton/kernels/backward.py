@@ -441,6 +441,9 @@ def attention_backward(
         if heads_q * (1 if varlen else batch) * pad >= 2**31:  # the padded lse / delta's TMA coordinates are int32
             gluon_config = None
 
+    if gluon_config is not None and varlen and gluon_config["dq"] is None:
+        raise ValueError("the Triton dQ kernel cannot read the Gluon kernels' varlen lse / delta layout: a varlen "
+                         "Gluon config needs a 'dq' config too")
     lse = lse.contiguous()  # already so as the forward returns it
     lse, delta = preprocess(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None)
     l_s = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
