@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
-from .forward_gluon import _sequence, _tma_load, descriptor, wgmma_layout
+from .forward_gluon import _sequence, _tma_load, _tma_store, descriptor, wgmma_layout
 from .launch import launch
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
@@ -162,16 +162,16 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
 
     dk = (dk * softmax_scale).to(dtype)
     dv = dv.to(dtype)
-    if IS_VARLEN:
-        n_valid = seqlen_k - first_key
+    n_valid = seqlen_k - first_key
+    if IS_VARLEN and n_valid < ROWS:  # the sequence ends in this block: a TMA store would write the next one's keys
         _store_rows(DK + off_hk * stride_dkh, stride_dkn, k_start + first_key, n_valid, dk, acc_layout, HEAD_DIM)
         _store_rows(DV + off_hk * stride_dvh, stride_dvn, k_start + first_key, n_valid, dv, acc_layout, HEAD_DIM)
-    else:
+    else:  # dense: rows past Sk are clipped
         k.store(dk)  # the buffers are this warpgroup's alone, its last wgmma done
         v.store(dv)
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc_dk, [off_b, first_key, off_hk, 0], k_bufs.index(WG))
-        tma.async_copy_shared_to_global(desc_dv, [off_b, first_key, off_hk, 0], v_bufs.index(WG))
+        _tma_store(desc_dk, IS_VARLEN, off_b, k_start + first_key, off_hk, k_bufs.index(WG))
+        _tma_store(desc_dv, IS_VARLEN, off_b, k_start + first_key, off_hk, v_bufs.index(WG))
         tma.store_wait(0)
 
 
@@ -312,12 +312,12 @@ def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse
         mbarrier.arrive(kv_empty.index(stage), count=1)
 
     dq = (dq * softmax_scale).to(dtype)
-    if IS_VARLEN:
+    if IS_VARLEN and seqlen_q - row0 < ROWS:  # the sequence ends in this block: no TMA store (the next one's rows)
         _store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq, acc_layout, HEAD_DIM)
-    else:
+    else:  # dense: rows past Sq are clipped
         q.store(dq)  # this warpgroup's Q buffer, its last wgmma done
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc_dq, [off_b, row0, off_h, 0], q_bufs.index(WG))
+        _tma_store(desc_dq, IS_VARLEN, off_b, q_start + row0, off_h, q_bufs.index(WG))
         tma.store_wait(0)
 
 

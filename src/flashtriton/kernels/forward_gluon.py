@@ -216,6 +216,16 @@ def _tma_load(desc, IS_VARLEN: gl.constexpr, off_b, row, head, bar, buf):
 
 
 @gluon.jit
+def _tma_store(desc, IS_VARLEN: gl.constexpr, off_b, row, head, buf):
+    """Store `buf` to rows [row, row + block) of one head (descriptors as `_tma_load`'s; rows past the tensor's end
+    are clipped, but a varlen store also writes rows of the next sequence, so its callers store whole blocks only)."""
+    if IS_VARLEN:
+        tma.async_copy_shared_to_global(desc, [row, head, 0], buf)
+    else:
+        tma.async_copy_shared_to_global(desc, [off_b, row, head, 0], buf)
+
+
+@gluon.jit
 def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Zero rows [first, BLOCK_N) of a (BLOCK_N, HEAD_DIM) tile in shared memory, 16 rows at a time."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
