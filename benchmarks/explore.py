@@ -465,10 +465,15 @@ def sweep_bwd_host(opts):
     directly (`attention_backward`) and through autograd (flash_attn_func, out.backward(retain_graph=True), grads
     set to None, as `flashtriton bench` times it): eager do_bench medians, CUDA-graph GPU time (direct call),
     host time per call (20 calls without a sync), and the kernels the autograd call launches (profiler)."""
+    import cProfile
+    import io
+    import pstats
+
     import flashtriton
     from torch.profiler import ProfilerActivity, profile
 
     rows = []
+    real_config = configs.gluon_bwd_config
     for D, causal, T in BWD_HOST_POINTS:
         q, k, v = fwd_inputs(T, D, torch.float16)
         out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
@@ -477,6 +482,8 @@ def sweep_bwd_host(opts):
         flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
         for name, on in (("gluon", True), ("triton", False)):
             configs.USE_GLUON_BWD = on
+            forced = real_config(D, T, T, causal)  # the Gluon kernels whatever the size (no host-time threshold)
+            configs.gluon_bwd_config = lambda *a, c=forced: c
             direct = lambda: B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal)  # noqa: E731
             o = flashtriton.flash_attn_func(*leaves, causal=causal)
 
@@ -502,11 +509,23 @@ def sweep_bwd_host(opts):
                 torch.cuda.synchronize()
             row["autograd_kernels"] = sorted({e.name[:50] for e in prof.events() if e.device_type.name == "CUDA"})
             row["tflops_graph"] = flops / row["graph_ms"] / 1e9
+            if T == BWD_HOST_POINTS[0][2]:  # where the direct call's host time goes (cProfile, 50 calls)
+                prof_c = cProfile.Profile()
+                prof_c.enable()
+                for _ in range(50):
+                    direct()
+                prof_c.disable()
+                torch.cuda.synchronize()
+                buf = io.StringIO()
+                pstats.Stats(prof_c, stream=buf).sort_stats("tottime").print_stats(25)
+                row["cprofile_direct"] = buf.getvalue()[-6000:]
+                print(row["cprofile_direct"], flush=True)
             rows.append(row)
             print(f"bwd_host D={D} causal={int(causal)} T={T} {name}: " + " ".join(
                 f"{k2}={v2:.3f}" for k2, v2 in row.items() if isinstance(v2, float)) + f" | {row['autograd_kernels']}",
                 flush=True)
         configs.USE_GLUON_BWD = True
+        configs.gluon_bwd_config = real_config
     return rows
 
 
