@@ -50,7 +50,7 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
     out, lse = attention_forward(q, k, v, scale, causal, bottom_right)
     monkeypatch.setattr(configs, "USE_GLUON_BWD", use_gluon)
     if use_gluon:
-        config = config or configs.gluon_bwd_config(q.shape[-1], q.shape[1], k.shape[1], causal)
+        config = config or configs.gluon_bwd_config(q.shape[-1], 4096, 4096, causal)
         monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
     ran = record_gluon_launches(monkeypatch)
     grads = B.attention_backward(dout, q, k, v, out, lse, scale, causal, bottom_right)
@@ -199,6 +199,17 @@ def test_dispatch_config():
     little = configs.GLUON_BWD_MIN_FLOPS / 2
     assert configs.gluon_bwd_config(128, 512, 512, True, little) is None
     assert configs.gluon_bwd_config(128, 512, 512, True, 2 * configs.GLUON_BWD_MIN_FLOPS) is not None
+
+    def standard(head_dim, seqlen, causal):  # a point of the standard sweep: B·T = 16384, H·D = 2048
+        flops = 4 * 16384 * (2048 // head_dim) * seqlen * head_dim / (2 if causal else 1)
+        return configs.gluon_bwd_config(head_dim, seqlen, seqlen, causal, flops) is not None
+
+    # measured through autograd (configs.GLUON_BWD_MIN_FLOPS): Gluon from non-causal T=512 and causal T=1024 at
+    # D=128; at D=64 up to 512 keys its GPU time is level with the Triton kernels', so those keep them
+    assert [standard(128, t, False) for t in (512, 1024)] == [True, True]
+    assert [standard(128, t, True) for t in (512, 1024)] == [False, True]
+    assert [standard(64, t, False) for t in (512, 1024)] == [False, True]
+    assert [standard(64, t, True) for t in (512, 1024)] == [False, True]
     assert configs.gluon_bwd_config(128, 4096, 4096, False, varlen=True) == configs.gluon_bwd_config(128, 4096, 4096, False)
     assert configs.gluon_bwd_config(256, 4096, 4096, False) is None
     assert configs.gluon_bwd_config(96, 4096, 4096, False) is None

@@ -298,16 +298,20 @@ def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.dev
 
 
 # Hopper's Gluon backward kernels (kernels/backward_gluon.py: a TMA producer and two consumer warpgroups; dK/dV
-# holding 128 keys, dQ holding 128 query rows): fp16/bf16 at D = 64 and 128 on sm_90, dense (varlen works and is
-# tested, but measured slower: `gluon_bwd_config`), under USE_GLUON, and only where no Triton config is forced. FLASHTRITON_GLUON_BWD=0 (or configs.USE_GLUON_BWD = False)
+# holding 128 keys, dQ holding 128 query rows): fp16/bf16 at D = 64 and 128 on sm_90, dense and varlen, under
+# USE_GLUON, and only where no Triton config is forced. FLASHTRITON_GLUON_BWD=0 (or configs.USE_GLUON_BWD = False)
 # keeps the Triton kernels.
 USE_GLUON_BWD: bool = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
 # Below this much work (forward FLOPs, 4·B·Hq·Sq·Sk·D, halved when causal) the backward takes the Triton kernels:
-# its GPU time (< ~0.5 ms) no longer hides the Gluon launches' host time (two launches with 13 TMA descriptors
-# encoded per call: 0.24-0.32 ms per backward called directly, 0.6-0.85 ms through autograd on the H200 machine's
-# CPU, against 0.09-0.15 / 0.25-0.44 ms for the Triton kernels; explore10/bwd_host_41791d293830.json). In the
-# standard sweep that is T = 512, and T = 1024 causal.
-GLUON_BWD_MIN_FLOPS = 1e11
+# its GPU time no longer hides the Gluon launches' host time (two launches with 13 TMA descriptors encoded per
+# call: ~0.3 ms per backward called directly, 0.5-0.8 ms through autograd on the H200 machine's CPU, against
+# 0.11-0.16 / 0.27-0.43 ms for the Triton kernels). Measured through autograd as `flashtriton bench` times it
+# (explore11/run_5af617d97779/explore/bwd_host.json, fp16, Gluon / Triton ms): D=128 causal T=512 (4.3e10 FLOPs)
+# 0.490 / 0.464, D=128 non-causal T=512 (8.6e10) 0.504 / 0.661, D=64 causal T=1024 (6.9e10) 0.733 / 0.761.
+GLUON_BWD_MIN_FLOPS = 5e10
+# D = 64 up to 512 keys: the Gluon kernels' GPU time is level with the Triton ones' (explore10/gluon_bwd_8c6167939b66:
+# non-causal T=512 258-260 / 255 TFLOP/s), so their extra host time would only show.
+GLUON_BWD_D64_MIN_KEYS = 513
 
 
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
@@ -320,12 +324,12 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
       non-causal T=8192 344 / 401 / 478 / 468 / 531, causal T=16384 339 / 398 / 482 / 464 / 577, T=512 187 / 209 /
       227 / 224 / 212.
     - D = 64: dQ by 128-key tiles, 2 stages (non-causal T=8192 318 / 342 / 355 / 372 / 438).
-    - Less work than GLUON_BWD_MIN_FLOPS: None.
+    - Less work than GLUON_BWD_MIN_FLOPS, or D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS: None.
     - Varlen: the same configs (lse / delta at aligned rows come by TMA, programs past a sequence's end return at
       once). Before that (explore10/varlen_3959b9332bfa/) the Gluon kernels took 27.2 / 18.7 ms (non-causal /
       causal) on the varlen suite's batch against the Triton kernels' 25.8 / 13.6: the dK/dV consumers loaded each
       tile's lse / delta themselves, unaligned, on the critical path."""
-    if fwd_flops < GLUON_BWD_MIN_FLOPS:
+    if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
         return None
     if head_dim == 128:
         return {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
