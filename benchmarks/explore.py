@@ -332,8 +332,6 @@ VARLEN_BWD_GLUON = {
     "gluon_d3_q64s3": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)},
     "gluon_d2_q64s2": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
     "gluon_d3_q128s2": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)},
-    "gluon_noskip": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240, SKIP_MASKED=False),
-                     "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)},
 }
 
 
@@ -390,26 +388,13 @@ def sweep_varlen_bwd(opts):
                 times = kernel_times(lambda: B.attention_backward(do, q, k, v, o_, l_, 128 ** -0.5, causal, True, cu_, cu_,
                                                                   mx_, mx_, zero_fill=False))
                 rows.append(dict(causal=causal, variant=f"kernels_{name}", kernels_us=times))
-            noskip = VARLEN_BWD_GLUON["gluon_noskip"]
-            configs.gluon_bwd_config = lambda *a: noskip
-            try:
-                times = kernel_times(lambda: B.attention_backward(do, q, k, v, out, lse, 128 ** -0.5, causal, True, cu, cu,
-                                                                  mx, mx, zero_fill=False))
-                rows.append(dict(causal=causal, variant="kernels_as_given_noskip", kernels_us=times))
-            finally:
-                configs.gluon_bwd_config = real_config
             for nb, T in ((8, 2048), (4, 4096)):  # dense shapes of the batch's FLOP-weighted length (~3k)
                 qd, kd, vd = (torch.randn(nb, T, 16, 128, device=DEV, dtype=torch.float16) for _ in range(3))
                 od, ld = F.attention_forward(qd, kd, vd, 128 ** -0.5, causal)
                 dod = torch.randn_like(qd)
-                for tag, gc in (("", None), ("_noskip", noskip)):
-                    configs.gluon_bwd_config = (lambda *a, c=gc: c) if gc is not None else real_config
-                    try:
-                        times = kernel_times(lambda: B.attention_backward(dod, qd, kd, vd, od, ld, 128 ** -0.5, causal))
-                    finally:
-                        configs.gluon_bwd_config = real_config
-                    rows.append(dict(causal=causal, variant=f"kernels_dense_{nb}x{T}{tag}", kernels_us=times,
-                                     flops=attention_flops(nb, 16, T, 128, causal, "bwd")))
+                times = kernel_times(lambda: B.attention_backward(dod, qd, kd, vd, od, ld, 128 ** -0.5, causal))
+                rows.append(dict(causal=causal, variant=f"kernels_dense_{nb}x{T}", kernels_us=times,
+                                 flops=attention_flops(nb, 16, T, 128, causal, "bwd")))
             rows.append(dict(causal=causal, variant="flops_varlen", flops=fl_b))
         print(f"varlen_bwd causal={int(causal)}:" + "".join(
             f" | {r['variant']} {r['ms']:.2f} ms" + (f" graph {r['ms_graph']:.2f} err {r['err']:.1e}" if "err" in r else "")

@@ -332,11 +332,9 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
     if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
         return None
     if head_dim == 128:
-        return {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240, SKIP_MASKED=True),
-                "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
+        return {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
     if head_dim == 64:
-        return {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, SKIP_MASKED=True),
-                "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
+        return {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240), "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
     return None
 
 

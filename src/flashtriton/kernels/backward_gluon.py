@@ -109,7 +109,7 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 @gluon.jit
 def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-              NUM_STAGES: gl.constexpr, SKIP_MASKED: gl.constexpr):
+              NUM_STAGES: gl.constexpr):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
      stride_dkn, stride_dkh, stride_dvn, stride_dvh) = shared
@@ -134,36 +134,31 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
         m = lo + (it - g * n_m) * BLOCK_M
         stage = it % NUM_STAGES
         mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
-        if SKIP_MASKED and IS_CAUSAL and m + (BLOCK_M - 1) + causal_offset < first_key:
-            # Every row of the tile comes before this warpgroup's first key (the second warpgroup's first tile):
-            # P = 0, nothing to add; the tensor cores are left to the other warpgroup.
-            mbarrier.arrive(empty.index(stage), count=1)
-        else:
-            q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-            do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-            s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
-            dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
-            lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
-            if IS_VARLEN:  # rows past the sequence: the layout's gap (never written) or the next sequence's: no P
-                in_seq = m + cols < seqlen_q
-                lse = gl.where(in_seq, lse, float("-inf"))
-            lse = _lse_base2(lse)
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))
-            p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
-            if IS_CAUSAL:
-                if m + causal_offset < first_key + ROWS - 1:  # the tile reaches past some row's diagonal
-                    p = gl.where(keys[:, None] <= (m + cols)[None, :] + causal_offset, p, 0.0)
-            p_op = gl.convert_layout(p.to(dtype), op_layout)
-            dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-            delta = delta_bufs.index(stage).load(col_layout)
-            if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
-                delta = gl.where(in_seq, delta, 0.0)
-            dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
-            ds = p * (dp - delta[None, :])  # dSᵀ
-            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-            dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-            mbarrier.arrive(empty.index(stage), count=1)
+        q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
+        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
+        lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
+        if IS_VARLEN:  # rows past the sequence: the layout's gap (never written) or the next sequence's; no P there
+            in_seq = m + cols < seqlen_q
+            lse = gl.where(in_seq, lse, float("-inf"))
+        lse = _lse_base2(lse)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
+        if IS_CAUSAL:
+            if m + causal_offset < first_key + ROWS - 1:  # the tile reaches past some row's diagonal
+                p = gl.where(keys[:, None] <= (m + cols)[None, :] + causal_offset, p, 0.0)
+        p_op = gl.convert_layout(p.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+        delta = delta_bufs.index(stage).load(col_layout)
+        if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
+            delta = gl.where(in_seq, delta, 0.0)
+        dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+        ds = p * (dp - delta[None, :])  # dSᵀ
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        mbarrier.arrive(empty.index(stage), count=1)
 
     dk = (dk * softmax_scale).to(dtype)
     dv = dv.to(dtype)
@@ -187,11 +182,11 @@ def _attn_bwd_dkdv_gluon(
     CU_SEQLENS_K, softmax_scale, qk_scale, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr = False,
+    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 128), Hkv, B) (varlen: Sk the longest sequence's); num_warps=4: the producer; two consumer
-    warpgroups as workers. SKIP_MASKED (causal): a warpgroup skips the tiles whose rows all come before its first
-    key (the second warpgroup's first tile) instead of computing P = 0 there."""
+    warpgroups as workers. Causal: the second warpgroup's first query tile lies wholly before its keys (P = 0); it is
+    computed anyway: skipping it cost registers (spills) and 12-15 % (explore11/run_04538af9a0df)."""
     start_n = gl.program_id(0) * KEYS  # causal: the first keys see the most queries and start first
     off_hk = gl.program_id(1)
     off_b = gl.program_id(2)
@@ -240,9 +235,9 @@ def _attn_bwd_dkdv_gluon(
         (_producer, (producer_args, place, seq, group_size, gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD),
                      IS_VARLEN, NUM_STAGES)),
         (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], gl.constexpr(0), IS_CAUSAL,
-                     IS_VARLEN, HEAD_DIM, NUM_STAGES, SKIP_MASKED)),
+                     IS_VARLEN, HEAD_DIM, NUM_STAGES)),
         (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], gl.constexpr(1), IS_CAUSAL,
-                     IS_VARLEN, HEAD_DIM, NUM_STAGES, SKIP_MASKED)),
+                     IS_VARLEN, HEAD_DIM, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -460,8 +455,6 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     ints = (heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k, pad)
     meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
                 HEAD_DIM=head_dim, num_warps=4, **config)
-    if kernel == "dkdv":
-        meta.setdefault("SKIP_MASKED", False)  # every parameter in meta: `launch` caches only such calls
     return grid, ints, meta
 
 
