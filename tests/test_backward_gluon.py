@@ -2,9 +2,9 @@
 and do not run in the interpreter: the kernel tests run on a Hopper GPU; compiling and the host-side pieces are
 tested everywhere.
 
-The backward takes the Gluon kernels on sm_90 where `configs.gluon_bwd_config` gives a config (dense, D = 64 and
-128, problems large enough to hide their host time), so test_backward.py's small shapes mostly run the Triton
-kernels there. These tests force the Gluon kernels (every config the sweeps tried) through `attention_backward`
+The backward takes the Gluon kernels on sm_90 where `configs.gluon_bwd_config` gives a config (dense and packed,
+D = 64 and 128, problems large enough to hide their host time), so test_backward.py's small shapes mostly run the
+Triton kernels there. These tests force the Gluon kernels (every config the sweeps tried) through `attention_backward`
 on shapes that reach each of their paths, dense and packed, check which kernels ran, and check the dispatch."""
 
 import os

@@ -325,10 +325,12 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
       227 / 224 / 212.
     - D = 64: dQ by 128-key tiles, 2 stages (non-causal T=8192 318 / 342 / 355 / 372 / 438).
     - Less work than GLUON_BWD_MIN_FLOPS, or D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS: None.
-    - Varlen: the same configs (lse / delta at aligned rows come by TMA, programs past a sequence's end return at
-      once). Before that (explore10/varlen_3959b9332bfa/) the Gluon kernels took 27.2 / 18.7 ms (non-causal /
-      causal) on the varlen suite's batch against the Triton kernels' 25.8 / 13.6: the dK/dV consumers loaded each
-      tile's lse / delta themselves, unaligned, on the critical path."""
+    - Varlen: the same configs. On the varlen suite's batch (64 sequences of 1..4096 tokens, D = 128, fp16) the
+      whole backward took 19.0-19.6 / 10.9-11.6 ms (non-causal / causal; `flashtriton bench --suite varlen`) against
+      the Triton kernels' 26.2-26.5 / 13.9-14.4 (explore.py varlen_bwd; benchmarks/2026-11-29-h200/explore11/, every
+      Gluon config there within the run-to-run spread), once lse / delta
+      came by TMA from aligned rows and whole blocks left by TMA store (27.2 / 18.7 ms before that,
+      explore10/varlen_3959b9332bfa/)."""
     if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
         return None
     if head_dim == 128:

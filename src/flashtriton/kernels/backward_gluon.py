@@ -22,9 +22,12 @@ P = 0. Rows that see no key (lse = −inf) get P = 0 too. Causal (bottom-right, 
 tiles start at the first row that sees its first key, a dQ program's keys end at its last row's diagonal; only
 tiles that cross a diagonal pay for the mask.
 Varlen (packed (total, H, D) tensors, cu_seqlens): rank-3 descriptors, whose rows past a sequence belong to the
-next one, so P is masked there; lse / delta (Hq, total_q + 128), loaded by the dK/dV consumers themselves (a 1-d
-TMA copy from a row that is not 16-byte aligned faults); results stored row by row. Works and is tested, but
-`configs.gluon_bwd_config` keeps varlen on the Triton kernels (measured faster there).
+next one, so P is masked there; lse / delta (Hq, `padded_rows`) with each sequence at a 16-byte aligned row
+(`_lse_rows`; a 1-d TMA copy from an unaligned row faults), written there by the preprocess and loaded by TMA, the
+rows between sequences masked (never written); programs past a sequence's end return at once; whole 64-row blocks of
+results leave by TMA store, a sequence's last partial block row by row (a TMA store would write the next one's rows).
+Causal: the dQ kernel's first warpgroup skips the key tile it sees nothing of (the dK/dV kernel computes its wholly
+masked tile: skipping it there cost spills and 12-15 %).
 D 64 or 128, fp16/bf16; sm_90. `backward.attention_backward` launches these where `configs.gluon_bwd_config` says.
 """
 
@@ -462,8 +465,8 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
                       config, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """Dense q, dout (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D), lse_pad / delta_pad contiguous fp32
     (B, Hq, `padded_rows`); or varlen q, dout (total_q, Hq, D), k, v, dk, dv (total_k, Hkv, D), lse_pad / delta_pad
-    (Hq, `padded_rows`), cu_seqlens int32 (B + 1,). lse -inf and delta 0 on the padding. Inputs that pass
-    `common.tma_ok`, D 64 or 128, Sq, Sk > 0; dk / dv with a contiguous last dim (varlen: stored row by row)."""
+    (Hq, `padded_rows`, sequences at `_lse_rows`), cu_seqlens int32 (B + 1,); as `backward.preprocess(padded=True)`
+    writes them. Inputs that pass `common.tma_ok`, D 64 or 128, Sq, Sk > 0; dk / dv with a contiguous last dim."""
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.numel() - 1 if varlen else None
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, "dkdv", batch,
