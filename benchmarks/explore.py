@@ -410,6 +410,24 @@ def sweep_varlen_bwd(opts):
 BWD_KERNEL_POINTS = [(D, c, T) for D in (128, 64) for c in (False, True) for T in (1024, 8192)]
 
 
+def host_profile(fn, calls: int, top: int) -> str:
+    """cProfile of `calls` calls of fn (no sync between them): the `top` functions by own time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def kernel_times(fn, calls=5):
     """{kernel name: GPU µs per call} of fn's launches (torch.profiler, mean over `calls` calls)."""
     from torch.profiler import ProfilerActivity, profile
@@ -463,10 +481,6 @@ def sweep_bwd_host(opts):
     directly (`attention_backward`) and through autograd (flash_attn_func, out.backward(retain_graph=True), grads
     set to None, as `flashtriton bench` times it): eager do_bench medians, CUDA-graph GPU time (direct call),
     host time per call (20 calls without a sync), and the kernels the autograd call launches (profiler)."""
-    import cProfile
-    import io
-    import pstats
-
     import flashtriton
     from torch.profiler import ProfilerActivity, profile
 
@@ -507,16 +521,8 @@ def sweep_bwd_host(opts):
                 torch.cuda.synchronize()
             row["autograd_kernels"] = sorted({e.name[:50] for e in prof.events() if e.device_type.name == "CUDA"})
             row["tflops_graph"] = flops / row["graph_ms"] / 1e9
-            if T == BWD_HOST_POINTS[0][2]:  # where the direct call's host time goes (cProfile, 50 calls)
-                prof_c = cProfile.Profile()
-                prof_c.enable()
-                for _ in range(50):
-                    direct()
-                prof_c.disable()
-                torch.cuda.synchronize()
-                buf = io.StringIO()
-                pstats.Stats(prof_c, stream=buf).sort_stats("tottime").print_stats(25)
-                row["cprofile_direct"] = buf.getvalue()[-6000:]
+            if T == BWD_HOST_POINTS[0][2]:  # where the direct call's host time goes
+                row["cprofile_direct"] = host_profile(direct, 50, 25)[-6000:]
                 print(row["cprofile_direct"], flush=True)
             rows.append(row)
             print(f"bwd_host D={D} causal={int(causal)} T={T} {name}: " + " ".join(
@@ -912,9 +918,6 @@ def sweep_host(opts):
         rows.append(dict(path=name, varlen=True, host_ms=host, ms=bench(fn), graph_ms=bench_graph(fn)))
         print(rows[-1], flush=True)
     # where the host time goes: cProfile of a forward call and of a decode call (B=1, 4k cache)
-    import cProfile
-    import pstats
-
     q, k, v = fwd_inputs(512, 128, torch.float16)
     dq, kc, vc, seqlens = _decode_inputs(1, 4096)
     qb, kb, vb = dq.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
@@ -950,14 +953,9 @@ def sweep_host(opts):
                 fn()
             host = (time.perf_counter() - t0) / 500 * 1e3
             torch.cuda.synchronize()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(500):
-                fn()
-            prof.disable()
-            torch.cuda.synchronize()
+            profile_text = host_profile(fn, 500, 14)
             print(f"--- {name}: {host * 1e3:.1f} us per call (no sync)", flush=True)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+            print(profile_text, flush=True)
             rows.append(dict(path=name, host_us=host * 1e3))
     return rows
 
