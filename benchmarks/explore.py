@@ -521,9 +521,10 @@ def sweep_bwd_host(opts):
                 torch.cuda.synchronize()
             row["autograd_kernels"] = sorted({e.name[:50] for e in prof.events() if e.device_type.name == "CUDA"})
             row["tflops_graph"] = flops / row["graph_ms"] / 1e9
-            if T == BWD_HOST_POINTS[0][2]:  # where the direct call's host time goes
+            if T == BWD_HOST_POINTS[0][2]:  # where the host time goes, called directly and through autograd
                 row["cprofile_direct"] = host_profile(direct, 50, 25)[-6000:]
-                print(row["cprofile_direct"], flush=True)
+                row["cprofile_autograd"] = host_profile(auto, 50, 25)[-6000:]
+                print(row["cprofile_direct"], row["cprofile_autograd"], sep="\n", flush=True)
             rows.append(row)
             print(f"bwd_host D={D} causal={int(causal)} T={T} {name}: " + " ".join(
                 f"{k2}={v2:.3f}" for k2, v2 in row.items() if isinstance(v2, float)) + f" | {row['autograd_kernels']}",
