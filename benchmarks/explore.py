@@ -523,7 +523,17 @@ def sweep_bwd_host(opts):
             row["tflops_graph"] = flops / row["graph_ms"] / 1e9
             if T == BWD_HOST_POINTS[0][2]:  # where the host time goes, called directly and through autograd
                 row["cprofile_direct"] = host_profile(direct, 50, 25)[-6000:]
-                row["cprofile_autograd"] = host_profile(auto, 50, 25)[-6000:]
+                # the autograd engine runs a CUDA backward on its own thread, which cProfile does not follow: profile
+                # it on this thread (and time it so: the thread hop itself may be part of the cost)
+                with torch.autograd.set_multithreading_enabled(False):
+                    row["cprofile_autograd"] = host_profile(auto, 50, 25)[-6000:]
+                    auto()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        auto()
+                    row["autograd_one_thread_host_ms"] = (time.perf_counter() - t0) / 20 * 1e3
+                    torch.cuda.synchronize()
                 print(row["cprofile_direct"], row["cprofile_autograd"], sep="\n", flush=True)
             rows.append(row)
             print(f"bwd_host D={D} causal={int(causal)} T={T} {name}: " + " ".join(
