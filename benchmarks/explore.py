@@ -100,6 +100,15 @@ def fwd_inputs(T, D, dtype, layout="bshd", seed=0):
     return [torch.randn(B, H, T, D, device=DEV, dtype=dtype, generator=g).transpose(1, 2) for _ in range(3)]
 
 
+def bwd_inputs(T, D, causal):
+    """A standard-sweep point's backward inputs (fp16): q, k, v, the forward's out and lse, a random upstream
+    gradient, and the backward's FLOP count."""
+    q, k, v = fwd_inputs(T, D, torch.float16)
+    out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
+    flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
+    return q, k, v, out, lse, torch.randn_like(out), flops
+
+
 def bench(fn, warmup=5, rep=30):
     import triton.testing
 
@@ -241,10 +250,7 @@ def sweep_bwd(opts):
     for D in (64, 128):
         for causal in (False, True):
             for T in BWD_SEQLENS:
-                q, k, v = fwd_inputs(T, D, torch.float16)
-                out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
-                do = torch.randn_like(out)
-                flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
+                q, k, v, out, lse, do, flops = bwd_inputs(T, D, causal)
                 base = configs.default_bwd_configs(D, 2, q.device)
                 ref = B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal, config=base)
                 for which, table in (("dkdv", BWD_DKDV), ("dq", BWD_DQ)):
@@ -286,10 +292,7 @@ def sweep_gluon_bwd(opts):
     for D in opts.head_dims:
         for causal in (False, True):
             for T in GLUON_BWD_SEQLENS:
-                q, k, v = fwd_inputs(T, D, torch.float16)
-                out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
-                do = torch.randn_like(out)
-                flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
+                q, k, v, out, lse, do, flops = bwd_inputs(T, D, causal)
                 base = dict(D=D, causal=causal, T=T)
 
                 def run(gluon_cfg):
@@ -452,10 +455,7 @@ def sweep_bwd_kernels(opts):
 
     rows = []
     for D, causal, T in BWD_KERNEL_POINTS:
-        q, k, v = fwd_inputs(T, D, torch.float16)
-        out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
-        do = torch.randn_like(out)
-        flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
+        q, k, v, out, lse, do, flops = bwd_inputs(T, D, causal)
         for name, on in (("gluon", True), ("triton", False)):
             configs.USE_GLUON_BWD = on
             times = kernel_times(lambda: B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal))
@@ -487,11 +487,8 @@ def sweep_bwd_host(opts):
     rows = []
     real_config = configs.gluon_bwd_config
     for D, causal, T in BWD_HOST_POINTS:
-        q, k, v = fwd_inputs(T, D, torch.float16)
-        out, lse = F.attention_forward(q, k, v, D ** -0.5, causal)
-        do = torch.randn_like(out)
+        q, k, v, out, lse, do, flops = bwd_inputs(T, D, causal)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "bwd")
         for name, on in (("gluon", True), ("triton", False)):
             configs.USE_GLUON_BWD = on
             forced = real_config(D, T, T, causal)  # the Gluon kernels whatever the size (no host-time threshold)

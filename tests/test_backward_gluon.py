@@ -7,10 +7,6 @@ D = 64 and 128, problems large enough to hide their host time), so test_backward
 Triton kernels there. These tests force the Gluon kernels (every config the sweeps tried) through `attention_backward`
 on shapes that reach each of their paths, dense and packed, check which kernels ran, and check the dispatch."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +18,7 @@ from flashtriton.kernels import backward_gluon as BG
 from flashtriton.kernels.forward import attention_forward
 
 from test_backward import check_grads, make_qkv
+from test_forward_gluon import compile_in_fresh_process
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper_only = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: sm_90 only (no interpreter)")
@@ -288,8 +285,4 @@ def test_gluon_backward_compiles_for_sm90_without_a_gpu():
         "        assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
         "        print('compiled', kernel, head_dim, causal, compiled.metadata.shared)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 8
+    assert compile_in_fresh_process(script).count("compiled") == 8

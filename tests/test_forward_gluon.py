@@ -246,6 +246,16 @@ def test_launch_keys_tell_gluon_descriptor_layouts_apart():
     assert a != launch._arg_key(G.descriptor(t.to(torch.bfloat16), 64))
 
 
+def compile_in_fresh_process(script: str) -> str:
+    """Run a Python script that compiles Gluon kernels for sm_90, in a process without the interpreter (which this
+    one may run, and which cannot compile Gluon); asserts that it succeeded and returns what it printed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
     """What the dispatch launches compiles to sm_90 code on any machine (CI has no GPU): Gluon's frontend,
     Triton's Hopper passes and ptxas, for each config `configs.gluon_fwd_config` returns. In a fresh process:
@@ -262,8 +272,4 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
         "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
         "    print('compiled', head_dim, causal, compiled.metadata.shared)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 6
+    assert compile_in_fresh_process(script).count("compiled") == 6
