@@ -338,12 +338,18 @@ VARLEN_BWD_GLUON = {
 }
 
 
+# Where a varlen Gluon backward's programs come from (backward_gluon.work_table): the grid over the longest
+# sequence's blocks (empty programs included), or the work table, sequences as given or largest first.
+VARLEN_BWD_ORDERS = ["grid", "as_given", "largest_first"]
+
+
 def sweep_varlen_bwd(opts):
     """The whole varlen backward on the varlen suite's batch (64 sequences, 1..4096, H=16, D=128, fp16): the Triton
     kernels against the Gluon ones under each VARLEN_BWD_GLUON config (lse / delta in the aligned padded layout).
     Each variant's gradients against the Triton kernels' (max abs difference), then eager (do_bench) and CUDA-graph
     (GPU time) medians; the dense backward on the batch padded to its longest sequence for the ratio of the issue."""
     from flashtriton.bench_core import varlen_flops
+    from flashtriton.kernels import backward_gluon as BG
 
     q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
     lens = (cu[1:] - cu[:-1]).tolist()
@@ -354,24 +360,32 @@ def sweep_varlen_bwd(opts):
         out, lse = F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu, cu, mx, mx)
         do = torch.randn_like(q)
 
-        def run(gc, use=True):
+        def run(gc, use=True, order="dispatch"):
             configs.USE_GLUON_BWD = use
             configs.gluon_bwd_config = (lambda *a, c=gc: c) if gc is not None else real_config
+            real_order = configs.VARLEN_BWD_LONGEST_FIRST[causal]
+            if order != "dispatch":  # the programs from the grid, or from the work table in either order
+                BG.WORK_TABLE = order != "grid"
+                configs.VARLEN_BWD_LONGEST_FIRST[causal] = order == "largest_first"
             try:
                 return B.attention_backward(do, q, k, v, out, lse, 128 ** -0.5, causal, True, cu, cu, mx, mx,
                                             zero_fill=False)
             finally:
                 configs.gluon_bwd_config = real_config
                 configs.USE_GLUON_BWD = True
+                BG.WORK_TABLE = True
+                configs.VARLEN_BWD_LONGEST_FIRST[causal] = real_order
 
         ref = run(None, use=False)
-        variants = [("triton", None, False), ("dispatch", None, True)] + [(n, c, True) for n, c in VARLEN_BWD_GLUON.items()]
-        for name, gc, use in variants:
+        variants = [("triton", None, False, "dispatch"), ("dispatch", None, True, "dispatch")]
+        variants += [(f"order_{o}", None, True, o) for o in VARLEN_BWD_ORDERS]
+        variants += [(n, c, True, "dispatch") for n, c in VARLEN_BWD_GLUON.items()]
+        for name, gc, use, order in variants:
             try:
-                got = run(gc, use)
+                got = run(gc, use, order)
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
-                ms = bench(lambda: run(gc, use))
-                ms_graph = bench_graph(lambda: run(gc, use))
+                ms = bench(lambda: run(gc, use, order))
+                ms_graph = bench_graph(lambda: run(gc, use, order))
                 rows.append(dict(causal=causal, variant=name, ms=ms, ms_graph=ms_graph, tflops=fl_b / ms / 1e9, err=err))
             except Exception as exc:  # noqa: BLE001
                 rows.append(dict(causal=causal, variant=name, error=str(exc)[:300]))
@@ -383,14 +397,10 @@ def sweep_varlen_bwd(opts):
         ms = bench(lambda: B.attention_backward(dop, qp, kp, vp, outp, lsep, 128 ** -0.5, causal))
         rows.append(dict(causal=causal, variant="dense_padded", ms=ms))
         del qp, kp, vp, outp, lsep, dop
-        if DEV == "cuda":  # where the Gluon kernels' time goes: per kernel, as given / longest first / 2x the grid
-            cu_sorted = torch.tensor([0] + torch.tensor(sorted(lens, reverse=True)).cumsum(0).tolist(),
-                                     dtype=torch.int32, device=DEV)
-            out_s, lse_s = F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu_sorted, cu_sorted, mx, mx)
-            for name, cu_, mx_, o_, l_ in (("as_given", cu, mx, out, lse), ("longest_first", cu_sorted, mx, out_s, lse_s)):
-                times = kernel_times(lambda: B.attention_backward(do, q, k, v, o_, l_, 128 ** -0.5, causal, True, cu_, cu_,
-                                                                  mx_, mx_, zero_fill=False))
-                rows.append(dict(causal=causal, variant=f"kernels_{name}", kernels_us=times))
+        if DEV == "cuda":  # where the Gluon kernels' time goes: per kernel, per program order
+            for order in VARLEN_BWD_ORDERS:
+                times = kernel_times(lambda: run(None, True, order))
+                rows.append(dict(causal=causal, variant=f"kernels_{order}", kernels_us=times))
             for nb, T in ((8, 2048), (4, 4096)):  # dense shapes of the batch's FLOP-weighted length (~3k)
                 qd, kd, vd = (torch.randn(nb, T, 16, 128, device=DEV, dtype=torch.float16) for _ in range(3))
                 od, ld = F.attention_forward(qd, kd, vd, 128 ** -0.5, causal)

@@ -224,12 +224,18 @@ def test_dispatch_takes_the_gluon_kernels_for_large_problems_only(device, monkey
 
 
 @hopper_only
+@pytest.mark.parametrize("order", ["dispatch", "table as given", "table largest first", "grid"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_backward_varlen(causal, head_dim, device, monkeypatch):
+def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     """Packed sequences (empty ones, one token, Sq != Sk, GQA) with rows of other data before and after them:
-    per-sequence gradients against float64, and the rows outside every sequence left alone."""
+    per-sequence gradients against float64, and the rows outside every sequence left alone. Programs from the work
+    table in either order, and from the grid over the longest sequence's blocks."""
     from test_varlen import pack
+
+    if order != "dispatch":
+        monkeypatch.setattr(BG, "WORK_TABLE", order != "grid")
+        monkeypatch.setitem(configs.VARLEN_BWD_LONGEST_FIRST, causal, order == "table largest first")
 
     lengths_q, lengths_k = [5, 0, 1, 200, 33, 130, 64], [9, 4, 1, 150, 20, 0, 64]
     gen = torch.Generator().manual_seed(11)
@@ -254,6 +260,58 @@ def test_gluon_backward_varlen(causal, head_dim, device, monkeypatch):
             continue
         ours = (dq[None, sq], dk[None, sk], dv[None, sk])
         check_grads(ours, q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal, what=f"seq {b}: ")
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_work_table(kernel, causal, longest_first, device):
+    """The varlen backward's program table: one row per existing (sequence, head, 128-row block), each with its
+    sequence's bounds, and only those; a head's blocks in a row in the dense grid's order; sequences as given or
+    largest first; padding rows (b = -1) after the last block only."""
+    lengths_q, lengths_k = [5, 0, 1, 300, 130, 0, 700, 129], [130, 4, 1, 0, 257, 0, 64, 129]
+    heads = 3
+    cu_q = torch.tensor([0] + torch.tensor(lengths_q).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + torch.tensor(lengths_k).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    total = int(cu_k[-1] if kernel == "dkdv" else cu_q[-1]) + 37  # packed tensors may hold more rows
+    table = BG.work_table(cu_q, cu_k, heads, kernel, causal, longest_first, total).cpu()
+    assert table.dtype == torch.int32 and table.shape == (heads * (total // 128 + len(lengths_q)), 8)
+    valid = table[:, 0] >= 0
+    n = int(valid.sum())
+    assert bool(valid[:n].all()) and not bool(valid[n:].any())  # padding only at the end
+    assert torch.all(table[n:, 1:] == 0)
+    blocked = lengths_k if kernel == "dkdv" else lengths_q
+    expected = [(b, h, s) for b, length in enumerate(blocked) for h in range(heads) for s in range(0, length, 128)]
+    rows = [tuple(r) for r in table[:n].tolist()]
+    assert sorted((r[0], r[1], r[2]) for r in rows) == sorted(expected)
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    for b, _, _, q_start, len_q, k_start, len_k, zero in rows:
+        assert (q_start, len_q, k_start, len_k, zero) == (starts_q[b], lengths_q[b], starts_k[b], lengths_k[b], 0)
+    seq_order = list(dict.fromkeys(r[0] for r in rows))  # sequences in the order their rows come
+    work = [lengths_q[b] * lengths_k[b] for b in seq_order]
+    if longest_first:
+        assert work == sorted(work, reverse=True)
+    else:
+        assert seq_order == sorted(seq_order)
+    for b in seq_order:  # contiguous per sequence, then per head; blocks in the dense grid's order
+        mine = [r for r in rows if r[0] == b]
+        first = rows.index(mine[0])
+        assert rows[first:first + len(mine)] == mine
+        for h in range(heads):
+            starts = [r[2] for r in mine if r[1] == h]
+            assert starts == sorted(starts, reverse=kernel == "dq" and causal)
+        assert [r[1] for r in mine] == sorted(r[1] for r in mine)
+
+
+def test_work_table_cache(device):
+    cu = torch.tensor([0, 100, 400], dtype=torch.int32, device=device)
+    args = (3, "dkdv", True, True, 400)
+    first = BG.cached_work_table(cu, cu, *args)
+    assert BG.cached_work_table(cu, cu, *args) is first
+    cu[1] = 300  # written in place: rebuilt
+    again = BG.cached_work_table(cu, cu, *args)
+    assert again is not first and torch.equal(again.cpu(), BG.work_table(cu, cu, *args).cpu())
+    assert not torch.equal(again.cpu(), first.cpu())
 
 
 def test_shared_memory_estimate_and_limit():

@@ -34,6 +34,7 @@ D 64 or 128, fp16/bf16; sm_90. `backward.attention_backward` launches these wher
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import triton
@@ -69,6 +70,15 @@ def _lse_rows(off_b, off_h, heads_q, seqlen_pad, q_start, IS_VARLEN: gl.constexp
         return off_h * seqlen_pad + ((q_start + 3) // 4 + off_b) * 4
     else:
         return (off_b * heads_q + off_h) * seqlen_pad
+
+
+@gluon.jit
+def _work_item(WORK):
+    """A varlen program's row of the work table (`work_table`): (sequence b or −1 for a padding row, head, first
+    key / query row of its 128, (q_start, seqlen_q, k_start, seqlen_k)), one round trip for all of them."""
+    row = WORK + gl.program_id(0) * 8
+    seq = (gl.load(row + 3), gl.load(row + 4), gl.load(row + 5), gl.load(row + 6))
+    return gl.load(row), gl.load(row + 1), gl.load(row + 2), seq
 
 
 @gluon.jit
@@ -182,18 +192,26 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
                               "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"])
 def _attn_bwd_dkdv_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, DK, DV, CU_SEQLENS_Q,
-    CU_SEQLENS_K, softmax_scale, qk_scale, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+    CU_SEQLENS_K, WORK, softmax_scale, qk_scale, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr = False,
 ):
-    """Grid (cdiv(Sk, 128), Hkv, B) (varlen: Sk the longest sequence's); num_warps=4: the producer; two consumer
-    warpgroups as workers. Causal: the second warpgroup's first query tile lies wholly before its keys (P = 0); it is
-    computed anyway: skipping it cost registers (spills) and 12-15 % (explore11/run_04538af9a0df)."""
-    start_n = gl.program_id(0) * KEYS  # causal: the first keys see the most queries and start first
-    off_hk = gl.program_id(1)
-    off_b = gl.program_id(2)
-    seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K), IS_VARLEN)
+    """Grid (cdiv(Sk, 128), Hkv, B) (varlen: Sk the longest sequence's); varlen with WORK_TABLE: one program per
+    row of WORK (`work_table`: only the (sequence, head, key block)s that exist, in the table's order).
+    num_warps=4: the producer; two consumer warpgroups as workers. Causal: the second warpgroup's first query tile
+    lies wholly before its keys (P = 0); it is computed anyway: skipping it cost registers (spills) and 12-15 %
+    (explore11/run_04538af9a0df)."""
+    if IS_VARLEN and WORK_TABLE:
+        off_b, off_hk, start_n, seq = _work_item(WORK)
+        if off_b < 0:  # the table's padding past its last item
+            return
+    else:
+        start_n = gl.program_id(0) * KEYS  # causal: the first keys see the most queries and start first
+        off_hk = gl.program_id(1)
+        off_b = gl.program_id(2)
+        seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
+                        IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
         causal_offset = seqlen_k - seqlen_q
@@ -332,22 +350,29 @@ def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse
 @gluon.jit(do_not_specialize=["stride_dqm", "stride_dqh", "HEADS_Q", "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K",
                               "SEQLEN_PAD"])
 def _attn_bwd_dq_gluon(
-    desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, softmax_scale, qk_scale,
-    stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
+    desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, WORK, softmax_scale,
+    qk_scale, stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr = False,
 ):
-    """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); num_warps=4: the producer; two consumer
-    warpgroups of 64 query rows each. Causal: the last query tiles (the most keys) start first."""
-    n_m = gl.num_programs(0)
-    if IS_CAUSAL:
-        start_m = (n_m - 1 - gl.program_id(0)) * KEYS
+    """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
+    row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
+    the last query tiles (the most keys) start first."""
+    if IS_VARLEN and WORK_TABLE:
+        off_b, off_h, start_m, seq = _work_item(WORK)
+        if off_b < 0:  # the table's padding past its last item
+            return
     else:
-        start_m = gl.program_id(0) * KEYS
-    off_h = gl.program_id(1)
-    off_b = gl.program_id(2)
+        n_m = gl.num_programs(0)
+        if IS_CAUSAL:
+            start_m = (n_m - 1 - gl.program_id(0)) * KEYS
+        else:
+            start_m = gl.program_id(0) * KEYS
+        off_h = gl.program_id(1)
+        off_b = gl.program_id(2)
+        seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
+                        IS_VARLEN)
     off_hk = off_h // GROUP_SIZE
-    seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K), IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
         causal_offset = seqlen_k - seqlen_q
@@ -461,6 +486,88 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     return grid, ints, meta
 
 
+# Varlen programs come from a work table (`work_table`) unless this is False (the grid over the longest sequence's
+# blocks × heads × sequences, empty programs included; kept for `benchmarks/explore.py varlen_bwd`'s comparison).
+WORK_TABLE: bool = True
+
+
+def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: int, kernel: str, causal: bool,
+               longest_first: bool, total: int) -> torch.Tensor:
+    """int32 (rows, 8) on cu_seqlens' device, one row per program of a varlen dK/dV (kernel "dkdv": key blocks,
+    `heads` the kv heads) or dQ ("dq": query blocks, the query heads) launch: (sequence b, head, first key / query
+    row of its 128, q_start, seqlen_q, k_start, seqlen_k, 0). Only blocks that exist get a row (a grid over the
+    longest sequence's blocks is half empty programs on mixed lengths); rows past the last block hold b = −1.
+    Order: the sequences as given, or by seqlen_q · seqlen_k, largest first (`longest_first`), so that the last
+    programs to start are short ones; within a sequence its heads, within a head its blocks in the order the dense
+    grid runs them (dQ causal: the last rows, which see the most keys, first), so that a head's blocks run together
+    and share its Q / dO (dK/dV) or K / V (dQ) in L2. `total`: the packed tokens along the blocked axis (total_k
+    for dK/dV, total_q for dQ), a host-side bound on the rows (heads · (total // 128 + B)): built with GPU ops
+    only, no copy to the host."""
+    batch = cu_seqlens_q.numel() - 1
+    keys = KEYS.value
+    dev = cu_seqlens_q.device
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]  # (B,)
+    blocks = ((len_k if kernel == "dkdv" else len_q) + keys - 1) // keys  # per (sequence, head)
+    if longest_first:
+        order = torch.argsort(len_q * len_k, descending=True, stable=True)
+    else:
+        order = torch.arange(batch, device=dev)
+    per_seq = blocks[order] * heads
+    ends = torch.cumsum(per_seq, 0)  # (B,) programs up to and including each (ordered) sequence
+    rows = heads * (total // keys + batch)
+    pid = torch.arange(rows, device=dev)
+    j = torch.searchsorted(ends, pid, right=True)  # the ordered sequence of each program; B past the last
+    valid = j < batch
+    j = j.clamp(max=max(batch - 1, 0))
+    r = pid - (ends[j] - per_seq[j])  # the program's index within its sequence
+    nb = blocks[order][j].clamp(min=1)
+    head, block = r // nb, r % nb
+    if kernel == "dq" and causal:
+        block = nb - 1 - block
+    b = order[j]
+    table = torch.stack([b, head, block * keys, cu_q[:-1][b], len_q[b], cu_k[:-1][b], len_k[b],
+                         torch.zeros_like(b)], 1)
+    pad = torch.tensor([-1, 0, 0, 0, 0, 0, 0, 0], device=dev)
+    return torch.where(valid[:, None], table, pad).to(torch.int32).contiguous()
+
+
+_WORK_TABLES: dict = {}  # (ids, heads, kernel, causal, order, total) -> (stamp, weakrefs to the cu_seqlens, table)
+
+
+def cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total) -> torch.Tensor:
+    """`work_table`, reused while the same cu_seqlens tensors are unchanged (as `validation.check_cu_seqlens_values`
+    reuses its check): a model's layers share one batch's tables. Not cached while a CUDA graph is captured."""
+    from ..validation import _stamp
+
+    key = (id(cu_seqlens_q), id(cu_seqlens_k), heads, kernel, bool(causal), bool(longest_first), total)
+    stamp = _stamp(cu_seqlens_q, cu_seqlens_k)
+    seen = _WORK_TABLES.get(key)
+    if stamp is not None and seen is not None and seen[0] == stamp and seen[1]() is cu_seqlens_q \
+            and seen[2]() is cu_seqlens_k:
+        return seen[3]
+    table = work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total)
+    if stamp is not None and not (table.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if len(_WORK_TABLES) >= 64:
+            _WORK_TABLES.clear()
+        _WORK_TABLES[key] = (stamp, weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), table)
+    return table
+
+
+def _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid):
+    """(grid, WORK, WORK_TABLE) of a launch: the table's grid and rows for varlen (unless WORK_TABLE is off),
+    else the given grid and a placeholder pointer."""
+    if cu_seqlens_q is None or not WORK_TABLE:
+        return grid, cu_seqlens_q if cu_seqlens_q is not None else q, False
+    from .. import configs
+
+    heads = k.shape[-2] if kernel == "dkdv" else q.shape[-2]
+    total = k.shape[0] if kernel == "dkdv" else q.shape[0]
+    table = cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal,
+                              configs.varlen_bwd_longest_first(causal), total)
+    return (table.shape[0],), table, True
+
+
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
                       config, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """Dense q, dout (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D), lse_pad / delta_pad contiguous fp32
@@ -471,11 +578,12 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
     batch = cu_seqlens_q.numel() - 1 if varlen else None
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, "dkdv", batch,
                                     max_seqlen_q, max_seqlen_k)
+    grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, "dkdv", grid)
     rows = ROWS.value
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
     args = (descriptor(q, rows, varlen), descriptor(k, rows, varlen), descriptor(v, rows, varlen),
             descriptor(dout, rows, varlen), descriptor(dk, rows, varlen), descriptor(dv, rows, varlen),
-            row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, softmax_scale,
+            row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, work, softmax_scale,
             softmax_scale * LOG2E, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
     launch(_attn_bwd_dkdv_gluon, grid, args, meta)
 
@@ -487,10 +595,11 @@ def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal
     batch = cu_seqlens_q.numel() - 1 if varlen else None
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, "dq", batch,
                                     max_seqlen_q, max_seqlen_k)
+    grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, "dq", grid)
     rows, block_n = ROWS.value, config["BLOCK_N"]
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
     args = (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
-            descriptor(dout, rows, varlen), descriptor(dq, rows, varlen), lse_pad, delta_pad, dq, cu_q, cu_k,
+            descriptor(dout, rows, varlen), descriptor(dq, rows, varlen), lse_pad, delta_pad, dq, cu_q, cu_k, work,
             softmax_scale, softmax_scale * LOG2E, dq.stride(-3), dq.stride(-2), *ints)
     launch(_attn_bwd_dq_gluon, grid, args, meta)
 
@@ -506,6 +615,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
     rows_t = torch.empty(4, 1024, dtype=torch.float32)
     _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256)
+    meta["WORK_TABLE"] = varlen and WORK_TABLE
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
     fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
@@ -515,7 +625,8 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     descriptors.update(desc_lse=row_descriptor(rows_t), desc_delta=row_descriptor(rows_t))
     element = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DK": element, "DV": element, "DQ": element,
-                "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32"}
+                "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
+                "WORK": "*i32" if varlen else "*bf16" if dtype == torch.bfloat16 else "*fp16"}
     names = fn.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
                  else pointers[name] if name in pointers else "fp32" if name in ("softmax_scale", "qk_scale")
