@@ -338,9 +338,25 @@ VARLEN_BWD_GLUON = {
 }
 
 
-# Where a varlen Gluon backward's programs come from (backward_gluon.work_table): the grid over the longest
-# sequence's blocks (empty programs included), or the work table, sequences as given or largest first.
-VARLEN_BWD_ORDERS = ["grid", "as_given", "largest_first"]
+# Where a varlen Gluon backward's programs come from (configs.VARLEN_BWD_ORDER): the grid over the longest
+# sequence's blocks (empty programs included), or the work table, sequences as given or largest first; and, to tell
+# the table's code from its lack of empty programs, a table that lists the grid's programs, empty ones included.
+VARLEN_BWD_ORDERS = ["grid", "as_given", "largest_first", "grid_table"]
+
+
+def _grid_work_table(cu_q, cu_k, heads, kernel, causal, longest_first, total):
+    """A `backward_gluon.work_table` with a row for every program of the grid (blocks of the longest sequence ×
+    heads × sequences, blocks fastest), empty ones included (their kernels return on start >= the sequence's
+    length), in the grid's order (dQ causal: the last blocks first)."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    n_blocks = triton.cdiv(int((len_k if kernel == "dkdv" else len_q).max()), 128)
+    pid = torch.arange(len(len_q) * heads * n_blocks, device=cu_q.device)
+    block, head, b = pid % n_blocks, (pid // n_blocks) % heads, pid // (n_blocks * heads)
+    if kernel == "dq" and causal:
+        block = n_blocks - 1 - block
+    return torch.stack([b, head, block * 128, cu_q[:-1][b], len_q[b], cu_k[:-1][b], len_k[b], torch.zeros_like(b)],
+                       1).to(torch.int32).contiguous()
 
 
 def sweep_varlen_bwd(opts):
@@ -363,18 +379,20 @@ def sweep_varlen_bwd(opts):
         def run(gc, use=True, order="dispatch"):
             configs.USE_GLUON_BWD = use
             configs.gluon_bwd_config = (lambda *a, c=gc: c) if gc is not None else real_config
-            real_order = configs.VARLEN_BWD_LONGEST_FIRST[causal]
-            if order != "dispatch":  # the programs from the grid, or from the work table in either order
-                BG.WORK_TABLE = order != "grid"
-                configs.VARLEN_BWD_LONGEST_FIRST[causal] = order == "largest_first"
+            real_order, real_table = configs.VARLEN_BWD_ORDER[causal], BG.cached_work_table
+            if order == "grid_table":  # the grid's programs, empty ones included, in its order, from a work table
+                configs.VARLEN_BWD_ORDER[causal] = "as_given"
+                BG.cached_work_table = _grid_work_table
+            elif order != "dispatch":  # the programs from the grid, or from the work table in either order
+                configs.VARLEN_BWD_ORDER[causal] = order
             try:
                 return B.attention_backward(do, q, k, v, out, lse, 128 ** -0.5, causal, True, cu, cu, mx, mx,
                                             zero_fill=False)
             finally:
                 configs.gluon_bwd_config = real_config
                 configs.USE_GLUON_BWD = True
-                BG.WORK_TABLE = True
-                configs.VARLEN_BWD_LONGEST_FIRST[causal] = real_order
+                configs.VARLEN_BWD_ORDER[causal] = real_order
+                BG.cached_work_table = real_table
 
         ref = run(None, use=False)
         variants = [("triton", None, False, "dispatch"), ("dispatch", None, True, "dispatch")]
@@ -740,6 +758,8 @@ def sweep_varlen(opts):
         jobs += [("varlen", (w, c, x)) for c in (False, True)
                  for w, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ)) for x in tab]
     precompile(jobs, opts.jobs)
+    from flashtriton.kernels import backward_gluon as BG
+
     q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
     lens = (cu[1:] - cu[:-1]).tolist()
     rows = []

@@ -224,7 +224,7 @@ def test_dispatch_takes_the_gluon_kernels_for_large_problems_only(device, monkey
 
 
 @hopper_only
-@pytest.mark.parametrize("order", ["dispatch", "table as given", "table largest first", "grid"])
+@pytest.mark.parametrize("order", ["dispatch", "as_given", "largest_first", "grid"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
@@ -234,8 +234,7 @@ def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     from test_varlen import pack
 
     if order != "dispatch":
-        monkeypatch.setattr(BG, "WORK_TABLE", order != "grid")
-        monkeypatch.setitem(configs.VARLEN_BWD_LONGEST_FIRST, causal, order == "table largest first")
+        monkeypatch.setitem(configs.VARLEN_BWD_ORDER, causal, order)
 
     lengths_q, lengths_k = [5, 0, 1, 200, 33, 130, 64], [9, 4, 1, 150, 20, 0, 64]
     gen = torch.Generator().manual_seed(11)

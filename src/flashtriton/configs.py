@@ -340,15 +340,17 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
     return None
 
 
-# The order of a varlen Gluon backward's programs (`backward_gluon.work_table`), per causal mode: True takes the
-# sequences by seqlen_q · seqlen_k, largest first, False as given. Not measured yet with the work table (sessions 9's
-# runs, with the data itself reordered: largest first took 0.3-0.5 ms off the causal backward on the varlen suite's
-# batch and added 1.1-1.5 ms to the non-causal one, explore11/run_f30dc9b20153 and run_9452517c10f2).
-VARLEN_BWD_LONGEST_FIRST = {True: True, False: False}
+# Where a varlen Gluon backward's programs come from, per causal mode: "grid" (the longest sequence's blocks ×
+# heads × sequences, empty programs included), or the work table (`backward_gluon.work_table`: only the blocks that
+# exist) with the sequences "as_given" or "largest_first" (by seqlen_q · seqlen_k). On the varlen suite's batch
+# (explore12/run_b994eb18f8c0, fp16 D = 128, GPU µs per kernel, dK/dV + dQ, grid / as given / largest first):
+# causal 6569 + 4019 / 6400 + 3853 / 6360 + 3852, non-causal 10565 + 6750 / 11877 + 7071 / 11664 + 6954. The table
+# is 1.3-1.6 ms slower on the non-causal batch, for a reason not found yet (performance.md, Backward 14).
+VARLEN_BWD_ORDER = {True: "largest_first", False: "grid"}
 
 
-def varlen_bwd_longest_first(causal: bool) -> bool:
-    return VARLEN_BWD_LONGEST_FIRST[bool(causal)]
+def varlen_bwd_order(causal: bool) -> str:
+    return VARLEN_BWD_ORDER[bool(causal)]
 
 
 # The one config the interpreter uses for both kernels.

@@ -486,11 +486,6 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     return grid, ints, meta
 
 
-# Varlen programs come from a work table (`work_table`) unless this is False (the grid over the longest sequence's
-# blocks × heads × sequences, empty programs included; kept for `benchmarks/explore.py varlen_bwd`'s comparison).
-WORK_TABLE: bool = True
-
-
 def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: int, kernel: str, causal: bool,
                longest_first: bool, total: int) -> torch.Tensor:
     """int32 (rows, 8) on cu_seqlens' device, one row per program of a varlen dK/dV (kernel "dkdv": key blocks,
@@ -555,16 +550,16 @@ def cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest
 
 
 def _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid):
-    """(grid, WORK, WORK_TABLE) of a launch: the table's grid and rows for varlen (unless WORK_TABLE is off),
-    else the given grid and a placeholder pointer."""
-    if cu_seqlens_q is None or not WORK_TABLE:
-        return grid, cu_seqlens_q if cu_seqlens_q is not None else q, False
+    """(grid, WORK, WORK_TABLE) of a launch: varlen where `configs.varlen_bwd_order` takes the work table, its grid
+    and rows; else the given grid and a placeholder pointer."""
     from .. import configs
 
+    order = configs.varlen_bwd_order(causal) if cu_seqlens_q is not None else "grid"
+    if order == "grid":
+        return grid, cu_seqlens_q if cu_seqlens_q is not None else q, False
     heads = k.shape[-2] if kernel == "dkdv" else q.shape[-2]
     total = k.shape[0] if kernel == "dkdv" else q.shape[0]
-    table = cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal,
-                              configs.varlen_bwd_longest_first(causal), total)
+    table = cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, order == "largest_first", total)
     return (table.shape[0],), table, True
 
 
@@ -605,7 +600,7 @@ def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
-                     kernel: str = "dkdv", varlen: bool = False):
+                     kernel: str = "dkdv", varlen: bool = False, with_table: bool = True):
     """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon.compile_for_sm90`): for tests
     and `ptxas -v`."""
     from triton.backends.compiler import GPUTarget
@@ -615,7 +610,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
     rows_t = torch.empty(4, 1024, dtype=torch.float32)
     _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256)
-    meta["WORK_TABLE"] = varlen and WORK_TABLE
+    meta["WORK_TABLE"] = varlen and with_table  # varlen: programs from the work table, or the grid
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
     fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
