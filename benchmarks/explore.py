@@ -344,10 +344,21 @@ VARLEN_BWD_GLUON = {
 VARLEN_BWD_ORDERS = ["grid", "as_given", "largest_first", "grid_table"]
 
 
+_GRID_TABLES: dict = {}
+
+
 def _grid_work_table(cu_q, cu_k, heads, kernel, causal, longest_first, total):
     """A `backward_gluon.work_table` with a row for every program of the grid (blocks of the longest sequence ×
     heads × sequences, blocks fastest), empty ones included (their kernels return on start >= the sequence's
-    length), in the grid's order (dQ causal: the last blocks first)."""
+    length), in the grid's order (dQ causal: the last blocks first). Built at the first (eager) call, reused in
+    CUDA graph captures (it reads the longest length on the host)."""
+    key = (id(cu_q), id(cu_k), heads, kernel, causal)
+    if key not in _GRID_TABLES:
+        _GRID_TABLES[key] = _build_grid_work_table(cu_q, cu_k, heads, kernel, causal)
+    return _GRID_TABLES[key]
+
+
+def _build_grid_work_table(cu_q, cu_k, heads, kernel, causal):
     cu_q, cu_k = cu_q.long(), cu_k.long()
     len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     n_blocks = triton.cdiv(int((len_k if kernel == "dkdv" else len_q).max()), 128)
@@ -498,63 +509,6 @@ def sweep_bwd_kernels(opts):
             print(f"bwd_kernels D={D} causal={int(causal)} T={T} {r['variant']}: total "
                   f"{sum(r['kernels_us'].values()):.0f} us |" + " |".join(
                       f" {n} {t:.0f}" for n, t in sorted(r["kernels_us"].items(), key=lambda x: -x[1])), flush=True)
-    return rows
-
-
-ROTATE_POINTS = [(128, False, 2048), (128, False, 8192), (128, True, 2048), (128, True, 8192), (64, False, 8192),
-                 (64, True, 8192), (128, False, 1024)]
-
-
-def sweep_bwd_rotate(opts):
-    """The Gluon backward kernels with and without ROTATE (each program of a head starts its loop at its own tile,
-    backward_gluon._rotated), forced on at both kernels: per-kernel GPU time (profiler) and the whole backward in a
-    CUDA graph, on dense standard-sweep shapes (fp16) and on the varlen suite's batch (grid and work table), with
-    the gradients' largest difference to the unrotated ones (only the order of the sums changes)."""
-    from flashtriton.bench_core import varlen_flops
-
-    real_config, real_order = configs.gluon_bwd_config, dict(configs.VARLEN_BWD_ORDER)
-    rows = []
-
-    def variants(D, causal, run):
-        base = real_config(D, 4096, 4096, causal)
-        ref = None
-        for rotate in (False, True):
-            config = {kern: dict(c, ROTATE=rotate) for kern, c in base.items()}
-            configs.gluon_bwd_config = lambda *a, c=config: c
-            try:
-                got = run()
-                ref = got if ref is None else ref
-                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
-                yield rotate, err, kernel_times(run), bench_graph(run)
-            finally:
-                configs.gluon_bwd_config = real_config
-
-    for D, causal, T in ROTATE_POINTS:
-        q, k, v, out, lse, do, flops = bwd_inputs(T, D, causal)
-        for rotate, err, times, ms in variants(D, causal, lambda: B.attention_backward(do, q, k, v, out, lse,
-                                                                                        D ** -0.5, causal)):
-            rows.append(dict(D=D, causal=causal, T=T, rotate=rotate, err=err, kernels_us=times, ms_graph=ms,
-                             tflops=flops / ms / 1e9))
-        del q, k, v, out, lse, do
-    q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
-    lens = (cu[1:] - cu[:-1]).tolist()
-    for causal in (False, True):
-        out, lse = F.attention_forward(q, k, v, 128 ** -0.5, causal, True, cu, cu, mx, mx)
-        do = torch.randn_like(q)
-        flops = varlen_flops(lens, 16, 128, causal, "bwd")
-        for order in ("grid", "largest_first"):
-            configs.VARLEN_BWD_ORDER[causal] = order
-            try:
-                for rotate, err, times, ms in variants(128, causal, lambda: B.attention_backward(
-                        do, q, k, v, out, lse, 128 ** -0.5, causal, True, cu, cu, mx, mx, zero_fill=False)):
-                    rows.append(dict(D=128, causal=causal, T=f"varlen_{order}", rotate=rotate, err=err,
-                                     kernels_us=times, ms_graph=ms, tflops=flops / ms / 1e9))
-            finally:
-                configs.VARLEN_BWD_ORDER.update(real_order)
-    for r in rows:
-        print(f"bwd_rotate D={r['D']} causal={int(r['causal'])} T={r['T']} rotate={int(r['rotate'])}: graph "
-              f"{r['ms_graph']:.3f} ms {r['tflops']:.0f} TFLOP/s err {r['err']:.1e} |" + " |".join(
-                  f" {n} {t:.0f}" for n, t in sorted(r["kernels_us"].items(), key=lambda x: -x[1])), flush=True)
     return rows
 
 
@@ -1057,7 +1011,7 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd", "bwd_kernels", "bwd_host", "varlen_bwd", "bwd_rotate"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd", "bwd_kernels", "bwd_host", "varlen_bwd"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--head-dims", type=lambda x: [int(d) for d in x.split(",")], default=[128, 64],
@@ -1071,7 +1025,7 @@ def main():
     t0 = time.time()
     sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
               "varlen": sweep_varlen, "gluon": sweep_gluon, "gluon_bwd": sweep_gluon_bwd, "bwd_kernels": sweep_bwd_kernels, "bwd_host": sweep_bwd_host,
-              "varlen_bwd": sweep_varlen_bwd, "bwd_rotate": sweep_bwd_rotate}
+              "varlen_bwd": sweep_varlen_bwd}
     rows = sweeps[opts.sweep](opts)
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=__import__("triton").__version__,

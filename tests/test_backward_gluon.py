@@ -71,7 +71,6 @@ CONFIGS = {
     "dQ by 64-key tiles, 2 stages": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                                      "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
     "dK/dV 3 stages, Triton dQ": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": None},
-    "rotated loops": {kernel: dict(c, ROTATE=True) for kernel, c in _DEFAULT.items()},
 }
 
 
@@ -225,8 +224,7 @@ def test_dispatch_takes_the_gluon_kernels_for_large_problems_only(device, monkey
 
 
 @hopper_only
-@pytest.mark.parametrize("order", ["dispatch", "as_given", "largest_first", "grid", "grid rotated",
-                                   "largest_first rotated"])
+@pytest.mark.parametrize("order", ["dispatch", "as_given", "largest_first", "grid"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
@@ -235,9 +233,8 @@ def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     table in either order, and from the grid over the longest sequence's blocks."""
     from test_varlen import pack
 
-    rotate = order.endswith(" rotated")
     if order != "dispatch":
-        monkeypatch.setitem(configs.VARLEN_BWD_ORDER, causal, order.split()[0])
+        monkeypatch.setitem(configs.VARLEN_BWD_ORDER, causal, order)
 
     lengths_q, lengths_k = [5, 0, 1, 200, 33, 130, 64], [9, 4, 1, 150, 20, 0, 64]
     gen = torch.Generator().manual_seed(11)
@@ -248,7 +245,6 @@ def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     dout, _ = pack(lengths_q, 4, head_dim, dtype, device, gen)
     config = _DEFAULT if head_dim == 128 else {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                                                "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
-    config = {kernel: dict(c, ROTATE=rotate) for kernel, c in config.items()}
     monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
     ran = record_gluon_launches(monkeypatch)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]

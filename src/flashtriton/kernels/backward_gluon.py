@@ -82,18 +82,6 @@ def _work_item(WORK):
 
 
 @gluon.jit
-def _rotated(i, n, block, n_blocks, ROTATE: gl.constexpr):
-    """Step i of a program's loop over n tiles: tile i, or with ROTATE tile (i + r) mod n, where program `block`
-    (of n_blocks sharing the tiles: the key blocks of a head for dK/dV, its query blocks for dQ) starts at
-    r = block · n / n_blocks, so that the programs of a head do not all read the same tile at the same time."""
-    if ROTATE:
-        j = i + block * n // gl.maximum(n_blocks, 1)
-        return gl.where(j >= n, j - n, j)
-    else:
-        return i
-
-
-@gluon.jit
 def _store_rows(base, stride_n, first, n_valid, vals, layout: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Varlen epilogue: rows first + i (i < n_valid) of a packed (total, H, D) tensor, from registers; `base`
     points at (token 0, this head). A TMA store would also write the rows past the sequence, the next one's."""
@@ -105,7 +93,7 @@ def _store_rows(base, stride_n, first, n_valid, vals, layout: gl.constexpr, HEAD
 
 @gluon.jit
 def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl.constexpr,
-              NUM_STAGES: gl.constexpr, ROTATE: gl.constexpr):
+              NUM_STAGES: gl.constexpr):
     """K/V of the program's keys once, then for each (query head g of the group, query tile) its Q, dO, lse and
     delta into stage it % NUM_STAGES, once both consumers released the tile it held."""
     (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
@@ -119,7 +107,7 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
     TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes + 2 * desc_lse.block_type.nbytes  # Q, dO, lse, delta
     for it in range(n_iters):
         g = it // n_m
-        m = lo + _rotated(it - g * n_m, n_m, start_n // KEYS, gl.cdiv(seqlen_k, KEYS), ROTATE) * BLOCK_M
+        m = lo + (it - g * n_m) * BLOCK_M
         off_h = off_hk * group_size + g
         stage = it % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1, pred=it >= NUM_STAGES)
@@ -134,7 +122,7 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 @gluon.jit
 def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-              NUM_STAGES: gl.constexpr, ROTATE: gl.constexpr):
+              NUM_STAGES: gl.constexpr):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
      stride_dkn, stride_dkh, stride_dvn, stride_dvh) = shared
@@ -156,7 +144,7 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
     mbarrier.wait(kv_ready, 0)
     for it in range(n_iters):
         g = it // n_m
-        m = lo + _rotated(it - g * n_m, n_m, start_n // KEYS, gl.cdiv(seqlen_k, KEYS), ROTATE) * BLOCK_M
+        m = lo + (it - g * n_m) * BLOCK_M
         stage = it % NUM_STAGES
         mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
         q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
@@ -208,7 +196,6 @@ def _attn_bwd_dkdv_gluon(
     HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
-    ROTATE: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 128), Hkv, B) (varlen: Sk the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`: only the (sequence, head, key block)s that exist, in the table's order).
@@ -267,16 +254,16 @@ def _attn_bwd_dkdv_gluon(
     scales = (causal_offset, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     gl.warp_specialize([
         (_producer, (producer_args, place, seq, group_size, gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD),
-                     IS_VARLEN, NUM_STAGES, ROTATE)),
+                     IS_VARLEN, NUM_STAGES)),
         (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], gl.constexpr(0), IS_CAUSAL,
-                     IS_VARLEN, HEAD_DIM, NUM_STAGES, ROTATE)),
+                     IS_VARLEN, HEAD_DIM, NUM_STAGES)),
         (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], gl.constexpr(1), IS_CAUSAL,
-                     IS_VARLEN, HEAD_DIM, NUM_STAGES, ROTATE)),
+                     IS_VARLEN, HEAD_DIM, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 @gluon.jit
-def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.constexpr, ROTATE: gl.constexpr):
+def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Q and dO of the program's rows once (one 64-row block per consumer), then its K/V tiles into the ring, tile j
     into stage j % NUM_STAGES once both consumers released the tile it held."""
     (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty) = shared
@@ -291,15 +278,14 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
         stage = j % NUM_STAGES
         mbarrier.wait(kv_empty.index(stage), ((j // NUM_STAGES) & 1) ^ 1, pred=j >= NUM_STAGES)
         mbarrier.expect(kv_ready.index(stage), 2 * desc_k.block_type.nbytes)
-        n = _rotated(j, n_tiles, start_m // KEYS, gl.cdiv(seqlen_q, KEYS), ROTATE) * BLOCK_N
-        _tma_load(desc_k, IS_VARLEN, off_b, k_start + n, off_hk, kv_ready.index(stage), k_bufs.index(stage))
-        _tma_load(desc_v, IS_VARLEN, off_b, k_start + n, off_hk, kv_ready.index(stage), v_bufs.index(stage))
+        _tma_load(desc_k, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), k_bufs.index(stage))
+        _tma_load(desc_v, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), v_bufs.index(stage))
 
 
 @gluon.jit
 def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, ROTATE: gl.constexpr):
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store."""
     (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh) = shared
     off_b, off_h, off_hk, start_m, n_tiles = place
@@ -325,7 +311,7 @@ def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse
     for j in range(n_tiles):
         stage = j % NUM_STAGES
         mbarrier.wait(kv_ready.index(stage), (j // NUM_STAGES) & 1)
-        n = _rotated(j, n_tiles, start_m // KEYS, gl.cdiv(seqlen_q, KEYS), ROTATE) * BLOCK_N
+        n = j * BLOCK_N
         if IS_CAUSAL and n > row0 + (ROWS - 1) + causal_offset:
             # No row of this warpgroup sees a key of the tile (the first warpgroup's last tile): nothing to add.
             mbarrier.arrive(kv_empty.index(stage), count=1)
@@ -368,7 +354,6 @@ def _attn_bwd_dq_gluon(
     qk_scale, stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
-    ROTATE: gl.constexpr,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
@@ -428,11 +413,11 @@ def _attn_bwd_dq_gluon(
     lse_ptr = LSE + rows_base
     delta_ptr = DELTA + rows_base
     gl.warp_specialize([
-        (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES, ROTATE)),
+        (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr,
-                        gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, ROTATE)),
+                        gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr,
-                        gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, ROTATE)),
+                        gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -497,7 +482,7 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         grid = (triton.cdiv(seqlen_q, KEYS.value), heads_q, batch)
     ints = (heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k, pad)
     meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
-                HEAD_DIM=head_dim, num_warps=4, WORK_TABLE=False, **{"ROTATE": False, **config})
+                HEAD_DIM=head_dim, num_warps=4, WORK_TABLE=False, **config)
     return grid, ints, meta
 
 
