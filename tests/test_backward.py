@@ -68,6 +68,24 @@ def check_backward(q, k, v, dout, causal, softmax_scale=None):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_broadcast_inputs(causal, device):
+    """k / v with stride-0 (expanded) batch and head dimensions: the gradient reaches the tensor they were expanded
+    from, summed over the broadcast, as torch's own autograd through expand gives it."""
+    q, k, v, dout = make_qkv(2, 150, 130, 4, 1, 128, torch.float16, device, seed=3)
+
+    def grads_through_expand(fn, dtype):
+        base = [t[:1].detach().to(dtype).requires_grad_() for t in (k, v)]
+        fn(q.to(dtype), *(t.expand(2, -1, 4, -1) for t in base)).backward(dout.to(dtype))
+        return [t.grad for t in base]
+
+    ours = grads_through_expand(lambda a, b, c: flashtriton.flash_attn_func(a, b, c, causal=causal), q.dtype)
+    theirs = grads_through_expand(lambda a, b, c: torch_attention(a, b, c, None, causal), q.dtype)
+    exact = grads_through_expand(lambda a, b, c: attention_reference(a, b, c, None, causal), torch.float64)
+    for name, g, t, e in zip(("dk", "dv"), ours, theirs, exact):
+        assert_close_to_exact(g, t, e, q.dtype, name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen", [1, 17, 64])
 def test_sequence_lengths(seqlen, causal, device):
     check_backward(*make_qkv(2, seqlen, seqlen, 2, 2, 64, torch.float16, device), causal)

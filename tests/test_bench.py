@@ -73,7 +73,10 @@ def test_padding_fraction_math():
     assert stats["token_padding_frac"] == pytest.approx(1 - 6 / 8)
     assert stats["flop_padding_frac"] == pytest.approx(1 - 20 / 32)
     assert stats["ideal_speedup"] == pytest.approx(32 / 20)
+    # the serving issue's bar: time saved >= the FLOP padding fraction (0.375 here) minus 10 points
+    assert stats["target_speedup"] == pytest.approx(1 / (1 - 0.275))
     assert C.padding_stats([7, 7, 7])["flop_padding_frac"] == 0.0
+    assert C.padding_stats([7, 7, 7])["target_speedup"] == 1.0
     with pytest.raises(ValueError):
         C.padding_stats([])
     lens = S.varlen_seqlens(64, 4096, seed=0)

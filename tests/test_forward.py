@@ -82,6 +82,20 @@ def test_packed_qkv_slices_need_no_copy(device):
     check_forward(q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_broadcast_inputs(head_dim, causal, device):
+    """Stride-0 (expanded) dimensions, as a batch-shared prompt or heads shared by expand give: read as they are
+    (not copied), by the portable kernels (TMA descriptors are not given broadcast dimensions)."""
+    from flashtriton.kernels.common import tma_layout_ok
+
+    q, k, v = make_qkv(3, 200, 150, 4, 1, head_dim, torch.float16, device, seed=2)
+    k, v = (t[:1].expand(3, -1, 4, -1) for t in (k, v))  # one sequence and one head, broadcast
+    assert k.stride(0) == 0 and k.stride(2) == 0
+    assert not tma_layout_ok(q.device, q.dtype, (k.shape, k.stride()))
+    check_forward(q, k, v, causal)
+
+
 def test_non_contiguous_last_dim_is_accepted(device):
     q, k, v = make_qkv(1, 20, 20, 2, 2, 32, torch.float16, device)
     q_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, last-dim stride != 1

@@ -432,8 +432,7 @@ def attention_backward(
     block_d = configs.padded_head_dim(head_dim)
     gluon_config = None
     if (config is None and backward_gluon is not None and configs.USE_GLUON and configs.USE_GLUON_BWD
-            and tma_ok(q, k, v, dout, dq, dk, dv)
-            and all(st > 0 for t in (q, k, v, dout) for st in t.stride())):  # no broadcast (stride-0) dims
+            and tma_ok(q, k, v, dout, dq, dk, dv)):  # (no broadcast, stride-0, dimension among them)
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
         gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)

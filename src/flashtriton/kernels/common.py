@@ -137,7 +137,8 @@ def tma_tile(desc, off_b, row, off_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexp
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the Hopper TMA kernels take these tensors: on by default (FLASHTRITON_TMA=0 turns it off), on
     sm_90, fp16/bf16, a head dim in `configs.TMA_HEAD_DIMS`, base addresses and strides 16-byte aligned (TMA's
-    rules), nothing empty. Off under the interpreter unless a test calls the TMA launchers directly."""
+    rules), nothing empty, no broadcast (stride-0) dimension. Off under the interpreter unless a test calls the TMA
+    launchers directly."""
     t0 = tensors[0]
     if not tma_layout_ok(t0.device, t0.dtype, *((t.shape, t.stride()) for t in tensors)):
         return False
@@ -151,7 +152,8 @@ def tma_layout_ok(device: torch.device, dtype: torch.dtype, *shapes_and_strides)
         return False
     size = dtype.itemsize
     for shape, strides in shapes_and_strides:
-        if shape[-1] not in configs.TMA_HEAD_DIMS or min(shape) == 0 or any(st * size % 16 for st in strides[:-1]):
+        if (shape[-1] not in configs.TMA_HEAD_DIMS or min(shape) == 0 or any(st * size % 16 for st in strides[:-1])
+                or 0 in strides):  # a broadcast (expanded) dimension: the portable kernels read it as it is
             return False
     return True
 
