@@ -59,7 +59,10 @@ TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128
                       # the tutorial's Hopper space, not swept before (it reaches 521 at T=1024, these tiles 450):
                       (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 4), (64, 64, 4, 4)],
                64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
-                    (128, 128, 4, 3)]}
+                    (128, 128, 4, 3),
+                    # not swept before session 10: 128-key and 32-key tiles under 64 rows, 8 warps on 64 rows
+                    (64, 128, 4, 3), (64, 128, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3), (64, 64, 8, 3),
+                    (64, 128, 8, 3)]}
 
 _GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, DYNAMIC=False)
 GLUON_VARLEN = {"q2_static": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False),
@@ -614,14 +617,16 @@ def sweep_tma(opts):
     """Hopper TMA forward (each config) against the portable kernel's default and cuDNN, same run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    jobs = [("tma", (D, dt, c, x)) for D in (128, 64) for dt in ("fp16", "bf16") for c in (False, True)
-            for x in TMA_CONFIGS[D]]
+    head_dims, dtypes = opts.head_dims, opts.dtypes.split(",")
+    causals = [bool(int(c)) for c in opts.causal.split(",")]
+    seqlens = opts.seqlens or FWD_SEQLENS
+    jobs = [("tma", (D, dt, c, x)) for D in head_dims for dt in dtypes for c in causals for x in TMA_CONFIGS[D]]
     precompile(jobs, opts.jobs)
     rows = []
-    for D in (128, 64):
-        for dt in ("fp16", "bf16"):
-            for causal in (False, True):
-                for T in FWD_SEQLENS:
+    for D in head_dims:
+        for dt in dtypes:
+            for causal in causals:
+                for T in seqlens:
                     q, k, v = fwd_inputs(T, D, DTYPE[dt])
                     flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
                     ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal)
@@ -1015,7 +1020,11 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--head-dims", type=lambda x: [int(d) for d in x.split(",")], default=[128, 64],
-                    help="gluon: head dims to sweep")
+                    help="gluon, tma: head dims to sweep")
+    ap.add_argument("--dtypes", default="fp16,bf16", help="tma: dtypes to sweep")
+    ap.add_argument("--causal", default="0,1", help="tma: causal modes to sweep (0,1)")
+    ap.add_argument("--seqlens", type=lambda x: [int(t) for t in x.split(",")], default=None,
+                    help="tma: sequence lengths (default FWD_SEQLENS)")
     ap.add_argument("--fwd-only", action="store_true", help="varlen: the forward kernels only")
     ap.add_argument("--decode-points", default="", help="decode: BxS points instead of the default, e.g. 1x1024,64x1024")
     opts = ap.parse_args()
