@@ -45,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
-from .forward_gluon import _sequence, _tma_load, _tma_store, descriptor, wgmma_layout
-from .launch import launch
+from .forward_gluon import _FAST_DESCRIPTOR, _sequence, _tma_load, _tma_store, descriptor, wgmma_layout
+from .launch import hooks_installed, launch, launch_and_keep
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
 BLOCK_M = gl.constexpr(64)  # query rows per streamed tile
@@ -430,9 +430,15 @@ def _row_layout():
 
 
 def row_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """Descriptor of a contiguous fp32 lse / delta buffer as one flat row, in blocks of BLOCK_M values."""
+    """Descriptor of a contiguous fp32 lse / delta buffer (a fresh allocation: aligned) as one flat row, in blocks
+    of BLOCK_M values; built without TensorDescriptor's re-checks where its fields allow (`descriptor`)."""
     flat = t.view(-1)
-    return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value], _row_layout())
+    if not _FAST_DESCRIPTOR:
+        return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value], _row_layout())
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = \
+        flat, [flat.numel()], [1], [BLOCK_M.value], _row_layout(), "zero"
+    return desc
 
 
 def padded_seqlen(seqlen_q: int) -> int:
@@ -550,17 +556,57 @@ def cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest
 
 
 def _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid):
-    """(grid, WORK, WORK_TABLE) of a launch: varlen where `configs.varlen_bwd_order` takes the work table, its grid
-    and rows; else the given grid and a placeholder pointer."""
+    """(grid, WORK, WORK_TABLE) of a varlen launch: where `configs.varlen_bwd_order` takes the work table, its
+    grid and rows; else the given grid and a placeholder pointer."""
     from .. import configs
 
-    order = configs.varlen_bwd_order(causal) if cu_seqlens_q is not None else "grid"
+    order = configs.varlen_bwd_order(causal)
     if order == "grid":
-        return grid, cu_seqlens_q if cu_seqlens_q is not None else q, False
+        return grid, cu_seqlens_q, False
     heads = k.shape[-2] if kernel == "dkdv" else q.shape[-2]
     total = k.shape[0] if kernel == "dkdv" else q.shape[0]
     table = cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, order == "largest_first", total)
     return (table.shape[0],), table, True
+
+
+class _DensePlan:
+    """A dense launch's grid, int arguments and constexprs for one call shape, and the compiled kernel once it ran
+    (`launch.Relaunch`): the pointers of a dense Gluon backward launch are all 16-byte aligned (`common.tma_ok`, fresh
+    buffers) and its int arguments are not specialized on, so the kernel compiled at a shape's first call serves
+    every later one, without `launch`'s key over ~25 arguments."""
+
+    __slots__ = ("grid", "ints", "meta", "relaunch")
+
+    def __init__(self, grid, ints, meta):
+        self.grid, self.ints, self.meta, self.relaunch = grid, ints, meta, None
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_plan(kernel, q_shape, k_shape, dtype, device, causal, causal_bottom_right, config_items) -> _DensePlan:
+    return _DensePlan(*launch_parts(q_shape, k_shape, causal, causal_bottom_right, dict(config_items), kernel))
+
+
+def _launch_parts_for(kernel, q, k, causal, causal_bottom_right, config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k):
+    """(grid, ints, meta, WORK, plan) of a launch: dense from its `_DensePlan` (WORK a placeholder), varlen from
+    `launch_parts` and `_varlen_work` (plan None)."""
+    if cu_seqlens_q is None:
+        plan = _dense_plan(kernel, tuple(q.shape), tuple(k.shape), q.dtype, q.device, bool(causal),
+                           bool(causal_bottom_right), tuple(sorted(config.items())))
+        return plan.grid, plan.ints, plan.meta, q, plan
+    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, kernel,
+                                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+    grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid)
+    return grid, ints, meta, work, None
+
+
+def _launch(fn, plan, grid, args, meta) -> None:
+    if plan is None:
+        launch(fn, grid, args, meta)
+    elif plan.relaunch is not None and not hooks_installed():
+        plan.relaunch(grid, args)
+    else:
+        plan.relaunch = launch_and_keep(fn, grid, args, meta)
 
 
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
@@ -570,33 +616,29 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
     (Hq, `padded_rows`, sequences at `_lse_rows`), cu_seqlens int32 (B + 1,); as `backward.preprocess(padded=True)`
     writes them. Inputs that pass `common.tma_ok`, D 64 or 128, Sq, Sk > 0; dk / dv with a contiguous last dim."""
     varlen = cu_seqlens_q is not None
-    batch = cu_seqlens_q.numel() - 1 if varlen else None
-    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, "dkdv", batch,
-                                    max_seqlen_q, max_seqlen_k)
-    grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, "dkdv", grid)
+    grid, ints, meta, work, plan = _launch_parts_for("dkdv", q, k, causal, causal_bottom_right, config, cu_seqlens_q,
+                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     rows = ROWS.value
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
     args = (descriptor(q, rows, varlen), descriptor(k, rows, varlen), descriptor(v, rows, varlen),
             descriptor(dout, rows, varlen), descriptor(dk, rows, varlen), descriptor(dv, rows, varlen),
             row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, work, softmax_scale,
             softmax_scale * LOG2E, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
-    launch(_attn_bwd_dkdv_gluon, grid, args, meta)
+    _launch(_attn_bwd_dkdv_gluon, plan, grid, args, meta)
 
 
 def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right, config,
                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """dQ (times the softmax scale) into dq (like q); the inputs as `launch_dkdv_gluon`'s."""
     varlen = cu_seqlens_q is not None
-    batch = cu_seqlens_q.numel() - 1 if varlen else None
-    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, "dq", batch,
-                                    max_seqlen_q, max_seqlen_k)
-    grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, "dq", grid)
+    grid, ints, meta, work, plan = _launch_parts_for("dq", q, k, causal, causal_bottom_right, config, cu_seqlens_q,
+                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     rows, block_n = ROWS.value, config["BLOCK_N"]
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
     args = (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
             descriptor(dout, rows, varlen), descriptor(dq, rows, varlen), lse_pad, delta_pad, dq, cu_q, cu_k, work,
             softmax_scale, softmax_scale * LOG2E, dq.stride(-3), dq.stride(-2), *ints)
-    launch(_attn_bwd_dq_gluon, grid, args, meta)
+    _launch(_attn_bwd_dq_gluon, plan, grid, args, meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
