@@ -302,6 +302,16 @@ def test_work_table(kernel, causal, longest_first, device):
         assert [r[1] for r in mine] == sorted(r[1] for r in mine)
 
 
+def test_work_table_without_sequences(device):
+    """cu_seqlens of an empty batch over packed rows that belong to no sequence: no program at all."""
+    cu = torch.zeros(1, dtype=torch.int32, device=device)
+    for kernel in ("dkdv", "dq"):
+        assert BG.work_table(cu, cu, 4, kernel, True, True, 1000).shape == (0, 8)
+    empty = torch.zeros(3, dtype=torch.int32, device=device)  # two sequences of length 0: padding rows only
+    table = BG.work_table(empty, empty, 4, "dq", False, False, 300).cpu()
+    assert table.shape == (4 * (300 // 128 + 2), 8) and torch.all(table[:, 0] == -1)
+
+
 def test_work_table_cache(device):
     cu = torch.tensor([0, 100, 400], dtype=torch.int32, device=device)
     args = (3, "dkdv", True, True, 400)
@@ -311,6 +321,22 @@ def test_work_table_cache(device):
     again = BG.cached_work_table(cu, cu, *args)
     assert again is not first and torch.equal(again.cpu(), BG.work_table(cu, cu, *args).cpu())
     assert not torch.equal(again.cpu(), first.cpu())
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_backward_varlen_without_sequences(causal, device, monkeypatch):
+    """cu_seqlens of an empty batch over 300 packed rows (a max_seqlen above 0 passed anyway): no program runs, every
+    gradient row is 0 (these rows belong to no sequence)."""
+    q, k, v = (torch.randn(300, 2, 128, dtype=torch.float16, device=device) for _ in range(3))
+    cu = torch.zeros(1, dtype=torch.int32, device=device)
+    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: _DEFAULT)
+    ran = record_gluon_launches(monkeypatch)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flashtriton.flash_attn_varlen_func(*leaves, cu, cu, 8, 8, causal=causal)
+    out.backward(torch.randn_like(out))
+    assert ran == ["launch_dkdv_gluon", "launch_dq_gluon"]
+    assert all(torch.all(t.grad == 0) for t in leaves)
 
 
 def test_shared_memory_estimate_and_limit():

@@ -507,6 +507,8 @@ def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: in
     batch = cu_seqlens_q.numel() - 1
     keys = KEYS.value
     dev = cu_seqlens_q.device
+    if batch == 0:  # no sequences: no program (a launch of an empty grid does nothing)
+        return torch.empty(0, 8, dtype=torch.int32, device=dev)
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
     len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]  # (B,)
     blocks = ((len_k if kernel == "dkdv" else len_q) + keys - 1) // keys  # per (sequence, head)
