@@ -144,7 +144,16 @@ def test_launch_parts_and_padding():
     assert [BG.padded_seqlen(n) for n in (1, 128, 129)] == [128, 128, 256]
     assert BG.padded_rows(129, False) == 256 and BG.padded_rows(129, True, 3) == 4 * (33 + 3) + 128
     rows = BG.row_descriptor(torch.empty(2, 3, 128))
-    assert rows.shape == [2 * 3 * 128] and rows.block_shape == [64]
+    assert rows.shape == [2 * 3 * 128] and rows.block_shape == [64] and rows.strides == [1]
+    assert rows.padding == "zero" and rows.layout == BG._row_layout()
+    # dense launches: one plan per call shape (dtype, device, config), with launch_parts' grid, ints and constexprs
+    args = ("dkdv", (3, 1000, 16, 128), (3, 700, 4, 128), torch.float16, torch.device("cpu"), True, False,
+            tuple(sorted(dkdv.items())))
+    plan = BG._dense_plan(*args)
+    assert BG._dense_plan(*args) is plan and plan.relaunch is None
+    assert (plan.grid, plan.ints, plan.meta) == BG.launch_parts((3, 1000, 16, 128), (3, 700, 4, 128), True, False, dkdv)
+    assert plan.meta["WORK_TABLE"] is False
+    assert BG._dense_plan(*args[:3], torch.bfloat16, *args[4:]) is not plan
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
