@@ -166,20 +166,27 @@ def check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tens
     written since (torch's version counter; inference tensors have none and are always copied), with the same
     totals and maxima. A model's layers share one batch's cu_seqlens, and its backward the forward's."""
     key = (id(cu_seqlens_q), id(cu_seqlens_k), total_q, total_k, max_seqlen_q, max_seqlen_k)
-    stamp = _stamp(cu_seqlens_q, cu_seqlens_k)
-    seen = _CHECKED_CU_SEQLENS.get(key)
-    if stamp is not None and seen is not None and seen[0] == stamp and seen[1]() is cu_seqlens_q \
-            and seen[2]() is cu_seqlens_k:
-        return seen[3]
-    covers = _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
-    if stamp is not None:
-        if len(_CHECKED_CU_SEQLENS) >= 64:
-            _CHECKED_CU_SEQLENS.clear()
-        _CHECKED_CU_SEQLENS[key] = (stamp, weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), covers)
-    return covers
+    return remembered(_CHECKED_CU_SEQLENS, key, (cu_seqlens_q, cu_seqlens_k), lambda: _check_cu_seqlens_values(
+        cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k))
 
 
 _CHECKED_CU_SEQLENS: dict = {}  # (ids, totals, maxima) -> (stamp, weakrefs to the two tensors, result)
+
+
+def remembered(cache: dict, key, tensors: tuple, build, keep: bool = True):
+    """build(), or what it returned for `key` before while `tensors` are the same objects, not written since
+    (`_stamp`). Kept in `cache` (at most 64 entries) unless `keep` is False or the tensors have no stamp."""
+    stamp = _stamp(*tensors)
+    seen = cache.get(key)
+    if stamp is not None and seen is not None and seen[0] == stamp and all(
+            ref() is t for ref, t in zip(seen[1], tensors)):
+        return seen[2]
+    value = build()
+    if stamp is not None and keep:
+        if len(cache) >= 64:
+            cache.clear()
+        cache[key] = (stamp, tuple(weakref.ref(t) for t in tensors), value)
+    return value
 
 
 def _stamp(*tensors: torch.Tensor):

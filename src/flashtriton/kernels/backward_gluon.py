@@ -34,7 +34,6 @@ D 64 or 128, fp16/bf16; sm_90. `backward.attention_backward` launches these wher
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import triton
@@ -44,6 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .. import configs
+from ..validation import remembered
 from .common import LOG2E
 from .forward_gluon import _FAST_DESCRIPTOR, _sequence, _tma_load, _tma_store, descriptor, wgmma_layout
 from .launch import hooks_installed, launch, launch_and_keep
@@ -516,7 +517,8 @@ def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: in
         order = torch.argsort(len_q * len_k, descending=True, stable=True)
     else:
         order = torch.arange(batch, device=dev)
-    per_seq = blocks[order] * heads
+    blocks = blocks[order]  # per ordered sequence
+    per_seq = blocks * heads
     ends = torch.cumsum(per_seq, 0)  # (B,) programs up to and including each (ordered) sequence
     rows = heads * (total // keys + batch)
     pid = torch.arange(rows, device=dev)
@@ -524,7 +526,7 @@ def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: in
     valid = j < batch
     j = j.clamp(max=max(batch - 1, 0))
     r = pid - (ends[j] - per_seq[j])  # the program's index within its sequence
-    nb = blocks[order][j].clamp(min=1)
+    nb = blocks[j].clamp(min=1)
     head, block = r // nb, r % nb
     if kernel == "dq" and causal:
         block = nb - 1 - block
@@ -540,28 +542,16 @@ _WORK_TABLES: dict = {}  # (ids, heads, kernel, causal, order, total) -> (stamp,
 
 def cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total) -> torch.Tensor:
     """`work_table`, reused while the same cu_seqlens tensors are unchanged (as `validation.check_cu_seqlens_values`
-    reuses its check): a model's layers share one batch's tables. Not cached while a CUDA graph is captured."""
-    from ..validation import _stamp
-
+    reuses its check): a model's layers share one batch's tables. Not kept while a CUDA graph is captured."""
     key = (id(cu_seqlens_q), id(cu_seqlens_k), heads, kernel, bool(causal), bool(longest_first), total)
-    stamp = _stamp(cu_seqlens_q, cu_seqlens_k)
-    seen = _WORK_TABLES.get(key)
-    if stamp is not None and seen is not None and seen[0] == stamp and seen[1]() is cu_seqlens_q \
-            and seen[2]() is cu_seqlens_k:
-        return seen[3]
-    table = work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total)
-    if stamp is not None and not (table.is_cuda and torch.cuda.is_current_stream_capturing()):
-        if len(_WORK_TABLES) >= 64:
-            _WORK_TABLES.clear()
-        _WORK_TABLES[key] = (stamp, weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), table)
-    return table
+    capturing = cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()
+    return remembered(_WORK_TABLES, key, (cu_seqlens_q, cu_seqlens_k), lambda: work_table(
+        cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total), keep=not capturing)
 
 
 def _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid):
     """(grid, WORK, WORK_TABLE) of a varlen launch: where `configs.varlen_bwd_order` takes the work table, its
     grid and rows; else the given grid and a placeholder pointer."""
-    from .. import configs
-
     order = configs.varlen_bwd_order(causal)
     if order == "grid":
         return grid, cu_seqlens_q, False
