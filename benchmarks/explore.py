@@ -921,6 +921,53 @@ def sweep_decode(opts):
     return rows
 
 
+def sweep_decode_schedule(opts):
+    """The decode API under each schedule (`configs.DECODE_SCHEDULE`: the split grid, the stream schedule forced,
+    and auto) beside cuDNN, eager and in CUDA graphs, every point measured in ROUNDS interleaved rounds (the
+    machine's run-to-run spread is the size of the effect); plus a ragged batch (lengths uniform in 1 .. S) where
+    the cache's capacity, not the lengths, sizes the launch."""
+    import flashtriton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    rounds = 2
+    for Bsz, S in DECODE_POINTS:
+        q, kc, vc, seqlens = _decode_inputs(Bsz, S)
+        kv_bytes = 2 * Bsz * S * 8 * 128 * 2
+        ragged = torch.randint(1, S + 1, (Bsz,), device=DEV, dtype=torch.int32, generator=torch.Generator(
+            device=DEV).manual_seed(1)) if Bsz > 1 else seqlens
+        ragged_bytes = 2 * int(ragged.sum()) * 8 * 128 * 2
+        qb, kb, vb = q.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+        with torch.no_grad():
+            ref = flashtriton.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens).float()
+        for r in range(rounds):
+            for schedule in ("grid", "stream", "auto"):
+                configs.DECODE_SCHEDULE = schedule
+
+                def api():
+                    return flashtriton.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+
+                def api_ragged():
+                    return flashtriton.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=ragged)
+
+                row = _decode_row(Bsz, S, f"api_{schedule}", 0, lambda: (api(),), kv_bytes, ref)
+                rows.append(dict(row, round=r))
+                if Bsz > 1:
+                    rows.append(dict(_decode_row(Bsz, S, f"ragged_{schedule}", 0, lambda: (api_ragged(),),
+                                                 ragged_bytes), round=r))
+            configs.DECODE_SCHEDULE = "auto"
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION if DEV == "cuda" else SDPBackend.MATH]):
+                rows.append(dict(_decode_row(Bsz, S, "sdpa_cudnn", 0, lambda: (torch.nn.functional.scaled_dot_product_attention(
+                    qb, kb, vb, enable_gqa=True).transpose(1, 2),), kv_bytes, ref), round=r))
+            here = [x for x in rows if x.get("B") == Bsz and x.get("S") == S and x.get("round") == r and "gbps" in x]
+            print(f"decode_schedule B={Bsz} S={S} round {r}: " + " | ".join(
+                f"{x['variant']} {x['gbps']:.0f}/{x['gbps_graph']:.0f}" + (f" err {x['err']:.1e}" if "err" in x else "")
+                for x in here) + "  (GB/s eager/graph)", flush=True)
+        del q, kc, vc, qb, kb, vb
+        torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_host(opts):
     """Host time per call of the public forward (no sync), against the kernel's GPU time."""
     import flashtriton
@@ -1016,7 +1063,7 @@ def sweep_host(opts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "host", "tma", "varlen", "gluon", "gluon_bwd", "bwd_kernels", "bwd_host", "varlen_bwd"])
+    ap.add_argument("sweep", choices=["fwd", "bwd", "decode", "decode_schedule", "host", "tma", "varlen", "gluon", "gluon_bwd", "bwd_kernels", "bwd_host", "varlen_bwd"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--head-dims", type=lambda x: [int(d) for d in x.split(",")], default=[128, 64],
@@ -1032,7 +1079,7 @@ def main():
         global DECODE_POINTS
         DECODE_POINTS = [tuple(int(x) for x in p.split("x")) for p in opts.decode_points.split(",")]
     t0 = time.time()
-    sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "host": sweep_host, "tma": sweep_tma,
+    sweeps = {"fwd": sweep_fwd, "bwd": sweep_bwd, "decode": sweep_decode, "decode_schedule": sweep_decode_schedule, "host": sweep_host, "tma": sweep_tma,
               "varlen": sweep_varlen, "gluon": sweep_gluon, "gluon_bwd": sweep_gluon_bwd, "bwd_kernels": sweep_bwd_kernels, "bwd_host": sweep_bwd_host,
               "varlen_bwd": sweep_varlen_bwd}
     rows = sweeps[opts.sweep](opts)

@@ -54,7 +54,7 @@ for step in "$@"; do
       timeout 120 python -m flashtriton tune -B 4 -H 16 -T 4096 -D 128 --causal --out $R/tune_d128 2>&1 | tail -25 | tee $R/tune_d128.txt ;;
     eco) timeout 200 python -m pytest -v -n 4 -p no:cacheprovider --tb=short -rs tests/test_notebook.py tests/test_compile.py \
         tests/test_transformers.py > $R/pytest_eco.txt 2>&1; grep -E "FAILED|ERROR|SKIPPED|passed|failed" $R/pytest_eco.txt | head -20 ;;
-    explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; tma) echo 400;; gluon) echo 360;; gluon_bwd) echo 300;; varlen) echo 150;; varlen_bwd) echo 220;; bwd_host) echo 150;; *) echo 60;; esac)
+    explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; decode_schedule) echo 300;; tma) echo 400;; gluon) echo 360;; gluon_bwd) echo 300;; varlen) echo 150;; varlen_bwd) echo 220;; bwd_host) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
   esac
   tar czf $OUT/results.tar.gz -C /tmp results  # after every step: a call cut short still returns what it ran

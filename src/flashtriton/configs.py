@@ -428,6 +428,13 @@ DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 128
 DECODE_PROGRAM_OVERHEAD_TILES = 3
 DECODE_SPLIT_OVERHEAD_TILES = 5
+# The decode launch's schedule (kernels.decode): "grid" (`_decode_split`: B·Hkv·M tiles × splits programs, each
+# sequence's keys cut into equal splits), "stream" (`_decode_stream`: all key tiles of the batch cut into one
+# equal range per program, units shared between programs merged), or "auto": the stream schedule where the
+# makespan model (`decode.stream_programs`) expects it to be faster. Batches above DECODE_STREAM_MAX_BATCH keep
+# the grid (every stream program reads all cache lengths).
+DECODE_SCHEDULE: str = os.environ.get("FLASHTRITON_DECODE_SCHEDULE", "auto")
+DECODE_STREAM_MAX_BATCH = 1024
 SHARED_MEMORY_PER_SM = 227 * 1024  # H100/H200 (A100: 163 KiB; the heuristic only needs the order of it)
 
 

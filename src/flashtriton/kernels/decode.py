@@ -95,6 +95,121 @@ def _decode_tile(
 
 
 @triton.jit
+def _unit_inputs(
+    Q, K, V, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, off_b, off_hk, pid_m,
+    stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
+    SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """What attending one unit (sequence off_b, kv head off_hk, M tile pid_m) needs: the stacked query tile q
+    (BLOCK_M, BLOCK_D), each row's query index and head, which rows exist, the cache's base pointers (or the
+    block-table row), the sequence's key count and n_bad (1 when its cache length or cache row is out of range:
+    then the key count is 0, nothing is read, and the caller poisons the result)."""
+    # Values are checked here, not on the host (no device-to-host sync): a sequence whose cache length or
+    # cache row is out of range reads nothing and gets NaN (see flash_attn_with_kvcache).
+    cached = tl.load(CACHE_SEQLENS + off_b)
+    seqlen_k = cached + SEQLEN_NEW
+    n_bad = ((cached < 0) | (seqlen_k > CAPACITY)).to(tl.int32)
+
+    # Stacked rows: r = i * GROUP_SIZE + g  ->  query row i, query head off_hk * GROUP_SIZE + g.
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_idx = rows // GROUP_SIZE
+    off_h = off_hk * GROUP_SIZE + rows % GROUP_SIZE
+    row_ok = rows < SEQLEN_Q * GROUP_SIZE
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + q_idx.to(tl.int64)[:, None] * stride_qm
+              + off_h[:, None] * stride_qh + offs_d[None, :] * stride_qd)
+    q_mask = row_ok[:, None]
+    if BLOCK_D != HEAD_DIM:
+        q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    if PAGED:
+        K_base = K + off_hk * stride_kh
+        V_base = V + off_hk * stride_vh
+        BT_row = BLOCK_TABLE + off_b.to(tl.int64) * stride_btb
+    else:
+        if HAS_BATCH_IDX:
+            cache_b = tl.load(BATCH_IDX + off_b)
+            row_bad = (cache_b < 0) | (cache_b >= NUM_CACHE_ROWS)
+            n_bad += row_bad.to(tl.int32)
+            cache_b = tl.where(row_bad, 0, cache_b).to(tl.int64)
+        else:
+            cache_b = off_b.to(tl.int64)
+        K_base = K + cache_b * stride_kb + off_hk * stride_kh
+        V_base = V + cache_b * stride_vb + off_hk * stride_vh
+        BT_row = BLOCK_TABLE  # unused
+
+    seqlen_k = tl.where(n_bad > 0, 0, seqlen_k)
+    return q, q_idx, off_h, row_ok, K_base, V_base, BT_row, seqlen_k, n_bad
+
+
+@triton.jit
+def _attend_keys(
+    q, q_idx, n_bad, K_base, V_base, BT_row, start, end, seqlen_k, pid_m, qk_scale,
+    stride_kb, stride_kn, stride_vb, stride_vn, SEQLEN_Q, NUM_CACHE_ROWS,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """(out, lse, n_bad) of the unit's stacked rows over its keys [start, end) (start a multiple of BLOCK_N,
+    end <= seqlen_k): whole tiles without a mask, then the masked rest. Rows (or ranges) without a visible key
+    get out 0, lse -inf."""
+    offs_d = tl.arange(0, BLOCK_D)
+    # Keys [start, lo) are visible to every row of the tile and inside the sequence: no mask there.
+    if IS_CAUSAL:
+        num_rows = SEQLEN_Q * GROUP_SIZE
+        causal_offset = seqlen_k - SEQLEN_Q
+        last_key = q_idx + causal_offset  # (BLOCK_M,) last key each row sees
+        first_row_q = (pid_m * BLOCK_M) // GROUP_SIZE
+        last_row_q = (tl.minimum((pid_m + 1) * BLOCK_M, num_rows) - 1) // GROUP_SIZE
+        end = tl.minimum(end, last_row_q + causal_offset + 1)
+        lo = first_row_q + causal_offset + 1
+    else:
+        last_key = q_idx  # unused
+        lo = seqlen_k
+    end = tl.maximum(end, start)
+    lo = tl.minimum(tl.maximum(lo, start), end)
+    lo = start + (lo - start) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i, n_bad = _decode_tile(
+        acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
+        offs_d, last_key, start, lo, seqlen_k, qk_scale,
+        False, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+    )
+    acc, l_i, m_i, n_bad = _decode_tile(
+        acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
+        offs_d, last_key, lo, end, seqlen_k, qk_scale,
+        True, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+    )
+    out, lse = softmax_finish(acc, l_i, m_i)  # rows (or whole ranges) that saw no key: out 0, lse -inf
+    return out, lse, n_bad
+
+
+@triton.jit
+def _store_result(O, LSE, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh, stride_lb,
+                  stride_lm, stride_lh, STORE_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The unit's final rows: out (BLOCK_M, BLOCK_D) into O in its dtype, lse into LSE (if STORE_LSE)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q_off = q_idx.to(tl.int64)
+    if STORE_LSE:
+        l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + q_off * stride_lm + off_h * stride_lh
+        tl.store(l_ptrs, lse, mask=row_ok)
+    o_ptrs = O + off_b.to(tl.int64) * stride_ob + q_off[:, None] * stride_om + off_h[:, None] * stride_oh + offs_d[None, :]
+    o_mask = row_ok[:, None]
+    if BLOCK_D != HEAD_DIM:
+        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
 def _decode_split(
     Q, K, V,
     O, LSE,  # (B, Sq, Hq, D) q's dtype; (B, Hq, Sq) fp32 (written if STORE_LSE)
@@ -124,115 +239,151 @@ def _decode_split(
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Grid (B·Hkv, NUM_SPLITS, M tiles): program (b·hk, split, m) attends unit (b, hk, m) over its split's
+    keys; with several splits the last one to finish merges them (see the module docstring)."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
     off_b = pid_bh // NUM_HEADS_KV
     off_hk = pid_bh % NUM_HEADS_KV
-    # Values are checked here, not on the host (no device-to-host sync): a sequence whose cache length or
-    # cache row is out of range reads nothing and gets NaN (see flash_attn_with_kvcache).
-    cached = tl.load(CACHE_SEQLENS + off_b)
-    seqlen_k = cached + SEQLEN_NEW
-    n_bad = ((cached < 0) | (seqlen_k > CAPACITY)).to(tl.int32)
-
-    # Stacked rows: r = i * GROUP_SIZE + g  ->  query row i, query head off_hk * GROUP_SIZE + g.
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_idx = rows // GROUP_SIZE
-    off_h = off_hk * GROUP_SIZE + rows % GROUP_SIZE
-    num_rows = SEQLEN_Q * GROUP_SIZE
-    row_ok = rows < num_rows
-    offs_d = tl.arange(0, BLOCK_D)
-
-    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + q_idx.to(tl.int64)[:, None] * stride_qm
-              + off_h[:, None] * stride_qh + offs_d[None, :] * stride_qd)
-    q_mask = row_ok[:, None]
-    if BLOCK_D != HEAD_DIM:
-        q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
-
-    if PAGED:
-        K_base = K + off_hk * stride_kh
-        V_base = V + off_hk * stride_vh
-        BT_row = BLOCK_TABLE + off_b.to(tl.int64) * stride_btb
-    else:
-        if HAS_BATCH_IDX:
-            cache_b = tl.load(BATCH_IDX + off_b)
-            row_bad = (cache_b < 0) | (cache_b >= NUM_CACHE_ROWS)
-            n_bad += row_bad.to(tl.int32)
-            cache_b = tl.where(row_bad, 0, cache_b).to(tl.int64)
-        else:
-            cache_b = off_b.to(tl.int64)
-        K_base = K + cache_b * stride_kb + off_hk * stride_kh
-        V_base = V + cache_b * stride_vb + off_hk * stride_vh
-        BT_row = BLOCK_TABLE  # unused
-
-    seqlen_k = tl.where(n_bad > 0, 0, seqlen_k)
+    q, q_idx, off_h, row_ok, K_base, V_base, BT_row, seqlen_k, n_bad = _unit_inputs(
+        Q, K, V, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, off_b, off_hk, pid_m,
+        stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
+        SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
+        GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, UPCAST_DOT, BLOCK_M)
     # This split's keys: whole BLOCK_N tiles, the same number per split, [start, end).
     blocks_per_split = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), NUM_SPLITS)
     start = split * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, seqlen_k)
-    # Keys [start, lo) are visible to every row of the tile and inside the sequence: no mask there.
-    if IS_CAUSAL:
-        causal_offset = seqlen_k - SEQLEN_Q
-        last_key = q_idx + causal_offset  # (BLOCK_M,) last key each row sees
-        first_row_q = (pid_m * BLOCK_M) // GROUP_SIZE
-        last_row_q = (tl.minimum((pid_m + 1) * BLOCK_M, num_rows) - 1) // GROUP_SIZE
-        end = tl.minimum(end, last_row_q + causal_offset + 1)
-        lo = first_row_q + causal_offset + 1
-    else:
-        last_key = q_idx  # unused
-        lo = seqlen_k
-    end = tl.maximum(end, start)
-    lo = tl.minimum(tl.maximum(lo, start), end)
-    lo = start + (lo - start) // BLOCK_N * BLOCK_N
+    out, lse, n_bad = _attend_keys(
+        q, q_idx, n_bad, K_base, V_base, BT_row, start, end, seqlen_k, pid_m, qk_scale,
+        stride_kb, stride_kn, stride_vb, stride_vn, SEQLEN_Q, NUM_CACHE_ROWS,
+        GROUP_SIZE, HEAD_DIM, BLOCK_D, IS_CAUSAL, PAGED, PAGE_SIZE, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i, n_bad = _decode_tile(
-        acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
-        offs_d, last_key, start, lo, seqlen_k, qk_scale,
-        False, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
-    )
-    acc, l_i, m_i, n_bad = _decode_tile(
-        acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
-        offs_d, last_key, lo, end, seqlen_k, qk_scale,
-        True, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
-    )
-
-    out, lse = softmax_finish(acc, l_i, m_i)  # rows (or whole splits) that saw no key: out 0, lse -inf
     # Invalid values: out NaN; lse NaN, or +inf in a partial result so that the merge gives NaN for both.
     poison = n_bad > 0
     out = tl.where(poison, float("nan"), out)
-    q_off = q_idx.to(tl.int64)
     if SPLIT_KV:
         lse = tl.where(poison, float("inf"), lse)
         # Partial result of split s for row (b, i, h): PART row ((b·Sq + i)·Hq + h)·NUM_SPLITS + s.
-        part0 = ((off_b.to(tl.int64) * SEQLEN_Q + q_off) * (NUM_HEADS_KV * GROUP_SIZE) + off_h) * NUM_SPLITS
-        part_row = PART + (part0 + split) * (BLOCK_D + PART_PAD)
-        tl.store(part_row + BLOCK_D, lse, mask=row_ok)
-        tl.store(part_row[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
-        # Every thread's partial is written before the ticket is taken (the atomic is acq_rel, gpu scope).
-        tl.debug_barrier()
+        part0 = ((off_b.to(tl.int64) * SEQLEN_Q + q_idx.to(tl.int64)) * (NUM_HEADS_KV * GROUP_SIZE) + off_h) * NUM_SPLITS
+        _store_partial(PART + (part0 + split) * (BLOCK_D + PART_PAD), out, lse, row_ok, BLOCK_D)
         tile = pid_bh * tl.num_programs(2) + pid_m
         is_last = tl.atomic_add(TICKETS + tile, 1) == NUM_SPLITS - 1
         if is_last:  # the other splits are done: merge them all, and leave the counter at zero
-            out, lse = _merge_splits(PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M, BLOCK_D, SPLITS_P2)
+            out, lse = _merge_splits(PART, part0, row_ok, tl.arange(0, BLOCK_D), NUM_SPLITS, BLOCK_M, BLOCK_D,
+                                     SPLITS_P2)
             tl.atomic_xchg(TICKETS + tile, 0)
     else:
         lse = tl.where(poison, float("nan"), lse)
         is_last = True
     if is_last:
-        if STORE_LSE:
-            l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + q_off * stride_lm + off_h * stride_lh
-            tl.store(l_ptrs, lse, mask=row_ok)
-        o_ptrs = O + off_b.to(tl.int64) * stride_ob + q_off[:, None] * stride_om + off_h[:, None] * stride_oh + offs_d[None, :]
-        o_mask = row_ok[:, None]
-        if BLOCK_D != HEAD_DIM:
-            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+        _store_result(O, LSE, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh, stride_lb,
+                      stride_lm, stride_lh, STORE_LSE, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _decode_stream(
+    Q, K, V,
+    O, LSE,  # (B, Sq, Hq, D) q's dtype; (B, Hq, Sq) fp32 (written if STORE_LSE)
+    PART,  # fp32 (programs, 2, BLOCK_M, BLOCK_D + PART_PAD): each program's first and last partial unit
+    TICKETS,  # int32 (B·Hkv·M tiles,), zero before the launch and after it
+    CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE,  # as in _decode_split
+    qk_scale,  # softmax_scale * log2(e)
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lm, stride_lh,
+    stride_btb,
+    NUM_HEADS_KV, SEQLEN_Q, BATCH, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # next power of two >= BATCH
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (programs,): the key tiles of every unit (b, hk, m), laid end to end in that order (each unit
+    cdiv(keys of sequence b, BLOCK_N) tiles, at least one), are cut into one equal range per program, so that
+    every program reads the same number of tiles whatever the batch and the lengths (the split grid leaves SMs
+    idle when B·Hkv·splits is not a multiple of the SM count). A program attends each unit its range touches:
+    a unit wholly inside the range is written out; a unit shared with other programs leaves a partial result
+    (the program's first or last unit: slot 0 or 1 of its two) and a ticket, and the program that takes the
+    last ticket merges the unit's partials and resets the counter. Lengths come from CACHE_SEQLENS on the GPU
+    (no host sync); a program's range is fixed by them and by its index alone."""
+    pid = tl.program_id(0)
+    num_rows = SEQLEN_Q * GROUP_SIZE
+    m_tiles = tl.cdiv(num_rows, BLOCK_M)
+    units_per_seq = NUM_HEADS_KV * m_tiles
+    offs_b = tl.arange(0, BLOCK_B)
+    in_batch = offs_b < BATCH
+    cached = tl.load(CACHE_SEQLENS + offs_b, mask=in_batch, other=0)
+    keys = cached + SEQLEN_NEW
+    keys = tl.where((cached < 0) | (keys > CAPACITY), 0, keys)  # bad lengths: one tile that reads nothing
+    unit_tiles = tl.where(in_batch, tl.maximum(tl.cdiv(keys, BLOCK_N), 1), 0)  # (BLOCK_B,) tiles of each unit
+    seq_tiles = unit_tiles.to(tl.int64) * units_per_seq
+    seq_end = tl.cumsum(seq_tiles, 0)  # (BLOCK_B,) global tile after each sequence's units
+    total = tl.sum(seq_tiles, 0)
+    # Programs past the number of tiles get nothing (every other program holds at least one tile, so a unit's
+    # partials come from consecutive programs that all hold some of it).
+    programs = tl.minimum(tl.num_programs(0).to(tl.int64), total)
+    lo = pid * total // programs
+    hi = tl.where(pid < programs, (pid + 1) * total // programs, lo)
+    cur = lo
+    while cur < hi:
+        off_b = tl.sum((seq_end <= cur).to(tl.int32), 0)
+        seq_start = tl.sum(tl.where(offs_b < off_b, seq_tiles, 0), 0)
+        n_tiles = tl.sum(tl.where(offs_b == off_b, unit_tiles, 0), 0)
+        unit = ((cur - seq_start) // n_tiles).to(tl.int32)
+        unit_start = seq_start + unit.to(tl.int64) * n_tiles  # the unit's first tile, globally
+        piece_end = tl.minimum(hi, unit_start + n_tiles)
+        off_hk = unit // m_tiles
+        pid_m = unit % m_tiles
+        q, q_idx, off_h, row_ok, K_base, V_base, BT_row, seqlen_k, n_bad = _unit_inputs(
+            Q, K, V, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, off_b, off_hk, pid_m,
+            stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
+            SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
+            GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, UPCAST_DOT, BLOCK_M)
+        start = (cur - unit_start).to(tl.int32) * BLOCK_N
+        end = tl.minimum((piece_end - unit_start).to(tl.int32) * BLOCK_N, seqlen_k)
+        out, lse, n_bad = _attend_keys(
+            q, q_idx, n_bad, K_base, V_base, BT_row, start, end, seqlen_k, pid_m, qk_scale,
+            stride_kb, stride_kn, stride_vb, stride_vn, SEQLEN_Q, NUM_CACHE_ROWS,
+            GROUP_SIZE, HEAD_DIM, BLOCK_D, IS_CAUSAL, PAGED, PAGE_SIZE, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
+        poison = n_bad > 0
+        out = tl.where(poison, float("nan"), out)
+        # The programs holding the unit's first and last tiles (program p holds [p·total // programs, ...)).
+        first_prog = ((unit_start + 1) * programs - 1) // total
+        last_prog = ((unit_start + n_tiles) * programs - 1) // total
+        is_last = first_prog == last_prog
+        if is_last:
+            lse = tl.where(poison, float("nan"), lse)
+        else:
+            lse = tl.where(poison, float("inf"), lse)
+            slot = tl.where(cur == lo, 0, 1)
+            part_rows = (pid * 2 + slot) * BLOCK_M + tl.arange(0, BLOCK_M)
+            _store_partial(PART + part_rows.to(tl.int64) * (BLOCK_D + PART_PAD), out, lse, row_ok, BLOCK_D)
+            tile = off_b * units_per_seq + unit
+            is_last = tl.atomic_add(TICKETS + tile, 1) == (last_prog - first_prog).to(tl.int32)
+            if is_last:
+                first_slot = tl.where(first_prog * total // programs == unit_start, 0, 1)
+                out, lse = _merge_programs(PART, first_prog, (last_prog - first_prog + 1).to(tl.int32), first_slot,
+                                           row_ok, BLOCK_M, BLOCK_D)
+                tl.atomic_xchg(TICKETS + tile, 0)
+        if is_last:
+            _store_result(O, LSE, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh,
+                          stride_lb, stride_lm, stride_lh, STORE_LSE, HEAD_DIM, BLOCK_D)
+        cur = piece_end
+
+
+@triton.jit
+def _store_partial(part_row, out, lse, row_ok, BLOCK_D: tl.constexpr):
+    """Write a partial result (out, lse) at the workspace rows `part_row` (BLOCK_M,), then make it visible: every
+    thread's stores land before the caller takes its ticket (the atomic is acq_rel, gpu scope)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(part_row + BLOCK_D, lse, mask=row_ok)
+    tl.store(part_row[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
+    tl.debug_barrier()
 
 
 # A row of the split-KV workspace holds one split's partial result: BLOCK_D outputs, then the lse, then
@@ -273,6 +424,51 @@ def _merge_splits(PART, part0, row_ok, offs_d, NUM_SPLITS, BLOCK_M: tl.constexpr
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)[:, None]
     lse = tl.where(empty, float("-inf"), lse_max + tl.log(tl.where(empty, 1.0, total)))
+    return out, lse
+
+
+# The stream schedule's merge combines MERGE_CHUNK programs' partials per round trip (a unit is usually shared by
+# two or three programs).
+MERGE_CHUNK = tl.constexpr(8)
+
+
+@triton.jit
+def _merge_programs(PART, first_prog, n_parts, first_slot, row_ok, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(out, lse) of a unit's BLOCK_M rows from the partials of programs first_prog .. first_prog + n_parts - 1
+    (`_decode_stream`: slot 0 of each, `first_slot` of the first). The same weights as `_merge_splits`, combined
+    online over chunks of MERGE_CHUNK programs whose loads are issued together; all-empty rows get 0 and -inf, a
+    +inf partial (bad values) makes the row NaN."""
+    PART_WIDTH = BLOCK_D + PART_PAD
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for c0 in range(0, n_parts, MERGE_CHUNK):
+        part = c0 + offs_c  # (MERGE_CHUNK,)
+        row0 = ((first_prog + part) * 2 + tl.where(part == 0, first_slot, 0)) * BLOCK_M
+        lse_c = tl.load(PART + (row0[None, :] + offs_r[:, None]) * PART_WIDTH + BLOCK_D,
+                        mask=row_ok[:, None] & (part[None, :] < n_parts), other=float("-inf"),
+                        cache_modifier=".cg")  # (BLOCK_M, MERGE_CHUNK)
+        m_new = tl.maximum(m, tl.max(lse_c, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights exp(-inf) = 0
+        w_c = tl.math.exp2((lse_c - m_safe[:, None]) * 1.4426950408889634)
+        alpha = tl.math.exp2((m - m_safe) * 1.4426950408889634)
+        total = total * alpha + tl.sum(w_c, 1)
+        acc = acc * alpha[:, None]
+        for j in tl.static_range(MERGE_CHUNK):
+            k = c0 + j
+            row0_j = ((first_prog + k) * 2 + tl.where(k == 0, first_slot, 0)) * BLOCK_M
+            w = tl.sum(tl.where(offs_c[None, :] == j, w_c, 0.0), 1)  # (BLOCK_M,)
+            o_j = tl.load(PART + (row0_j + offs_r)[:, None] * PART_WIDTH + offs_d[None, :],
+                          mask=row_ok[:, None] & (k < n_parts), other=0.0, cache_modifier=".cg")
+            acc += tl.where(w[:, None] > 0.0, o_j * w[:, None], 0.0)
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
     return out, lse
 
 
@@ -394,6 +590,28 @@ def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: 
     return best
 
 
+def stream_programs(units: int, max_seqlen_k: int, num_sms: int, block_n: int, programs_per_sm: int,
+                    num_splits: int, force: bool = False) -> int:
+    """Programs of the stream schedule (`_decode_stream`) for `units` = batch · kv heads · M tiles of up to
+    `max_seqlen_k` keys, or 0 where the split grid of `num_splits` (`_choose_num_splits`) is expected to be as
+    fast: the same makespan model, in key-tile times. The stream schedule runs one program per slot (fewer when
+    a program would get fewer than DECODE_MIN_SPLIT_KEYS keys), each ceil(tiles / programs) tiles plus a
+    program's overhead, plus a split's where programs share units. `force`: the stream programs whatever the
+    model says."""
+    slots = programs_per_sm * num_sms
+    tiles = max(1, configs.cdiv(max_seqlen_k, block_n))
+    total = units * tiles
+    programs = max(1, min(slots, total // max(1, configs.DECODE_MIN_SPLIT_KEYS // block_n)))
+    if force:
+        return programs
+    shared = programs > units or units % programs != 0  # some unit's tiles span two programs
+    stream_cost = configs.cdiv(total, programs) + configs.DECODE_PROGRAM_OVERHEAD_TILES + (
+        configs.DECODE_SPLIT_OVERHEAD_TILES if shared else 0)
+    grid_cost = configs.cdiv(units * num_splits, slots) * (configs.cdiv(tiles, num_splits) + configs.DECODE_PROGRAM_OVERHEAD_TILES
+                                                           + (configs.DECODE_SPLIT_OVERHEAD_TILES if num_splits > 1 else 0))
+    return programs if stream_cost < grid_cost else 0
+
+
 # Per-(GPU, stream) buffers kept between decode calls, so that a call allocates only its output:
 # - the ticket counters of the split-KV merge: zeroed once; every launch leaves its counters at zero again
 #   (the last split resets its tile's), and launches on one stream run in order;
@@ -475,7 +693,7 @@ def decode_attention(
         block_table.shape[1] if paged else 0, block_table.stride(0) if paged else 0, cache_batch_idx is not None,
         bool(causal), max_seqlen_k, num_splits, seqlen_new, return_lse,
         None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device),
-        device,
+        device, configs.DECODE_SCHEDULE,
     )
     dummy = cache_seqlens  # stands in for absent pointers
     if plan.part_rows:
@@ -493,22 +711,24 @@ def decode_attention(
     # pointers are 16-byte aligned (as compiled), relaunch it with raw pointers and no lookup at all.
     pointers = [t.data_ptr() for t in tensors]
     aligned = not functools.reduce(operator.or_, pointers) & 15
+    kernel = _decode_stream if plan.stream else _decode_split
     if aligned and plan.relaunch is not None and not hooks_installed():
         plan.relaunch(plan.grid, (*pointers, scale, *plan.ints))
     elif aligned:
-        plan.relaunch = launch_and_keep(_decode_split, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
+        plan.relaunch = launch_and_keep(kernel, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
     else:
-        launch(_decode_split, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
+        launch(kernel, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
     return out, lse
 
 
 class _Plan:
     """A decode launch, fixed by shapes, strides, dtypes, device and options."""
 
-    __slots__ = ("grid", "part_rows", "part_width", "tickets", "ints", "meta", "autotune", "relaunch")
+    __slots__ = ("grid", "part_rows", "part_width", "tickets", "ints", "meta", "autotune", "stream", "relaunch")
 
-    def __init__(self, grid, part_rows, part_width, tickets, ints, meta, autotune):
-        self.grid = grid  # (B·Hkv, splits, M tiles)
+    def __init__(self, grid, part_rows, part_width, tickets, ints, meta, autotune, stream=False):
+        self.grid = grid  # (B·Hkv, splits, M tiles), or (programs,) for the stream schedule
+        self.stream = stream  # `_decode_stream` (else `_decode_split`)
         self.part_rows, self.part_width = part_rows, part_width  # split-KV workspace (rows 0 without splits)
         self.tickets = tickets  # ticket counters the launch uses
         self.ints = ints  # the kernel's scalar arguments after qk_scale
@@ -520,8 +740,10 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)  # decoding repeats a few shapes: their launch plans are computed once
 def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, max_pages, stride_btb,
                  has_batch_idx, causal, max_seqlen_k, num_splits, seqlen_new, return_lse, config, autotune,
-                 num_sms, device) -> _Plan:
-    """Everything of a decode launch that depends only on shapes, strides and options."""
+                 num_sms, device, schedule="auto") -> _Plan:
+    """Everything of a decode launch that depends only on shapes, strides and options. `schedule`
+    (`configs.DECODE_SCHEDULE`): with num_splits = 0 and a known config, "auto" takes the stream schedule where
+    `stream_programs` says it pays, "stream" wherever it can, "grid" never."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_kv = cache_shape[2]
     group = heads_q // heads_kv
@@ -533,15 +755,30 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     config = dict(config) if config is not None else None
     if config is None and not autotune:
         config = configs.default_decode_config(block_d, dtype.itemsize, batch * heads_kv * m_tiles, num_sms, max_seqlen_k)
-    if num_splits == 0:
-        per_sm = configs.decode_programs_per_sm(config, block_d, block_m, dtype.itemsize)
-        num_splits = _choose_num_splits(batch * heads_kv * m_tiles, max_seqlen_k, num_sms,
-                                        config["BLOCK_N"] if config else 128, per_sm)
-    num_splits = max(1, int(num_splits))
-    split_kv = num_splits > 1
     capacity = max_pages * cache_shape[1] if paged else cache_shape[1]
     out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
     lse_strides = (heads_q * seqlen_q, 1, seqlen_q) if return_lse else (0, 0, 0)  # (B, Hq, Sq): b, row, head
+    units = batch * heads_kv * m_tiles
+    if num_splits == 0:
+        per_sm = configs.decode_programs_per_sm(config, block_d, block_m, dtype.itemsize)
+        block_n = config["BLOCK_N"] if config else 128
+        num_splits = _choose_num_splits(units, max_seqlen_k, num_sms, block_n, per_sm)
+        programs = 0
+        if config is not None and schedule != "grid" and batch <= configs.DECODE_STREAM_MAX_BATCH:
+            programs = stream_programs(units, max_seqlen_k, num_sms, block_n, per_sm, num_splits,
+                                       force=schedule == "stream")
+        if programs:
+            ints = (*q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb,
+                    heads_kv, seqlen_q, batch, seqlen_new, capacity, cache_shape[0])
+            meta = dict(GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal, PAGED=paged,
+                        PAGE_SIZE=cache_shape[1] if paged else 1, HAS_BATCH_IDX=has_batch_idx,
+                        STORE_LSE=return_lse, UPCAST_DOT=dot_settings(dtype)[0],
+                        DOT_PRECISION=dot_settings(dtype)[1], BLOCK_B=configs.next_power_of_2(batch),
+                        BLOCK_M=block_m, **config)
+            return _Plan((programs,), programs * 2 * block_m, block_d + PART_PAD.value, units, ints, meta, False,
+                         stream=True)
+    num_splits = max(1, int(num_splits))
+    split_kv = num_splits > 1
     ints = (
         *q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb,
         heads_kv, seqlen_q, num_splits, seqlen_new, capacity, cache_shape[0],
