@@ -208,6 +208,7 @@ def _launched_kernels(monkeypatch):
     launch, keep = decode.launch, decode.launch_and_keep
 
     def record(kernel, grid, args, meta):
+        assert len(grid) == 3  # a kept launch (`Relaunch`) passes all three grid dimensions
         seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, tuple(grid)))
 
     monkeypatch.setattr(decode, "launch", lambda k, g, a, m: (record(k, g, a, m), launch(k, g, a, m))[1])

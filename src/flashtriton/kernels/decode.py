@@ -727,7 +727,7 @@ class _Plan:
     __slots__ = ("grid", "part_rows", "part_width", "tickets", "ints", "meta", "autotune", "stream", "relaunch")
 
     def __init__(self, grid, part_rows, part_width, tickets, ints, meta, autotune, stream=False):
-        self.grid = grid  # (B·Hkv, splits, M tiles), or (programs,) for the stream schedule
+        self.grid = grid  # (B·Hkv, splits, M tiles), or (programs, 1, 1) for the stream schedule (3-D: `launch`)
         self.stream = stream  # `_decode_stream` (else `_decode_split`)
         self.part_rows, self.part_width = part_rows, part_width  # split-KV workspace (rows 0 without splits)
         self.tickets = tickets  # ticket counters the launch uses
@@ -775,7 +775,7 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
                         STORE_LSE=return_lse, UPCAST_DOT=dot_settings(dtype)[0],
                         DOT_PRECISION=dot_settings(dtype)[1], BLOCK_B=configs.next_power_of_2(batch),
                         BLOCK_M=block_m, **config)
-            return _Plan((programs,), programs * 2 * block_m, block_d + PART_PAD.value, units, ints, meta, False,
+            return _Plan((programs, 1, 1), programs * 2 * block_m, block_d + PART_PAD.value, units, ints, meta, False,
                          stream=True)
     num_splits = max(1, int(num_splits))
     split_kv = num_splits > 1
