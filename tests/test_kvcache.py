@@ -272,18 +272,18 @@ def test_stream_schedule_more_programs_than_tiles(stream_schedule, monkeypatch):
 
 
 def test_stream_programs_model():
-    """H200-like (132 SMs, one program per SM): batch 8 x 8 kv heads on 32k keys leaves 4 SMs idle with two
-    splits per head (128 programs): the stream schedule takes 132. Launches that fill the SMs with whole
-    units, or whose units are a tile or two, keep the split grid; forcing gives the stream's program count."""
-    def pick(units, keys, per_sm=1):
-        splits = decode._choose_num_splits(units, keys, 132, 128, per_sm)
-        return decode.stream_programs(units, keys, 132, 128, per_sm, splits)
+    """H200-like (132 SMs): the stream schedule's programs follow the units (k programs per unit or k units per
+    program: a batch of full caches is cut as the split grid cuts it), for batches of several sequences with long
+    caches under a one-program-per-SM config; batch 1, short caches and many programs per SM keep the grid."""
+    def pick(batch, keys, per_sm=1, force=False):
+        return decode.stream_programs(batch * 8, keys, 132, 128, per_sm, batch, force=force)
 
-    assert pick(64, 32768) == 132 and pick(64, 131072) == 132
-    assert pick(64, 1024) == 0  # 8 tiles per unit, one wave of whole units
-    assert pick(132, 32768) == 0  # one unit per SM already
-    assert pick(8, 1024) == 0
-    assert decode.stream_programs(8, 1024, 132, 128, 1, 4, force=True) == 32  # 2 tiles (256 keys) per program
+    assert pick(8, 32768) == 128 and pick(8, 131072) == 128  # 2 programs per unit
+    assert pick(64, 32768) == 128  # 4 units per program
+    assert pick(17, 32768) == 132  # 136 units: aligned would be 68 programs of two units, half the SMs idle
+    assert pick(1, 32768) == 0 and pick(1, 32768, force=True) == 128  # batch 1: the grid (16 splits)
+    assert pick(8, 1024) == 0 and pick(8, 1024, force=True) == 32  # 256 keys per program at least
+    assert pick(64, 4096, per_sm=3) == 0 and pick(64, 4096, per_sm=3, force=True) == 396  # aligned 256: 35 % idle
 
 
 # ---------------------------------------------------------------------------------------------------------

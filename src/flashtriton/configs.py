@@ -435,6 +435,7 @@ DECODE_SPLIT_OVERHEAD_TILES = 5
 # the grid (every stream program reads all cache lengths).
 DECODE_SCHEDULE: str = os.environ.get("FLASHTRITON_DECODE_SCHEDULE", "auto")
 DECODE_STREAM_MAX_BATCH = 1024
+DECODE_STREAM_MIN_KEYS = 4096
 SHARED_MEMORY_PER_SM = 227 * 1024  # H100/H200 (A100: 163 KiB; the heuristic only needs the order of it)
 
 

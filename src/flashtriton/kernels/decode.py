@@ -590,26 +590,30 @@ def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: 
     return best
 
 
-def stream_programs(units: int, max_seqlen_k: int, num_sms: int, block_n: int, programs_per_sm: int,
-                    num_splits: int, force: bool = False) -> int:
+def stream_programs(units: int, max_seqlen_k: int, num_sms: int, block_n: int, programs_per_sm: int, batch: int,
+                    force: bool = False) -> int:
     """Programs of the stream schedule (`_decode_stream`) for `units` = batch · kv heads · M tiles of up to
-    `max_seqlen_k` keys, or 0 where the split grid of `num_splits` (`_choose_num_splits`) is expected to be as
-    fast: the same makespan model, in key-tile times. The stream schedule runs one program per slot (fewer when
-    a program would get fewer than DECODE_MIN_SPLIT_KEYS keys), each ceil(tiles / programs) tiles plus a
-    program's overhead, plus a split's where programs share units. `force`: the stream programs whatever the
-    model says."""
+    `max_seqlen_k` keys, or 0 where the split grid is the better launch.
+
+    The count follows the units, so that a batch of full caches is cut as the split grid cuts it (k programs per
+    unit, or k units per program, no unit shared by two programs when the numbers divide): measured with 132
+    programs instead (explore13), 1-8 % of the bandwidth went to units shared between programs, each a second
+    pipeline start and a merge. One program per slot (SM · programs per SM) where the aligned count would leave
+    more than 5 % of the slots' time idle; at least DECODE_MIN_SPLIT_KEYS keys per program.
+    The stream schedule is taken for batches of several sequences (their cache lengths may differ, which leaves
+    the split grid's programs unequal) with caches of at least DECODE_STREAM_MIN_KEYS, under a config of one
+    program per SM. `force`: the count whatever the rule says."""
     slots = programs_per_sm * num_sms
     tiles = max(1, configs.cdiv(max_seqlen_k, block_n))
     total = units * tiles
-    programs = max(1, min(slots, total // max(1, configs.DECODE_MIN_SPLIT_KEYS // block_n)))
+    aligned = units * (slots // units) if units <= slots else configs.cdiv(units, configs.cdiv(units, slots))
+    # Aligned unless that leaves much of the GPU idle (e.g. 136 units on 132 SMs: 68 programs of two units)
+    programs = aligned if configs.cdiv(total, aligned) * slots <= 1.05 * total else slots
+    programs = max(1, min(programs, total // max(1, configs.DECODE_MIN_SPLIT_KEYS // block_n)))
     if force:
         return programs
-    shared = programs > units or units % programs != 0  # some unit's tiles span two programs
-    stream_cost = configs.cdiv(total, programs) + configs.DECODE_PROGRAM_OVERHEAD_TILES + (
-        configs.DECODE_SPLIT_OVERHEAD_TILES if shared else 0)
-    grid_cost = configs.cdiv(units * num_splits, slots) * (configs.cdiv(tiles, num_splits) + configs.DECODE_PROGRAM_OVERHEAD_TILES
-                                                           + (configs.DECODE_SPLIT_OVERHEAD_TILES if num_splits > 1 else 0))
-    return programs if stream_cost < grid_cost else 0
+    wanted = batch > 1 and programs_per_sm == 1 and max_seqlen_k >= configs.DECODE_STREAM_MIN_KEYS
+    return programs if wanted else 0
 
 
 # Per-(GPU, stream) buffers kept between decode calls, so that a call allocates only its output:
@@ -765,7 +769,7 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
         num_splits = _choose_num_splits(units, max_seqlen_k, num_sms, block_n, per_sm)
         programs = 0
         if config is not None and schedule != "grid" and batch <= configs.DECODE_STREAM_MAX_BATCH:
-            programs = stream_programs(units, max_seqlen_k, num_sms, block_n, per_sm, num_splits,
+            programs = stream_programs(units, max_seqlen_k, num_sms, block_n, per_sm, batch,
                                        force=schedule == "stream")
         if programs:
             ints = (*q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb,
