@@ -282,7 +282,7 @@ def test_stream_programs_model():
     assert pick(64, 32768) == 128  # 4 units per program
     assert pick(17, 32768) == 132  # 136 units: aligned would be 68 programs of two units, half the SMs idle
     assert pick(1, 32768) == 0 and pick(1, 32768, force=True) == 128  # batch 1: the grid (16 splits)
-    assert pick(8, 1024) == 0 and pick(8, 1024, force=True) == 32  # 256 keys per program at least
+    assert pick(8, 1024) == 0 and pick(8, 1024, force=True) == 128  # 4 key tiles each
     assert pick(64, 4096, per_sm=3) == 0 and pick(64, 4096, per_sm=3, force=True) == 396  # aligned 256: 35 % idle
 
 
