@@ -253,8 +253,9 @@ def test_stream_schedule_one_unit_over_many_programs(stream_schedule, monkeypatc
     cache batch index and the ticket counters left at zero for the next calls."""
     stream_schedule(sms=16, min_split_keys=16)
     seen = _launched_kernels(monkeypatch)
+    keys = 300 if DEVICE == "cpu" else 1300  # 10 key tiles of 32 (the interpreter's config), 11 of 128 on a GPU
     for _ in range(2):
-        run_case(batch=1, heads_q=2, heads_kv=1, capacity=300, seqlens=[300], batch_cache=3, use_batch_idx=True)
+        run_case(batch=1, heads_q=2, heads_kv=1, capacity=keys, seqlens=[keys], batch_cache=3, use_batch_idx=True)
     programs = seen[0][1][0]
     assert programs > decode.MERGE_CHUNK.value, seen
     run_case(batch=2, heads_q=2, heads_kv=1, capacity=300, seqlens=[0, 0])  # no key anywhere: 0 and -inf
@@ -279,6 +280,7 @@ def test_stream_programs_model():
         return decode.stream_programs(batch * 8, keys, 132, 128, per_sm, batch, force=force)
 
     assert pick(8, 32768) == 128 and pick(8, 131072) == 128  # 2 programs per unit
+    assert pick(8, 16384) == 0 and pick(8, 16384, force=True) == 128  # below DECODE_STREAM_MIN_KEYS
     assert pick(64, 32768) == 128  # 4 units per program
     assert pick(17, 32768) == 132  # 136 units: aligned would be 68 programs of two units, half the SMs idle
     assert pick(1, 32768) == 0 and pick(1, 32768, force=True) == 128  # batch 1: the grid (16 splits)

@@ -431,11 +431,16 @@ DECODE_SPLIT_OVERHEAD_TILES = 5
 # The decode launch's schedule (kernels.decode): "grid" (`_decode_split`: B·Hkv·M tiles × splits programs, each
 # sequence's keys cut into equal splits), "stream" (`_decode_stream`: all key tiles of the batch cut into one
 # equal range per program, units shared between programs merged), or "auto": the stream schedule where the
-# makespan model (`decode.stream_programs`) expects it to be faster. Batches above DECODE_STREAM_MAX_BATCH keep
-# the grid (every stream program reads all cache lengths).
+# rule of `decode.stream_programs` takes it: batches of 2 .. DECODE_STREAM_MAX_BATCH sequences (every stream
+# program reads all cache lengths) whose caches hold at least DECODE_STREAM_MIN_KEYS keys. Measured on the H200
+# (benchmarks/2026-11-29-h200/explore13/, GB/s in CUDA graphs, grid / stream, D=128, 32/8 heads): full caches
+# 8 x 32k 4257 / 4210, 8 x 128k 4566 / 4549, 64 x 32k 4637 / 4581, 64 x 128k 4673 / 4623 (the stream kernel
+# ~1 % behind on the same cut); lengths uniform in 1 .. cache: 2239 / 2956, 2784 / 3966, 3987 / 4151,
+# 4130 / 4511. At 4k keys the ragged gain is smaller than the full-cache loss (8 x 4k: 1650 / 1714 ragged,
+# 2661 / 2528 full); many programs per SM (batch 64 at <= 4k) lose 13-22 %.
 DECODE_SCHEDULE: str = os.environ.get("FLASHTRITON_DECODE_SCHEDULE", "auto")
 DECODE_STREAM_MAX_BATCH = 1024
-DECODE_STREAM_MIN_KEYS = 4096
+DECODE_STREAM_MIN_KEYS = 32768
 SHARED_MEMORY_PER_SM = 227 * 1024  # H100/H200 (A100: 163 KiB; the heuristic only needs the order of it)
 
 

@@ -12,6 +12,12 @@ in fp32 (a split with no keys writes 0 and -inf) and takes a ticket from a per-t
 arrives last merges them all, out = sum_s exp(lse_s - lse) · out_s with lse = logsumexp_s(lse_s), writes
 the result and resets the counter to zero. A row with no key in any split gives out 0, lse -inf (never NaN).
 
+The stream schedule (`_decode_stream`, `configs.DECODE_SCHEDULE`) launches a fixed number of programs instead:
+the key tiles of all units (b, hk, M tile), laid end to end, are cut into one equal range per program from the
+cache lengths on the GPU, so that programs stay equal when the sequences' lengths differ (the split grid gives
+each sequence the same number of programs whatever its length). A unit shared by several programs is merged as
+above by whichever finishes last.
+
 Paged cache: `block_table[b, j // PAGE_SIZE]` is the page that holds key j of sequence b, at row
 `j % PAGE_SIZE` of the page. Pages may be smaller or larger than BLOCK_N: each key row's page is looked up.
 
