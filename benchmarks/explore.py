@@ -652,11 +652,9 @@ _G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSIST
 _G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)  # 192-row items, as FlashAttention-3 at D = 64
 GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
     # explore7/gluon_2b6137fa8c9f.json also tried one program per item, 64-key tiles, ping-pong
-    # explore8/gluon_72e8c4a825c2.json also tried items one at a time from a static schedule (unpaired);
-    # explore9/gluon_a99806d25f61.json the dynamic schedule on dense batches
-    # explore13: the last tile on its first half where no row of the warpgroup sees the rest (HALF_LAST)
-    128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "half": dict(_G, HALF_LAST=True),
-          "q2_half": dict(_G, Q_BUFFERS=2, HALF_LAST=True)},
+    # explore8/gluon_72e8c4a825c2.json also tried items one at a time from a static schedule (unpaired)
+    128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "dynamic": dict(_G, CAUSAL_PAIRS=False, DYNAMIC=True),
+          "q2_dynamic": dict(_G, Q_BUFFERS=2, CAUSAL_PAIRS=False, DYNAMIC=True)},
     # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles
     64: {"persist": _G, "c3": _G3, "c3_q2": dict(_G3, Q_BUFFERS=2)}}
 GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),

@@ -371,47 +371,9 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
 @gluon.jit
 def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles, row0, seqlen_k,
             causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
-            HALF_LAST: gl.constexpr):
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1):
-    (acc, m_i, l_i, next tile, next turn). HALF_LAST: where no row of this warpgroup sees the second half of the
-    last tile (the diagonal tile of a causal item's first 64 rows, or a last tile with <= BLOCK_N / 2 keys), that
-    tile's matmuls and softmax cover its first half only (`_attend_half_last`)."""
-    if HALF_LAST:
-        last_key = seqlen_k - 1  # the last key a row of this warpgroup sees
-        if IS_CAUSAL:
-            last_key = gl.minimum(last_key, row0 + ROWS - 1 + causal_offset)
-        half = last_key < (n_tiles - 1) * BLOCK_N + BLOCK_N // 2
-        n_full = n_tiles - half.to(gl.int32)
-        if n_full > 0:
-            acc, m_i, l_i, g = _attend_tiles(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
-                                             g, n_full, row0, seqlen_k, causal_offset, qk_scale, half, WG, IS_CAUSAL,
-                                             IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, True)
-        else:  # one tile, its first half
-            s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-            o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-            acc, m_i, l_i, g = _attend_half_last(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty,
-                                                 turn, c, 0, g, row0, seqlen_k, causal_offset, qk_scale, acc, m_i,
-                                                 l_i, acc, 0, 0, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N,
-                                                 NUM_BUFFERS, PINGPONG, False)
-    else:
-        acc, m_i, l_i, g = _attend_tiles(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g,
-                                         n_tiles, row0, seqlen_k, causal_offset, qk_scale, False, WG, IS_CAUSAL,
-                                         IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, False)
-    return acc, m_i, l_i, c + n_tiles, g
-
-
-@gluon.jit
-def _attend_tiles(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles, row0,
-                  seqlen_k, causal_offset, qk_scale, half, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                  PINGPONG: gl.constexpr, HAS_HALF: gl.constexpr):
-    """Full tiles c .. c + n_tiles - 1 (n_tiles >= 1): S_j = Q K_jᵀ issued with P_{j-1} V_{j-1}, the softmax of
-    S_j while the second runs; the last P V alone, or (HAS_HALF and half) with the scores of the half tile after
-    them. Returns (acc, m_i, l_i, g)."""
+    (acc, m_i, l_i, next tile, next turn)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -454,93 +416,19 @@ def _attend_tiles(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    last_phase = ((c + n_tiles - 1) // NUM_BUFFERS) & 1
-    if HAS_HALF:
-        if half:
-            acc, m_i, l_i, g = _attend_half_last(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty,
-                                                 turn, c + n_tiles, n_tiles, g, row0, seqlen_k, causal_offset,
-                                                 qk_scale, acc, m_i, l_i, p_op, stage, last_phase, WG, IS_CAUSAL,
-                                                 IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, True)
-        else:
-            acc, g = _last_pv(v_bufs, v_ready, v_fixed, v_empty, turn, g, acc, p_op, stage, last_phase, WG, IS_VARLEN,
-                              HEAD_DIM, BLOCK_N, PINGPONG)
-    else:
-        acc, g = _last_pv(v_bufs, v_ready, v_fixed, v_empty, turn, g, acc, p_op, stage, last_phase, WG, IS_VARLEN,
-                          HEAD_DIM, BLOCK_N, PINGPONG)
-    return acc, m_i, l_i, g
-
-
-@gluon.jit
-def _last_pv(v_bufs, v_ready, v_fixed, v_empty, turn, g, acc, p_op, stage, phase, WG: gl.constexpr,
-             IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr):
-    """acc += P V of the stage's V tile, alone (the warpgroup's last tile): (acc, g)."""
-    _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN)
+    _wait_v(v_ready, v_fixed, stage, ((c + n_tiles - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
     g = _take_turn(turn, g, WG, PINGPONG)
     acc_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
     mbarrier.arrive(v_empty.index(stage), count=1)
-    return acc, g
-
-
-@gluon.jit
-def _attend_half_last(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, t, j, g, row0,
-                      seqlen_k, causal_offset, qk_scale, acc, m_i, l_i, p_op, prev, prev_phase, WG: gl.constexpr,
-                      IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
-                      HAS_PREV: gl.constexpr):
-    """Ring tile t, the warpgroup's key tile j, on its first BLOCK_N / 2 keys (no row sees the rest): S = Q K[:half]ᵀ,
-    issued with the previous tile's P V when there is one (HAS_PREV: stage prev, its P in p_op), the softmax, then
-    P V[:half]. The stage is released whole, as for a full tile. Returns (acc, m_i, l_i, g), m_i and l_i in the
-    full tiles' layout."""
-    HALF: gl.constexpr = BLOCK_N // 2
-    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    h_layout: gl.constexpr = wgmma_layout(HALF)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = q.dtype
-    stage = t % NUM_BUFFERS
-    phase = (t // NUM_BUFFERS) & 1
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, h_layout))
-    m_h = gl.convert_layout(m_i, gl.SliceLayout(1, h_layout))
-    l_h = gl.convert_layout(l_i, gl.SliceLayout(1, h_layout))
-    k_half = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF)
-    v_half = v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF)
-    mbarrier.wait(k_ready.index(stage), phase)
-    if HAS_PREV:
-        _wait_v(v_ready, v_fixed, prev, prev_phase, IS_VARLEN)
-    g = _take_turn(turn, g, WG, PINGPONG)
-    s_tok = warpgroup_mma(q, k_half.permute((1, 0)), gl.zeros([ROWS, HALF], gl.float32, h_layout), use_acc=False,
-                          is_async=True)
-    if HAS_PREV:
-        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        _pass_turn(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    else:
-        _pass_turn(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    p, alpha, m_h, l_h = _softmax_tile(s, m_h, l_h, j * BLOCK_N, row0, rows, seqlen_k, causal_offset, qk_scale,
-                                       IS_CAUSAL, HALF, h_layout)
-    if HAS_PREV:
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    ph_op = gl.convert_layout(p.to(dtype), p_layout)
-    _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN)
-    g = _take_turn(turn, g, WG, PINGPONG)
-    acc_tok = warpgroup_mma(ph_op, v_half, acc, is_async=True)
-    _pass_turn(turn, WG, PINGPONG)
-    acc, ph_op = warpgroup_mma_wait(0, deps=(acc_tok, ph_op))
-    mbarrier.arrive(v_empty.index(stage), count=1)
-    return acc, gl.convert_layout(m_h, gl.SliceLayout(1, s_layout)), gl.convert_layout(l_h, gl.SliceLayout(1, s_layout)), g
+    return acc, m_i, l_i, c + n_tiles, g
 
 
 @gluon.jit
 def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles,
                   WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr,
-                  HALF_LAST: gl.constexpr):
+                  BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
     """One item's rows of this warpgroup, its Q landed in slot qs: attend, release the slot, store out and lse.
     Returns the ring's next tile and the next ping-pong turn."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
@@ -554,7 +442,7 @@ def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, se
     if n_tiles > 0:
         acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
                                       g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL,
-                                      IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, HALF_LAST)
+                                      IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
     else:  # causal with Sq > Sk: rows that see no key
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -587,7 +475,7 @@ def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, se
 def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
               PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
-              DYNAMIC: gl.constexpr, HALF_LAST: gl.constexpr):
+              DYNAMIC: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
     kernel's `consumer_args`). The output leaves through o_smem and a TMA store (dense: rows past the sequence
     are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would write the next
@@ -612,7 +500,7 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
                                                            BLOCK_M, BLOCK_N)
                 c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
                                      causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                                     PINGPONG, N_CONSUMERS, HALF_LAST)
+                                     PINGPONG, N_CONSUMERS)
             qi += 1
     else:
         ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
@@ -628,7 +516,7 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
                 mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
                 c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
                                      causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                                     PINGPONG, N_CONSUMERS, HALF_LAST)
+                                     PINGPONG, N_CONSUMERS)
                 qi += 1
     if not IS_VARLEN:
         tma.store_wait(0)  # the last item's output has left o_smem
@@ -642,7 +530,6 @@ def _attn_fwd_gluon(
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr,
-    HALF_LAST: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `_item` hands them out (causal: in pairs). num_warps=4: the producer; the N_CONSUMERS (2 or
@@ -713,20 +600,20 @@ def _attn_fwd_gluon(
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
                          Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, HALF_LAST)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, HALF_LAST)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, HALF_LAST)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
                          Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, HALF_LAST)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, HALF_LAST)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -810,7 +697,6 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     if units >= UNIT_LIMIT:
         raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
     config = dict(config)
-    config.setdefault("HALF_LAST", False)
     persistent = config.pop("PERSISTENT")
     grid = (min(units, sms) if persistent else units, 1, 1)
     ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
