@@ -653,12 +653,10 @@ _G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)  # 192-row items, as FlashAtten
 GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
     # explore7/gluon_2b6137fa8c9f.json also tried one program per item, 64-key tiles, ping-pong
     # explore8/gluon_72e8c4a825c2.json also tried items one at a time from a static schedule (unpaired)
-    # explore9/gluon_a99806d25f61.json the dynamic schedule on dense batches; explore13 the last tile on its first half
-    # explore13: ROWSUM, the softmax's row sums on the tensor cores (P times a tile of ones) instead of FADDs
-    128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "rowsum": dict(_G, ROWSUM=True)},
+    128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "dynamic": dict(_G, CAUSAL_PAIRS=False, DYNAMIC=True),
+          "q2_dynamic": dict(_G, Q_BUFFERS=2, CAUSAL_PAIRS=False, DYNAMIC=True)},
     # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles
-    64: {"persist": _G, "c3": _G3, "c3_q2": dict(_G3, Q_BUFFERS=2), "rowsum": dict(_G, ROWSUM=True),
-         "c3_rowsum": dict(_G3, ROWSUM=True)}}
+    64: {"persist": _G, "c3": _G3, "c3_q2": dict(_G3, Q_BUFFERS=2)}}
 GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),
     # GQA, and more items than SMs (persistent programs take several)
     (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),

@@ -42,10 +42,6 @@ CONFIGS = {
     "varlen, dynamic schedule, two Q slots": {**configs.gluon_varlen_config(128, 4096, 4096, True), "Q_BUFFERS": 2},
     "three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160},
     "three consumers, 64-key tiles": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "BLOCK_N": 64, "NUM_BUFFERS": 4},
-    "row sums on the tensor cores": {**_BASE, "ROWSUM": True},
-    "row sums on the tensor cores, three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "ROWSUM": True},
-    "row sums on the tensor cores, varlen dispatch": {**configs.gluon_varlen_config(128, 4096, 4096, True),
-                                                       "ROWSUM": True},
 }
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): one token, odd lengths, Sq != Sk both ways (bottom-right causal
 # leaves rows with no key), GQA, more items than SMs (a persistent program takes several, some with no key), and
@@ -107,8 +103,7 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, device,
 @hopper_only
 @pytest.mark.parametrize("name", ["default", "one program per item", "three consumers", "two Q buffers",
                                   "causal items one at a time", "varlen dispatch", "varlen, static schedule",
-                                  "varlen, dynamic schedule, two Q slots", "row sums on the tensor cores",
-                                  "row sums on the tensor cores, varlen dispatch"])
+                                  "varlen, dynamic schedule, two Q slots"])
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 def test_gluon_kernel_varlen(name, causal, bottom_right, device):
     """Packed sequences (empty, one token, Sq != Sk, longer than a tile, GQA) against float64 per sequence. The

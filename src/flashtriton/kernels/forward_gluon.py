@@ -41,8 +41,7 @@ from .common import LOG2E
 from .launch import launch
 
 ROWS = gl.constexpr(64)  # rows per consumer warpgroup: wgmma's M; an item has ROWS * N_CONSUMERS rows
-WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
-ONES_COLS = gl.constexpr(16)  # ROWSUM: columns of the ones tile (wgmma's smallest useful N for 16-bit inputs)  # which 64 rows a consumer warpgroup owns
+WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
 L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the causal schedule keeps in use at once (L2: 50-60 MB)
 
 
@@ -348,10 +347,9 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
-                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, ROWSUM: gl.constexpr = False):
+                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Fold raw scores s (ROWS, BLOCK_N) of keys [n, n + BLOCK_N) into (m_i, l_i): (p, alpha, m_new, l_new).
-    Only tiles that reach past the keys or, causal, past the first row's diagonal pay for the mask. ROWSUM: the
-    row sums come from the tensor cores (`_attend`), l_i is passed through."""
+    Only tiles that reach past the keys or, causal, past the first row's diagonal pay for the mask."""
     need_mask = n + BLOCK_N > seqlen_k
     if IS_CAUSAL:
         need_mask = need_mask | (n + BLOCK_N - 1 > row0 + causal_offset)
@@ -366,21 +364,16 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * qk_scale - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
-    if ROWSUM:
-        l_new = l_i
-    else:
-        l_new = l_i * alpha + gl.sum(p, 1)
+    l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
 def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles, row0, seqlen_k,
             causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
-            ones, ROWSUM: gl.constexpr):
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1):
-    (acc, m_i, l_i, next tile, next turn). ROWSUM: the softmax's row sums come from the tensor cores, P times
-    `ones` (a (BLOCK_N, 16) tile of ones in shared memory) accumulated beside P V, instead of a FADD per score."""
+    (acc, m_i, l_i, next tile, next turn)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -390,9 +383,6 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    if ROWSUM:
-        l_layout: gl.constexpr = wgmma_layout(ONES_COLS)
-        acc_l = gl.zeros([ROWS, ONES_COLS], gl.float32, l_layout)
 
     # Tile 0: scores and softmax; its P V is issued with the next tile's scores.
     stage = c % NUM_BUFFERS
@@ -404,7 +394,7 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, row0, rows, seqlen_k, causal_offset, qk_scale, IS_CAUSAL,
-                                       BLOCK_N, s_layout, ROWSUM)
+                                       BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_tiles):
@@ -416,21 +406,12 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
         s_tok = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
         acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        if ROWSUM:
-            l_tok = warpgroup_mma(p_op, ones, acc_l, is_async=True)
-            _pass_turn(turn, WG, PINGPONG)
-            s = warpgroup_mma_wait(2, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} and its row sums may still run
-        else:
-            _pass_turn(turn, WG, PINGPONG)
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
+        _pass_turn(turn, WG, PINGPONG)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, rows, seqlen_k, causal_offset, qk_scale,
-                                           IS_CAUSAL, BLOCK_N, s_layout, ROWSUM)
-        if ROWSUM:
-            acc, acc_l, p_op = warpgroup_mma_wait(0, deps=(acc_tok, l_tok, p_op))
-            acc_l = acc_l * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-        else:
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+                                           IS_CAUSAL, BLOCK_N, s_layout)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -438,14 +419,8 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
     _wait_v(v_ready, v_fixed, stage, ((c + n_tiles - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
     g = _take_turn(turn, g, WG, PINGPONG)
     acc_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-    if ROWSUM:
-        l_tok = warpgroup_mma(p_op, ones, acc_l, is_async=True)
-        _pass_turn(turn, WG, PINGPONG)
-        acc, acc_l, p_op = warpgroup_mma_wait(0, deps=(acc_tok, l_tok, p_op))
-        l_i = gl.convert_layout(gl.max(acc_l, 1), gl.SliceLayout(1, s_layout))  # every column holds the row sum
-    else:
-        _pass_turn(turn, WG, PINGPONG)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+    _pass_turn(turn, WG, PINGPONG)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
     mbarrier.arrive(v_empty.index(stage), count=1)
     return acc, m_i, l_i, c + n_tiles, g
 
@@ -453,12 +428,11 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
 @gluon.jit
 def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles,
                   WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr,
-                  ROWSUM: gl.constexpr):
+                  BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
     """One item's rows of this warpgroup, its Q landed in slot qs: attend, release the slot, store out and lse.
     Returns the ring's next tile and the next ping-pong turn."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
-     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, ones) = shared
+     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
@@ -468,7 +442,7 @@ def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, se
     if n_tiles > 0:
         acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
                                       g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL,
-                                      IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG, ones.index(WG), ROWSUM)
+                                      IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
     else:  # causal with Sq > Sk: rows that see no key
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -501,18 +475,14 @@ def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, se
 def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
               PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
-              DYNAMIC: gl.constexpr, ROWSUM: gl.constexpr):
+              DYNAMIC: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
     kernel's `consumer_args`). The output leaves through o_smem and a TMA store (dense: rows past the sequence
     are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would write the next
     sequence's rows). DYNAMIC: the items the producer posts in the Q slots, until one says there are no more."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
-     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, ones) = shared
+     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
-    if ROWSUM:  # this warpgroup's tile of ones (B operand of the row-sum matmul)
-        fill: gl.constexpr = gl.BlockedLayout([1, ONES_COLS // 2], [16, 2], [4, 1], [1, 0])
-        ones.index(WG).store(gl.full([BLOCK_N, ONES_COLS], 1.0, q_bufs.dtype, fill))
-        fence_async_shared()
     c = 0  # K/V tiles consumed, over all items
     g = 0  # ping-pong turns taken
     qi = 0  # items with rows
@@ -530,7 +500,7 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
                                                            BLOCK_M, BLOCK_N)
                 c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
                                      causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                                     PINGPONG, N_CONSUMERS, ROWSUM)
+                                     PINGPONG, N_CONSUMERS)
             qi += 1
     else:
         ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
@@ -546,7 +516,7 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
                 mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
                 c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
                                      causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                                     PINGPONG, N_CONSUMERS, ROWSUM)
+                                     PINGPONG, N_CONSUMERS)
                 qi += 1
     if not IS_VARLEN:
         tma.store_wait(0)  # the last item's output has left o_smem
@@ -560,7 +530,6 @@ def _attn_fwd_gluon(
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr,
-    ROWSUM: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `_item` hands them out (causal: in pairs). num_warps=4: the producer; the N_CONSUMERS (2 or
@@ -588,11 +557,6 @@ def _attn_fwd_gluon(
     v_fixed = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    if ROWSUM:  # a (BLOCK_N, ONES_COLS) tile of ones per consumer: the row sums' B operand
-        ones = gl.allocate_shared_memory(dtype, [N_CONSUMERS, BLOCK_N, ONES_COLS],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, ONES_COLS], dtype))
-    else:
-        ones = q_bufs  # unused
     if DYNAMIC:  # the items the producer posts to the consumers, one slot per Q slot
         slots = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
@@ -629,27 +593,27 @@ def _attn_fwd_gluon(
     producer_args = (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
                      k_empty, v_empty, items, n_items, group_size, slots, COUNTER)
     consumer_args = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn,
-                     desc_o, O, LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, ones)
+                     desc_o, O, LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots)
     # One list per consumer count (a kernel cannot hold a function in a variable, nor grow a list in a loop).
     if N_CONSUMERS == 3:
         gl.warp_specialize([
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
                          Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, ROWSUM)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, ROWSUM)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, ROWSUM)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
                          Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, ROWSUM)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, ROWSUM)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -708,8 +672,7 @@ def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen
     q = config["Q_BUFFERS"] * rows * head_dim
     kv = 2 * config["NUM_BUFFERS"] * config["BLOCK_N"] * head_dim
     o = 0 if varlen else rows * head_dim
-    ones = config["N_CONSUMERS"] * config["BLOCK_N"] * ONES_COLS.value if config.get("ROWSUM") else 0
-    return elem_bytes * (q + kv + o + ones)
+    return elem_bytes * (q + kv + o)
 
 
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,
@@ -734,7 +697,6 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     if units >= UNIT_LIMIT:
         raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
     config = dict(config)
-    config.setdefault("ROWSUM", False)
     persistent = config.pop("PERSISTENT")
     grid = (min(units, sms) if persistent else units, 1, 1)
     ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
