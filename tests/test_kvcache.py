@@ -659,9 +659,12 @@ def test_repeated_split_calls_reuse_zeroed_ticket_counters():
 
 
 @pytest.mark.gpu
-def test_decode_in_a_cuda_graph():
+@pytest.mark.parametrize("schedule,num_splits", [("grid", 8), ("stream", 0)])
+def test_decode_in_a_cuda_graph(schedule, num_splits, monkeypatch):
     """Capture decode steps (append + split-KV attention) in a CUDA graph and replay them: the captured
-    launch gets its own counters (zeroed inside the graph), and replays match eager calls."""
+    launch gets its own counters (zeroed inside the graph), and replays match eager calls; under both
+    schedules (the stream schedule reads the cache lengths on the GPU, so a replay needs no host value)."""
+    monkeypatch.setattr(configs, "DECODE_SCHEDULE", schedule)
     q, k_cache, v_cache, seqlens = _decode_inputs(batch=4, heads_q=32, heads_kv=8, head_dim=128, capacity=8192)
     seqlens = torch.tensor([8000, 1, 4096, 7000], dtype=torch.int32, device="cuda")
     k_new = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.float16)
@@ -669,18 +672,18 @@ def test_decode_in_a_cuda_graph():
     kc, vc = k_cache.clone(), v_cache.clone()
     stream = torch.cuda.Stream()
     with torch.no_grad(), torch.cuda.stream(stream):
-        flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, num_splits=8)  # warm up, compile
+        flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, num_splits=num_splits)  # compile
         torch.cuda.synchronize()
         kc.copy_(k_cache), vc.copy_(v_cache)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            captured = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, num_splits=8)
+            captured = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, num_splits=num_splits)
         kc.copy_(k_cache), vc.copy_(v_cache)
         graph.replay()
         torch.cuda.synchronize()
         replayed = captured.clone()
         kc2, vc2 = k_cache.clone(), v_cache.clone()
-        eager = flash_attn_with_kvcache(q, kc2, vc2, k_new, v_new, cache_seqlens=seqlens, num_splits=8)
+        eager = flash_attn_with_kvcache(q, kc2, vc2, k_new, v_new, cache_seqlens=seqlens, num_splits=num_splits)
         torch.cuda.synchronize()
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert torch.equal(replayed, eager)

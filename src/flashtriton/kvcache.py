@@ -122,7 +122,10 @@ def flash_attn_with_kvcache(
 
     Split-KV: the keys of each sequence are cut into `num_splits` chunks read by parallel programs, whose
     partial results are merged through their log-sum-exps ("flash-decoding"), so a small batch still fills
-    the GPU.
+    the GPU. With num_splits=0, batches of several sequences with long caches (>= 32k keys) take the stream
+    schedule instead: all the batch's key tiles, counted from cache_seqlens on the GPU, are cut into equal
+    ranges, one per program, so that sequences of different lengths leave no program idle
+    (`FLASHTRITON_DECODE_SCHEDULE=grid|stream|auto` overrides the choice).
 
     Under torch.compile / torch.export the call is the op torch.ops.flashtriton.kvcache, which updates the caches
     in place: a decode step compiles with fullgraph=True.
@@ -161,7 +164,7 @@ def flash_attn_with_kvcache(
         window_size, softcap, alibi_slopes: not supported yet; any non-default value raises
             NotImplementedError.
         num_splits: int. If > 1, split each sequence's keys into this many chunks (at most 128). If 1, no
-            split. If 0 (default), chosen from the shape and the GPU's SM count.
+            split. If 0 (default), chosen from the shape and the GPU's SM count (or the stream schedule above).
         return_softmax_lse: bool. Whether to also return the log-sum-exp of the attention scores.
 
     Dtypes: q, k_cache, v_cache, k, v all fp16, all bf16 or all fp32 (fp32 accumulation); headdim 1..256.
