@@ -17,6 +17,7 @@ from flashtriton import bench, bench_core as C, bench_providers as P, bench_repo
 from flashtriton.reference import attention_reference
 
 CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
 
 
 def parse(argv):
@@ -229,15 +230,16 @@ def test_decode_suite_bandwidth_and_skips():
     args = parse(["--suite", "decode", "--decode-batches", "2", "--decode-seqlens", "100,300",
                   "--decode-heads", "4,2", "--decode-head-dim", "16", "--max-cache-gib", str(40000 / 2**30),
                   "--providers", "flashtriton,sdpa_math,sdpa_cudnn", *TINY])
-    rows = S.run_decode(args, C.environment(), copy_gbps=1.0)
+    rows = S.run_decode(args, C.environment(), {"copy": 1.0, "read": 2.0})
     by = {(r["provider"], r["T_k"]): r for r in rows}
     ours = by[("flashtriton", 100)]
     assert ours["status"] == "ok" and ours["check_passed"]
     assert ours["gbps"] == pytest.approx(2 * 2 * 100 * 2 * 16 * 2 / ours["ms_p50"] / 1e6)
     assert ours["extra"]["pct_of_copy"] == pytest.approx(100 * ours["gbps"])
+    assert ours["extra"]["pct_of_read"] == pytest.approx(50 * ours["gbps"])
     assert by[("sdpa_math", 100)]["status"] == "ok"
     assert all(by[(p, 300)]["status"] == "skipped" for p in ("flashtriton", "sdpa_math"))  # over --max-cache-gib
-    assert "ours % of copy" in R.decode_table(rows)
+    assert "ours % of copy" in R.decode_table(rows) and "ours % of read" in R.decode_table(rows)
 
 
 def test_main_writes_rows_and_plots(tmp_path, capsys):
@@ -274,11 +276,22 @@ def test_python_m_bench_restarts_with_interpreter(tmp_path):
 
 def test_ceilings_rows():
     rows = S.run_ceilings(parse(TINY), C.environment(), copy_elems=1 << 16, matmul_n=64)
-    copy, mm16, mm_bf16 = rows
+    copy, read_torch, read_triton, mm16, mm_bf16 = rows
     assert copy["op"] == "copy" and copy["status"] == "ok"
     assert copy["gbps"] == pytest.approx(2 * 2 * (1 << 16) / copy["ms_p50"] / 1e6)
+    assert {read_torch["provider"], read_triton["provider"]} == {"torch", "triton"}
+    assert read_triton["gbps"] == pytest.approx(2 * (1 << 16) / read_triton["ms_p50"] / 1e6)
+    assert S.ceiling_gbps(rows) == {"copy": copy["gbps"], "read": max(read_torch["gbps"], read_triton["gbps"])}
     assert mm16["tflops"] == pytest.approx(2 * 64 ** 3 / mm16["ms_p50"] / 1e9) and mm_bf16["dtype"] == "bf16"
-    assert "copy" in R.ceilings_text(rows) and "matmul" in R.ceilings_text(rows)
+    assert all(word in R.ceilings_text(rows) for word in ("copy", "read", "matmul"))
+
+
+def test_stream_read_reads_every_element():
+    """The read ceiling's kernel sums the whole buffer (a length that is not a multiple of its step)."""
+    x = torch.randn(100_003, dtype=torch.float16, device=DEVICE)
+    sums = torch.empty(6, dtype=torch.float32, device=DEVICE)
+    S._stream_read[(6,)](x, sums, x.numel(), BLOCK=1024, UNROLL=2, num_warps=4)
+    assert sums.sum().item() == pytest.approx(x.float().sum().item(), abs=1e-2)
 
 
 def test_sdpa_backend_is_chosen_once_around_the_timing_not_per_call(monkeypatch):

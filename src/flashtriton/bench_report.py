@@ -129,11 +129,13 @@ def decode_table(rows) -> str:
         speeds = {p: r["gbps"] for p, r in by_provider.items() if r["status"] == "ok" and r["gbps"]}
         ours = speeds.get(OURS)
         others = [s for p, s in speeds.items() if p != OURS]
-        pct = by_provider.get(OURS, {}).get("extra", {}).get("pct_of_copy") if OURS in by_provider else None
+        extra = by_provider.get(OURS, {}).get("extra") or {}
         body.append([*key] + [_cell(r, lambda r: _num(r["gbps"])) if r else "" for r in
                               (by_provider.get(p) for p in providers)]
-                    + [_fmt(pct, ".0f"), _ratio(ours, max(others) if others else None)])
-    header = ["dtype", "B", "Hq", "Hkv", "D", "cache"] + providers + ["ours % of copy", "ours/best_other"]
+                    + [_fmt(extra.get("pct_of_copy"), ".0f"), _fmt(extra.get("pct_of_read"), ".0f"),
+                       _ratio(ours, max(others) if others else None)])
+    header = (["dtype", "B", "Hq", "Hkv", "D", "cache"] + providers
+              + ["ours % of copy", "ours % of read", "ours/best_other"])
     notes = _notes(rows)
     return ("decode: GB/s = bytes of K and V read / median time; one query token, full caches\n"
             + _markdown(header, body) + ("\n\n" + notes if notes else ""))
@@ -144,9 +146,11 @@ def ceilings_text(rows) -> str:
     for r in rows:
         if r["op"] == "copy" and r["status"] == "ok":
             parts.append(f"device-to-device copy {r['gbps']:.0f} GB/s (read + write)")
+        elif r["op"] == "read" and r["status"] == "ok":
+            parts.append(f"read {r['gbps']:.0f} GB/s ({r['provider']})")
         elif r["op"] == "matmul" and r["status"] == "ok":
             parts.append(f"{r['dtype']} matmul 8192³ {r['tflops']:.0f} TFLOP/s")
-        elif r["op"] in ("copy", "matmul"):
+        elif r["op"] in ("copy", "read", "matmul"):
             parts.append(f"{r['op']} {r.get('dtype') or ''}: {r['error']}")
     return "ceilings: " + "; ".join(parts) if parts else ""
 

@@ -7,8 +7,9 @@
   causal=1 their outputs on real tokens are exactly the varlen ones (and are checked), with causal=0 not.
 - `decode`: one query token against a KV cache (`flash_attn_with_kvcache`, GQA 32/8, D=128) against torch
   SDPA with enable_gqa on the same cache in (B, Hkv, S, D); GB/s = bytes of K and V read / time, next to the
-  device's copy bandwidth measured in the same run.
-- ceilings: device-to-device copy bandwidth (read + write) and an 8192³ matmul per dtype.
+  device's copy and read bandwidths measured in the same run.
+- ceilings: device-to-device copy bandwidth (read + write), read bandwidth (the faster of torch's sum and a
+  Triton kernel that streams the buffer; decoding only reads) and an 8192³ matmul per dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from tqdm import tqdm
 
 from . import bench_core as C
@@ -30,16 +33,41 @@ VARLEN_PROVIDERS = {  # varlen provider -> the --providers name that selects it
 DECODE_PROVIDERS = ("flashtriton", "flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
 
 
+def ceiling_gbps(rows) -> dict:
+    """{"copy": the copy rate, "read": the faster reader} of `run_ceilings` rows (None where missing)."""
+    copy = [r["gbps"] for r in rows if r["op"] == "copy" and r["status"] == "ok"]
+    read = [r["gbps"] for r in rows if r["op"] == "read" and r["status"] == "ok"]
+    return {"copy": copy[0] if copy else None, "read": max(read) if read else None}
+
+
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 # ----------------------------------------------------------------------------------------------------------
 # ceilings
 # ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _stream_read(X, OUT, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    """Sum X[0:n) (fp16) into OUT[program]: each program reads UNROLL blocks of BLOCK per step, the programs
+    interleaved over the buffer; the sum keeps the loads from being removed."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid * BLOCK * UNROLL, n, tl.num_programs(0) * BLOCK * UNROLL):
+        for u in tl.static_range(UNROLL):
+            offs = start + u * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(X + offs, mask=offs < n, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(OUT + pid, tl.sum(acc, 0))
+
+
 def run_ceilings(args, env, copy_elems: int = 1 << 30, matmul_n: int = 8192) -> list[dict]:
-    """Device-to-device copy of `copy_elems` fp16 values (2 GiB; GB/s counts read + write) and an
-    n x n x n matmul per dtype (TFLOP/s = 2n³ / time), measured like everything else."""
+    """Device-to-device copy of `copy_elems` fp16 values (2 GiB; GB/s counts read + write), reading them (torch's
+    sum and `_stream_read`; GB/s counts the bytes read) and an n x n x n matmul per dtype (TFLOP/s = 2n³ / time),
+    measured like everything else."""
     device, rows = _device(), []
     try:
         src = torch.randn(copy_elems, device=device, dtype=torch.float16)
@@ -49,7 +77,18 @@ def run_ceilings(args, env, copy_elems: int = 1 << 30, matmul_n: int = 8192) -> 
         rows.append(C.make_row(env, op="copy", suite="ceiling", mode="d2d", provider="torch", dtype="fp16",
                                ms_p20=ms[0], ms_p50=ms[1], ms_p80=ms[2], gbps=moved / ms[1] / 1e6, status="ok",
                                extra={"bytes_read_plus_written": moved}))
-        del src, dst
+        del dst
+        read = src.numel() * src.element_size()
+        sums = torch.empty(_num_sms(device) * 4, device=device, dtype=torch.float32)
+        readers = {"torch": lambda: src.sum(dtype=torch.float32),
+                   "triton": lambda: _stream_read[(sums.numel(),)](src, sums, src.numel(), BLOCK=4096, UNROLL=4,
+                                                                  num_warps=8)}
+        for name, fn in readers.items():
+            ms = C.time_fn(fn, args.warmup, args.rep)
+            rows.append(C.make_row(env, op="read", suite="ceiling", mode="read", provider=name, dtype="fp16",
+                                   ms_p20=ms[0], ms_p50=ms[1], ms_p80=ms[2], gbps=read / ms[1] / 1e6, status="ok",
+                                   extra={"bytes_read": read}))
+        del src, sums
     except Exception as exc:  # noqa: BLE001
         rows.append(C.make_row(env, op="copy", suite="ceiling", mode="d2d", provider="torch", dtype="fp16",
                                status="error", error=C.short_error(exc)))
@@ -215,7 +254,9 @@ def _kvcache_function():
     return flash_attn_with_kvcache
 
 
-def run_decode(args, env, copy_gbps: float | None = None, sink=None) -> list[dict]:
+def run_decode(args, env, ceilings: dict | None = None, sink=None) -> list[dict]:
+    """The decode suite; `ceilings` {"copy": GB/s, "read": GB/s} of the same run (`ceiling_gbps`) put each row's
+    bandwidth beside the device's (extra pct_of_copy, pct_of_read)."""
     device = _device()
     kvcache = _kvcache_function()
     chosen = P.parse_providers(args.providers)
@@ -237,7 +278,7 @@ def run_decode(args, env, copy_gbps: float | None = None, sink=None) -> list[dic
                               error=f"cache {kv_bytes / P.GIB:.0f} GiB > --max-cache-gib") for p in providers]
         else:
             try:
-                new = _decode_one(args, env, kvcache, providers, base, dtype, kv_bytes, copy_gbps, device, bar)
+                new = _decode_one(args, env, kvcache, providers, base, dtype, kv_bytes, ceilings or {}, device, bar)
             except Exception as exc:  # noqa: BLE001  (inputs or reference out of memory: every provider says so)
                 new = [C.make_row(env, **base, mode="fwd", provider=p, status="error", error=C.short_error(exc))
                        for p in providers]
@@ -246,7 +287,7 @@ def run_decode(args, env, copy_gbps: float | None = None, sink=None) -> list[dic
     return rows
 
 
-def _decode_one(args, env, kvcache, providers, base, dtype, kv_bytes, copy_gbps, device, bar=None) -> list[dict]:
+def _decode_one(args, env, kvcache, providers, base, dtype, kv_bytes, ceilings, device, bar=None) -> list[dict]:
     B, Hq, Hkv, S, D = base["B"], base["H"], base["H_kv"], base["T_k"], base["D"]
     gen = torch.Generator(device=device).manual_seed(args.seed)
     q = torch.randn(B, 1, Hq, D, device=device, dtype=dtype, generator=gen)  # (B, 1, Hq, D)
@@ -298,8 +339,9 @@ def _decode_one(args, env, kvcache, providers, base, dtype, kv_bytes, copy_gbps,
         for r in new:
             if r["ms_p50"]:
                 r["gbps"] = kv_bytes / r["ms_p50"] / 1e6
-                if copy_gbps:
-                    r["extra"]["pct_of_copy"] = 100.0 * r["gbps"] / copy_gbps
+                for name, gbps in ceilings.items():
+                    if gbps:
+                        r["extra"][f"pct_of_{name}"] = 100.0 * r["gbps"] / gbps
         report_problems(new, bar)
         rows += new
     del q, k_cache, v_cache, bhsd
