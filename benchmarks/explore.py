@@ -656,7 +656,7 @@ GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.p
     128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "dynamic": dict(_G, CAUSAL_PAIRS=False, DYNAMIC=True),
           "q2_dynamic": dict(_G, Q_BUFFERS=2, CAUSAL_PAIRS=False, DYNAMIC=True)},
     # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles
-    64: {"persist": _G, "c3": _G3, "c3_q2": dict(_G3, Q_BUFFERS=2)}}
+    64: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "c3_q2": dict(_G3, Q_BUFFERS=2)}}
 GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),
     # GQA, and more items than SMs (persistent programs take several)
     (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),
