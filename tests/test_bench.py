@@ -249,7 +249,8 @@ def test_main_writes_rows_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ours/best_other" in out and "sdpa_math" in out and "CUDA only" in out or CUDA
     rows = json.loads((tmp_path / "bench.json").read_text())
-    assert {r["provider"] for r in rows} == {"flashtriton", "sdpa_math", "sdpa_cudnn"} | ({"torch"} if CUDA else set())
+    ceilings = {"torch", "triton"} if CUDA else set()  # copy, read (torch's sum, the Triton stream), matmuls
+    assert {r["provider"] for r in rows} == {"flashtriton", "sdpa_math", "sdpa_cudnn"} | ceilings
     assert all(list(r) == C.ROW_FIELDS for r in rows)
     assert rows[0]["flashtriton"] == flashtriton.__version__ and rows[0]["git_sha"]
     assert (tmp_path / "bench.csv").exists() and (tmp_path / "standard_fwd_fp16.png").stat().st_size > 1000
