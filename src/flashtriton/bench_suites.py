@@ -78,20 +78,26 @@ def run_ceilings(args, env, copy_elems: int = 1 << 30, matmul_n: int = 8192) -> 
                                ms_p20=ms[0], ms_p50=ms[1], ms_p80=ms[2], gbps=moved / ms[1] / 1e6, status="ok",
                                extra={"bytes_read_plus_written": moved}))
         del dst
+    except Exception as exc:  # noqa: BLE001
+        rows.append(C.make_row(env, op="copy", suite="ceiling", mode="d2d", provider="torch", dtype="fp16",
+                               status="error", error=C.short_error(exc)))
+        src = None
+    if src is not None:
         read = src.numel() * src.element_size()
         sums = torch.empty(_num_sms(device) * 4, device=device, dtype=torch.float32)
         readers = {"torch": lambda: src.sum(dtype=torch.float32),
                    "triton": lambda: _stream_read[(sums.numel(),)](src, sums, src.numel(), BLOCK=4096, UNROLL=4,
                                                                   num_warps=8)}
         for name, fn in readers.items():
-            ms = C.time_fn(fn, args.warmup, args.rep)
-            rows.append(C.make_row(env, op="read", suite="ceiling", mode="read", provider=name, dtype="fp16",
-                                   ms_p20=ms[0], ms_p50=ms[1], ms_p80=ms[2], gbps=read / ms[1] / 1e6, status="ok",
-                                   extra={"bytes_read": read}))
+            try:
+                ms = C.time_fn(fn, args.warmup, args.rep)
+                rows.append(C.make_row(env, op="read", suite="ceiling", mode="read", provider=name, dtype="fp16",
+                                       ms_p20=ms[0], ms_p50=ms[1], ms_p80=ms[2], gbps=read / ms[1] / 1e6,
+                                       status="ok", extra={"bytes_read": read}))
+            except Exception as exc:  # noqa: BLE001  (a read failing is reported as that read, not as the copy)
+                rows.append(C.make_row(env, op="read", suite="ceiling", mode="read", provider=name, dtype="fp16",
+                                       status="error", error=C.short_error(exc)))
         del src, sums
-    except Exception as exc:  # noqa: BLE001
-        rows.append(C.make_row(env, op="copy", suite="ceiling", mode="d2d", provider="torch", dtype="fp16",
-                               status="error", error=C.short_error(exc)))
     C.free_memory()
     for dt in ("fp16", "bf16"):
         try:

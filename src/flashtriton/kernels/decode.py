@@ -309,10 +309,10 @@ def _decode_stream(
     BLOCK_B: tl.constexpr,  # next power of two >= BATCH
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (programs,): the key tiles of every unit (b, hk, m), laid end to end in that order (each unit
+    """Grid (programs, 1, 1): the key tiles of every unit (b, hk, m), laid end to end in that order (each unit
     cdiv(keys of sequence b, BLOCK_N) tiles, at least one), are cut into one equal range per program, so that
-    every program reads the same number of tiles whatever the batch and the lengths (the split grid leaves SMs
-    idle when B·Hkv·splits is not a multiple of the SM count). A program attends each unit its range touches:
+    every program reads the same number of tiles whatever the lengths (the split grid gives every sequence the same
+    number of programs, which are as unequal as the lengths). A program attends each unit its range touches:
     a unit wholly inside the range is written out; a unit shared with other programs leaves a partial result
     (the program's first or last unit: slot 0 or 1 of its two) and a ticket, and the program that takes the
     last ticket merges the unit's partials and resets the counter. Lengths come from CACHE_SEQLENS on the GPU
@@ -761,14 +761,20 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     rows = seqlen_q * group
     block_m = decode_block_m(rows)
     m_tiles = configs.cdiv(rows, block_m)
+    units = batch * heads_kv * m_tiles
     block_d = configs.padded_head_dim(head_dim)
     config = dict(config) if config is not None else None
     if config is None and not autotune:
-        config = configs.default_decode_config(block_d, dtype.itemsize, batch * heads_kv * m_tiles, num_sms, max_seqlen_k)
+        config = configs.default_decode_config(block_d, dtype.itemsize, units, num_sms, max_seqlen_k)
     capacity = max_pages * cache_shape[1] if paged else cache_shape[1]
     out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
     lse_strides = (heads_q * seqlen_q, 1, seqlen_q) if return_lse else (0, 0, 0)  # (B, Hq, Sq): b, row, head
-    units = batch * heads_kv * m_tiles
+    strides = (*q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb)
+    common = dict(  # the constexprs both kernels take
+        GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal, PAGED=paged,
+        PAGE_SIZE=cache_shape[1] if paged else 1, HAS_BATCH_IDX=has_batch_idx, STORE_LSE=return_lse,
+        UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], BLOCK_M=block_m,
+    )
     if num_splits == 0:
         per_sm = configs.decode_programs_per_sm(config, block_d, block_m, dtype.itemsize)
         block_n = config["BLOCK_N"] if config else 128
@@ -778,31 +784,17 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
             programs = stream_programs(units, max_seqlen_k, num_sms, block_n, per_sm, batch,
                                        force=schedule == "stream")
         if programs:
-            ints = (*q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb,
-                    heads_kv, seqlen_q, batch, seqlen_new, capacity, cache_shape[0])
-            meta = dict(GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal, PAGED=paged,
-                        PAGE_SIZE=cache_shape[1] if paged else 1, HAS_BATCH_IDX=has_batch_idx,
-                        STORE_LSE=return_lse, UPCAST_DOT=dot_settings(dtype)[0],
-                        DOT_PRECISION=dot_settings(dtype)[1], BLOCK_B=configs.next_power_of_2(batch),
-                        BLOCK_M=block_m, **config)
+            ints = (*strides, heads_kv, seqlen_q, batch, seqlen_new, capacity, cache_shape[0])
+            meta = dict(common, BLOCK_B=configs.next_power_of_2(batch), **config)
             return _Plan((programs, 1, 1), programs * 2 * block_m, block_d + PART_PAD.value, units, ints, meta, False,
                          stream=True)
     num_splits = max(1, int(num_splits))
     split_kv = num_splits > 1
-    ints = (
-        *q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb,
-        heads_kv, seqlen_q, num_splits, seqlen_new, capacity, cache_shape[0],
-        configs.seqlen_bucket(configs.cdiv(max(max_seqlen_k, 1), num_splits)),
-    )
-    meta = dict(
-        GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        IS_CAUSAL=causal, PAGED=paged, PAGE_SIZE=cache_shape[1] if paged else 1,
-        HAS_BATCH_IDX=has_batch_idx, SPLIT_KV=split_kv, STORE_LSE=return_lse,
-        SPLITS_P2=configs.next_power_of_2(num_splits) if split_kv else 1,
-        UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], BLOCK_M=block_m,
-    )
+    ints = (*strides, heads_kv, seqlen_q, num_splits, seqlen_new, capacity, cache_shape[0],
+            configs.seqlen_bucket(configs.cdiv(max(max_seqlen_k, 1), num_splits)))
+    meta = dict(common, SPLIT_KV=split_kv, SPLITS_P2=configs.next_power_of_2(num_splits) if split_kv else 1)
     if config is not None:
         meta.update(config)
     part_rows = batch * seqlen_q * heads_q * num_splits if split_kv else 0
-    return _Plan((batch * heads_kv, num_splits, m_tiles), part_rows, block_d + PART_PAD.value,
-                 batch * heads_kv * m_tiles, ints, meta, config is None)
+    return _Plan((batch * heads_kv, num_splits, m_tiles), part_rows, block_d + PART_PAD.value, units, ints, meta,
+                 config is None)
