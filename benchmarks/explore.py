@@ -64,7 +64,8 @@ TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128
                     (64, 128, 4, 3), (64, 128, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3), (64, 64, 8, 3),
                     (64, 128, 8, 3)]}
 
-_GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, DYNAMIC=False)
+_GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, DYNAMIC=False,
+           OVERLAP=False)
 GLUON_VARLEN = {"q2_static": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False),
                 "q2_dynamic": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False, DYNAMIC=True),
                 "q1_dynamic": dict(_GV, Q_BUFFERS=1, CAUSAL_PAIRS=False, DYNAMIC=True)}
@@ -648,15 +649,17 @@ def sweep_tma(opts):
 
 
 _G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, Q_BUFFERS=1,
-          CAUSAL_PAIRS=True, DYNAMIC=False)
+          CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
 _G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)  # 192-row items, as FlashAttention-3 at D = 64
 GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
     # explore7/gluon_2b6137fa8c9f.json also tried one program per item, 64-key tiles, ping-pong
     # explore8/gluon_72e8c4a825c2.json also tried items one at a time from a static schedule (unpaired)
-    128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "dynamic": dict(_G, CAUSAL_PAIRS=False, DYNAMIC=True),
-          "q2_dynamic": dict(_G, Q_BUFFERS=2, CAUSAL_PAIRS=False, DYNAMIC=True)},
+    # explore9/gluon_a99806d25f61.json also tried the dynamic schedule (one or two Q slots)
+    128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "overlap": dict(_G, OVERLAP=True),
+          "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True)},
     # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles
-    64: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "c3_q2": dict(_G3, Q_BUFFERS=2)}}
+    64: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "overlap": dict(_G, OVERLAP=True),
+         "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True)}}
 GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),
     # GQA, and more items than SMs (persistent programs take several)
     (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),
@@ -691,7 +694,7 @@ def sweep_gluon(opts):
                         k, v = (torch.randn(B, Sk, Hkv, D, device=DEV, dtype=DTYPE[dt], generator=g) for _ in range(2))
                         ref, ref_lse = attention_reference(q, k, v, D ** -0.5, causal, bottom_right=bottom_right, return_lse=True)
                         row = dict(check=True, D=D, dtype=dt, causal=causal, bottom_right=bottom_right, shape=[B, Sq, Sk, Hq, Hkv])
-                        for name, c in list(GLUON_CONFIGS[D].items())[:None if dt == "fp16" else 1]:
+                        for name, c in GLUON_CONFIGS[D].items():
                             try:
                                 o, lse = _gluon_forward(q, k, v, causal, c, bottom_right)
                                 torch.cuda.synchronize()

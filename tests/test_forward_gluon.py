@@ -28,7 +28,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 hopper_only = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: sm_90 only (no interpreter)")
 
 _BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
-             Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False)
+             Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
 CONFIGS = {
     "default": _BASE,
     "one program per item": {**_BASE, "PERSISTENT": False},
@@ -42,6 +42,16 @@ CONFIGS = {
     "varlen, dynamic schedule, two Q slots": {**configs.gluon_varlen_config(128, 4096, 4096, True), "Q_BUFFERS": 2},
     "three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160},
     "three consumers, 64-key tiles": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "BLOCK_N": 64, "NUM_BUFFERS": 4},
+    # an item's last P V with the next item's first S (`_consume_overlapped`)
+    "overlap": {**_BASE, "OVERLAP": True},
+    "overlap, two Q buffers": {**_BASE, "OVERLAP": True, "Q_BUFFERS": 2},
+    "overlap, causal items one at a time": {**_BASE, "OVERLAP": True, "CAUSAL_PAIRS": False},
+    "overlap, one program per item": {**_BASE, "OVERLAP": True, "PERSISTENT": False},
+    "overlap, 64-key tiles, 4 stages": {**_BASE, "OVERLAP": True, "BLOCK_N": 64, "NUM_BUFFERS": 4},
+    "overlap, dynamic schedule": {**_BASE, "OVERLAP": True, "CAUSAL_PAIRS": False, "DYNAMIC": True},
+    "varlen dispatch, overlap": {**configs.gluon_varlen_config(128, 4096, 4096, True), "OVERLAP": True},
+    "varlen, overlap, two Q slots": {**configs.gluon_varlen_config(128, 4096, 4096, True), "OVERLAP": True,
+                                     "Q_BUFFERS": 2},
 }
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): one token, odd lengths, Sq != Sk both ways (bottom-right causal
 # leaves rows with no key), GQA, more items than SMs (a persistent program takes several, some with no key), and
@@ -103,7 +113,8 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, device,
 @hopper_only
 @pytest.mark.parametrize("name", ["default", "one program per item", "three consumers", "two Q buffers",
                                   "causal items one at a time", "varlen dispatch", "varlen, static schedule",
-                                  "varlen, dynamic schedule, two Q slots"])
+                                  "varlen, dynamic schedule, two Q slots", "varlen dispatch, overlap",
+                                  "varlen, overlap, two Q slots"])
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 def test_gluon_kernel_varlen(name, causal, bottom_right, device):
     """Packed sequences (empty, one token, Sq != Sk, longer than a tile, GQA) against float64 per sequence. The
@@ -142,7 +153,7 @@ def test_gluon_kernel_varlen(name, causal, bottom_right, device):
 
 @hopper_only
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["varlen dispatch", "varlen, static schedule"])
+@pytest.mark.parametrize("name", ["varlen dispatch", "varlen, static schedule", "varlen dispatch, overlap"])
 def test_gluon_kernel_varlen_many_items_per_program(name, causal, device):
     """More items than programs (each program takes several, from the counter in the dynamic schedule), lengths
     mixed from 1 to 700 with some empty, GQA: every sequence against float64 on two query heads of different kv
@@ -225,6 +236,21 @@ def test_dynamic_schedule_takes_causal_items_one_at_a_time():
     grid, _, meta = G.launch_parts((2, 256, 4, 128), (2, 256, 4, 128), True, True,
                                    {**_BASE, "DYNAMIC": True, "CAUSAL_PAIRS": False}, 132)
     assert meta["DYNAMIC"] and grid == (2 * 4 * 2, 1, 1)  # one program per item up to the SM count
+
+
+def test_overlap_refuses_ping_pong_and_static_varlen_schedules():
+    """OVERLAP's consumer has no ping-pong turns, and on varlen batches it needs the dynamic schedule (a static one
+    has runs of items without rows, which its item walk does not skip)."""
+    with pytest.raises(ValueError, match="OVERLAP"):
+        G.launch_parts((2, 256, 4, 128), (2, 256, 4, 128), True, True, {**_BASE, "OVERLAP": True, "PINGPONG": True},
+                       132)
+    varlen = {**configs.gluon_varlen_config(128, 4096, 4096, True), "OVERLAP": True}
+    with pytest.raises(ValueError, match="OVERLAP"):
+        G.launch_parts((512, 4, 128), (512, 4, 128), True, True, {**varlen, "DYNAMIC": False}, 132, 2, 256, 256)
+    _, _, meta = G.launch_parts((512, 4, 128), (512, 4, 128), True, True, varlen, 132, 2, 256, 256)
+    assert meta["OVERLAP"] and meta["DYNAMIC"]
+    _, _, meta = G.launch_parts((2, 256, 4, 128), (2, 256, 4, 128), True, True, {**_BASE, "OVERLAP": True}, 132)
+    assert meta["OVERLAP"] and meta["CAUSAL_PAIRS"]
 
 
 def test_shared_memory_estimate_and_limit():

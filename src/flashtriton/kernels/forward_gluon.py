@@ -369,22 +369,27 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
 
 
 @gluon.jit
-def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles, row0, seqlen_k,
-            causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
-    """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1):
-    (acc, m_i, l_i, next tile, next turn)."""
+def _first_softmax(s, row0, seqlen_k, causal_offset, qk_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BLOCK_N: gl.constexpr, dtype: gl.constexpr):
+    """An item's first tile of scores s (ROWS, BLOCK_N) from a fresh softmax state: (p_op, m_i, l_i), p_op the
+    P operand of its P V."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = q.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(HEAD_DIM), k_width=2)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, row0, rows, seqlen_k, causal_offset, qk_scale, IS_CAUSAL,
+                                       BLOCK_N, s_layout)
+    return gl.convert_layout(p.to(dtype), p_layout), m_i, l_i
 
-    # Tile 0: scores and softmax; its P V is issued with the next tile's scores.
+
+@gluon.jit
+def _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, causal_offset, qk_scale, WG: gl.constexpr,
+                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                PINGPONG: gl.constexpr):
+    """Tile c of the ring, an item's first: its scores and softmax (its P V goes out with the next tile's
+    scores): (p_op, m_i, l_i, next turn)."""
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, wgmma_layout(BLOCK_N))
     stage = c % NUM_BUFFERS
     mbarrier.wait(k_ready.index(stage), (c // NUM_BUFFERS) & 1)
     g = _take_turn(turn, g, WG, PINGPONG)
@@ -393,10 +398,27 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
     _pass_turn(turn, WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(stage), count=1)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, row0, rows, seqlen_k, causal_offset, qk_scale, IS_CAUSAL,
-                                       BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op, m_i, l_i = _first_softmax(s, row0, seqlen_k, causal_offset, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, q.dtype)
+    return p_op, m_i, l_i, g
 
+
+@gluon.jit
+def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles,
+                row0, seqlen_k, causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                PINGPONG: gl.constexpr):
+    """Tiles c + 1 .. c + n_tiles - 1 of an item whose first tile (c) left (p_op, m_i, l_i): per tile j, S_j and
+    P_{j-1} V_{j-1} as asynchronous wgmmas, S_j's softmax while the second runs (FlashAttention-3's
+    intra-warpgroup overlap). Returns (acc, p_op, m_i, l_i, next turn): acc holds P V of all but the last tile,
+    whose P is p_op."""
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q.dtype
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    stage = c % NUM_BUFFERS
     for j in range(1, n_tiles):
         prev = stage
         stage = (c + j) % NUM_BUFFERS
@@ -415,44 +437,51 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
+    return acc, p_op, m_i, l_i, g
 
-    _wait_v(v_ready, v_fixed, stage, ((c + n_tiles - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
+
+@gluon.jit
+def _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, turn, c, g, WG: gl.constexpr, IS_VARLEN: gl.constexpr,
+             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
+    """acc += P V of ring tile c, an item's last, alone on the tensor cores: (acc, next turn)."""
+    stage = c % NUM_BUFFERS
+    _wait_v(v_ready, v_fixed, stage, (c // NUM_BUFFERS) & 1, IS_VARLEN)
     g = _take_turn(turn, g, WG, PINGPONG)
     acc_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     _pass_turn(turn, WG, PINGPONG)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
     mbarrier.arrive(v_empty.index(stage), count=1)
+    return acc, g
+
+
+@gluon.jit
+def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles, row0, seqlen_k,
+            causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1):
+    (acc, m_i, l_i, next tile, next turn)."""
+    p_op, m_i, l_i, g = _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, causal_offset, qk_scale,
+                                    WG, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
+    acc, p_op, m_i, l_i, g = _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty,
+                                         v_empty, turn, c, g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG,
+                                         IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
+    acc, g = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, turn, c + n_tiles - 1, g, WG, IS_VARLEN, HEAD_DIM,
+                      BLOCK_N, NUM_BUFFERS, PINGPONG)
     return acc, m_i, l_i, c + n_tiles, g
 
 
 @gluon.jit
-def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles,
-                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
-    """One item's rows of this warpgroup, its Q landed in slot qs: attend, release the slot, store out and lse.
-    Returns the ring's next tile and the next ping-pong turn."""
-    (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
-     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
-    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
+def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
+                stride_lb, stride_lh, WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """out = acc / l, lse = m + log(l) of one warpgroup's 64 rows (rows that saw no key: out 0, lse -inf). Dense:
+    through o_bufs[WG] and a TMA store (the caller has waited for the previous one to leave); varlen: masked
+    stores."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
-    dtype: gl.constexpr = q_bufs.dtype
-    row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
-    q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
-    if n_tiles > 0:
-        acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
-                                      g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL,
-                                      IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
-    else:  # causal with Sq > Sk: rows that see no key
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    mbarrier.arrive(q_empty.index(qs), count=1)
-
-    # out = acc / l, lse = m + log(l); rows that saw no key: out 0, lse -inf.
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(dtype)
+    out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
     if IS_VARLEN:
         o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -468,18 +497,176 @@ def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, se
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start + rows, lse,
              mask=rows < seqlen_q)
+
+
+@gluon.jit
+def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles,
+                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
+    """One item's rows of this warpgroup, its Q landed in slot qs: attend, release the slot, store out and lse.
+    Returns the ring's next tile and the next ping-pong turn."""
+    (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
+     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
+    q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
+    if n_tiles > 0:
+        acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
+                                      g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL,
+                                      IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
+    else:  # causal with Sq > Sk: rows that see no key
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    mbarrier.arrive(q_empty.index(qs), count=1)
+    _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
+                stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N)
     return c, g
+
+
+@gluon.jit
+def _following_item(i, qi, n_items, items, q_ready, slots, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+                    CAUSAL_PAIRS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                    N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DYNAMIC: gl.constexpr):
+    """OVERLAP: the item with rows after this program's static item i, or the one posted in Q slot qi (DYNAMIC:
+    waits for it, so its Q has landed): (i, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
+    causal_offset, n_tiles). Dense static schedules only (the kernel asserts it): there the one item without rows
+    is a causal pair's empty second slot, and the next pair's first item has rows."""
+    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
+    if DYNAMIC:
+        qs = qi % Q_BUFFERS
+        mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
+        off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = _read_item(slots.index(qs))
+        valid = off_b >= 0
+    else:
+        i = i + 1
+        _, _, _, _, bounds, _ = _work(gl.minimum(i, n_items - 1), n_items, 0, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                      CAUSAL_PAIRS, False, HEAD_DIM, BLOCK_M, BLOCK_N)
+        i = i + gl.where(bounds[2], 0, 1)  # no rows (a pair's empty slot): take the next one
+        off_b, off_h, start_m, seq, bounds, ahead = _work(gl.minimum(i, n_items - 1), n_items, 0, items, IS_CAUSAL,
+                                                          CAUSAL_BOTTOM_RIGHT, CAUSAL_PAIRS, False, HEAD_DIM, BLOCK_M,
+                                                          BLOCK_N)
+        q_start, seqlen_q, k_start, seqlen_k = seq
+        valid = i < n_items
+    causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M,
+                                               BLOCK_N)
+    return i, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles
+
+
+@gluon.jit
+def _consume_overlapped(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+                        IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                        NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                        CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr):
+    """`_consumer` with OVERLAP: an item's last P V goes out with the next item's first S, and the item's output
+    is stored while both run, so that the tensor cores do not idle between items for the last P V, the epilogue
+    and the first S (each costs about a tile's matmuls; an item at T = 512 has 1-4 tiles). The Q slot is
+    released once the item's last S is done. Without ping-pong."""
+    (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
+     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_bufs.dtype
+    c = 0  # K/V tiles consumed, over all items
+    g = 0  # ping-pong turns (unused: no ping-pong here)
+    qi = 0  # items with rows
+    i, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _following_item(
+        -1, 0, n_items, items, q_ready, slots, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, CAUSAL_PAIRS, HEAD_DIM, BLOCK_N,
+        N_CONSUMERS, Q_BUFFERS, DYNAMIC)
+    started = gl.to_tensor(False)  # whether the item's first tile is done (the item before issued it)
+    p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    while valid:
+        qs = qi % Q_BUFFERS
+        q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
+        row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
+        if not started:
+            if not DYNAMIC:
+                mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
+            if n_tiles > 0:
+                p_op, m_i, l_i, g = _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, causal_offset,
+                                                qk_scale, WG, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, False)
+            else:  # causal with Sq > Sk: rows that see no key
+                m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+                l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        acc, p_op, m_i, l_i, g = _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty,
+                                             v_empty, turn, c, g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG,
+                                             IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, False)
+        mbarrier.arrive(q_empty.index(qs), count=1)  # the item's last S is done: its Q slot may take the next Q
+        last = c + n_tiles - 1  # the ring tile of the item's last P V
+        c = c + n_tiles
+        i, valid_next, next_b, next_h, next_m, next_q_start, next_seqlen_q, next_seqlen_k, next_offset, next_tiles = \
+            _following_item(i, qi + 1, n_items, items, q_ready, slots, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, CAUSAL_PAIRS,
+                            HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS, DYNAMIC)
+        if not IS_VARLEN:
+            tma.store_wait(0)  # the previous item's output has left o_smem
+        if valid_next & (next_tiles > 0) & (n_tiles > 0):
+            next_qs = (qi + 1) % Q_BUFFERS
+            if not DYNAMIC:
+                mbarrier.wait(q_ready.index(next_qs), ((qi + 1) // Q_BUFFERS) & 1)
+            next_q = q_bufs.index(next_qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
+            next_row0 = next_m * BLOCK_M + WG * ROWS
+            stage = c % NUM_BUFFERS
+            v_stage = last % NUM_BUFFERS
+            mbarrier.wait(k_ready.index(stage), (c // NUM_BUFFERS) & 1)
+            _wait_v(v_ready, v_fixed, v_stage, (last // NUM_BUFFERS) & 1, IS_VARLEN)
+            s_tok = warpgroup_mma(next_q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                  gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            acc_tok = warpgroup_mma(p_op, v_bufs.index(v_stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))  # the next item's S done; this item's P V may still run
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            next_p, next_m_i, next_l_i = _first_softmax(s, next_row0, next_seqlen_k, next_offset, qk_scale, IS_CAUSAL,
+                                                        HEAD_DIM, BLOCK_N, dtype)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+            mbarrier.arrive(v_empty.index(v_stage), count=1)
+            _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om,
+                        stride_oh, stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N)
+            p_op, m_i, l_i = next_p, next_m_i, next_l_i
+            started = valid_next
+        else:
+            if n_tiles > 0:
+                acc, g = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, turn, last, g, WG, IS_VARLEN, HEAD_DIM,
+                                  BLOCK_N, NUM_BUFFERS, False)
+            _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om,
+                        stride_oh, stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N)
+            started = gl.to_tensor(False)
+        valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = \
+            valid_next, next_b, next_h, next_m, next_q_start, next_seqlen_q, next_seqlen_k, next_offset, next_tiles
+        qi += 1
+    if not IS_VARLEN:
+        tma.store_wait(0)  # the last item's output has left o_smem
 
 
 @gluon.jit
 def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
               PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
-              DYNAMIC: gl.constexpr):
+              DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
-    kernel's `consumer_args`). The output leaves through o_smem and a TMA store (dense: rows past the sequence
-    are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would write the next
-    sequence's rows). DYNAMIC: the items the producer posts in the Q slots, until one says there are no more."""
+    kernel's `consumer_args`): item by item (`_consume_in_turn`) or, OVERLAP, with each item's end overlapped
+    with the next one's start (`_consume_overlapped`)."""
+    if OVERLAP:
+        _consume_overlapped(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                            N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)
+    else:
+        _consume_in_turn(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)
+
+
+@gluon.jit
+def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+                     IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                     PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                     CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr):
+    """This warpgroup's rows of each item in turn. The output leaves through o_smem and a TMA store (dense: rows
+    past the sequence are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would
+    write the next sequence's rows). DYNAMIC: the items the producer posts in the Q slots, until one says there
+    are no more."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
      LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
@@ -530,12 +717,15 @@ def _attn_fwd_gluon(
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `_item` hands them out (causal: in pairs). num_warps=4: the producer; the N_CONSUMERS (2 or
     3) consumer warpgroups are worker partitions."""
     gl.static_assert((N_CONSUMERS == 2) | ((N_CONSUMERS == 3) & (not PINGPONG)), "2 consumers, or 3 without ping-pong")
     gl.static_assert(not (DYNAMIC and IS_CAUSAL and CAUSAL_PAIRS), "DYNAMIC: items one at a time")
+    gl.static_assert(not (OVERLAP and PINGPONG), "OVERLAP: without ping-pong")
+    gl.static_assert(not (OVERLAP and IS_VARLEN and not DYNAMIC), "OVERLAP on varlen batches: the dynamic schedule")
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
@@ -600,20 +790,20 @@ def _attn_fwd_gluon(
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
                          Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
             (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
                          Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
+                         PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -693,6 +883,9 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
                          f"bytes of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if config["DYNAMIC"] and causal and config["CAUSAL_PAIRS"]:
         raise ValueError(f"Gluon forward config {config}: the dynamic schedule takes items one at a time")
+    if config["OVERLAP"] and (config["PINGPONG"] or (varlen and not config["DYNAMIC"])):
+        raise ValueError(f"Gluon forward config {config}: OVERLAP runs without ping-pong, and on varlen batches "
+                         "with the dynamic schedule only")
     units = work_units(seqlen_q, heads_q, batch, config, causal)  # pairs of items, or items
     if units >= UNIT_LIMIT:
         raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
