@@ -52,6 +52,8 @@ CONFIGS = {
     "varlen dispatch, overlap": {**configs.gluon_varlen_config(128, 4096, 4096, True), "OVERLAP": True},
     "varlen, overlap, two Q slots": {**configs.gluon_varlen_config(128, 4096, 4096, True), "OVERLAP": True,
                                      "Q_BUFFERS": 2},
+    "varlen, static schedule, overlap": {**configs.gluon_varlen_config(128, 4096, 4096, True), "DYNAMIC": False,
+                                         "OVERLAP": True},
 }
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): one token, odd lengths, Sq != Sk both ways (bottom-right causal
 # leaves rows with no key), GQA, more items than SMs (a persistent program takes several, some with no key), and
@@ -114,7 +116,7 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, device,
 @pytest.mark.parametrize("name", ["default", "one program per item", "three consumers", "two Q buffers",
                                   "causal items one at a time", "varlen dispatch", "varlen, static schedule",
                                   "varlen, dynamic schedule, two Q slots", "varlen dispatch, overlap",
-                                  "varlen, overlap, two Q slots"])
+                                  "varlen, overlap, two Q slots", "varlen, static schedule, overlap"])
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 def test_gluon_kernel_varlen(name, causal, bottom_right, device):
     """Packed sequences (empty, one token, Sq != Sk, longer than a tile, GQA) against float64 per sequence. The
@@ -153,7 +155,8 @@ def test_gluon_kernel_varlen(name, causal, bottom_right, device):
 
 @hopper_only
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["varlen dispatch", "varlen, static schedule", "varlen dispatch, overlap"])
+@pytest.mark.parametrize("name", ["varlen dispatch", "varlen, static schedule", "varlen dispatch, overlap",
+                                  "varlen, static schedule, overlap"])
 def test_gluon_kernel_varlen_many_items_per_program(name, causal, device):
     """More items than programs (each program takes several, from the counter in the dynamic schedule), lengths
     mixed from 1 to 700 with some empty, GQA: every sequence against float64 on two query heads of different kv
@@ -238,17 +241,16 @@ def test_dynamic_schedule_takes_causal_items_one_at_a_time():
     assert meta["DYNAMIC"] and grid == (2 * 4 * 2, 1, 1)  # one program per item up to the SM count
 
 
-def test_overlap_refuses_ping_pong_and_static_varlen_schedules():
-    """OVERLAP's consumer has no ping-pong turns, and on varlen batches it needs the dynamic schedule (a static one
-    has runs of items without rows, which its item walk does not skip)."""
+def test_overlap_refuses_ping_pong():
+    """OVERLAP's consumer takes no ping-pong turns; it takes every schedule, dense and varlen."""
     with pytest.raises(ValueError, match="OVERLAP"):
         G.launch_parts((2, 256, 4, 128), (2, 256, 4, 128), True, True, {**_BASE, "OVERLAP": True, "PINGPONG": True},
                        132)
     varlen = {**configs.gluon_varlen_config(128, 4096, 4096, True), "OVERLAP": True}
-    with pytest.raises(ValueError, match="OVERLAP"):
-        G.launch_parts((512, 4, 128), (512, 4, 128), True, True, {**varlen, "DYNAMIC": False}, 132, 2, 256, 256)
-    _, _, meta = G.launch_parts((512, 4, 128), (512, 4, 128), True, True, varlen, 132, 2, 256, 256)
-    assert meta["OVERLAP"] and meta["DYNAMIC"]
+    for dynamic in (False, True):
+        _, _, meta = G.launch_parts((512, 4, 128), (512, 4, 128), True, True, {**varlen, "DYNAMIC": dynamic}, 132, 2,
+                                    256, 256)
+        assert meta["OVERLAP"] and meta["DYNAMIC"] == dynamic
     _, _, meta = G.launch_parts((2, 256, 4, 128), (2, 256, 4, 128), True, True, {**_BASE, "OVERLAP": True}, 132)
     assert meta["OVERLAP"] and meta["CAUSAL_PAIRS"]
 

@@ -194,6 +194,15 @@ def _post_item(slot, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k):
 
 
 @gluon.jit
+def _post_end(slots, q_ready, q_empty, qi, Q_BUFFERS: gl.constexpr):
+    """After this program's last item: an item with off_b = -1, and no Q, in the next slot."""
+    qs = qi % Q_BUFFERS
+    mbarrier.wait(q_empty.index(qs), ((qi // Q_BUFFERS) & 1) ^ 1, pred=qi >= Q_BUFFERS)
+    _post_item(slots.index(qs), -1, 0, 0, 0, 0, 0)
+    mbarrier.arrive(q_ready.index(qs), count=1)
+
+
+@gluon.jit
 def _read_item(slot):
     """The item posted in `slot` (after its Q barrier's wait): (off_b, off_h, start_m, q_start, seqlen_q,
     seqlen_k)."""
@@ -239,8 +248,8 @@ def _zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN: gl.constexpr, BLOCK_N: gl.constexpr,
-               NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DYNAMIC: gl.constexpr):
-    """One item's loads (see `_producer`): its Q into slot qi % Q_BUFFERS (DYNAMIC: the item posted there too),
+               NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, POSTED: gl.constexpr):
+    """One item's loads (see `_producer`): its Q into slot qi % Q_BUFFERS (POSTED: the item posted there too),
     its n_tiles K/V tiles into the ring from tile c on. Returns (qi + 1, c + n_tiles)."""
     (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
      items, n_items, group_size, slots, COUNTER) = shared
@@ -250,7 +259,7 @@ def _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN: gl
     off_hk = off_h // group_size
     qs = qi % Q_BUFFERS
     mbarrier.wait(q_empty.index(qs), ((qi // Q_BUFFERS) & 1) ^ 1, pred=qi >= Q_BUFFERS)
-    if DYNAMIC:
+    if POSTED:
         _post_item(slots.index(qs), off_b, off_h, start_m, q_start, seqlen_q, seqlen_k)
     mbarrier.expect(q_ready.index(qs), N_CONSUMERS * desc_q.block_type.nbytes)
     for h in gl.static_range(N_CONSUMERS):
@@ -279,7 +288,7 @@ def _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN: gl
 @gluon.jit
 def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
-              CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr):
+              CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, POSTED: gl.constexpr):
     """TMA loads of this program's items: Q into slot qi % Q_BUFFERS once the consumers are done with the item
     that held it (with two slots, an item's Q lands while the one before runs); K/V tile c
     (counted over all items) into stage c % NUM_BUFFERS once they all released the tile it held (K and V have
@@ -307,12 +316,9 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
                                                        BLOCK_M, BLOCK_N)
             if has_rows:
                 qi, c = _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
-                                   N_CONSUMERS, Q_BUFFERS, DYNAMIC)
+                                   N_CONSUMERS, Q_BUFFERS, POSTED)
             unit = next_unit
-        qs = qi % Q_BUFFERS  # the end: an item with off_b = -1, and no Q
-        mbarrier.wait(q_empty.index(qs), ((qi // Q_BUFFERS) & 1) ^ 1, pred=qi >= Q_BUFFERS)
-        _post_item(slots.index(qs), -1, 0, 0, 0, 0, 0)
-        mbarrier.arrive(q_ready.index(qs), count=1)
+        _post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)
     else:
         ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
         for i in range(0, n_items):
@@ -321,7 +327,9 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
             causal_offset, n_tiles, has_rows = bounds
             if has_rows:
                 qi, c = _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
-                                   N_CONSUMERS, Q_BUFFERS, DYNAMIC)
+                                   N_CONSUMERS, Q_BUFFERS, POSTED)
+        if POSTED:
+            _post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)
 
 
 @gluon.jit
@@ -527,39 +535,23 @@ def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, se
 
 
 @gluon.jit
-def _following_item(i, qi, n_items, items, q_ready, slots, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-                    CAUSAL_PAIRS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                    N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DYNAMIC: gl.constexpr):
-    """OVERLAP: the item with rows after this program's static item i, or the one posted in Q slot qi (DYNAMIC:
-    waits for it, so its Q has landed): (i, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
-    causal_offset, n_tiles). Dense static schedules only (the kernel asserts it): there the one item without rows
-    is a causal pair's empty second slot, and the next pair's first item has rows."""
-    BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
-    if DYNAMIC:
-        qs = qi % Q_BUFFERS
-        mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
-        off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = _read_item(slots.index(qs))
-        valid = off_b >= 0
-    else:
-        i = i + 1
-        _, _, _, _, bounds, _ = _work(gl.minimum(i, n_items - 1), n_items, 0, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                      CAUSAL_PAIRS, False, HEAD_DIM, BLOCK_M, BLOCK_N)
-        i = i + gl.where(bounds[2], 0, 1)  # no rows (a pair's empty slot): take the next one
-        off_b, off_h, start_m, seq, bounds, ahead = _work(gl.minimum(i, n_items - 1), n_items, 0, items, IS_CAUSAL,
-                                                          CAUSAL_BOTTOM_RIGHT, CAUSAL_PAIRS, False, HEAD_DIM, BLOCK_M,
-                                                          BLOCK_N)
-        q_start, seqlen_q, k_start, seqlen_k = seq
-        valid = i < n_items
-    causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M,
-                                               BLOCK_N)
-    return i, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles
+def _following_item(qi, slots, q_ready, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+                    BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
+    """OVERLAP: the item the producer posted in Q slot qi (once its Q has landed): (valid, off_b, off_h, start_m,
+    q_start, seqlen_q, seqlen_k, causal_offset, n_tiles); not valid after the program's last item. The producer
+    works out the schedule (and skips items without rows) so that the consumers' path between items is short."""
+    qs = qi % Q_BUFFERS
+    mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
+    off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = _read_item(slots.index(qs))
+    causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                               ROWS * N_CONSUMERS, BLOCK_N)
+    return off_b >= 0, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles
 
 
 @gluon.jit
 def _consume_overlapped(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
                         IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                        NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                        CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr):
+                        NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """`_consumer` with OVERLAP: an item's last P V goes out with the next item's first S, and the item's output
     is stored while both run, so that the tensor cores do not idle between items for the last P V, the epilogue
     and the first S (each costs about a tile's matmuls; an item at T = 512 has 1-4 tiles). The Q slot is
@@ -574,9 +566,8 @@ def _consume_overlapped(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
     c = 0  # K/V tiles consumed, over all items
     g = 0  # ping-pong turns (unused: no ping-pong here)
     qi = 0  # items with rows
-    i, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _following_item(
-        -1, 0, n_items, items, q_ready, slots, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, CAUSAL_PAIRS, HEAD_DIM, BLOCK_N,
-        N_CONSUMERS, Q_BUFFERS, DYNAMIC)
+    valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _following_item(
+        0, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
     started = gl.to_tensor(False)  # whether the item's first tile is done (the item before issued it)
     p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -586,8 +577,6 @@ def _consume_overlapped(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
         q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
         row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
         if not started:
-            if not DYNAMIC:
-                mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
             if n_tiles > 0:
                 p_op, m_i, l_i, g = _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, causal_offset,
                                                 qk_scale, WG, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, False)
@@ -600,15 +589,12 @@ def _consume_overlapped(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
         mbarrier.arrive(q_empty.index(qs), count=1)  # the item's last S is done: its Q slot may take the next Q
         last = c + n_tiles - 1  # the ring tile of the item's last P V
         c = c + n_tiles
-        i, valid_next, next_b, next_h, next_m, next_q_start, next_seqlen_q, next_seqlen_k, next_offset, next_tiles = \
-            _following_item(i, qi + 1, n_items, items, q_ready, slots, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, CAUSAL_PAIRS,
-                            HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS, DYNAMIC)
+        valid_next, next_b, next_h, next_m, next_q_start, next_seqlen_q, next_seqlen_k, next_offset, next_tiles = \
+            _following_item(qi + 1, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
         if not IS_VARLEN:
             tma.store_wait(0)  # the previous item's output has left o_smem
         if valid_next & (next_tiles > 0) & (n_tiles > 0):
             next_qs = (qi + 1) % Q_BUFFERS
-            if not DYNAMIC:
-                mbarrier.wait(q_ready.index(next_qs), ((qi + 1) // Q_BUFFERS) & 1)
             next_q = q_bufs.index(next_qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
             next_row0 = next_m * BLOCK_M + WG * ROWS
             stage = c % NUM_BUFFERS
@@ -652,7 +638,7 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
     with the next one's start (`_consume_overlapped`)."""
     if OVERLAP:
         _consume_overlapped(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                            N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)
+                            N_CONSUMERS, Q_BUFFERS)
     else:
         _consume_in_turn(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                          PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)
@@ -725,7 +711,6 @@ def _attn_fwd_gluon(
     gl.static_assert((N_CONSUMERS == 2) | ((N_CONSUMERS == 3) & (not PINGPONG)), "2 consumers, or 3 without ping-pong")
     gl.static_assert(not (DYNAMIC and IS_CAUSAL and CAUSAL_PAIRS), "DYNAMIC: items one at a time")
     gl.static_assert(not (OVERLAP and PINGPONG), "OVERLAP: without ping-pong")
-    gl.static_assert(not (OVERLAP and IS_VARLEN and not DYNAMIC), "OVERLAP on varlen batches: the dynamic schedule")
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
@@ -747,7 +732,7 @@ def _attn_fwd_gluon(
     v_fixed = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    if DYNAMIC:  # the items the producer posts to the consumers, one slot per Q slot
+    if DYNAMIC or OVERLAP:  # the items the producer posts to the consumers, one slot per Q slot
         slots = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         slots = q_ready  # unused
@@ -788,7 +773,7 @@ def _attn_fwd_gluon(
     if N_CONSUMERS == 3:
         gl.warp_specialize([
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
-                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
+                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                          PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
@@ -799,7 +784,7 @@ def _attn_fwd_gluon(
     else:
         gl.warp_specialize([
             (_producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
-                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)),
+                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                          PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
@@ -883,9 +868,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
                          f"bytes of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if config["DYNAMIC"] and causal and config["CAUSAL_PAIRS"]:
         raise ValueError(f"Gluon forward config {config}: the dynamic schedule takes items one at a time")
-    if config["OVERLAP"] and (config["PINGPONG"] or (varlen and not config["DYNAMIC"])):
-        raise ValueError(f"Gluon forward config {config}: OVERLAP runs without ping-pong, and on varlen batches "
-                         "with the dynamic schedule only")
+    if config["OVERLAP"] and config["PINGPONG"]:
+        raise ValueError(f"Gluon forward config {config}: OVERLAP runs without ping-pong")
     units = work_units(seqlen_q, heads_q, batch, config, causal)  # pairs of items, or items
     if units >= UNIT_LIMIT:
         raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
