@@ -158,6 +158,11 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
       423 / 426 / 500, T=8192 589 / 562 / 504 / 460 / 584, T=16384 593 / 591 / 504 / 564 / 606); two Q slots from
       1k keys down, where items are short (non-causal T=512 456 / 496 / - / 391 / 512, causal T=512 249 / 294 /
       261 / 260 / 328, T=1024 381 / 392), one above (non-causal T=2048-8192 lost 4-6 % with two).
+    - Since session 12 (explore14/run_549e8e775c38/, same method, causal fp16 D = 128, paired one slot / two slots /
+      two slots with OVERLAP / cuDNN): causal up to 4k keys takes OVERLAP (an item's last P V issued with the next
+      item's first S) with two Q slots: T=1024 377 / 390 / 407 / 420, T=2048 471 / 475 / 483 / 500, T=4096 514 / 509
+      / 547 / 552; T=512 level (249 / 294 / 295 / 326); from 8k it loses (580 / 545 / 565 / 584, 16k 637 / 570 / 583
+      / 609). Non-causal it never beat the configs above (T=512 q2 489 / 485, T=4096 634 / 600).
     - D = 64 non-causal from Sk = 8192 with three consumer warpgroups (192-row items, FlashAttention-3's D = 64
       tiles; ccaefbc239e1: T=8192 481 / 447 / 482, T=16384 475 / 436 / 495; T=4096 445 / 483). Two warpgroups lose
       to the TMA kernel everywhere at D = 64, three with causal masks spill registers and lose.
@@ -165,6 +170,8 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
     base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
                 Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
     if head_dim == 128:
+        if causal and seqlen_k <= 4096:
+            return dict(base, Q_BUFFERS=2, OVERLAP=True)
         return dict(base, Q_BUFFERS=2) if seqlen_k <= 1024 else base
     if head_dim == 64 and not causal and seqlen_k >= 8192:
         return dict(base, N_CONSUMERS=3, CONSUMER_REGS=160)
