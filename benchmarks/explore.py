@@ -658,8 +658,10 @@ GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.p
     128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "overlap": dict(_G, OVERLAP=True),
           "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True)},
     # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles
-    64: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "overlap": dict(_G, OVERLAP=True),
-         "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True)}}
+    # explore14/run_549e8e775c38 also tried one Q slot, with and without OVERLAP (behind two slots everywhere)
+    64: {"q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True),
+         "q2_overlap_s3": dict(_G, Q_BUFFERS=2, OVERLAP=True, NUM_BUFFERS=3),
+         "q2_overlap_n64": dict(_G, Q_BUFFERS=2, OVERLAP=True, BLOCK_N=64, NUM_BUFFERS=4)}}
 GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),
     # GQA, and more items than SMs (persistent programs take several)
     (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),
@@ -727,8 +729,7 @@ def sweep_gluon(opts):
                     cands = [("tma", lambda: _tma_forward(q, k, v, causal, (tma_config["BLOCK_M"], tma_config["BLOCK_N"],
                                                                             tma_config["num_warps"],
                                                                             tma_config["num_stages"])))]
-                    cands += [(name, lambda c=c: _gluon_forward(q, k, v, causal, c))
-                              for name, c in list(GLUON_CONFIGS[D].items())[:None if dt == "fp16" else 1]]
+                    cands += [(name, lambda c=c: _gluon_forward(q, k, v, causal, c)) for name, c in GLUON_CONFIGS[D].items()]
                     qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
                     ctx = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
