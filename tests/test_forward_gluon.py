@@ -17,6 +17,7 @@ import torch
 import flashtriton
 from flashtriton import configs
 from flashtriton.kernels import forward_gluon as G
+from flashtriton.kernels import gluon_common
 from flashtriton.kernels import launch
 from flashtriton.kernels.forward import _dense_tma_plan
 from flashtriton.reference import attention_reference
@@ -201,8 +202,8 @@ def test_fast_descriptor_equals_the_checked_one():
     """`descriptor` skips TensorDescriptor's checks; its fields must be what the checked constructor gives."""
     t = torch.empty(2, 100, 4, 128, dtype=torch.bfloat16)
     fast = G.descriptor(t, 64)
-    checked = G.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 64, 1, 128],
-                                 G._smem_layout((1, 64, 1, 128), t.dtype))
+    checked = gluon_common.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 64, 1, 128],
+                                            gluon_common.smem_layout((1, 64, 1, 128), t.dtype))
     for field in ("shape", "strides", "block_shape", "layout", "padding"):
         assert getattr(fast, field) == getattr(checked, field), field
     assert fast.base is t

@@ -46,7 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .. import configs
 from ..validation import remembered
 from .common import LOG2E
-from .forward_gluon import _FAST_DESCRIPTOR, _sequence, _tma_load, _tma_store, descriptor, wgmma_layout
+from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, sequence, tma_load, tma_store, wgmma_layout
 from .launch import hooks_installed, launch, launch_and_keep
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
@@ -103,8 +103,8 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
     q_start, seqlen_q, k_start, seqlen_k = seq
     mbarrier.expect(kv_ready, 4 * desc_k.block_type.nbytes)
     for w in gl.static_range(2):
-        _tma_load(desc_k, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, k_bufs.index(w))
-        _tma_load(desc_v, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, v_bufs.index(w))
+        tma_load(desc_k, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, k_bufs.index(w))
+        tma_load(desc_v, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, v_bufs.index(w))
     TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes + 2 * desc_lse.block_type.nbytes  # Q, dO, lse, delta
     for it in range(n_iters):
         g = it // n_m
@@ -113,8 +113,8 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
         stage = it % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1, pred=it >= NUM_STAGES)
         mbarrier.expect(ready.index(stage), TILE_BYTES)
-        _tma_load(desc_q, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), q_bufs.index(stage))
-        _tma_load(desc_do, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), do_bufs.index(stage))
+        tma_load(desc_q, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), q_bufs.index(stage))
+        tma_load(desc_do, IS_VARLEN, off_b, q_start + m, off_h, ready.index(stage), do_bufs.index(stage))
         row = _lse_rows(off_b, off_h, heads_q, seqlen_pad, q_start, IS_VARLEN) + m  # in the flattened lse / delta
         tma.async_copy_global_to_shared(desc_lse, [row], ready.index(stage), lse_bufs.index(stage))
         tma.async_copy_global_to_shared(desc_delta, [row], ready.index(stage), delta_bufs.index(stage))
@@ -184,8 +184,8 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
         k.store(dk)  # the buffers are this warpgroup's alone, its last wgmma done
         v.store(dv)
         fence_async_shared()
-        _tma_store(desc_dk, IS_VARLEN, off_b, k_start + first_key, off_hk, k_bufs.index(WG))
-        _tma_store(desc_dv, IS_VARLEN, off_b, k_start + first_key, off_hk, v_bufs.index(WG))
+        tma_store(desc_dk, IS_VARLEN, off_b, k_start + first_key, off_hk, k_bufs.index(WG))
+        tma_store(desc_dv, IS_VARLEN, off_b, k_start + first_key, off_hk, v_bufs.index(WG))
         tma.store_wait(0)
 
 
@@ -211,7 +211,7 @@ def _attn_bwd_dkdv_gluon(
         start_n = gl.program_id(0) * KEYS  # causal: the first keys see the most queries and start first
         off_hk = gl.program_id(1)
         off_b = gl.program_id(2)
-        seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
+        seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
                         IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
@@ -273,14 +273,14 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 3]
     mbarrier.expect(q_ready, 4 * desc_q.block_type.nbytes)
     for w in gl.static_range(2):
-        _tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m + w * ROWS, off_h, q_ready, q_bufs.index(w))
-        _tma_load(desc_do, IS_VARLEN, off_b, q_start + start_m + w * ROWS, off_h, q_ready, do_bufs.index(w))
+        tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m + w * ROWS, off_h, q_ready, q_bufs.index(w))
+        tma_load(desc_do, IS_VARLEN, off_b, q_start + start_m + w * ROWS, off_h, q_ready, do_bufs.index(w))
     for j in range(n_tiles):
         stage = j % NUM_STAGES
         mbarrier.wait(kv_empty.index(stage), ((j // NUM_STAGES) & 1) ^ 1, pred=j >= NUM_STAGES)
         mbarrier.expect(kv_ready.index(stage), 2 * desc_k.block_type.nbytes)
-        _tma_load(desc_k, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), k_bufs.index(stage))
-        _tma_load(desc_v, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), v_bufs.index(stage))
+        tma_load(desc_k, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), k_bufs.index(stage))
+        tma_load(desc_v, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), v_bufs.index(stage))
 
 
 @gluon.jit
@@ -344,7 +344,7 @@ def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse
     else:  # dense: rows past Sq are clipped
         q.store(dq)  # this warpgroup's Q buffer, its last wgmma done
         fence_async_shared()
-        _tma_store(desc_dq, IS_VARLEN, off_b, q_start + row0, off_h, q_bufs.index(WG))
+        tma_store(desc_dq, IS_VARLEN, off_b, q_start + row0, off_h, q_bufs.index(WG))
         tma.store_wait(0)
 
 
@@ -371,7 +371,7 @@ def _attn_bwd_dq_gluon(
             start_m = gl.program_id(0) * KEYS
         off_h = gl.program_id(1)
         off_b = gl.program_id(2)
-        seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
+        seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
                         IS_VARLEN)
     off_hk = off_h // GROUP_SIZE
     q_start, seqlen_q, k_start, seqlen_k = seq
@@ -434,7 +434,7 @@ def row_descriptor(t: torch.Tensor) -> TensorDescriptor:
     """Descriptor of a contiguous fp32 lse / delta buffer (a fresh allocation: aligned) as one flat row, in blocks
     of BLOCK_M values; built without TensorDescriptor's re-checks where its fields allow (`descriptor`)."""
     flat = t.view(-1)
-    if not _FAST_DESCRIPTOR:
+    if not FAST_DESCRIPTOR:
         return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value], _row_layout())
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = \
@@ -454,7 +454,6 @@ def padded_rows(seqlen_q: int, varlen: bool, batch: int = 0) -> int:
     return 4 * (triton.cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
 
 
-SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90
 
 
 def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2) -> int:

@@ -19,15 +19,12 @@ Scores are in base 2 (log2(e) folded into qk_scale, which must be > 0). fp16/bf1
 (B, S, H, D) tensors: rank-4 descriptors with block (1, rows, 1, D), rows past the sequence arrive as zeros.
 Varlen (total, H, D) tensors with cu_seqlens: rank-3 descriptors with block (rows, 1, D), whose rows past a
 sequence belong to the next one (masked in the scores; cleared in V by the producer). Causal attention is
-bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal work (`_item`). Compiles for sm_90
+bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal work (`forward_gluon_items`). Compiles for sm_90
 only; `forward.launch_forward` takes this path where `configs.gluon_fwd_config` (dense) or
 `configs.gluon_varlen_config` (varlen) gives a config.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import torch
 import triton
@@ -35,203 +32,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
+from .forward_gluon_items import (ITEM_FIELDS, item_bounds, num_items, post_end, post_item, read_item, unit_item, work,
+                                  work_ahead)
+from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, num_sms, sequence, tma_load, wgmma_layout
 from .launch import launch
 
 ROWS = gl.constexpr(64)  # rows per consumer warpgroup: wgmma's M; an item has ROWS * N_CONSUMERS rows
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
-L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the causal schedule keeps in use at once (L2: 50-60 MB)
-
-
-@gluon.constexpr_function
-def wgmma_layout(n):
-    """Registers of a (64, n) wgmma accumulator held by one warpgroup (4 warps along the rows): the layout of
-    the scores (n = a tile's keys or rows) and of the output / gradient accumulators (n = the head dim)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-
-@gluon.jit
-def _unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
-               HEAD_DIM: gl.constexpr):
-    """Work unit -> (off_b, off_h, start_m) (in pairs: the pair's first item).
-
-    Non-causal: head-major, so the programs running together read the same head's K/V (from L2).
-    Causal: heads go in groups whose K/V fit in L2_BUDGET; within a group, query tile j (counted from the last)
-    of every head comes before tile j + 1: the longest items first. CAUSAL_PAIRS: unit j of a head is the pair
-    of query tiles j and n_m - 1 - j (equal total work, see `_item`)."""
-    if IS_CAUSAL:
-        heads_per_group = gl.maximum(L2_BUDGET // (max_seqlen_k.to(gl.int64) * HEAD_DIM * 4), 1).to(gl.int32)
-        if CAUSAL_PAIRS:
-            per_head = (n_m + 1) // 2
-        else:
-            per_head = n_m
-        group = unit // (per_head * heads_per_group)
-        group_heads = gl.minimum(heads_per_group, n_bh - group * heads_per_group)  # the last group may be smaller
-        r = unit - group * per_head * heads_per_group
-        j = r // group_heads
-        bh = group * heads_per_group + r % group_heads
-        start_m = n_m - 1 - j
-    else:
-        bh = unit // n_m
-        start_m = unit % n_m
-    return bh // heads, bh % heads, start_m
-
-
-@gluon.jit
-def _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
-          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """This program's i-th work item (static schedule) -> (off_b, off_h, start_m); start_m >= n_m: an empty slot.
-
-    Units (`_unit_item`) pid, pid + programs, ...; CAUSAL_PAIRS: items 2k and 2k + 1 are the program's k-th pair
-    (with an odd n_m the middle tile is a pair of its own and its second slot is empty). Handed out one at a
-    time, the programs' totals ended up to 20 % apart from 2k keys on (performance.md, item 18)."""
-    if IS_CAUSAL and CAUSAL_PAIRS:
-        unit = gl.program_id(0) + (i // 2) * gl.num_programs(0)
-    else:
-        unit = gl.program_id(0) + i * gl.num_programs(0)
-    off_b, off_h, start_m = _unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM)
-    if IS_CAUSAL and CAUSAL_PAIRS:
-        if i % 2 == 1:
-            j = n_m - 1 - start_m
-            start_m = gl.where(j == n_m - 1 - j, n_m, j)  # the middle tile's second slot: empty
-    return off_b, off_h, start_m
-
-
-@gluon.jit
-def _num_items(n_m, n_bh, PAIRS: gl.constexpr):
-    """How many work items (in pairs: 2 slots per pair) this program takes."""
-    if PAIRS:
-        return 2 * gl.cdiv((n_m + 1) // 2 * n_bh - gl.program_id(0), gl.num_programs(0))
-    else:
-        return gl.cdiv(n_m * n_bh - gl.program_id(0), gl.num_programs(0))
-
-
-@gluon.jit
-def _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN: gl.constexpr):
-    """(q_start, seqlen_q, k_start, seqlen_k) of an item's sequence. Dense: the whole (Sq, Sk); varlen: sequence
-    off_b of the packed batch, from cu_seqlens (the loops load the next item's while the current one runs)."""
-    if IS_VARLEN:
-        q_start = gl.load(CU_SEQLENS_Q + off_b)
-        seqlen_q = gl.load(CU_SEQLENS_Q + off_b + 1) - q_start
-        k_start = gl.load(CU_SEQLENS_K + off_b)
-        seqlen_k = gl.load(CU_SEQLENS_K + off_b + 1) - k_start
-    else:
-        q_start = gl.to_tensor(0)
-        seqlen_q = max_seqlen_q
-        k_start = gl.to_tensor(0)
-        seqlen_k = max_seqlen_k
-    return q_start, seqlen_q, k_start, seqlen_k
-
-
-@gluon.jit
-def _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """An item's (causal_offset, n_tiles, has_rows) in its sequence: items past a varlen sequence's last row have
-    no rows."""
-    if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
-        causal_offset = seqlen_k - seqlen_q
-    else:
-        causal_offset = gl.to_tensor(0)
-    if IS_CAUSAL:
-        hi = gl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
-    else:
-        hi = seqlen_k
-    n_tiles = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
-    return causal_offset, n_tiles, start_m * BLOCK_M < seqlen_q
-
-
-@gluon.jit
-def _work_ahead(i, items, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, IS_VARLEN: gl.constexpr,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Varlen: item i and its sequence's bounds, (off_b, off_h, start_m, (q_start, seqlen_q, k_start, seqlen_k));
-    `items` = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k). Dense: 0 (unused)."""
-    if IS_VARLEN:
-        n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k = items
-        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-        return off_b, off_h, start_m, _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, True)
-    else:
-        return 0
-
-
-@gluon.jit
-def _work(i, n_items, ahead, items, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-          CAUSAL_PAIRS: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr):
-    """This program's item i, what both partitions loop over: (off_b, off_h, start_m, (q_start, seqlen_q,
-    k_start, seqlen_k), (causal_offset, n_tiles, has_rows), ahead). Varlen: `ahead` holds item i, fetched while
-    item i - 1 ran (`_work_ahead`), and comes back holding item i + 1 (item i again after the last), so that the
-    cu_seqlens loads are not on an item's critical path."""
-    n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k = items
-    if IS_VARLEN:
-        off_b, off_h, start_m, seq = ahead
-        ahead = _work_ahead(gl.minimum(i + 1, n_items - 1), items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM,
-                            BLOCK_M)
-    else:
-        off_b, off_h, start_m = _item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
-        seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
-    q_start, seqlen_q, k_start, seqlen_k = seq
-    bounds = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
-    return off_b, off_h, start_m, seq, bounds, ahead
-
-
-# Dynamic schedule: the producer takes units from a global counter and posts each item with rows to
-# the consumers in the shared-memory slot of its Q: (off_b, off_h, start_m, q_start, seqlen_q, seqlen_k), and
-# off_b = -1 once the counter has run out.
-ITEM_FIELDS = gl.constexpr(8)
-
-
-@gluon.jit
-def _post_item(slot, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k):
-    """Write an item into its slot; the caller's arrive on the Q slot's barrier then publishes it (release)."""
-    layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [4], [0])  # every thread holds all fields
-    f = gl.arange(0, ITEM_FIELDS, layout=layout)
-    vals = gl.where(f == 0, off_b, gl.where(f == 1, off_h, gl.where(f == 2, start_m, gl.where(
-        f == 3, q_start, gl.where(f == 4, seqlen_q, seqlen_k)))))
-    slot.store(vals)
-    gl.thread_barrier()  # every producer thread's copy is written before the one that arrives goes on
-
-
-@gluon.jit
-def _post_end(slots, q_ready, q_empty, qi, Q_BUFFERS: gl.constexpr):
-    """After this program's last item: an item with off_b = -1, and no Q, in the next slot."""
-    qs = qi % Q_BUFFERS
-    mbarrier.wait(q_empty.index(qs), ((qi // Q_BUFFERS) & 1) ^ 1, pred=qi >= Q_BUFFERS)
-    _post_item(slots.index(qs), -1, 0, 0, 0, 0, 0)
-    mbarrier.arrive(q_ready.index(qs), count=1)
-
-
-@gluon.jit
-def _read_item(slot):
-    """The item posted in `slot` (after its Q barrier's wait): (off_b, off_h, start_m, q_start, seqlen_q,
-    seqlen_k)."""
-    layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [4], [0])
-    f = gl.arange(0, ITEM_FIELDS, layout=layout)
-    vals = slot.load(layout)
-    return (gl.sum(gl.where(f == 0, vals, 0), 0), gl.sum(gl.where(f == 1, vals, 0), 0),
-            gl.sum(gl.where(f == 2, vals, 0), 0), gl.sum(gl.where(f == 3, vals, 0), 0),
-            gl.sum(gl.where(f == 4, vals, 0), 0), gl.sum(gl.where(f == 5, vals, 0), 0))
-
-
-@gluon.jit
-def _tma_load(desc, IS_VARLEN: gl.constexpr, off_b, row, head, bar, buf):
-    """Rows [row, row + block) of one head: dense descriptors are rank 4 over (B, S, H, D), varlen ones rank 3
-    over (total, H, D) with `row` a token index."""
-    if IS_VARLEN:
-        tma.async_copy_global_to_shared(desc, [row, head, 0], bar, buf)
-    else:
-        tma.async_copy_global_to_shared(desc, [off_b, row, head, 0], bar, buf)
-
-
-@gluon.jit
-def _tma_store(desc, IS_VARLEN: gl.constexpr, off_b, row, head, buf):
-    """Store `buf` to rows [row, row + block) of one head (descriptors as `_tma_load`'s; rows past the tensor's end
-    are clipped, but a varlen store also writes rows of the next sequence, so its callers store whole blocks only)."""
-    if IS_VARLEN:
-        tma.async_copy_shared_to_global(desc, [row, head, 0], buf)
-    else:
-        tma.async_copy_shared_to_global(desc, [off_b, row, head, 0], buf)
 
 
 @gluon.jit
@@ -260,20 +69,20 @@ def _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN: gl
     qs = qi % Q_BUFFERS
     mbarrier.wait(q_empty.index(qs), ((qi // Q_BUFFERS) & 1) ^ 1, pred=qi >= Q_BUFFERS)
     if POSTED:
-        _post_item(slots.index(qs), off_b, off_h, start_m, q_start, seqlen_q, seqlen_k)
+        post_item(slots.index(qs), off_b, off_h, start_m, q_start, seqlen_q, seqlen_k)
     mbarrier.expect(q_ready.index(qs), N_CONSUMERS * desc_q.block_type.nbytes)
     for h in gl.static_range(N_CONSUMERS):
-        _tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m * BLOCK_M + h * ROWS, off_h, q_ready.index(qs),
+        tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m * BLOCK_M + h * ROWS, off_h, q_ready.index(qs),
                   q_bufs.index(qs * N_CONSUMERS + h))
     for t in range(n_tiles):
         stage = c % NUM_BUFFERS
         phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
         mbarrier.wait(k_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
         mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-        _tma_load(desc_k, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, k_ready.index(stage), k_bufs.index(stage))
+        tma_load(desc_k, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, k_ready.index(stage), k_bufs.index(stage))
         mbarrier.wait(v_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
         mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        _tma_load(desc_v, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, v_ready.index(stage), v_bufs.index(stage))
+        tma_load(desc_v, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, v_ready.index(stage), v_bufs.index(stage))
         if IS_VARLEN:
             if (t + 1) * BLOCK_N > seqlen_k:
                 mbarrier.wait(v_ready.index(stage), phase ^ 1)
@@ -295,7 +104,7 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
     their own barriers: S = Q Kᵀ can start before V lands). Varlen: a sequence's last V tile also holds rows of
     the next sequence; P is 0 there, but 0 · inf is not 0, so those rows are zeroed in shared memory once the
     tile has landed, and every V tile is announced on v_fixed as well.
-    Static schedule: the items `_item` gives this program. DYNAMIC: units from the global COUNTER, the
+    Static schedule: the items `item` gives this program. DYNAMIC: units from the global COUNTER, the
     next one taken while the current one loads, so that a program that drew short items draws more (a static
     schedule left the busiest program 5-11 % above the mean on mixed lengths); items without rows are skipped
     here, and the consumers learn each item from its Q slot."""
@@ -310,26 +119,26 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
         unit = gl.atomic_add(COUNTER, 1, sem="relaxed")
         while unit < n_m * n_bh:
             next_unit = gl.atomic_add(COUNTER, 1, sem="relaxed")  # in flight while this unit's loads are issued
-            off_b, off_h, start_m = _unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, False, HEAD_DIM)
-            seq = _sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
-            causal_offset, n_tiles, has_rows = _bounds(start_m, seq[1], seq[3], IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+            off_b, off_h, start_m = unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, False, HEAD_DIM)
+            seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+            causal_offset, n_tiles, has_rows = item_bounds(start_m, seq[1], seq[3], IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                        BLOCK_M, BLOCK_N)
             if has_rows:
                 qi, c = _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
                                    N_CONSUMERS, Q_BUFFERS, POSTED)
             unit = next_unit
-        _post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)
+        post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)
     else:
-        ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
+        ahead = work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
         for i in range(0, n_items):
-            off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+            off_b, off_h, start_m, seq, bounds, ahead = work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                               CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
             causal_offset, n_tiles, has_rows = bounds
             if has_rows:
                 qi, c = _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
                                    N_CONSUMERS, Q_BUFFERS, POSTED)
         if POSTED:
-            _post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)
+            post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)
 
 
 @gluon.jit
@@ -542,8 +351,8 @@ def _following_item(qi, slots, q_ready, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
     works out the schedule (and skips items without rows) so that the consumers' path between items is short."""
     qs = qi % Q_BUFFERS
     mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
-    off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = _read_item(slots.index(qs))
-    causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+    off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = read_item(slots.index(qs))
+    causal_offset, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                ROWS * N_CONSUMERS, BLOCK_N)
     return off_b >= 0, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles
 
@@ -664,21 +473,21 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
         while more:
             qs = qi % Q_BUFFERS
             mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
-            off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = _read_item(slots.index(qs))
+            off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = read_item(slots.index(qs))
             more = off_b >= 0
             if more:
                 if not IS_VARLEN:
                     tma.store_wait(0)  # the previous item's output has left o_smem
-                causal_offset, n_tiles, has_rows = _bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                                           BLOCK_M, BLOCK_N)
+                causal_offset, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL,
+                                                               CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
                 c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
                                      causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                                      PINGPONG, N_CONSUMERS)
             qi += 1
     else:
-        ahead = _work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
+        ahead = work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
         for i in range(0, n_items):
-            off_b, off_h, start_m, seq, bounds, ahead = _work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+            off_b, off_h, start_m, seq, bounds, ahead = work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                               CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
             q_start, seqlen_q, k_start, seqlen_k = seq
             causal_offset, n_tiles, has_rows = bounds
@@ -706,15 +515,15 @@ def _attn_fwd_gluon(
     OVERLAP: gl.constexpr,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
-    longest sequences', B the sequences) as `_item` hands them out (causal: in pairs). num_warps=4: the producer; the N_CONSUMERS (2 or
-    3) consumer warpgroups are worker partitions."""
+    longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
+    num_warps=4: the producer; the N_CONSUMERS (2 or 3) consumer warpgroups are worker partitions."""
     gl.static_assert((N_CONSUMERS == 2) | ((N_CONSUMERS == 3) & (not PINGPONG)), "2 consumers, or 3 without ping-pong")
     gl.static_assert(not (DYNAMIC and IS_CAUSAL and CAUSAL_PAIRS), "DYNAMIC: items one at a time")
     gl.static_assert(not (OVERLAP and PINGPONG), "OVERLAP: without ping-pong")
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
-    n_items = _num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
+    n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
@@ -764,7 +573,7 @@ def _attn_fwd_gluon(
     stride_oh = gl.to_tensor(stride_oh)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k)  # what `_work` hands out
+    items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k)  # what `work` hands out
     producer_args = (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
                      k_empty, v_empty, items, n_items, group_size, slots, COUNTER)
     consumer_args = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn,
@@ -795,40 +604,8 @@ def _attn_fwd_gluon(
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
-_GL_DTYPE = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPE[dtype])
-
-
-# TensorDescriptor's __post_init__ re-checks what the caller checked (`common.tma_ok`: aligned base and strides,
-# sizes > 0): ~10 us per descriptor on a slow host, four per forward. Built without it where the fields match.
-_FAST_DESCRIPTOR = [f.name for f in dataclasses.fields(TensorDescriptor)] == \
-    ["base", "shape", "strides", "block_shape", "layout", "padding"]
-
-
-def descriptor(t: torch.Tensor, rows: int, varlen: bool = False) -> TensorDescriptor:
-    """Descriptor of one (rows, head) slab: of a (B, S, H, D) tensor, rank 4 with block (1, rows, 1, D), or of
-    a packed (total, H, D) one, rank 3 with block (rows, 1, D). `t` must pass `common.tma_ok`."""
-    head_dim = t.shape[-1]
-    block = (rows, 1, head_dim) if varlen else (1, rows, 1, head_dim)
-    layout = _smem_layout(block, t.dtype)
-    if not _FAST_DESCRIPTOR:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = \
-        t, list(t.shape), list(t.stride()), list(block), layout, "zero"
-    return desc
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90 (H100 / H200)
 # Work units are counted in int32, and a program's last draw (or static slot) runs up to one grid past the end.
 UNIT_LIMIT = 2**31 - 2**20
 

@@ -1,0 +1,96 @@
+"""What the Hopper Gluon kernels (`forward_gluon`, `backward_gluon`) share: the wgmma accumulator layout, TMA
+loads and stores of one head's rows from dense (B, S, H, D) or packed (total, H, D) tensors, a varlen sequence's
+bounds, and on the host their tensor descriptors and the device's SM count and shared-memory limit."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90 (H100 / H200)
+
+
+@gluon.constexpr_function
+def wgmma_layout(n):
+    """Registers of a (64, n) wgmma accumulator held by one warpgroup (4 warps along the rows): the layout of
+    the scores (n = a tile's keys or rows) and of the output / gradient accumulators (n = the head dim)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN: gl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k) of an item's sequence. Dense: the whole (Sq, Sk); varlen: sequence
+    off_b of the packed batch, from cu_seqlens (the loops load the next item's while the current one runs)."""
+    if IS_VARLEN:
+        q_start = gl.load(CU_SEQLENS_Q + off_b)
+        seqlen_q = gl.load(CU_SEQLENS_Q + off_b + 1) - q_start
+        k_start = gl.load(CU_SEQLENS_K + off_b)
+        seqlen_k = gl.load(CU_SEQLENS_K + off_b + 1) - k_start
+    else:
+        q_start = gl.to_tensor(0)
+        seqlen_q = max_seqlen_q
+        k_start = gl.to_tensor(0)
+        seqlen_k = max_seqlen_k
+    return q_start, seqlen_q, k_start, seqlen_k
+
+
+@gluon.jit
+def tma_load(desc, IS_VARLEN: gl.constexpr, off_b, row, head, bar, buf):
+    """Rows [row, row + block) of one head: dense descriptors are rank 4 over (B, S, H, D), varlen ones rank 3
+    over (total, H, D) with `row` a token index."""
+    if IS_VARLEN:
+        tma.async_copy_global_to_shared(desc, [row, head, 0], bar, buf)
+    else:
+        tma.async_copy_global_to_shared(desc, [off_b, row, head, 0], bar, buf)
+
+
+@gluon.jit
+def tma_store(desc, IS_VARLEN: gl.constexpr, off_b, row, head, buf):
+    """Store `buf` to rows [row, row + block) of one head (descriptors as `tma_load`'s; rows past the tensor's end
+    are clipped, but a varlen store also writes rows of the next sequence, so its callers store whole blocks only)."""
+    if IS_VARLEN:
+        tma.async_copy_shared_to_global(desc, [row, head, 0], buf)
+    else:
+        tma.async_copy_shared_to_global(desc, [off_b, row, head, 0], buf)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+GL_DTYPE = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@functools.lru_cache(maxsize=None)
+def smem_layout(block: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPE[dtype])
+
+
+# TensorDescriptor's __post_init__ re-checks what the caller checked (`common.tma_ok`: aligned base and strides,
+# sizes > 0): ~10 us per descriptor on a slow host, four per forward. Built without it where the fields match.
+FAST_DESCRIPTOR = [f.name for f in dataclasses.fields(TensorDescriptor)] == \
+    ["base", "shape", "strides", "block_shape", "layout", "padding"]
+
+
+def descriptor(t: torch.Tensor, rows: int, varlen: bool = False) -> TensorDescriptor:
+    """Descriptor of one (rows, head) slab: of a (B, S, H, D) tensor, rank 4 with block (1, rows, 1, D), or of
+    a packed (total, H, D) one, rank 3 with block (rows, 1, D). `t` must pass `common.tma_ok`."""
+    head_dim = t.shape[-1]
+    block = (rows, 1, head_dim) if varlen else (1, rows, 1, head_dim)
+    layout = smem_layout(block, t.dtype)
+    if not FAST_DESCRIPTOR:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = \
+        t, list(t.shape), list(t.stride()), list(block), layout, "zero"
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
