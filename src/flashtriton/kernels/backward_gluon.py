@@ -212,7 +212,7 @@ def _attn_bwd_dkdv_gluon(
         off_hk = gl.program_id(1)
         off_b = gl.program_id(2)
         seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
-                        IS_VARLEN)
+                       IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
         causal_offset = seqlen_k - seqlen_q
@@ -372,7 +372,7 @@ def _attn_bwd_dq_gluon(
         off_h = gl.program_id(1)
         off_b = gl.program_id(2)
         seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
-                        IS_VARLEN)
+                       IS_VARLEN)
     off_hk = off_h // GROUP_SIZE
     q_start, seqlen_q, k_start, seqlen_k = seq
     if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
@@ -452,8 +452,6 @@ def padded_rows(seqlen_q: int, varlen: bool, batch: int = 0) -> int:
     sequences): each sequence starts at a 16-byte aligned row (`_lse_rows`), the last 128 rows a margin so that the
     last sequence's last tile stays inside."""
     return 4 * (triton.cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
-
-
 
 
 def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2) -> int:

@@ -19,9 +19,10 @@ Scores are in base 2 (log2(e) folded into qk_scale, which must be > 0). fp16/bf1
 (B, S, H, D) tensors: rank-4 descriptors with block (1, rows, 1, D), rows past the sequence arrive as zeros.
 Varlen (total, H, D) tensors with cu_seqlens: rank-3 descriptors with block (rows, 1, D), whose rows past a
 sequence belong to the next one (masked in the scores; cleared in V by the producer). Causal attention is
-bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal work (`forward_gluon_items`). Compiles for sm_90
-only; `forward.launch_forward` takes this path where `configs.gluon_fwd_config` (dense) or
-`configs.gluon_varlen_config` (varlen) gives a config.
+bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal work. Which items a program takes
+and how the producer posts them to the consumers: `forward_gluon_items`. OVERLAP: each item's last P V goes out with
+the next item's first S (`_consume_overlapped`). Compiles for sm_90 only; `forward.launch_forward` takes this path
+where `configs.gluon_fwd_config` (dense) or `configs.gluon_varlen_config` (varlen) gives a config.
 """
 
 from __future__ import annotations
