@@ -4,6 +4,7 @@ and the dot settings per dtype. `@triton.jit` helpers are inlined into the kerne
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -175,3 +176,9 @@ def tma_descriptor(t: torch.Tensor, rows: int, varlen: bool):
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, list(t.shape), list(t.stride()), block, "zero"
     return desc
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """SMs of CUDA device `device_index`, queried once (a property query costs host time on every call)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

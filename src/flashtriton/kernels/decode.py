@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings, softmax_finish, softmax_step
+from .common import LOG2E, dot_settings, sm_count, softmax_finish, softmax_step
 from .launch import hooks_installed, launch, launch_and_keep
 
 
@@ -555,15 +555,10 @@ _decode_split_tuned = triton.autotune(
 )(_decode_split)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda" or INTERPRET:
         return configs.DECODE_INTERPRETER_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def choose_num_splits(programs: int, max_seqlen_k: int, device: torch.device, num_sms: int | None = None,

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import (LOG2E, dot_settings, key_range, load_tile, sequence_bounds, softmax_finish, softmax_step,
+from .common import (LOG2E, dot_settings, key_range, load_tile, sequence_bounds, sm_count, softmax_finish, softmax_step,
                      tma_descriptor, tma_layout_ok, tma_ok, tma_tile)
 from .launch import hooks_installed, launch, launch_and_keep
 
@@ -288,7 +288,7 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
     gluon_config = configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal) if use_gluon else None
     if gluon_config is not None:
         grid, ints, meta = forward_gluon.launch_parts(q_shape, k_shape, causal, causal_bottom_right, gluon_config,
-                                                      forward_gluon.num_sms(device.index))
+                                                      sm_count(device.index))
         return _DenseTmaPlan(forward_gluon._attn_fwd_gluon, grid, ints, meta, None, gluon_config["BLOCK_N"], True)
     config = configs.default_fwd_tma_config(head_dim, seqlen_q, k_shape[1], causal)
     grid, ints, meta = _tma_launch_parts(q_shape, k_shape, dtype, out_strides, (heads_q * seqlen_q, seqlen_q), causal,

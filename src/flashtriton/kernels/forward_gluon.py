@@ -34,10 +34,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E
+from .common import LOG2E, sm_count
 from .forward_gluon_items import (ITEM_FIELDS, item_bounds, num_items, post_end, post_item, read_item, unit_item, work,
                                   work_ahead)
-from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, num_sms, sequence, tma_load, wgmma_layout
+from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, sequence, tma_load, wgmma_layout
 from .launch import launch
 
 ROWS = gl.constexpr(64)  # rows per consumer warpgroup: wgmma's M; an item has ROWS * N_CONSUMERS rows
@@ -677,7 +677,7 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
     k/v (total_k, Hkv, D), out like q, lse (Hq, total_q), cu_seqlens int32 (B + 1,). out and lse contiguous,
     fp16/bf16, D 64 or 128, inputs that pass `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks)."""
     batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
-    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, num_sms(q.device.index),
+    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, sm_count(q.device.index),
                                     batch, max_seqlen_q, max_seqlen_k)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config["DYNAMIC"] else None  # one per launch
     # `launch` skips Triton's argument binding for a call shape seen before: ~0.2 ms of host time per varlen call

@@ -1,6 +1,6 @@
 """What the Hopper Gluon kernels (`forward_gluon`, `backward_gluon`) share: the wgmma accumulator layout, TMA
 loads and stores of one head's rows from dense (B, S, H, D) or packed (total, H, D) tensors, a varlen sequence's
-bounds, and on the host their tensor descriptors and the device's SM count and shared-memory limit."""
+bounds, and on the host their tensor descriptors and the shared-memory limit."""
 
 from __future__ import annotations
 
@@ -89,8 +89,3 @@ def descriptor(t: torch.Tensor, rows: int, varlen: bool = False) -> TensorDescri
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = \
         t, list(t.shape), list(t.stride()), list(block), layout, "zero"
     return desc
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
