@@ -656,7 +656,7 @@ GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.p
     # explore8/gluon_72e8c4a825c2.json also tried items one at a time from a static schedule (unpaired)
     # explore9/gluon_a99806d25f61.json also tried the dynamic schedule (one or two Q slots)
     128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "overlap": dict(_G, OVERLAP=True),
-          "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True)},
+          "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True), "pingpong": dict(_G, PINGPONG=True)},
     # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles
     # explore14/run_549e8e775c38 also tried one Q slot, with and without OVERLAP (behind two slots everywhere)
     64: {"q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True),
