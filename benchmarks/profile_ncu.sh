@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute on the device machine: one kernel per case (benchmarks/profile_ncu.py), the full section set,
-# each report also dumped as CSV (details page, and the SASS source page with its stall samples).
+# each report also dumped as CSV (the details page, every raw metric, and the SASS source page with its stall samples).
 #   bash benchmarks/profile_ncu.sh OUTDIR CASE...      e.g. CASE = gluon_q1-128-0-4096, cudnn-128-0-4096, tma-64-1-512
+# NCU_REUSE=1: for a case whose OUTDIR/CASE.ncu-rep exists, only dump its raw metrics again (no new profile).
 set -u
 out=$1; shift
 mkdir -p "$out"
