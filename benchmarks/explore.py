@@ -64,12 +64,6 @@ TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128
                     (64, 128, 4, 3), (64, 128, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3), (64, 64, 8, 3),
                     (64, 128, 8, 3)]}
 
-# `explore.py tma --tma-set one_loop`: the dispatched TMA tiles with their two loops (the masked keys apart) and
-# with ONE_LOOP (performance.md, forward 35)
-TMA_ONE_LOOP = {128: [(64, 32, 4, 3), (64, 32, 4, 3, "one_loop"), (64, 64, 4, 3), (64, 64, 4, 3, "one_loop"),
-                      (128, 128, 8, 3), (128, 128, 8, 3, "one_loop")],
-                64: [(64, 64, 4, 3), (64, 64, 4, 3, "one_loop"), (128, 64, 4, 3), (128, 64, 4, 3, "one_loop")]}
-
 _GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, DYNAMIC=False,
            OVERLAP=False)
 GLUON_VARLEN = {"q2_static": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False),
@@ -90,9 +84,7 @@ if SMOKE:  # logic check on a CPU (TRITON_INTERPRET=1): tiny lists
 
 
 def cfg(t):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages[, "one_loop"]) as a launcher config."""
-    c = {"BLOCK_M": t[0], "BLOCK_N": t[1], "num_warps": t[2], "num_stages": t[3]}
-    return dict(c, ONE_LOOP=True) if "one_loop" in t[4:] else c
+    return {"BLOCK_M": t[0], "BLOCK_N": t[1], "num_warps": t[2], "num_stages": t[3]}
 
 
 def dcfg(t):
@@ -629,8 +621,7 @@ def sweep_tma(opts):
     head_dims, dtypes = opts.head_dims, opts.dtypes.split(",")
     causals = [bool(int(c)) for c in opts.causal.split(",")]
     seqlens = opts.seqlens or FWD_SEQLENS
-    space = TMA_ONE_LOOP if opts.tma_set == "one_loop" else TMA_CONFIGS
-    jobs = [("tma", (D, dt, c, x)) for D in head_dims for dt in dtypes for c in causals for x in space[D]]
+    jobs = [("tma", (D, dt, c, x)) for D in head_dims for dt in dtypes for c in causals for x in TMA_CONFIGS[D]]
     precompile(jobs, opts.jobs)
     rows = []
     for D in head_dims:
@@ -641,7 +632,7 @@ def sweep_tma(opts):
                     flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
                     ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal)
                     cands = [("portable", lambda: F.attention_forward(q, k, v, D ** -0.5, causal))]
-                    cands += [(str(c), lambda c=c: _tma_forward(q, k, v, causal, c)) for c in space[D]]
+                    cands += [(str(c), lambda c=c: _tma_forward(q, k, v, causal, c)) for c in TMA_CONFIGS[D]]
                     qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
 
                     def cudnn():
@@ -1083,8 +1074,6 @@ def main():
                     help="gluon, tma: head dims to sweep")
     ap.add_argument("--dtypes", default="fp16,bf16", help="tma: dtypes to sweep")
     ap.add_argument("--causal", default="0,1", help="tma: causal modes to sweep (0,1)")
-    ap.add_argument("--tma-set", default="all", choices=["all", "one_loop"],
-                    help="tma: every tile config, or the dispatched tiles with and without ONE_LOOP")
     ap.add_argument("--seqlens", type=lambda x: [int(t) for t in x.split(",")], default=None,
                     help="tma: sequence lengths (default FWD_SEQLENS)")
     ap.add_argument("--fwd-only", action="store_true", help="varlen: the forward kernels only")

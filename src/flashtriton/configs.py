@@ -129,11 +129,7 @@ def default_fwd_tma_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: 
     - D = 128, non-causal: 64x32 with 4 warps up to Sk = 2048 (T=1024 450 / 441), then 128x128 with 8 warps
       (T=8192 546 / 547). Causal: 64x64 at Sq <= 512 (fp16 260 against 216 for 64x32), 64x32 to Sq = 8192
       (T=4096 458 / 474), 128x128x8w beyond (T=16384 505 / 536).
-    3 stages everywhere (2 stages lost 10-20 %). Dense calls run every key tile in one loop (ONE_LOOP, forward 35)."""
-    return dict(_default_fwd_tma_tiles(head_dim, seqlen_q, seqlen_k, causal), ONE_LOOP=True)
-
-
-def _default_fwd_tma_tiles(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict:
+    3 stages everywhere (2 stages lost 10-20 %)."""
     if head_dim <= 64:
         return _config(128, 64, 4, 3) if causal and seqlen_q >= 8192 else _config(64, 64, 4, 3)
     if not causal:

@@ -169,41 +169,11 @@ def _attn_fwd_tile_tma(
 
 
 @triton.jit
-def _attn_fwd_one_loop_tma(
-    acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, offs_m, offs_n, lo, hi, seqlen_k, causal_offset, qk_scale,
-    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Dense keys [0, hi) in one pipelined loop, tiles from lo on masked by a run-time branch around the mask alone
-    (ONE_LOOP): the first masked tile's loads go out while the last unmasked ones compute, where two loops drain
-    one pipeline and fill another (the TMA kernel waited on that first masked tile for 3 % of its stall samples at
-    D=64 causal T=512, performance.md forward 35)."""
-    for n in range(0, hi, BLOCK_N):
-        cols = n + offs_n  # (BLOCK_N,) key indices
-        k = tma_tile(desc_k, off_b, n, off_hk, BLOCK_N, HEAD_DIM, False)  # (BLOCK_N, D)
-        v = tma_tile(desc_v, off_b, n, off_hk, BLOCK_N, HEAD_DIM, False)  # (BLOCK_N, D)
-        qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
-        if n >= lo:
-            visible = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _attn_fwd_tma(
     desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
     qk_scale, stride_om, stride_oh, stride_lb, stride_lh, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_LOOP: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """`_attn_fwd` for fp16/bf16 inputs on Hopper, with Q, K, V (and dense O) moved by TMA. Grid (query tiles,
     heads, batch). Dense: query rows past the end load as zeros and are not stored (TMA clips the store).
@@ -236,16 +206,12 @@ def _attn_fwd_tma(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
-    if ONE_LOOP:  # dense, on the GPU (the launcher's rule)
-        acc, l_i, m_i = _attn_fwd_one_loop_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, offs_m, offs_n, lo, hi,
-                                               seqlen_k, causal_offset, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N)
-    else:
-        acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
-                                           0, lo, seqlen_k, causal_offset, qk_scale, False, IS_CAUSAL, IS_VARLEN,
-                                           HEAD_DIM, BLOCK_N, UPCAST_DOT)
-        acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
-                                           lo, hi, seqlen_k, causal_offset, qk_scale, True, IS_CAUSAL, IS_VARLEN,
-                                           HEAD_DIM, BLOCK_N, UPCAST_DOT)
+    acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
+                                       0, lo, seqlen_k, causal_offset, qk_scale, False, IS_CAUSAL, IS_VARLEN,
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
+    acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
+                                       lo, hi, seqlen_k, causal_offset, qk_scale, True, IS_CAUSAL, IS_VARLEN,
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
 
     out, lse = softmax_finish(acc, l_i, m_i)
     row_ok = offs_m < seqlen_q
@@ -272,10 +238,8 @@ def _tma_launch_parts(q_shape, k_shape, dtype, out_strides, lse_strides, causal,
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         stride_lb, stride_lh = lse_strides[0], lse_strides[1]
     ints = (out_strides[-3], out_strides[-2], stride_lb, stride_lh, heads_q // heads_kv, seqlen_q, seqlen_k)
-    upcast = dot_settings(dtype)[0]
     meta = dict(HEAD_DIM=q_shape[-1], IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
-                IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=upcast,
-                ONE_LOOP=bool(config.get("ONE_LOOP")) and not varlen and not upcast,
+                IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(dtype)[0],
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
     return (configs.cdiv(seqlen_q, bm), heads_q, batch), ints, meta
 
