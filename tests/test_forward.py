@@ -127,11 +127,11 @@ def test_tma_kernel(seqlen_q, seqlen_k, heads_q, heads_kv, causal, bottom_right,
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
     exact, exact_lse = attention_reference(q, k, v, None, causal, bottom_right, return_lse=True)
     same_dtype = torch_attention(q, k, v, None, causal, bottom_right)
-    configs = [(32, 16, 4, 1)] if device == "cpu" else [(64, 64, 4, 3), (128, 128, 8, 3)]
-    for bm, bn, warps, stages in configs:
+    configs = [(32, 16, 4, 1, 0)] if device == "cpu" else [(64, 64, 4, 3, 0), (128, 128, 8, 3, 0), (64, 64, 4, 3, 128)]
+    for bm, bn, warps, stages, maxnreg in configs:  # maxnreg: a register cap (the D=64 causal dispatch's)
         out = torch.empty_like(q)
         lse = torch.full((2, heads_q, seqlen_q), float("nan"), dtype=torch.float32, device=device)
-        config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "maxnreg": maxnreg}
         _launch_forward_tma(q, k, v, out, lse, head_dim ** -0.5, causal, bottom_right, config)
         assert_close_to_exact(out, same_dtype, exact, dtype, f"config {config}")
         seen = torch.isfinite(exact_lse)

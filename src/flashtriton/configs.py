@@ -129,9 +129,15 @@ def default_fwd_tma_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: 
     - D = 128, non-causal: 64x32 with 4 warps up to Sk = 2048 (T=1024 450 / 441), then 128x128 with 8 warps
       (T=8192 546 / 547). Causal: 64x64 at Sq <= 512 (fp16 260 against 216 for 64x32), 64x32 to Sq = 8192
       (T=4096 458 / 474), 128x128x8w beyond (T=16384 505 / 536).
-    3 stages everywhere (2 stages lost 10-20 %)."""
+    3 stages everywhere (2 stages lost 10-20 %).
+    - D = 64 causal 64x64 tiles with at most 128 registers a thread (`maxnreg`; 143 without): four programs per SM
+      instead of three, whose loads cover each other's waits (session 13, benchmarks/2026-11-29-h200/explore15/
+      maxnreg/, GPU time fp16, without / with the cap / cuDNN: T=512 221 / 250 / 259, T=1024 307 / 336 / 337,
+      T=4096 421 / 440 / 420). Not for non-causal (no gain, 2k 472 / 440) nor the 128-row tiles (spills: 443 -> 205)."""
     if head_dim <= 64:
-        return _config(128, 64, 4, 3) if causal and seqlen_q >= 8192 else _config(64, 64, 4, 3)
+        if causal and seqlen_q >= 8192:
+            return _config(128, 64, 4, 3)
+        return dict(_config(64, 64, 4, 3), maxnreg=128) if causal else _config(64, 64, 4, 3)
     if not causal:
         return _config(64, 32, 4, 3) if seqlen_k <= 2048 else _config(128, 128, 8, 3)
     if seqlen_q <= 512:

@@ -241,6 +241,8 @@ def _tma_launch_parts(q_shape, k_shape, dtype, out_strides, lse_strides, causal,
     meta = dict(HEAD_DIM=q_shape[-1], IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
                 IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(dtype)[0],
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if config.get("maxnreg"):  # a register cap, so that more programs fit on an SM
+        meta["maxnreg"] = config["maxnreg"]
     return (configs.cdiv(seqlen_q, bm), heads_q, batch), ints, meta
 
 
