@@ -46,7 +46,7 @@ def test_default_and_quick_options():
     args = parse([])
     assert args.shapes == C.standard_shapes(bench.STANDARD_SEQLENS, [64, 128, 256])  # the standard sweep
     assert args.modes_list == ["fwd", "bwd"] and args.dtype_list == ["fp16"] and args.causal_list == [False, True]
-    assert args.flex_seqlens == {1024, 4096, 16384} and (args.warmup, args.rep) == (25, 100)
+    assert args.flex_seqlens == {1024, 4096, 16384} and (args.warmup, args.rep) == (100, 100)
     assert args.decode_batch_list == [1, 8, 16, 64] and args.decode_seqlen_list[-1] == 128 * 1024
     quick = parse(["--quick"])
     assert [(s.T, s.D) for s in quick.shapes] == [(1024, 128), (4096, 128)] and quick.varlen_n == 16

@@ -43,7 +43,7 @@ CONFIGS = {
     "varlen, dynamic schedule, two Q slots": {**configs.gluon_varlen_config(128, 4096, 4096, True), "Q_BUFFERS": 2},
     "three consumers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160},
     "three consumers, 64-key tiles": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "BLOCK_N": 64, "NUM_BUFFERS": 4},
-    # an item's last P V with the next item's first S (`_consume_overlapped`)
+    # an item's last P V with the next item's first S, one loop over all the K/V tiles (`_consume_flat`)
     "overlap": {**_BASE, "OVERLAP": True},
     "overlap, two Q buffers": {**_BASE, "OVERLAP": True, "Q_BUFFERS": 2},
     "overlap, causal items one at a time": {**_BASE, "OVERLAP": True, "CAUSAL_PAIRS": False},

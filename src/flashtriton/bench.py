@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--hidden", type=int, default=2048, help="standard sweep: H*D (default 2048)")
     a("--shape", action="append", default=None, metavar="B,H,T,D", help="explicit shape (repeatable); replaces the sweep")
     a("--quick", action="store_true", help="a small subset: T 1k,4k, D 128; shorter timing; smaller varlen/decode")
-    a("--warmup", type=int, default=None, help="do_bench warmup in ms (default 25, quick 10)")
+    a("--warmup", type=int, default=None,
+      help="do_bench warmup in ms (default 100, quick 25): a GPU runs faster for a moment after a pause (up to 10 %% "
+           "on an H200), which a short warmup hands to whichever provider is timed first after one")
     a("--rep", type=int, default=None, help="do_bench repetition time in ms (default 100, quick 30)")
     a("--check-heads", type=int, default=2, help="heads of batch 0 checked against float32 attention (default 2)")
     a("--math-max-gib", type=float, default=8.0, help="skip sdpa_math when its T x T scores exceed this (GiB)")
@@ -96,7 +98,7 @@ def resolve(args: argparse.Namespace, interpreter: bool = False) -> argparse.Nam
     else:
         args.shapes = C.standard_shapes(seqlens, head_dims, args.tokens, args.hidden)
     args.flex_seqlens = None if str(args.flex_seqlens).strip() == "all" else set(C.parse_int_list(args.flex_seqlens))
-    args.warmup = args.warmup if args.warmup is not None else (10 if quick else 25)
+    args.warmup = args.warmup if args.warmup is not None else (25 if quick else 100)
     args.rep = args.rep if args.rep is not None else (30 if quick else 100)
     args.varlen_n = args.varlen_n if args.varlen_n is not None else (4 if interpreter else 16 if quick else 64)
     args.varlen_max = args.varlen_max if args.varlen_max is not None else (128 if interpreter else 4096)

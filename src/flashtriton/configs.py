@@ -169,6 +169,12 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
       item's first S) with two Q slots: T=1024 377 / 390 / 407 / 420, T=2048 471 / 475 / 483 / 500, T=4096 514 / 509
       / 547 / 552; T=512 level (249 / 294 / 295 / 326); from 8k it loses (580 / 545 / 565 / 584, 16k 637 / 570 / 583
       / 609). Non-causal it never beat the configs above (T=512 q2 489 / 485, T=4096 634 / 600).
+    - Since session 14 (explore16/, GPU time in CUDA graphs, rounds in alternating order, fp16 / bf16 D = 128): OVERLAP
+      is one loop over all of a program's K/V tiles with one softmax and one store (`_consume_flat`; the former
+      version's item boundary held copies of both, spilled and stalled on instruction fetch), and causal pairs go
+      head-major. Causal T=512 298 / 301 (the config above) -> 351 / 355 (cuDNN 328 / 333), T=1024 408 / 420 -> 442 /
+      460 (421 / 428), T=2048 501 / 518 -> 500 / 525, T=4096 562 / 579 -> 564 / 569 (563 / 580). Non-causal two Q slots
+      with OVERLAP up to 1k keys: T=512 488 / 497 -> 507 / 521 (512 / 524), T=1024 551 / 569 -> 558 / 588 (587 / 603).
     - D = 64 non-causal from Sk = 8192 with three consumer warpgroups (192-row items, FlashAttention-3's D = 64
       tiles; ccaefbc239e1: T=8192 481 / 447 / 482, T=16384 475 / 436 / 495; T=4096 445 / 483). Two warpgroups lose
       to the TMA kernel everywhere at D = 64, three with causal masks spill registers and lose.
@@ -176,9 +182,9 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
     base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
                 Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
     if head_dim == 128:
-        if causal and seqlen_k <= 4096:
+        if seqlen_k <= (4096 if causal else 1024):
             return dict(base, Q_BUFFERS=2, OVERLAP=True)
-        return dict(base, Q_BUFFERS=2) if seqlen_k <= 1024 else base
+        return base
     if head_dim == 64 and not causal and seqlen_k >= 8192:
         return dict(base, N_CONSUMERS=3, CONSUMER_REGS=160)
     return None

@@ -21,7 +21,7 @@ Varlen (total, H, D) tensors with cu_seqlens: rank-3 descriptors with block (row
 sequence belong to the next one (masked in the scores; cleared in V by the producer). Causal attention is
 bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal work. Which items a program takes
 and how the producer posts them to the consumers: `forward_gluon_items`. OVERLAP: each item's last P V goes out with
-the next item's first S (`_consume_overlapped`). Compiles for sm_90 only; `forward.launch_forward` takes this path
+the next item's first S, in one loop over all the program's K/V tiles (`_consume_flat`). Compiles for sm_90 only; `forward.launch_forward` takes this path
 where `configs.gluon_fwd_config` (dense) or `configs.gluon_varlen_config` (varlen) gives a config.
 """
 
@@ -165,17 +165,25 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
-                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False):
     """Fold raw scores s (ROWS, BLOCK_N) of keys [n, n + BLOCK_N) into (m_i, l_i): (p, alpha, m_new, l_new).
-    Only tiles that reach past the keys or, causal, past the first row's diagonal pay for the mask."""
+    Only tiles that reach past the keys or, causal, past the first row's diagonal pay for the mask. COMPACT: one
+    compare per score against the row's last visible key, for `_consume_flat` (which says why only there)."""
     need_mask = n + BLOCK_N > seqlen_k
     if IS_CAUSAL:
         need_mask = need_mask | (n + BLOCK_N - 1 > row0 + causal_offset)
     if need_mask:
-        cols = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = cols[None, :] < seqlen_k
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
+        if COMPACT:
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # in the tile
+            if IS_CAUSAL:
+                visible = cols[None, :] < (gl.minimum(rows + causal_offset + 1, seqlen_k) - n)[:, None]
+            else:
+                visible = cols[None, :] < seqlen_k - n
+        else:
+            cols = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = cols[None, :] < seqlen_k
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
@@ -291,15 +299,19 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn
 @gluon.jit
 def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
                 stride_lb, stride_lh, WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                BLOCK_N: gl.constexpr):
+                BLOCK_N: gl.constexpr, COMPACT: gl.constexpr = False):
     """out = acc / l, lse = m + log(l) of one warpgroup's 64 rows (rows that saw no key: out 0, lse -inf). Dense:
     through o_bufs[WG] and a TMA store (the caller has waited for the previous one to leave); varlen: masked
-    stores."""
+    stores. COMPACT: one reciprocal per row, then multiplies (acc / l is 64 full-range divisions per thread, ~4
+    instructions each), for `_consume_flat`, whose loop holds the store."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
+    if COMPACT:
+        out = (acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
+    else:
+        out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
     if IS_VARLEN:
         o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -359,13 +371,47 @@ def _following_item(qi, slots, q_ready, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
 
 
 @gluon.jit
-def _consume_overlapped(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-                        IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                        NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
-    """`_consumer` with OVERLAP: an item's last P V goes out with the next item's first S, and the item's output
-    is stored while both run, so that the tensor cores do not idle between items for the last P V, the epilogue
-    and the first S (each costs about a tile's matmuls; an item at T = 512 has 1-4 tiles). The Q slot is
-    released once the item's last S is done. Without ping-pong."""
+def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+                    IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr,
+                    Q_BUFFERS: gl.constexpr):
+    """The first item from Q slot qi on whose rows see a key: (qi, valid, off_b, off_h, start_m, q_start, seqlen_q,
+    seqlen_k, causal_offset, n_tiles). Items before it (causal with Sq > Sk: rows that see no key) get out 0 and
+    lse -inf here, and their Q slots back."""
+    (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
+     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _following_item(
+        qi, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
+    while valid & (n_tiles == 0):
+        if not IS_VARLEN:
+            tma.store_wait(0)  # the previous output has left o_smem
+        _store_item(gl.zeros([ROWS, HEAD_DIM], gl.float32, wgmma_layout(HEAD_DIM)),
+                    gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout)),
+                    gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout)), o_bufs, desc_o, O, LSE, off_b, off_h,
+                    start_m * ROWS * N_CONSUMERS + WG * ROWS, q_start, seqlen_q, stride_om, stride_oh, stride_lb,
+                    stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True)
+        mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
+        qi += 1
+        valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _following_item(
+            qi, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
+    return qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles
+
+
+@gluon.jit
+def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+                  IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                  N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
+    """OVERLAP: one loop over the K/V tiles of all this program's items. Each step issues S of the next tile (the
+    current item's, or the next item's first) with P V of the tile before (whichever item that belongs to), then
+    runs the softmax of S while P V runs. When S was an item's first tile, the item before is complete once its P V
+    is: it is stored (the store's only place in the loop) instead of rescaled. So the tensor cores do not idle
+    between items for the last P V, the epilogue and the first S (each costs about a tile's matmuls; an item at
+    T = 512 has 1-4 tiles), and the loop holds one softmax and one store: a body of ~1000 instructions per
+    warpgroup, which items of 1-4 tiles run through in full. Session 12's version (the item's end and the next one's
+    start as a separate block, with copies of both) had ~1700 hot instructions per warpgroup, spilled, and spent 24 %
+    of its consumer warps' stall samples waiting for instructions (explore15/ncu, performance.md forward 37).
+    The mask and the epilogue take their COMPACT forms here (shorter code; ab_flat2: 351 against 301 TFLOP/s at
+    causal T=512), and the committed ones in `_consume_in_turn`, whose schedule they slow by 2-5 % (ab_flat3)."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
      LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
@@ -373,67 +419,84 @@ def _consume_overlapped(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
-    c = 0  # K/V tiles consumed, over all items
-    g = 0  # ping-pong turns (unused: no ping-pong here)
-    qi = 0  # items with rows
-    valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _following_item(
-        0, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
-    started = gl.to_tensor(False)  # whether the item's first tile is done (the item before issued it)
+    g = gl.to_tensor(0)  # ping-pong turns (unused)
+    # The S side: the item in Q slot qi, tile j of its n_tiles; the output side (o_*): the item accumulated in acc.
+    qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_with_keys(
+        gl.to_tensor(0), shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
+    c = gl.to_tensor(0)  # K/V tiles consumed, over all items
+    j = gl.to_tensor(0)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    o_b = off_b
+    o_h = off_h
+    o_row0 = start_m * BLOCK_M + WG * ROWS
+    o_q_start = q_start
+    o_seqlen_q = seqlen_q
+    if valid:  # the program's first S, with no P V beside it
+        q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
+        p_op, m_i, l_i, g = _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, o_row0, seqlen_k, causal_offset,
+                                        qk_scale, WG, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, False)
+        c = 1
+        j = 1
+        if n_tiles == 1:
+            mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
+            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_with_keys(
+                qi + 1, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS,
+                Q_BUFFERS)
+            j = 0
     while valid:
-        qs = qi % Q_BUFFERS
-        q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
+        q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
         row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
-        if not started:
-            if n_tiles > 0:
-                p_op, m_i, l_i, g = _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, causal_offset,
-                                                qk_scale, WG, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, False)
-            else:  # causal with Sq > Sk: rows that see no key
-                m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-                l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-        acc, p_op, m_i, l_i, g = _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty,
-                                             v_empty, turn, c, g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG,
-                                             IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, False)
-        mbarrier.arrive(q_empty.index(qs), count=1)  # the item's last S is done: its Q slot may take the next Q
-        last = c + n_tiles - 1  # the ring tile of the item's last P V
-        c = c + n_tiles
-        valid_next, next_b, next_h, next_m, next_q_start, next_seqlen_q, next_seqlen_k, next_offset, next_tiles = \
-            _following_item(qi + 1, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
-        if not IS_VARLEN:
-            tma.store_wait(0)  # the previous item's output has left o_smem
-        if valid_next & (next_tiles > 0) & (n_tiles > 0):
-            next_qs = (qi + 1) % Q_BUFFERS
-            next_q = q_bufs.index(next_qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
-            next_row0 = next_m * BLOCK_M + WG * ROWS
-            stage = c % NUM_BUFFERS
-            v_stage = last % NUM_BUFFERS
-            mbarrier.wait(k_ready.index(stage), (c // NUM_BUFFERS) & 1)
-            _wait_v(v_ready, v_fixed, v_stage, (last // NUM_BUFFERS) & 1, IS_VARLEN)
-            s_tok = warpgroup_mma(next_q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                                  gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            acc_tok = warpgroup_mma(p_op, v_bufs.index(v_stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))  # the next item's S done; this item's P V may still run
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            next_p, next_m_i, next_l_i = _first_softmax(s, next_row0, next_seqlen_k, next_offset, qk_scale, IS_CAUSAL,
-                                                        HEAD_DIM, BLOCK_N, dtype)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-            mbarrier.arrive(v_empty.index(v_stage), count=1)
-            _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om,
-                        stride_oh, stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N)
-            p_op, m_i, l_i = next_p, next_m_i, next_l_i
-            started = valid_next
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        stage = c % NUM_BUFFERS
+        prev = (c - 1) % NUM_BUFFERS
+        mbarrier.wait(k_ready.index(stage), (c // NUM_BUFFERS) & 1)
+        _wait_v(v_ready, v_fixed, prev, ((c - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
+        s_tok = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S done; the P V before it may still run
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        first = j == 0
+        m_in = gl.where(first, float("-inf"), m_i)
+        l_in = gl.where(first, 0.0, l_i)
+        p, alpha, m_new, l_new = _softmax_tile(s, m_in, l_in, j * BLOCK_N, row0, rows, seqlen_k, causal_offset,
+                                               qk_scale, IS_CAUSAL, BLOCK_N, s_layout, True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        if first:  # the output side's item is complete
+            if not IS_VARLEN:
+                tma.store_wait(0)  # the previous output has left o_smem
+            _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, o_b, o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
+                        stride_oh, stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+            o_b = off_b
+            o_h = off_h
+            o_row0 = row0
+            o_q_start = q_start
+            o_seqlen_q = seqlen_q
         else:
-            if n_tiles > 0:
-                acc, g = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, turn, last, g, WG, IS_VARLEN, HEAD_DIM,
-                                  BLOCK_N, NUM_BUFFERS, False)
-            _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om,
-                        stride_oh, stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N)
-            started = gl.to_tensor(False)
-        valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = \
-            valid_next, next_b, next_h, next_m, next_q_start, next_seqlen_q, next_seqlen_k, next_offset, next_tiles
-        qi += 1
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        m_i = m_new
+        l_i = l_new
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        c += 1
+        j += 1
+        if j == n_tiles:  # the item's last S is done: its Q slot may take the next Q
+            mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
+            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_with_keys(
+                qi + 1, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS,
+                Q_BUFFERS)
+            j = 0
+    if c > 0:  # the last item's last P V, alone
+        acc, g = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, turn, c - 1, g, WG, IS_VARLEN, HEAD_DIM,
+                          BLOCK_N, NUM_BUFFERS, False)
+        if not IS_VARLEN:
+            tma.store_wait(0)
+        _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, o_b, o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
+                    stride_oh, stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True)
     if not IS_VARLEN:
         tma.store_wait(0)  # the last item's output has left o_smem
 
@@ -445,10 +508,10 @@ def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_R
               DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
     kernel's `consumer_args`): item by item (`_consume_in_turn`) or, OVERLAP, with each item's end overlapped
-    with the next one's start (`_consume_overlapped`)."""
+    with the next one's start (`_consume_flat`)."""
     if OVERLAP:
-        _consume_overlapped(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                            N_CONSUMERS, Q_BUFFERS)
+        _consume_flat(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
+                      Q_BUFFERS)
     else:
         _consume_in_turn(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                          PINGPONG, N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)

@@ -14,7 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .gluon_common import sequence
 
-L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the causal schedule keeps in use at once (L2: 50-60 MB)
+L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the unpaired causal schedule keeps in use (L2: 50-60 MB)
 
 
 @gluon.jit
@@ -23,15 +23,19 @@ def unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAU
     """Work unit -> (off_b, off_h, start_m) (in pairs: the pair's first item).
 
     Non-causal: head-major, so the programs running together read the same head's K/V (from L2).
-    Causal: heads go in groups whose K/V fit in L2_BUDGET; within a group, query tile j (counted from the last)
-    of every head comes before tile j + 1: the longest items first. CAUSAL_PAIRS: unit j of a head is the pair
-    of query tiles j and n_m - 1 - j (equal total work, see `item`)."""
-    if IS_CAUSAL:
+    Causal pairs (CAUSAL_PAIRS): unit j of a head is the pair of query tiles n_m - 1 - j and j (equal total work,
+    see `item`), head-major like non-causal: the pairs of a head run at once and share its K/V in L2. (Session 14,
+    benchmarks/2026-11-29-h200/explore16: at T=512 the head groups below read 244 MB from DRAM where Q, K and V are
+    201 MB, and the flat loop went 324 -> 351 TFLOP/s head-major; level from 8k.)
+    Causal items one at a time: heads go in groups whose K/V fit in L2_BUDGET; within a group, query tile j
+    (counted from the last) of every head comes before tile j + 1: the longest items first."""
+    if IS_CAUSAL and CAUSAL_PAIRS:
+        per_head = (n_m + 1) // 2
+        bh = unit // per_head
+        start_m = n_m - 1 - unit % per_head
+    elif IS_CAUSAL:
         heads_per_group = gl.maximum(L2_BUDGET // (max_seqlen_k.to(gl.int64) * HEAD_DIM * 4), 1).to(gl.int32)
-        if CAUSAL_PAIRS:
-            per_head = (n_m + 1) // 2
-        else:
-            per_head = n_m
+        per_head = n_m
         group = unit // (per_head * heads_per_group)
         group_heads = gl.minimum(heads_per_group, n_bh - group * heads_per_group)  # the last group may be smaller
         r = unit - group * per_head * heads_per_group
