@@ -1,7 +1,7 @@
 """Hopper's Gluon forward (kernels/forward_gluon.py). Gluon kernels compile for sm_90 only and do not run in the
 interpreter: the kernel tests run on a Hopper GPU; the host-side pieces are tested everywhere.
 
-flash_attn_func takes the Gluon kernel on sm_90 where `configs.gluon_fwd_config` says so (D = 128), so the
+flash_attn_func takes the Gluon kernel on sm_90 where `configs.gluon_fwd_config` says so (D = 64 and 128), so the
 forward tests of test_forward.py cover it there as well; these call it directly with every config the sweep
 tried, on shapes that reach each of its paths, and on packed (varlen) batches, which the dispatch gives it where
 `configs.gluon_varlen_config` says so (D = 128)."""
@@ -46,6 +46,8 @@ CONFIGS = {
     # an item's last P V with the next item's first S, one loop over all the K/V tiles (`_consume_flat`)
     "overlap": {**_BASE, "OVERLAP": True},
     "overlap, two Q buffers": {**_BASE, "OVERLAP": True, "Q_BUFFERS": 2},
+    "overlap, two Q buffers, 3 stages": {**_BASE, "OVERLAP": True, "Q_BUFFERS": 2, "NUM_BUFFERS": 3},  # D = 64 only
+    "overlap, three consumers": {**_BASE, "OVERLAP": True, "N_CONSUMERS": 3, "CONSUMER_REGS": 160},
     "overlap, causal items one at a time": {**_BASE, "OVERLAP": True, "CAUSAL_PAIRS": False},
     "overlap, one program per item": {**_BASE, "OVERLAP": True, "PERSISTENT": False},
     "overlap, 64-key tiles, 4 stages": {**_BASE, "OVERLAP": True, "BLOCK_N": 64, "NUM_BUFFERS": 4},
@@ -93,13 +95,14 @@ def test_gluon_kernel_against_float64(name, causal, bottom_right, head_dim, dtyp
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, device, monkeypatch):
-    """D = 128: the dispatch plans the Gluon kernel, and its output
+def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, head_dim, device, monkeypatch):
+    """Short sequences at D = 64 and 128: the dispatch plans the Gluon kernel, and its output
     matches the TMA kernel's (FLASHTRITON_GLUON=0) to rounding; softmax_scale = 0 (masked scores would be
     -inf * 0) is never given to it."""
     seqlen = 1000 if causal else 512
-    q, k, v = make_qkv(2, seqlen, seqlen, 8, 2, 128, torch.float16, device)
+    q, k, v = make_qkv(2, seqlen, seqlen, 8, 2, head_dim, torch.float16, device)
     plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, True,
                            True, True)
     assert plan is not None and plan.gluon
@@ -294,6 +297,7 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
         "from flashtriton.kernels.forward_gluon import compile_for_sm90\n"
         "for head_dim, causal, varlen, keys in ((128, False, False, 16384), (128, True, False, 16384),\n"
         "                                       (128, True, False, 1024), (64, False, False, 16384),\n"
+        "                                       (64, True, False, 16384), (64, True, False, 1024),\n"
         "                                       (128, True, True, 16384), (128, False, True, 16384)):\n"
         "    config = (configs.gluon_varlen_config if varlen else configs.gluon_fwd_config)(head_dim, keys, keys, causal)\n"
         "    compiled = compile_for_sm90(head_dim, causal, config, varlen=varlen)\n"
@@ -301,4 +305,4 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
         "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
         "    print('compiled', head_dim, causal, compiled.metadata.shared)\n"
     )
-    assert compile_in_fresh_process(script).count("compiled") == 6
+    assert compile_in_fresh_process(script).count("compiled") == 8

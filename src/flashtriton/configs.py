@@ -175,9 +175,12 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
       head-major. Causal T=512 298 / 301 (the config above) -> 351 / 355 (cuDNN 328 / 333), T=1024 408 / 420 -> 442 /
       460 (421 / 428), T=2048 501 / 518 -> 500 / 525, T=4096 562 / 579 -> 564 / 569 (563 / 580). Non-causal two Q slots
       with OVERLAP up to 1k keys: T=512 488 / 497 -> 507 / 521 (512 / 524), T=1024 551 / 569 -> 558 / 588 (587 / 603).
-    - D = 64 non-causal from Sk = 8192 with three consumer warpgroups (192-row items, FlashAttention-3's D = 64
-      tiles; ccaefbc239e1: T=8192 481 / 447 / 482, T=16384 475 / 436 / 495; T=4096 445 / 483). Two warpgroups lose
-      to the TMA kernel everywhere at D = 64, three with causal masks spill registers and lose.
+    - D = 64 (session 14, explore16/ab/ab_d64.txt: every variant and cuDNN timed in rotating rounds, fp16 / bf16;
+      Gluon / TMA kernel / cuDNN): three consumer warpgroups (192-row items, FlashAttention-3's D = 64 tiles) with
+      OVERLAP from 4k keys non-causal (T=4096 476 / 466 / 455, T=16384 499 / 431 / 444; one item at a time, session
+      8's config, 473 at 16k) and from 8k causal (T=8192 439 / 419 / 435, 16384 471 / 428 / 435); two with OVERLAP
+      and 3 stages up to 512 keys non-causal (384 / 376 / 383) and 1k causal (T=512 263 / 248 / 258, T=1024 336 / 332 /
+      335). Between them the TMA kernel (causal T=2048 395 against 380, T=4096 430 against 400).
     - Varlen: `gluon_varlen_config`."""
     base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
                 Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
@@ -185,8 +188,11 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
         if seqlen_k <= (4096 if causal else 1024):
             return dict(base, Q_BUFFERS=2, OVERLAP=True)
         return base
-    if head_dim == 64 and not causal and seqlen_k >= 8192:
-        return dict(base, N_CONSUMERS=3, CONSUMER_REGS=160)
+    if head_dim == 64:
+        if seqlen_k >= (8192 if causal else 4096):
+            return dict(base, N_CONSUMERS=3, CONSUMER_REGS=160, OVERLAP=True)
+        if seqlen_k <= (1024 if causal else 512):
+            return dict(base, Q_BUFFERS=2, OVERLAP=True, NUM_BUFFERS=3)
     return None
 
 

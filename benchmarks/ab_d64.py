@@ -1,0 +1,87 @@
+"""A/B on the GPU (session 14): the Gluon forward at D = 64 now that OVERLAP is the flat loop (`_consume_flat`),
+against the dispatched TMA kernel and cuDNN. Every Gluon config is checked against float64 on odd shapes first; then,
+per point of the standard sweep (B·T = 16384, H·D = 2048), every variant, cuDNN included, is timed in CUDA graphs
+(GPU time) in as many rounds as there are variants, each round starting one later, so that each is timed first
+once (a GPU that paused runs faster for a moment: explore16/ab). Prints the mean TFLOP/s and the rounds."""
+import sys
+
+import torch
+
+sys.path.insert(0, "src")
+sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "tests")
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import explore as X  # noqa: E402
+from accuracy import torch_attention  # noqa: E402
+from flashtriton import configs  # noqa: E402
+from flashtriton.kernels import forward as F  # noqa: E402
+from flashtriton.kernels import forward_gluon as G  # noqa: E402
+from flashtriton.reference import attention_reference  # noqa: E402
+
+D = 64
+_G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, Q_BUFFERS=1,
+          CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
+_G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)
+GLUON = {"q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "q2o": dict(_G, Q_BUFFERS=2, OVERLAP=True),
+         "q2o_s3": dict(_G, Q_BUFFERS=2, OVERLAP=True, NUM_BUFFERS=3), "c3o": dict(_G3, OVERLAP=True),
+         "c3o_s3": dict(_G3, OVERLAP=True, NUM_BUFFERS=3)}
+
+
+def gluon_run(q, k, v, causal, c, bottom_right=True, out=None, lse=None):
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device) if lse is None else lse
+    G.launch_forward_gluon(q, k, v, out, lse, D ** -0.5, causal, bottom_right, c)
+    return out, lse
+
+
+def time_rounds(fns: dict, flops: float) -> dict:
+    names, res = list(fns), {n: [] for n in fns}
+    for r in range(len(names)):
+        for n in names[r:] + names[:r]:
+            res[n].append(flops / X.bench_graph(fns[n]) / 1e9)
+    return res
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    bad = 0
+    for dt in (torch.float16, torch.bfloat16):
+        for causal, br in ((False, True), (True, True), (True, False)):
+            for (B, Sq, Sk, H, Hk) in X.GLUON_CHECKS:
+                q = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
+                k, v = (torch.randn(B, Sk, Hk, D, device="cuda", dtype=dt) for _ in range(2))
+                ref, ref_lse = attention_reference(q, k, v, None, causal, br, return_lse=True)
+                t_out = torch_attention(q, k, v, None, causal, br).double()
+                fin = torch.isfinite(t_out)
+                torch_err = (t_out - ref).abs()[fin].max().item() if fin.any() else 0.0
+                for name, c in GLUON.items():
+                    o, lse = gluon_run(q, k, v, causal, c, br)
+                    err = (o.double() - ref).abs().max().item()
+                    seen = torch.isfinite(ref_lse)
+                    ok = (err <= 2 * torch_err + 2e-3 and bool(torch.equal(torch.isfinite(lse), seen))
+                          and bool(torch.all(o[~seen.transpose(1, 2)] == 0)))
+                    if not ok:
+                        bad += 1
+                        print(f"BAD {name} {str(dt)[6:]} causal={int(causal)} br={int(br)} {(B, Sq, Sk, H, Hk)} err {err:.1e} "
+                              f"torch {torch_err:.1e}", flush=True)
+    print(f"checks: {bad} bad", flush=True)
+    for dt in ("fp16", "bf16"):
+        for causal in (False, True):
+            for T in (512, 1024, 2048, 4096, 8192, 16384):
+                q, k, v = X.fwd_inputs(T, D, X.DTYPE[dt])
+                flops = X.attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
+                out = torch.empty_like(q)
+                lse = torch.empty(q.shape[0], q.shape[2], T, device="cuda")
+                tc = configs.default_fwd_tma_config(D, T, T, causal)
+                fns = {"tma": lambda: F._launch_forward_tma(q, k, v, out, lse, D ** -0.5, causal, True, tc)}
+                fns.update({n: (lambda c=c: gluon_run(q, k, v, causal, c, True, out, lse)) for n, c in GLUON.items()})
+                qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+
+                def cudnn():
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
+                fns["cudnn"] = cudnn
+                res = time_rounds(fns, flops)
+                print(f"{dt} causal={int(causal)} T={T}" + "".join(
+                    f" | {n} {sum(r) / len(r):.0f}" for n, r in res.items()), flush=True)
