@@ -406,10 +406,10 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     runs the softmax of S while P V runs. When S was an item's first tile, the item before is complete once its P V
     is: it is stored (the store's only place in the loop) instead of rescaled. So the tensor cores do not idle
     between items for the last P V, the epilogue and the first S (each costs about a tile's matmuls; an item at
-    T = 512 has 1-4 tiles), and the loop holds one softmax and one store: a body of ~1000 instructions per
+    T = 512 has 1-4 tiles), and the loop holds one softmax and one store: a body of ~1000 SASS instructions per
     warpgroup, which items of 1-4 tiles run through in full. Session 12's version (the item's end and the next one's
-    start as a separate block, with copies of both) had ~1700 hot instructions per warpgroup, spilled, and spent 24 %
-    of its consumer warps' stall samples waiting for instructions (explore15/ncu, performance.md forward 37).
+    start as a block of their own, with a second softmax and store) spilled and spent 24 % of its consumer warps'
+    stall samples waiting for instructions (explore15/ncu; performance.md forward 37).
     The mask and the epilogue take their COMPACT forms here (shorter code; ab_flat2: 351 against 301 TFLOP/s at
     causal T=512), and the committed ones in `_consume_in_turn`, whose schedule they slow by 2-5 % (ab_flat3)."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
