@@ -35,14 +35,6 @@ def gluon_run(q, k, v, causal, c, bottom_right=True, out=None, lse=None):
     return out, lse
 
 
-def time_rounds(fns: dict, flops: float) -> dict:
-    names, res = list(fns), {n: [] for n in fns}
-    for r in range(len(names)):
-        for n in names[r:] + names[:r]:
-            res[n].append(flops / X.bench_graph(fns[n]) / 1e9)
-    return res
-
-
 if __name__ == "__main__":
     torch.manual_seed(0)
     bad = 0
@@ -82,6 +74,6 @@ if __name__ == "__main__":
                     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                         return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
                 fns["cudnn"] = cudnn
-                res = time_rounds(fns, flops)
+                res = X.time_rounds(fns, flops)
                 print(f"{dt} causal={int(causal)} T={T}" + "".join(
                     f" | {n} {sum(r) / len(r):.0f}" for n, r in res.items()), flush=True)

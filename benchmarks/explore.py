@@ -138,6 +138,17 @@ def bench_graph(fn, rep=20):
     return ms
 
 
+def time_rounds(fns: dict, flops: float) -> dict:
+    """TFLOP/s of each fn (name -> callable) by `bench_graph`, in as many rounds as there are fns, each round starting
+    one later, so that each is timed first once: a GPU that has paused runs up to 10 % faster for a moment, which
+    would go to whichever is timed first (performance.md, forward 41). Returns name -> [one reading per round]."""
+    names, res = list(fns), {n: [] for n in fns}
+    for r in range(len(names)):
+        for n in names[r:] + names[:r]:
+            res[n].append(flops / bench_graph(fns[n]) / 1e9)
+    return res
+
+
 # ---------------------------------------------------------------------------------------------------------
 # parallel precompile: run each variant once on a small problem with the same specialisations
 # ---------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 flat loop; FLAT=2 was the flat loop with the committed mask and epilogue; CAUSAL_PAIRS=2 was head-major pairs, now
 what CAUSAL_PAIRS means); the _ab_base_* modules were `git show 55f2285:<file>` copies (_ab_compact_forward_gluon.py:
 that tree's kernel with COMPACT's default True). Kept as the record of what benchmarks/2026-11-29-h200/explore16/
-measured, not to be rerun as they are.
+measured (they were benchmarks/ab_flat*.py), not to be rerun as they are.
 
 Second A/B on the GPU (session 14), after ab_flat.py:
 - gluon: causal T = 512..4096 and non-causal T = 512, 1024 at D = 128, the dispatched (committed) config against the

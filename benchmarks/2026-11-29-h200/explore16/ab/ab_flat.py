@@ -2,7 +2,7 @@
 flat loop; FLAT=2 was the flat loop with the committed mask and epilogue; CAUSAL_PAIRS=2 was head-major pairs, now
 what CAUSAL_PAIRS means); the _ab_base_* modules were `git show 55f2285:<file>` copies (_ab_compact_forward_gluon.py:
 that tree's kernel with COMPACT's default True). Kept as the record of what benchmarks/2026-11-29-h200/explore16/
-measured, not to be rerun as they are.
+measured (they were benchmarks/ab_flat*.py), not to be rerun as they are.
 
 A/B on the GPU (session 14): the Gluon forward at D = 128 before and after
 - one reciprocal per row in the epilogue and one compare per score in the mask (`base` = the committed kernel,
