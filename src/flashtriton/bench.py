@@ -121,7 +121,8 @@ def measure(prepared: P.Prepared, modes, ref, to_ref, make_dout, dtype, args) ->
     {"out", "dq", "dk", "dv"} (its layout) onto ref's slices; make_dout(out) builds the output gradient in
     the provider's layout with out's strides. Returns ({mode: row fields}, extra fields).
     """
-    extra, fwd_err, bwd_err, fwd_chk, bwd_chk = {}, None, None, None, None
+    # the timing method goes with every row: readings taken with different warmups differ (`--warmup`)
+    extra, fwd_err, bwd_err, fwd_chk, bwd_chk = dict(warmup_ms=args.warmup, rep_ms=args.rep), None, None, None, None
     leaves = prepared.leaves
     try:
         start = time.perf_counter()
