@@ -4,7 +4,8 @@
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
 # Steps: tests (whole suite), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
-# decode); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
+# decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
+# 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
 # benchmarks/2026-11-29-h200/explore16/); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024). Each step has its own time limit; seconds measured on 2026-11-29: tests 100, gputests 45,
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
@@ -36,6 +37,9 @@ for step in "$@"; do
       grep -v "it/s" $R/final.txt | tail -100 ;;
     d256) timeout 90 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 10 \
         --dtypes fp16,bf16 --head-dims 256 --out $R/d256 --no-plots > $R/d256.txt 2>&1; grep -v "it/s" $R/d256.txt | tail -30 ;;
+    anchors) timeout 120 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd --dtypes fp16 \
+        --head-dims 64,128 --seqlens 1024,4096,16384 --warmup 25 --rep 100 --out $R/anchors --no-plots > $R/anchors.txt 2>&1
+      python scripts/readme_tables.py $R/anchors/bench.json | tail -18 ;;
     fwdfinal) timeout 110 python -m flashtriton bench --providers flashtriton,sdpa_cudnn,seed --modes fwd --dtypes fp16,bf16 \
         --head-dims 64,128 --rep 40 --warmup 100 --out $R/fwd_final --no-plots > $R/fwd_final.txt 2>&1; grep -v "it/s" $R/fwd_final.txt | tail -52 ;;
     quick) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_launch.py tests/test_kvcache.py \

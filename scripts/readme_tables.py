@@ -1,4 +1,5 @@
-"""Print the README's forward and backward tables (fp16 | bf16 per cell) from a `flashtriton bench` JSON.
+"""Print the README's forward and backward tables (fp16 | bf16 per cell) from a `flashtriton bench` JSON, then the
+forward at the 12 points where the anchors file has Triton's tutorial kernel.
 
     python scripts/readme_tables.py benchmarks/2026-11-29-h200/runs/<sha>/final/bench.json
 """
@@ -10,14 +11,47 @@ import math
 import sys
 from collections import defaultdict
 
+# Triton's tutorial kernel (06-fused-attention) and cuDNN in the anchors file (shared/anchors/h200-2026-11-29.md),
+# forward fp16 TFLOP/s, timed with do_bench's defaults (25 ms warmup, 100 ms rep): (D, causal, T) -> (tutorial, cuDNN).
+TUTORIAL_ANCHORS = {
+    (64, 0, 1024): (391.4, 417.8), (64, 0, 4096): (406.4, 438.9), (64, 0, 16384): (411.9, 438.4),
+    (64, 1, 1024): (318.1, 333.4), (64, 1, 4096): (359.1, 404.3), (64, 1, 16384): (392.2, 437.0),
+    (128, 0, 1024): (520.8, 550.2), (128, 0, 4096): (512.9, 622.5), (128, 0, 16384): (528.3, 588.0),
+    (128, 1, 1024): (373.8, 403.1), (128, 1, 4096): (436.1, 504.3), (128, 1, 16384): (473.1, 546.4),
+}
+
+
+def print_tutorial_comparison(tf: dict, warmups: set) -> None:
+    """Ours against the tutorial's anchor at each of its points, in absolute numbers and as ratios to cuDNN (ours in
+    this run, the tutorial's in the anchors file's). The anchors were timed with a 25 ms warmup: readings taken with
+    another differ (performance.md, forward 41)."""
+    print(f"Against the tutorial kernel's anchors (fp16 forward; this run's warmup: {sorted(warmups) or '?'} ms, the "
+          "anchors' 25 ms):")
+    print("| D | causal | T | flashtriton | tutorial (anchors) | above | ours / cuDNN | tutorial / cuDNN (anchors) |")
+    print("|---|---|---|---|---|---|---|---|")
+    above = 0
+    for (d, c, t), (tut, tut_cudnn) in TUTORIAL_ANCHORS.items():
+        v = tf.get(("fwd", d, c, t), {})
+        ours, cudnn = v.get(("flashtriton", "fp16")), v.get(("sdpa_cudnn", "fp16"))
+        if ours is None:
+            print(f"| {d} | {c} | {t} | - | {tut:.0f} | - | - | {tut / tut_cudnn:.2f} |")
+            continue
+        above += ours > tut
+        ratio = f"{ours / cudnn:.2f}" if cudnn else "-"
+        print(f"| {d} | {c} | {t} | {ours:.0f} | {tut:.0f} | {'yes' if ours > tut else 'NO'} | {ratio} | "
+              f"{tut / tut_cudnn:.2f} |")
+    print(f"\nabove the tutorial's anchor at {above} of {len(TUTORIAL_ANCHORS)} points")
+
 
 def main(path: str) -> None:
     data = json.load(open(path))
     rows = data["rows"] if isinstance(data, dict) else data
     tf = defaultdict(dict)  # (mode, D, causal, T) -> {(provider, dtype): TFLOP/s}
+    warmups = set()
     for r in rows:
         if r.get("suite", "standard") == "standard" and r.get("tflops"):
             tf[(r["mode"], r["D"], int(r["causal"]), r["T"])][(r["provider"], r["dtype"])] = r["tflops"]
+            warmups.add((r.get("extra") or {}).get("warmup_ms"))
 
     def cell(v, key, fmt="{:.0f}"):
         return " \\| ".join(fmt.format(v[(key, dt)]) if (key, dt) in v else "-" for dt in ("fp16", "bf16"))
@@ -53,6 +87,7 @@ def main(path: str) -> None:
             print(f"{mode} D={d} {dt}: geometric mean ours/cuDNN {math.exp(sum(ls) / len(ls)):.2f}, "
                   f"min {math.exp(min(ls)):.2f}")
         print()
+    print_tutorial_comparison(tf, warmups - {None})
 
 
 if __name__ == "__main__":

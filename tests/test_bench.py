@@ -322,3 +322,20 @@ def test_sdpa_backend_is_chosen_once_around_the_timing_not_per_call(monkeypatch)
     expected = attention_reference(q, k, v, causal=True, bottom_right=False, dtype=torch.float64)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(got, again)
+
+
+def test_readme_tables_compare_with_the_tutorial_anchors(tmp_path, capsys):
+    """scripts/readme_tables.py: the forward table and the comparison at the anchors file's tutorial points."""
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "readme_tables.py"))
+    rows = [dict(suite="standard", mode="fwd", D=64, causal=0, T=1024, provider=p, dtype="fp16", tflops=t,
+                 extra={"warmup_ms": 25}) for p, t in (("flashtriton", 400.0), ("sdpa_cudnn", 420.0))]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"rows": rows}))
+    script["main"](str(path))
+    out = capsys.readouterr().out
+    assert "| 64 | 0 | 1024 | 400 \\| - | 420 \\| - |" in out and "geometric mean ours/cuDNN 0.95" in out
+    assert "| 64 | 0 | 1024 | 400 | 391 | yes | 0.95 | 0.94 |" in out and "warmup: [25] ms" in out
+    assert "above the tutorial's anchor at 1 of 12 points" in out
