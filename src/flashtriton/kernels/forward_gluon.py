@@ -398,6 +398,18 @@ def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
 
 
 @gluon.jit
+def _item_after(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+                IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr,
+                Q_BUFFERS: gl.constexpr):
+    """The item in Q slot qi has had its last S: give its slot back, then `_item_with_keys` from slot qi + 1."""
+    (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
+     LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+    mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
+    return _item_with_keys(qi + 1, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N,
+                           N_CONSUMERS, Q_BUFFERS)
+
+
+@gluon.jit
 def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
                   IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                   N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
@@ -442,10 +454,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         c = 1
         j = 1
         if n_tiles == 1:
-            mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
-            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_with_keys(
-                qi + 1, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS,
-                Q_BUFFERS)
+            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_after(
+                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
             j = 0
     while valid:
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
@@ -486,10 +496,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         c += 1
         j += 1
         if j == n_tiles:  # the item's last S is done: its Q slot may take the next Q
-            mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
-            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_with_keys(
-                qi + 1, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS,
-                Q_BUFFERS)
+            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_after(
+                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
             j = 0
     if c > 0:  # the last item's last P V, alone
         acc, g = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, turn, c - 1, g, WG, IS_VARLEN, HEAD_DIM,
