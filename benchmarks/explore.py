@@ -124,8 +124,9 @@ def bench(fn, warmup=5, rep=30):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def bench_graph(fn, rep=20):
-    """GPU time of fn alone: captured in a CUDA graph, the replay's host time hides behind the L2 flush."""
+def bench_graph(fn, rep=20, warmup=5):
+    """GPU time of fn alone: captured in a CUDA graph, the replay's host time hides behind the L2 flush. warmup (ms):
+    100 for steady-state numbers like the sweep's (`flashtriton bench --warmup 100`)."""
     if DEV == "cpu":
         return bench(fn)
     fn()
@@ -133,19 +134,20 @@ def bench_graph(fn, rep=20):
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph):
         fn()
-    ms = bench(graph.replay, rep=rep)
+    ms = bench(graph.replay, warmup=warmup, rep=rep)
     del graph
     return ms
 
 
-def time_rounds(fns: dict, flops: float) -> dict:
+def time_rounds(fns: dict, flops: float, warmup: float = 5) -> dict:
     """TFLOP/s of each fn (name -> callable) by `bench_graph`, in as many rounds as there are fns, each round starting
     one later, so that each is timed first once: a GPU that has paused runs up to 10 % faster for a moment, which
-    would go to whichever is timed first (performance.md, forward 41). Returns name -> [one reading per round]."""
+    would go to whichever is timed first (performance.md, forward 41). warmup: ms before each timing (`bench_graph`).
+    Returns name -> [one reading per round]."""
     names, res = list(fns), {n: [] for n in fns}
     for r in range(len(names)):
         for n in names[r:] + names[:r]:
-            res[n].append(flops / bench_graph(fns[n]) / 1e9)
+            res[n].append(flops / bench_graph(fns[n], warmup=warmup) / 1e9)
     return res
 
 

@@ -181,6 +181,13 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
       8's config, 473 at 16k) and from 8k causal (T=8192 439 / 419 / 435, 16384 471 / 428 / 435); two with OVERLAP
       and 3 stages up to 512 keys non-causal (384 / 376 / 383) and 1k causal (T=512 263 / 248 / 258, T=1024 336 / 332 /
       335). Between them the TMA kernel (causal T=2048 395 against 380, T=4096 430 against 400).
+    - D = 64 since session 15 (explore17/ab_steady*.txt, the same rounds but each timing after 100 ms of warmup, the
+      README sweep's steady state, where the 700 W power cap holds the clock at 1.6-1.95 GHz): the Gluon kernel at every
+      T. The TMA kernel (64-row tiles, twice the K/V traffic of 128-row items) loses 4-10 % there against the Gluon
+      configs it beat in 5 ms timings. Two consumers with OVERLAP and 3 stages up to 1k keys non-causal (fp16 T=1024
+      379 / TMA 355 / cuDNN 380) and 4k causal (T=2048 345 / 333 / 350, T=4096 379 / 347 / 386); three consumers with
+      OVERLAP beyond (non-causal T=2048 412 / 377 / 416, T=4096 437 / 389 / 430; causal T=8192 415 / 388 / 397).
+      D = 128 stays: one or two Q slots, with or without OVERLAP, are within 2 % of each other from 2k keys there.
     - Varlen: `gluon_varlen_config`."""
     base = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
                 Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
@@ -189,10 +196,9 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
             return dict(base, Q_BUFFERS=2, OVERLAP=True)
         return base
     if head_dim == 64:
-        if seqlen_k >= (8192 if causal else 4096):
-            return dict(base, N_CONSUMERS=3, CONSUMER_REGS=160, OVERLAP=True)
-        if seqlen_k <= (1024 if causal else 512):
+        if seqlen_k <= (4096 if causal else 1024):
             return dict(base, Q_BUFFERS=2, OVERLAP=True, NUM_BUFFERS=3)
+        return dict(base, N_CONSUMERS=3, CONSUMER_REGS=160, OVERLAP=True)
     return None
 
 
