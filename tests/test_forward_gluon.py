@@ -270,6 +270,24 @@ def test_shared_memory_estimate_and_limit():
         G.launch_parts((1, 256, 2, 128), (1, 256, 2, 128), False, True, too_big, 132)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_dispatched_dense_config_launches(head_dim, causal):
+    """Whatever `configs.gluon_fwd_config` returns for a dense shape passes `launch_parts` (shared memory within sm_90's,
+    no schedule it refuses), for query and key lengths from one token to 64k, equal or not: the dispatch
+    takes the Gluon kernel at D = 64 and 128 for every length (performance.md, forward 42), so a config it returns
+    for some length that the kernel refuses would fail users' calls, not fall back."""
+    lengths = [1, 17, 128, 512, 1000, 1024, 2048, 3000, 4096, 8192, 16384, 65536]
+    for seqlen_q in lengths:
+        for seqlen_k in lengths:
+            config = configs.gluon_fwd_config(head_dim, seqlen_q, seqlen_k, causal)
+            assert config is not None, (head_dim, seqlen_q, seqlen_k, causal)
+            grid, _, meta = G.launch_parts((2, seqlen_q, 8, head_dim), (2, seqlen_k, 2, head_dim), causal, True, config,
+                                           sms=132)
+            assert 1 <= grid[0] <= 132 and meta["HEAD_DIM"] == head_dim
+            assert G.shared_memory_bytes(config, head_dim) <= G.SHARED_MEMORY_LIMIT
+
+
 def test_launch_keys_tell_gluon_descriptor_layouts_apart():
     t = torch.empty(1, 64, 2, 64, dtype=torch.float16)
     a = launch._arg_key(G.descriptor(t, 64))
