@@ -96,6 +96,25 @@ def test_broadcast_inputs(head_dim, causal, device):
     check_forward(q, k, v, causal)
 
 
+def test_tma_shape_rules():
+    """What the shapes and strides decide about the TMA kernels (remembered per shape: the backward asks each call;
+    on a CPU `tma_layout_ok` says no before it asks): head dims in the list, no empty or broadcast dimension, every
+    stride but the last a multiple of 16 bytes."""
+    from flashtriton.kernels.common import _tma_shapes_ok
+
+    dims = (64, 128)
+    dense = torch.empty(2, 100, 4, 128, dtype=torch.float16)
+    assert _tma_shapes_ok(dims, 2, ((dense.shape, dense.stride()),))
+    assert _tma_shapes_ok(dims, 2, ((dense.shape, dense.stride()), (dense[:, :, :, :64].shape, dense.stride())))
+    assert not _tma_shapes_ok((64,), 2, ((dense.shape, dense.stride()),))  # head dim 128 not in the list
+    assert not _tma_shapes_ok(dims, 2, ((torch.Size([2, 0, 4, 128]), dense.stride()),))  # empty
+    shared = dense[:1].expand(2, -1, -1, -1)  # a broadcast batch
+    assert not _tma_shapes_ok(dims, 2, ((shared.shape, shared.stride()),))
+    odd = torch.empty(2, 100, 3, 132, dtype=torch.float16)[..., :128]  # token stride 3 * 132 * 2 bytes: not 16-aligned
+    assert not _tma_shapes_ok(dims, 2, ((odd.shape, odd.stride()),))
+    assert _tma_shapes_ok(dims, 4, ((odd.shape, odd.stride()),))  # the same strides in 4-byte elements: aligned
+
+
 def test_non_contiguous_last_dim_is_accepted(device):
     q, k, v = make_qkv(1, 20, 20, 2, 2, 32, torch.float16, device)
     q_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, last-dim stride != 1

@@ -421,15 +421,11 @@ def attention_backward(
         batch = cu_seqlens_q.numel() - 1
         heads_q, heads_kv = q.shape[1], k.shape[1]
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-        strides = [(0, *t.stride()) for t in (q, k, v, dout, dq, dk, dv)]  # zero batch stride
     else:
         batch, seqlen_q, heads_q, _ = q.shape
         seqlen_k, heads_kv = k.shape[1], k.shape[2]
-        strides = [t.stride() for t in (q, k, v, dout, dq, dk, dv)]
     if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
         return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
-    q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s = strides
-    block_d = configs.padded_head_dim(head_dim)
     gluon_config = None
     if (config is None and backward_gluon is not None and configs.USE_GLUON and configs.USE_GLUON_BWD
             and tma_ok(q, k, v, dout, dq, dk, dv)):  # (no broadcast, stride-0, dimension among them)
@@ -445,8 +441,24 @@ def attention_backward(
                          "Gluon config needs a 'dq' config too")
     lse = lse.contiguous()  # already so as the forward returns it
     lse, delta = preprocess(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None)
-    l_s = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if gluon_config is not None:
+        backward_gluon.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
+                                         causal_bottom_right, gluon_config["dkdv"], *varlen_args)
+        if gluon_config["dq"] is not None:  # (the host path of short calls: nothing below is needed)
+            backward_gluon.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal, causal_bottom_right,
+                                           gluon_config["dq"], *varlen_args)
+            return dq, dk, dv
 
+    # The Triton kernels: dK/dV unless the Gluon kernel ran it, then dQ.
+    if varlen:
+        strides = [(0, *t.stride()) for t in (q, k, v, dout, dq, dk, dv)]  # zero batch stride
+        l_s = (0, lse.stride(0))
+    else:
+        strides = [t.stride() for t in (q, k, v, dout, dq, dk, dv)]
+        l_s = (lse.stride(0), lse.stride(1))
+    q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s = strides
+    block_d = configs.padded_head_dim(head_dim)
     upcast, precision = dot_settings(q.dtype)
     common = (softmax_scale, softmax_scale * LOG2E, *q_s, *k_s, *v_s, *do_s)
     tail = (seqlen_q, seqlen_k, configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
@@ -468,22 +480,16 @@ def attention_backward(
     def grid_dq(meta):
         return (configs.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
-    args_dkdv = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s, *l_s,
-                 heads_q // heads_kv, *tail)
+    if gluon_config is None:
+        args_dkdv = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s, *l_s,
+                     heads_q // heads_kv, *tail)
+        if config is None:
+            _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
+        else:
+            launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"]})
     args_dq = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common, *dq_s, *l_s,
                heads_q // heads_kv, *tail)
-    varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if gluon_config is not None:
-        backward_gluon.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
-                                         causal_bottom_right, gluon_config["dkdv"], *varlen_args)
-    elif config is None:
-        _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
-    else:
-        launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"]})
-    if gluon_config is not None and gluon_config["dq"] is not None:
-        backward_gluon.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal, causal_bottom_right,
-                                       gluon_config["dq"], *varlen_args)
-    elif config is None:
+    if config is None:
         _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
     else:
         launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"]})

@@ -444,14 +444,14 @@ def row_descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 def padded_seqlen(seqlen_q: int) -> int:
     """lse / delta rows per (batch, head) of a dense batch: Sq rounded up to the dQ kernel's 128-row tiles."""
-    return triton.cdiv(seqlen_q, KEYS.value) * KEYS.value
+    return configs.cdiv(seqlen_q, KEYS.value) * KEYS.value
 
 
 def padded_rows(seqlen_q: int, varlen: bool, batch: int = 0) -> int:
     """lse / delta rows per (batch entry and) head. Dense: `padded_seqlen`. Varlen (seqlen_q = total_q, `batch`
     sequences): each sequence starts at a 16-byte aligned row (`_lse_rows`), the last 128 rows a margin so that the
     last sequence's last tile stays inside."""
-    return 4 * (triton.cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
+    return 4 * (configs.cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
 
 
 def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2) -> int:

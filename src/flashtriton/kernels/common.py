@@ -151,9 +151,14 @@ def tma_layout_ok(device: torch.device, dtype: torch.dtype, *shapes_and_strides)
     if (INTERPRET or not configs.USE_TMA or TensorDescriptor is None or device.type != "cuda"
             or dtype not in (torch.float16, torch.bfloat16) or configs.capability(device)[0] != 9):
         return False
-    size = dtype.itemsize
+    return _tma_shapes_ok(configs.TMA_HEAD_DIMS, dtype.itemsize, shapes_and_strides)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tma_shapes_ok(head_dims: tuple, size: int, shapes_and_strides: tuple) -> bool:
+    """What the shapes and strides decide, remembered: the backward asks on every call, about seven tensors."""
     for shape, strides in shapes_and_strides:
-        if (shape[-1] not in configs.TMA_HEAD_DIMS or min(shape) == 0 or any(st * size % 16 for st in strides[:-1])
+        if (shape[-1] not in head_dims or min(shape) == 0 or any(st * size % 16 for st in strides[:-1])
                 or 0 in strides):  # a broadcast (expanded) dimension: the portable kernels read it as it is
             return False
     return True
