@@ -9,15 +9,11 @@ import torch
 
 sys.path.insert(0, "src")
 sys.path.insert(0, "benchmarks")
-sys.path.insert(0, "tests")
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import explore as X  # noqa: E402
-from accuracy import torch_attention  # noqa: E402
 from flashtriton import configs  # noqa: E402
 from flashtriton.kernels import forward as F  # noqa: E402
-from flashtriton.kernels import forward_gluon as G  # noqa: E402
-from flashtriton.reference import attention_reference  # noqa: E402
 
 D = 64
 _G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, Q_BUFFERS=1,
@@ -28,35 +24,9 @@ GLUON = {"q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "q2o": dict(_G, Q_BUFFERS=2, OV
          "c3o_s3": dict(_G3, OVERLAP=True, NUM_BUFFERS=3)}
 
 
-def gluon_run(q, k, v, causal, c, bottom_right=True, out=None, lse=None):
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device) if lse is None else lse
-    G.launch_forward_gluon(q, k, v, out, lse, D ** -0.5, causal, bottom_right, c)
-    return out, lse
-
-
 if __name__ == "__main__":
     torch.manual_seed(0)
-    bad = 0
-    for dt in (torch.float16, torch.bfloat16):
-        for causal, br in ((False, True), (True, True), (True, False)):
-            for (B, Sq, Sk, H, Hk) in X.GLUON_CHECKS:
-                q = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
-                k, v = (torch.randn(B, Sk, Hk, D, device="cuda", dtype=dt) for _ in range(2))
-                ref, ref_lse = attention_reference(q, k, v, None, causal, br, return_lse=True)
-                t_out = torch_attention(q, k, v, None, causal, br).double()
-                fin = torch.isfinite(t_out)
-                torch_err = (t_out - ref).abs()[fin].max().item() if fin.any() else 0.0
-                for name, c in GLUON.items():
-                    o, lse = gluon_run(q, k, v, causal, c, br)
-                    err = (o.double() - ref).abs().max().item()
-                    seen = torch.isfinite(ref_lse)
-                    ok = (err <= 2 * torch_err + 2e-3 and bool(torch.equal(torch.isfinite(lse), seen))
-                          and bool(torch.all(o[~seen.transpose(1, 2)] == 0)))
-                    if not ok:
-                        bad += 1
-                        print(f"BAD {name} {str(dt)[6:]} causal={int(causal)} br={int(br)} {(B, Sq, Sk, H, Hk)} err {err:.1e} "
-                              f"torch {torch_err:.1e}", flush=True)
+    bad = X.check_gluon_fwd(GLUON, D)
     print(f"checks: {bad} bad", flush=True)
     for dt in ("fp16", "bf16"):
         for causal in (False, True):
@@ -67,7 +37,7 @@ if __name__ == "__main__":
                 lse = torch.empty(q.shape[0], q.shape[2], T, device="cuda")
                 tc = configs.default_fwd_tma_config(D, T, T, causal)
                 fns = {"tma": lambda: F._launch_forward_tma(q, k, v, out, lse, D ** -0.5, causal, True, tc)}
-                fns.update({n: (lambda c=c: gluon_run(q, k, v, causal, c, True, out, lse)) for n, c in GLUON.items()})
+                fns.update({n: (lambda c=c: X.gluon_forward(q, k, v, causal, c, True, out, lse)) for n, c in GLUON.items()})
                 qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
 
                 def cudnn():

@@ -12,15 +12,11 @@ import torch
 
 sys.path.insert(0, "src")
 sys.path.insert(0, "benchmarks")
-sys.path.insert(0, "tests")
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import explore as X  # noqa: E402
-from accuracy import torch_attention  # noqa: E402
 from flashtriton import configs  # noqa: E402
 from flashtriton.kernels import forward as F  # noqa: E402
-from flashtriton.kernels import forward_gluon as G  # noqa: E402
-from flashtriton.reference import attention_reference  # noqa: E402
 
 _B = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, Q_BUFFERS=1,
           CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
@@ -41,43 +37,11 @@ POINTS = {"short": [(64, False, 1024), (64, False, 2048), (64, True, 2048), (64,
                    (128, False, 16384), (128, True, 8192), (128, True, 16384)]}  # run 2 (ab_steady_long.txt)
 
 
-def gluon_run(q, k, v, causal, c, bottom_right=True, out=None, lse=None):
-    D = q.shape[-1]
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device) if lse is None else lse
-    G.launch_forward_gluon(q, k, v, out, lse, D ** -0.5, causal, bottom_right, c)
-    return out, lse
-
-
-def check_new() -> int:
-    bad = 0
-    for D, name in sorted(NEW):
-        c = GLUON[D][name]
-        for dt in (torch.float16, torch.bfloat16):
-            for causal, br in ((False, True), (True, True), (True, False)):
-                for (B, Sq, Sk, H, Hk) in X.GLUON_CHECKS:
-                    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
-                    k, v = (torch.randn(B, Sk, Hk, D, device="cuda", dtype=dt) for _ in range(2))
-                    ref, ref_lse = attention_reference(q, k, v, None, causal, br, return_lse=True)
-                    t_out = torch_attention(q, k, v, None, causal, br).double()
-                    fin = torch.isfinite(t_out)
-                    torch_err = (t_out - ref).abs()[fin].max().item() if fin.any() else 0.0
-                    o, lse = gluon_run(q, k, v, causal, c, br)
-                    err = (o.double() - ref).abs().max().item()
-                    seen = torch.isfinite(ref_lse)
-                    ok = (err <= 2 * torch_err + 2e-3 and bool(torch.equal(torch.isfinite(lse), seen))
-                          and bool(torch.all(o[~seen.transpose(1, 2)] == 0)))
-                    if not ok:
-                        bad += 1
-                        print(f"BAD D={D} {name} {str(dt)[6:]} causal={int(causal)} br={int(br)} {(B, Sq, Sk, H, Hk)} "
-                              f"err {err:.1e} torch {torch_err:.1e}", flush=True)
-    return bad
-
-
 if __name__ == "__main__":
     torch.manual_seed(0)
     which = sys.argv[1] if len(sys.argv) > 1 else "short"
-    print(f"checks: {check_new()} bad" if which == "short" else "checks: in run 1", flush=True)
+    bad = sum(X.check_gluon_fwd({name: GLUON[D][name]}, D) for D, name in sorted(NEW)) if which == "short" else None
+    print(f"checks: {bad} bad" if which == "short" else "checks: in run 1", flush=True)
     for dt in ("fp16", "bf16"):
         for D, causal, T in POINTS[which]:
             q, k, v = X.fwd_inputs(T, D, X.DTYPE[dt])
@@ -87,7 +51,7 @@ if __name__ == "__main__":
             tmas = {"tma": configs.default_fwd_tma_config(D, T, T, causal), **TMA_EXTRA[D]}
             fns = {n: (lambda tc=tc: F._launch_forward_tma(q, k, v, out, lse, D ** -0.5, causal, True, tc))
                    for n, tc in tmas.items()}
-            fns.update({n: (lambda c=c: gluon_run(q, k, v, causal, c, True, out, lse)) for n, c in GLUON[D].items()})
+            fns.update({n: (lambda c=c: X.gluon_forward(q, k, v, causal, c, True, out, lse)) for n, c in GLUON[D].items()})
             qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
 
             def cudnn():
