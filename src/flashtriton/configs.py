@@ -180,7 +180,8 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) 
       OVERLAP from 4k keys non-causal (T=4096 476 / 466 / 455, T=16384 499 / 431 / 444; one item at a time, session
       8's config, 473 at 16k) and from 8k causal (T=8192 439 / 419 / 435, 16384 471 / 428 / 435); two with OVERLAP
       and 3 stages up to 512 keys non-causal (384 / 376 / 383) and 1k causal (T=512 263 / 248 / 258, T=1024 336 / 332 /
-      335). Between them the TMA kernel (causal T=2048 395 against 380, T=4096 430 against 400).
+      335). Between them the TMA kernel (causal T=2048 395 against 380, T=4096 430 against 400), until session 15
+      (next).
     - D = 64 since session 15 (explore17/ab_steady*.txt, the same rounds but each timing after 100 ms of warmup, the
       README sweep's steady state, where the 700 W power cap holds the clock at 1.6-1.95 GHz): the Gluon kernel at every
       T. The TMA kernel (64-row tiles, twice the K/V traffic of 128-row items) loses 4-10 % there against the Gluon
