@@ -6,42 +6,51 @@
     model.set_attn_implementation("flashtriton")       # or switch an existing model
 
 `register()` adds the attention function `flashtriton_attention_forward` to transformers' `AttentionInterface`
-and, to `AttentionMaskInterface`, a mask function that hands the attention the 2-D padding mask (or None
-when nothing is padded), as transformers does for flash-attention. Then:
+and the mask function `flashtriton_mask` to its `AttentionMaskInterface`. transformers hands the mask function
+each layer type's pattern as a function of (query, key) positions; `hf_masks.analyse` decides whether it is
+causal or full attention (with padding and packed sequences) and refuses everything else. Then:
 
 - no padding: `flash_attn_func` on the (B, S, H, D) views, causal bottom-right aligned, so prefill and
   decoding with a KV cache (queries are the last tokens of the keys) are both exact;
-- padding (left or right): the tokens are unpadded and `flash_attn_varlen_func` runs on the real tokens of
-  each sequence; padded query positions return 0;
-- packed sequences (batch 1 whose `position_ids` restart, or explicit `cu_seq_lens_q/k` kwargs, as
-  `DataCollatorWithFlattening` makes): varlen over the packed sequences;
+- padding (left or right): `flash_attn_varlen_func` on each row's real keys. Causal attention keeps each
+  row's real queries (padded query positions return 0); non-causal attention (encoders, cross-attention to a
+  padded encoder) keeps every query;
+- packed sequences (position ids that restart, in any row, as transformers detects them; or explicit
+  `cu_seq_lens_q/k` kwargs, as `DataCollatorWithFlattening` makes): varlen over the packed sequences;
 - GQA/MQA natively (no repeat of the kv heads); fp16, bf16 and fp32 (exact fp32 dots).
 
-Not supported, with a NotImplementedError rather than a wrong answer: a sliding window that is shorter than
-the keys (Mistral with `sliding_window` set; while the keys fit in the window it changes nothing and
-attention runs), logit softcapping (Gemma 2), dropout > 0 (training with `attention_dropout`), attention
-sinks (`s_aux`), position biases, and 4-D custom attention masks.
+Refused with a NotImplementedError (or, for a model class, a ValueError when it is built) rather than a wrong
+answer, each message saying what to load instead: masks that are neither causal nor full over the keys (a
+sliding window shorter than the keys, chunked attention, prefix-LM or image-token bidirectional overlays;
+while the keys fit in the window it changes nothing and attention runs), logit softcapping (Gemma 2), dropout
+> 0 in training, attention sinks (`s_aux`, gpt-oss), position biases, 4-D custom attention masks, models
+transformers marks `_supports_flash_attn = False`, and models that switch to their own flash-attn classes
+(GPT-Neo, Falcon, Bark).
 
-transformers treats every implementation whose name contains "flash" as a flash-attention flavour and
-preloads its functions when a model is created; `register()` teaches that loader the name "flashtriton"
-(flashtriton's `flash_attn_func` / `flash_attn_varlen_func`), otherwise `from_pretrained(...,
-attn_implementation="flashtriton")` would look for a hub kernel of that name.
+transformers treats every implementation whose name contains "flash" as a flash-attention flavour: it preloads
+its functions when a model is created (`register()` teaches that loader the name "flashtriton", which would
+otherwise be looked up as a hub kernel) and swaps it for the hub kernels some models list in
+`_compatible_flash_implementations` (`register()` keeps "flashtriton" there: see `_guard_model_checks`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Callable, Optional
 
 import torch
 
 from ..interface import flash_attn_func, flash_attn_varlen_func
+from . import hf_masks
 
 NAME = "flashtriton"
 SUPPORTED_TRANSFORMERS = ">=5.0,<6"
 
 _registered = False
+_KIND = "_flashtriton_kind"  # attribute of a returned key mask: the analysed kind (hf_masks.CAUSAL / FULL)
+_DENSE = "_flashtriton_dense"  # attribute of a returned key mask: no key is padded
 
 
 def flashtriton_attention_forward(
@@ -60,7 +69,8 @@ def flashtriton_attention_forward(
     """transformers' attention-function signature.
 
     query (B, Hq, Sq, D); key, value (B, Hkv, Sk, D) (with a cache: all the keys so far);
-    attention_mask: None or a (B, Sk') bool/int padding mask, 1 = real token (made by `flashtriton_mask`).
+    attention_mask: what `flashtriton_mask` made — None, a (B, Sk') bool key mask (True = real token), or
+    (B, S) int32 sequence ids of packed rows (negative: -1 - id).
     Returns (attn_output (B, Sq, Hq, D), None): attention weights are never formed.
     """
     _check_supported(module, query, key, dropout, sliding_window, softcap, attention_mask, kwargs)
@@ -80,20 +90,26 @@ def flashtriton_attention_forward(
     v = value.transpose(1, 2)
 
     if attention_mask is not None:
+        kind = getattr(attention_mask, _KIND, None)  # the mask function's verdict beats the layer's default
+        if kind is not None:
+            causal = kind == hf_masks.CAUSAL
+        if attention_mask.dtype == torch.int32:  # packed rows: per-token sequence ids
+            _check_window(sliding_window, k.shape[1])
+            return _segments_attention(q, k, v, -1 - attention_mask, scaling, causal), None
         if k.shape[1] > attention_mask.shape[-1]:  # a static cache larger than what was written so far
             k, v = k[:, : attention_mask.shape[-1]], v[:, : attention_mask.shape[-1]]
         _check_window(sliding_window, k.shape[1])
-        return _padded_attention(q, k, v, attention_mask.bool(), scaling, causal), None
-
-    _check_window(sliding_window, k.shape[1])
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None:  # padding-free batch with its boundaries given
-        return _packed_attention(q, k, v, cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"),
-                                 scaling, causal), None
-    position_ids = kwargs.get("position_ids")
-    if batch == 1 and seqlen_q == k.shape[1] and _is_packed(position_ids):
-        cu = _cu_seqlens_from_position_ids(position_ids)
-        return _packed_attention(q, k, v, cu, cu, None, None, scaling, causal), None
+        if not getattr(attention_mask, _DENSE, False):
+            return _padded_attention(q, k, v, attention_mask.bool(), scaling, causal), None
+    else:
+        _check_window(sliding_window, k.shape[1])
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if cu_q is not None and cu_k is not None:  # padding-free batch with its boundaries given
+            return _packed_attention(q, k, v, cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"),
+                                     scaling, causal), None
+        segments = _segments_from_positions(kwargs.get("position_ids"), batch, seqlen_q, k.shape[1])
+        if segments is not None:
+            return _segments_attention(q, k, v, segments, scaling, causal), None
 
     out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal)  # bottom-right: right for a KV cache
     return out, None
@@ -109,17 +125,57 @@ def flashtriton_mask(
     attention_mask: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Optional[torch.Tensor]:
-    """transformers' mask-function signature: the 2-D padding mask sliced to the keys, or None when no key
-    is padded (then causal attention needs no mask). The same contract as transformers' flash-attention mask.
-    transformers passes everything by keyword (and, before 5.x's q_length/q_offset, a cache_position)."""
-    if attention_mask is None:
-        return None
+    """transformers' mask-interface signature: what `flashtriton_attention_forward` needs to run this mask
+    exactly, or NotImplementedError when the kernels cannot express it (`hf_masks.analyse`).
+
+    Returns None (no key is padded; the layer's own causal flag holds), the 2-D key mask sliced to the keys
+    (as transformers' flash-attention mask does), or for packed rows their sequence ids as (B, S) int32
+    `-1 - id`. A causal call whose last keys lie after the last query (a static cache's unwritten slots) gets a
+    key mask that ends at the last query. When the verdict came from analysing a composed mask function, the
+    returned mask carries it (`_flashtriton_kind`), and a mask with no padded key says so (`_flashtriton_dense`).
+    transformers passes everything by keyword (before q_length / q_offset existed, a cache_position).
+    """
+    if q_length is None and kwargs.get("cache_position") is not None:
+        position = kwargs["cache_position"]
+        q_length, q_offset = int(position.shape[0]), int(position[0]) if position.numel() else 0
     if kv_length is None:
-        kv_length = attention_mask.shape[-1]
-    attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        kv_length = attention_mask.shape[-1] if attention_mask is not None else q_length
+    if q_length is None:
+        q_length = kv_length
+    if batch_size is None:
+        batch_size = attention_mask.shape[0] if attention_mask is not None else 1
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    config = kwargs.get("config")
+    spec = hf_masks.analyse(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset,
+                            use_vmap=bool(kwargs.get("use_vmap", False)), device=kwargs.get("device"),
+                            model_type=getattr(config, "model_type", "") or "")
+    if spec.segments is not None:
+        if q_length != kv_length or q_offset != kv_offset or spec.segments.shape[-1] != q_length:
+            raise NotImplementedError(f"flashtriton supports packed sequences only without a cache (queries = keys); "
+                                      f"got {q_length} queries at {q_offset} and {kv_length} keys at {kv_offset}")
+        if attention_mask is not None and not bool(attention_mask[:, -kv_length:].all()):
+            raise NotImplementedError("flashtriton does not support padding inside packed sequences")
+        return (-1 - spec.segments.expand(batch_size, -1)).to(torch.int32)
+    keys = attention_mask[:, -kv_length:] if attention_mask is not None else None
+    if spec.kind == hf_masks.CAUSAL:
+        visible = q_offset + q_length - kv_offset  # keys up to the last query's own position
+        if visible > kv_length or visible < q_length:
+            raise NotImplementedError(
+                f"flashtriton runs causal attention with the queries as the last keys; this call has {q_length} "
+                f"queries from position {q_offset} and {kv_length} keys from position {kv_offset}")
+        if visible < kv_length and (keys is None or keys.shape[-1] > visible):
+            keys = (keys if keys is not None else torch.ones(batch_size, kv_length, dtype=torch.bool,
+                                                             device=kwargs.get("device")))[:, :visible]
+    dense = keys is None or bool(keys.all())
+    if dense and not spec.derived and (keys is None or keys.shape[-1] == kv_length):
         return None
-    return attention_mask
+    if keys is None:
+        keys = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+    keys = keys.bool()[:, :]  # a tensor object of our own, to carry the verdict
+    setattr(keys, _DENSE, dense)
+    if spec.derived:
+        setattr(keys, _KIND, spec.kind)
+    return keys
 
 
 def register() -> None:
@@ -138,6 +194,7 @@ def register() -> None:
     AttentionInterface.register(NAME, flashtriton_attention_forward)
     AttentionMaskInterface.register(NAME, flashtriton_mask)
     _teach_flash_loader()
+    _guard_model_checks()
     _registered = True
 
 
@@ -183,28 +240,107 @@ def _teach_flash_loader() -> None:
     mfa._lazy_imports = _lazy_imports
 
 
+def _guard_model_checks() -> None:
+    """Make `attn_implementation="flashtriton"` always mean flashtriton, or fail when the model is built.
+
+    transformers checks the requested implementation in `PreTrainedModel._check_and_adjust_attn_implementation`
+    (at init and in `set_attn_implementation`). Because the name contains "flash", that check would let through
+    models transformers marks unable to use a flash kernel (`_supports_flash_attn = False`: their masks need
+    more than causal + padding), and would swap the name for the hub kernels a model lists in
+    `_compatible_flash_implementations` (gpt-oss, granite_swa, flint...). The wrapped check refuses the first,
+    skips the swap (flashtriton then runs, or its attention function refuses what it cannot do), and refuses
+    models whose attention goes through their own flash-attn classes (GPT-Neo, Falcon, Bark).
+    """
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return
+    original = PreTrainedModel._check_and_adjust_attn_implementation
+    if getattr(original, "_flashtriton", False):
+        return
+
+    @functools.wraps(original)
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        if attn_implementation != NAME:
+            return original(self, attn_implementation, *args, **kwargs)
+        refuse_unsupported_model(type(self))
+        if not getattr(self, "_compatible_flash_implementations", None):
+            return original(self, attn_implementation, *args, **kwargs)
+        self.__dict__["_compatible_flash_implementations"] = None  # shadows the class's list for this check
+        try:
+            return original(self, attn_implementation, *args, **kwargs)
+        finally:
+            self.__dict__.pop("_compatible_flash_implementations", None)
+
+    _check_and_adjust_attn_implementation._flashtriton = True
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
+
+
+def refuse_unsupported_model(cls: type) -> None:
+    """ValueError if transformers model class `cls` cannot run its attention through flashtriton exactly."""
+    advice = _advice_for(cls)
+    if not (getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False)):
+        raise ValueError(
+            f"{cls.__name__} cannot use attn_implementation='flashtriton': transformers marks it as unable to use "
+            f"flash-attention kernels (_supports_flash_attn = False; for example its mask is bidirectional over "
+            f"image or prefix tokens, which a causal + padding kernel drops). {advice}")
+    module = sys.modules.get(cls.__module__)
+    private = sorted(n for n in vars(module) if n.endswith("FlashAttention2")) if module is not None else []
+    if private:
+        raise ValueError(
+            f"{cls.__name__} cannot use attn_implementation='flashtriton': for any flash-attention name it switches "
+            f"to its own {private[0]} class, which calls the flash-attn package directly instead of transformers' "
+            f"AttentionInterface, so flashtriton would not run. {advice}")
+
+
+def _advice_for(cls: Optional[type]) -> str:
+    """Advice that transformers accepts for this model class: 'sdpa' where it supports it, else 'eager'."""
+    if cls is not None and getattr(cls, "_supports_sdpa", False):
+        return "Load the model with attn_implementation='sdpa' (or 'eager') instead."
+    return "Load the model with attn_implementation='eager' instead."
+
+
+def _model_class(module) -> Optional[type]:
+    """The PreTrainedModel base class of the modeling file that defines attention layer `module`."""
+    mod = sys.modules.get(type(module).__module__) if module is not None else None
+    if mod is None:
+        return None
+    for name, obj in vars(mod).items():
+        if isinstance(obj, type) and name.endswith("PreTrainedModel") and hasattr(obj, "_supports_sdpa"):
+            return obj
+    return None
+
+
+_DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout_prob",
+                   "attn_dropout", "attention_probs_dropout")
+
+
 def _check_supported(module, query, key, dropout, sliding_window, softcap, attention_mask, kwargs) -> None:
     where = f" ({type(module).__name__})" if module is not None else ""
+    advice = _advice_for(_model_class(module))
     if dropout and float(dropout) > 0.0:
+        config = getattr(module, "config", None)
+        fields = [n for n in _DROPOUT_FIELDS if isinstance(getattr(config, n, None), (int, float))
+                  and not isinstance(getattr(config, n), bool) and getattr(config, n) > 0]
+        how = (f"load it with {fields[0]}=0.0 (from_pretrained(..., {fields[0]}=0.0) sets config.{fields[0]})"
+               if fields else "load it with its attention dropout set to 0.0")
         raise NotImplementedError(
-            f"flashtriton attention{where} does not support attention dropout (dropout={dropout}); "
-            "set config.attention_dropout=0.0, or use attn_implementation='sdpa' for training with dropout."
-        )
+            f"flashtriton attention{where} does not support attention dropout yet (dropout={dropout}, in training "
+            f"mode). Run the model in eval mode, {how} to train without attention dropout, or {advice[0].lower()}"
+            f"{advice[1:]}")
     if softcap is not None and float(softcap) != 0.0:
         raise NotImplementedError(
-            f"flashtriton attention{where} does not support logit softcapping (softcap={softcap}); "
-            "use attn_implementation='sdpa' or 'eager' for this model."
-        )
+            f"flashtriton attention{where} does not support logit softcapping yet (softcap={softcap}). {advice}")
     if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"flashtriton attention{where} does not support attention sinks (s_aux).")
+        raise NotImplementedError(f"flashtriton attention{where} does not support attention sinks (s_aux) yet. "
+                                  f"{advice}")
     if kwargs.get("position_bias") is not None:
-        raise NotImplementedError(f"flashtriton attention{where} does not support position biases.")
+        raise NotImplementedError(f"flashtriton attention{where} does not support position biases yet. {advice}")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise NotImplementedError(
             f"flashtriton attention{where} takes only a 2-D padding mask (batch, keys), got {shape}: a custom "
-            "4-D mask cannot be honoured; use attn_implementation='sdpa' for it."
-        )
+            f"4-D mask cannot be honoured. {advice}")
     if query.dim() != 4 or key.dim() != 4:
         raise ValueError(f"expected query/key of shape (batch, heads, seqlen, head_dim), got "
                          f"{tuple(query.shape)} and {tuple(key.shape)}")
@@ -215,21 +351,31 @@ def _check_window(sliding_window: Optional[int], seqlen_k: int) -> None:
     if sliding_window is not None and seqlen_k > sliding_window:
         raise NotImplementedError(
             f"flashtriton does not support sliding-window attention yet: this layer has sliding_window="
-            f"{sliding_window} and {seqlen_k} keys. Use attn_implementation='sdpa' for this model (or keep "
-            "sequences within the window)."
+            f"{sliding_window} and {seqlen_k} keys. Load the model with attn_implementation='eager' (or 'sdpa' "
+            "where the model supports it), or keep sequences within the window."
         )
 
 
 def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """Unpad, run varlen, pad back. q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); mask (B, Sk) bool, True = token.
 
-    The queries are the last Sq positions of the keys (prefill: all of them; with a KV cache: the new
-    tokens), so each sequence's query tokens are its last q_len real tokens and bottom-right causal
-    alignment per sequence is exact. With one query per sequence (decoding) it is kept even where the mask
-    marks it as padding (right-padded decoding), as transformers' flash-attention does.
+    The mask describes the keys. Without a causal mask (encoders, cross-attention) every query is kept and
+    attends to its row's real keys: a decoder query never loses its keys because the encoder was padded.
+    With one, the queries are the last Sq positions of the keys (prefill: all of them; with a KV cache: the
+    new tokens), so each sequence's query tokens are its last q_len real tokens and bottom-right causal
+    alignment per sequence is exact; padded query positions return 0. With one query per sequence
+    (decoding) it is kept even where the mask marks it as padding (right-padded decoding), as transformers'
+    flash-attention does.
     """
     batch, seqlen_q = q.shape[:2]
     k_idx, cu_k, max_k = _unpad_indices(mask)
+    if not causal:
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
+        out = flash_attn_varlen_func(
+            q.reshape(-1, *q.shape[2:]), _gather(k, k_idx), _gather(v, k_idx), cu_q, cu_k, seqlen_q, max_k,
+            softmax_scale=scale, causal=False,
+        )
+        return out.view(batch, seqlen_q, *out.shape[1:])
     if seqlen_q == mask.shape[1]:
         q_idx, cu_q, max_q = k_idx, cu_k, max_k
     elif seqlen_q == 1:
@@ -245,8 +391,22 @@ def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool) -
     return _scatter(out, q_idx, batch, seqlen_q)
 
 
+def _segments_attention(q, k, v, segments: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Packed rows: q (B, S, Hq, D), k, v (B, S, Hkv, D); segments (B, S) sequence ids, equal within one
+    sequence. A sequence starts at every row's first token and wherever the id changes; each attends only
+    to itself."""
+    batch, seqlen = segments.shape
+    segments = segments.to(q.device)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    cu = torch.cat([torch.nonzero(starts.reshape(-1)).flatten(),
+                    torch.tensor([batch * seqlen], device=q.device)]).to(torch.int32)
+    return _packed_attention(q, k, v, cu, cu, None, None, scale, causal)
+
+
 def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: bool) -> torch.Tensor:
-    """Batch 1 of packed sequences: q (1, total, Hq, D) with boundaries cu_q / cu_k."""
+    """Packed sequences: q (B, S, Hq, D), k, v (B, S, Hkv, D), taken as B·S tokens back to back with
+    boundaries cu_q / cu_k (int32, over the flattened tokens)."""
     cu_q, cu_k = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)
     max_q = int((cu_q[1:] - cu_q[:-1]).max()) if max_q is None else int(max_q)
     max_k = int((cu_k[1:] - cu_k[:-1]).max()) if max_k is None else int(max_k)
@@ -278,20 +438,20 @@ def _pad(hidden_states, indices, batch, seqlen):  # transformers' pad_input cont
     return _scatter(hidden_states, indices, batch, seqlen)
 
 
-def _is_packed(position_ids: Optional[torch.Tensor]) -> bool:
-    """Batch-1 position ids that restart (several sequences packed back to back)."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
-        return False
-    pos = position_ids[0]
-    expected = torch.arange(pos.numel(), device=pos.device, dtype=pos.dtype) + pos.min()
-    return not torch.equal(pos, expected)
+def _segments_from_positions(position_ids, batch: int, seqlen_q: int, seqlen_k: int) -> Optional[torch.Tensor]:
+    """(B, S) sequence ids of rows whose position ids restart (a new sequence wherever the position does not
+    grow by one, in every row), or None: no restart, not a prefill (queries = keys), or not (B, S) positions.
 
-
-def _cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos == pos.min(), as_tuple=False).flatten().to(torch.int32)
-    total = torch.tensor([pos.numel()], dtype=torch.int32, device=pos.device)
-    return torch.cat([starts, total])
+    transformers detects packing in its mask only without a cache; a forward with `use_cache=True` creates an
+    empty one, so the positions are read here as flash-attention does (one device-to-host sync per layer)."""
+    if (position_ids is None or position_ids.dim() != 2 or seqlen_q != seqlen_k or seqlen_q < 2
+            or position_ids.shape[-1] != seqlen_q or position_ids.shape[0] not in (1, batch)):
+        return None
+    starts = torch.diff(position_ids, dim=-1) != 1  # (B, S - 1): token t + 1 starts a sequence
+    if not bool(starts.any()):
+        return None
+    segments = torch.nn.functional.pad(starts.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))
+    return segments.expand(batch, -1)
 
 
 @functools.lru_cache(maxsize=None)
