@@ -123,14 +123,44 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not differentiated
 
 
+DOUBLE_BACKWARD_ERROR = (
+    "flashtriton's attention backward is not differentiable (double backward): the gradients of q, k, v taken "
+    "with create_graph=True hold their values but cannot be differentiated again; for second-order terms through "
+    "attention use an implementation with a differentiable backward (e.g. torch's SDPA math backend)")
+
+_DelayedError = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
+
+
 def _gradients(ctx, dout, backward_fn):
     """(dq, dk, dv, None...) for the inputs saved by `_setup_context`, through `backward_fn` (the registered
-    op, or its implementation when called eagerly)."""
+    op, or its implementation when called eagerly).
+
+    The backward kernels have no derivative of their own. Under create_graph=True (grad mode on during the
+    backward; torch.compile traces the backward with it off) they run without recording, and their results
+    come back behind autograd's error node: differentiating them raises DOUBLE_BACKWARD_ERROR instead of
+    silently adding nothing for the second-order term."""
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k = ctx.args
-    dq, dk, dv = backward_fn(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
-                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    args = (dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_q, max_seqlen_k)
+    if not torch.is_grad_enabled():
+        dq, dk, dv = backward_fn(*args)
+        return dq, dk, dv, None, None, None, None, None, None, None
+    with torch.no_grad():
+        dq, dk, dv = backward_fn(*args)
+    dq, dk, dv = _not_differentiable((dq, dk, dv), (dout, q, k, v))
     return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _not_differentiable(grads: tuple, inputs: tuple) -> tuple:
+    """`grads` with the same values, behind a node that raises DOUBLE_BACKWARD_ERROR when autograd reaches it.
+    The node's edges lead to `inputs`, so that asking for the gradient of any of them reaches it."""
+    if not any(t.requires_grad for t in inputs):
+        return grads
+    if _DelayedError is None:  # pragma: no cover (torch without the error node: refuse at once)
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+    wrapped = _DelayedError(DOUBLE_BACKWARD_ERROR, len(grads) + len(inputs))(*grads, *inputs)
+    return tuple(wrapped[:len(grads)])
 
 
 def _backward(ctx, dout, dlse):
