@@ -191,3 +191,153 @@ def test_training_step_gradients_match_sdpa(device):
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+# ------------------------------------------------------------------ the mask function: honoured or refused
+
+from transformers import masking_utils as mu  # noqa: E402
+
+from flashtriton.integrations import hf_masks  # noqa: E402
+
+
+def _analyse(fn, q_length, kv_length, q_offset=0, kv_offset=0, batch=2, use_vmap=False):
+    return hf_masks.analyse(fn, batch, q_length, kv_length, q_offset, kv_offset, use_vmap=use_vmap)
+
+
+def test_mask_analysis_plain_and_derived_kinds():
+    assert _analyse(mu.causal_mask_function, 6, 6) == hf_masks.MaskSpec(hf_masks.CAUSAL)
+    assert _analyse(mu.bidirectional_mask_function, 6, 9) == hf_masks.MaskSpec(hf_masks.FULL)
+    # a composed function equal to full attention (Gemma 3's bidirectional text overlay)
+    spec = _analyse(mu.or_masks(mu.causal_mask_function, lambda *a: torch.tensor(True)), 5, 5, use_vmap=True)
+    assert spec.kind == hf_masks.FULL and spec.derived
+    # a chunk that holds every key is plain causal attention, a smaller one is refused
+    assert _analyse(mu.chunked_causal_mask_function(8, torch.zeros(2, dtype=torch.long)), 8, 8).kind == "causal"
+    with pytest.raises(NotImplementedError, match="neither causal nor full"):
+        _analyse(mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)), 8, 8)
+
+
+def test_mask_analysis_sliding_window_from_offsets():
+    window = mu.sliding_window_causal_mask_function(4)
+    assert _analyse(window, 4, 4).kind == hf_masks.CAUSAL  # the keys fit in the window
+    with pytest.raises(NotImplementedError, match="sliding window of 4 keys"):
+        _analyse(window, 5, 5)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        _analyse(window, 1, 9, q_offset=8)  # decoding over a full cache
+    # a sliding cache keeps the last keys only (kv_offset > 0): decoding over them is causal attention
+    assert _analyse(window, 1, 4, q_offset=8, kv_offset=5).kind == hf_masks.CAUSAL
+
+
+def test_mask_analysis_image_and_prefix_overlays_are_refused():
+    groups = torch.tensor([[-1, 0, 0, 0, -1, -1], [-1, -1, -1, -1, -1, -1]])  # tokens 1..3 of row 0: an image
+    image = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(groups))
+    with pytest.raises(NotImplementedError, match=r"batch 0, query 1, key 2 is visible"):
+        _analyse(image, 6, 6, use_vmap=True)
+    no_image = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(groups[1:]))
+    assert _analyse(no_image, 6, 6, batch=1, use_vmap=True).kind == hf_masks.CAUSAL
+
+
+def test_mask_analysis_packed_rows():
+    positions = torch.tensor([[5, 6, 7, 0, 1, 2], [0, 1, 0, 1, 2, 3]])
+    ids = mu.find_packed_sequence_indices(positions)
+    fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, positions),
+                      mu.packed_sequence_mask_function(ids))
+    spec = _analyse(fn, 6, 6)
+    assert spec.kind == hf_masks.CAUSAL and torch.equal(spec.segments, ids)
+    mask = ft_hf.flashtriton_mask(batch_size=2, q_length=6, kv_length=6, mask_function=fn)
+    assert mask.dtype == torch.int32 and torch.equal(-1 - mask, ids.to(torch.int32))
+
+
+def test_mask_function_static_cache_and_alignment():
+    # a static cache of 16 slots, 5 written, one new query at position 5: keys end at the last query
+    mask = ft_hf.flashtriton_mask(batch_size=2, q_length=1, kv_length=16, q_offset=5,
+                                  mask_function=mu.causal_mask_function)
+    assert mask.shape == (2, 6) and bool(mask.all()) and getattr(mask, "_flashtriton_dense")
+    assert ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, mask_function=mu.causal_mask_function) is None
+    padding = torch.tensor([[True] * 4, [False, True, True, True]])
+    assert torch.equal(ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, attention_mask=padding,
+                                              mask_function=mu.causal_mask_function), padding)
+    with pytest.raises(NotImplementedError, match="queries as the last keys"):  # queries past the keys
+        ft_hf.flashtriton_mask(batch_size=1, q_length=2, kv_length=4, q_offset=6, mask_function=mu.causal_mask_function)
+
+
+def _reference(module, q, k, v, mask4d, scale):
+    return sdpa_attention_forward(module, q, k, v, mask4d, scaling=scale, is_causal=False)[0]
+
+
+def test_cross_attention_to_a_padded_encoder_keeps_every_query(device):
+    """Non-causal attention with a key mask: every decoder query (fewer, as many or more than the encoder's
+    tokens) attends to its row's real encoder tokens."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = False, 2
+    enc = torch.tensor([[True] * 7, [True] * 4 + [False] * 3], device=device)  # row 1: right-padded encoder
+    for sq in (3, 7, 10):
+        q = torch.randn(2, 4, sq, 16, device=device)
+        k, v = (torch.randn(2, 2, 7, 16, device=device) for _ in range(2))
+        out, _ = ft_hf.flashtriton_attention_forward(module, q, k, v, enc, scaling=0.25)
+        expected = _reference(module, q, k, v, enc[:, None, None, :].expand(2, 1, sq, 7), 0.25)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_packed_rows_from_position_ids_in_a_batch_of_two(device):
+    """Position ids restart in both rows, one row starting mid-document: every sequence sees only itself."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    positions = torch.tensor([list(range(5, 15)) + list(range(14)), list(range(12)) * 2], device=device)
+    q = torch.randn(2, 4, 24, 16, device=device)
+    k, v = (torch.randn(2, 2, 24, 16, device=device) for _ in range(2))
+    out, _ = ft_hf.flashtriton_attention_forward(module, q, k, v, None, scaling=0.25, position_ids=positions)
+    starts = torch.nn.functional.pad(torch.diff(positions, dim=-1) != 1, (1, 0))
+    ids = starts.cumsum(-1)
+    same = ids[:, :, None] == ids[:, None, :]
+    causal = torch.ones(24, 24, dtype=torch.bool, device=device).tril()
+    expected = _reference(module, q, k, v, (same & causal)[:, None], 0.25)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_models_flashtriton_cannot_run_are_refused_when_built():
+    from transformers import Gemma3ForConditionalGeneration, GPTNeoForCausalLM, PaliGemmaForConditionalGeneration
+
+    for cls in (Gemma3ForConditionalGeneration, PaliGemmaForConditionalGeneration):
+        with pytest.raises(ValueError, match="_supports_flash_attn = False"):
+            ft_hf.refuse_unsupported_model(cls)
+    with pytest.raises(ValueError, match="GPTNeoFlashAttention2"):
+        ft_hf.refuse_unsupported_model(GPTNeoForCausalLM)
+    from transformers import GPTNeoConfig
+
+    with pytest.raises(ValueError, match="flashtriton"):
+        AutoModelForCausalLM.from_config(GPTNeoConfig(hidden_size=32, num_layers=1, num_heads=4, vocab_size=64,
+                                                      attention_types=[[["global"], 1]]),
+                                         attn_implementation="flashtriton")
+
+
+def test_hub_kernel_swap_keeps_flashtriton(device):
+    """gpt-oss lists hub kernels for any flash-named implementation; flashtriton stays and refuses its sinks."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=64, num_local_experts=2,
+                          num_experts_per_tok=1)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="flashtriton").to(device).eval()
+    assert model.config._attn_implementation == "flashtriton"
+    with pytest.raises(NotImplementedError, match="attention sinks"), torch.no_grad():
+        model(input_ids=torch.tensor([[3, 4, 5, 6]], device=device))
+
+
+def test_refusal_advice_works():
+    """The advice names what transformers accepts: the dropout field the model has, 'eager' where sdpa is not."""
+    from transformers import BertConfig
+
+    from transformers.models.bert.modeling_bert import BertSelfAttention
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention, Gemma2Config
+
+    q = torch.randn(1, 4, 5, 8)
+    module = BertSelfAttention(BertConfig(hidden_size=32, num_attention_heads=4, attention_probs_dropout_prob=0.1))
+    with pytest.raises(NotImplementedError, match=r"attention_probs_dropout_prob=0\.0"):
+        ft_hf.flashtriton_attention_forward(module, q, q, q, None, dropout=0.1)
+    gemma = Gemma2Attention(Gemma2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8),
+                            layer_idx=0)
+    with pytest.raises(NotImplementedError, match="attn_implementation='eager' instead") as err:
+        ft_hf.flashtriton_attention_forward(gemma, q, q, q, None, softcap=50.0)
+    assert "sdpa" not in str(err.value)
