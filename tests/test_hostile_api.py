@@ -53,3 +53,83 @@ def test_create_graph_without_differentiating_the_gradients_is_fine(path, device
     dq, = torch.autograd.grad(out.sum(), (q,), create_graph=True)
     want, = torch.autograd.grad(PATHS[path](q, k, v).sum(), (q,))
     torch.testing.assert_close(dq.detach(), want)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Threads: concurrent calls give each caller its own, exact result
+# ---------------------------------------------------------------------------------------------------------
+def test_concurrent_calls_from_threads_are_exact(device):
+    """Four threads call forward and backward at once on different inputs (Triton's interpreter keeps
+    process-wide state: flashtriton serialises its launches there)."""
+    cases = [leaves(device, sq=8 + 5 * i, sk=11 + 3 * i, hq=2, hkv=1 + i % 2, d=16, seed=i) for i in range(4)]
+    results, errors = [None] * 4, []
+    start = threading.Barrier(4)
+
+    def work(i):
+        try:
+            q, k, v = cases[i]
+            start.wait()
+            outs = []
+            for _ in range(3):
+                out = flashtriton.flash_attn_func(q, k, v, causal=i % 2 == 1)
+                outs.append((out.detach(), torch.autograd.grad(out.sum(), (q,))[0]))
+            results[i] = outs
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, (q, k, v) in enumerate(cases):
+        q64 = q.detach().double().requires_grad_()
+        exact = attention_reference(q64, k.detach(), v.detach(), causal=i % 2 == 1)
+        dq_exact, = torch.autograd.grad(exact.sum(), (q64,))
+        for out, dq in results[i]:
+            torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(dq.double(), dq_exact, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.func transforms: refused by name (the kernels read raw memory, which their wrapped tensors do not have)
+# ---------------------------------------------------------------------------------------------------------
+TRANSFORMS = {
+    "vmap": lambda f, q: torch.vmap(f)(q[None].expand(2, *q.shape)),
+    "grad": lambda f, q: torch.func.grad(lambda x: f(x).sum())(q),
+    "jvp": lambda f, q: torch.func.jvp(f, (q,), (torch.ones_like(q),)),
+    "jacrev": lambda f, q: torch.func.jacrev(f)(q),
+}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("api", ["flash_attn_func", "scaled_dot_product_attention", "flash_attn_varlen_func"])
+def test_torch_func_transforms_are_refused_by_name(transform, api, device):
+    q, k, v = (t.detach() for t in leaves(device, sq=4, sk=4))
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=device)
+    calls = {
+        "flash_attn_func": lambda x: flashtriton.flash_attn_func(x, k, v),
+        "scaled_dot_product_attention": lambda x: flashtriton.scaled_dot_product_attention(
+            x.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+        "flash_attn_varlen_func": lambda x: flashtriton.flash_attn_varlen_func(x[0], k[0], v[0], cu, cu, 4, 4),
+    }
+    with pytest.raises(NotImplementedError, match=r"torch\.func transforms.*(q|query) is wrapped"):
+        TRANSFORMS[transform](calls[api], q)
+
+
+def test_closures_under_a_transform_still_run(device):
+    """Tensors a transform does not wrap (a closure's) are plain: such calls are not refused."""
+    q, k, v = (t.detach() for t in leaves(device, sq=4, sk=4))
+    want = flashtriton.flash_attn_func(q, k, v)
+    got = torch.vmap(lambda x: x + flashtriton.flash_attn_func(q, k, v))(torch.zeros(2, *q.shape, device=device))
+    torch.testing.assert_close(got, want.expand(2, *want.shape))
+
+
+def test_kvcache_under_vmap_is_refused_by_name(device):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 1, 2, 16, generator=gen).to(device)
+    k_cache, v_cache = (torch.randn(1, 16, 2, 16, generator=gen).to(device) for _ in range(2))
+    for _ in range(2):  # the second call's signature was never checked either: refused again
+        with pytest.raises(NotImplementedError, match=r"torch\.func transforms"):
+            torch.vmap(lambda x: flashtriton.flash_attn_with_kvcache(x, k_cache, v_cache, cache_seqlens=5))(q)

@@ -187,13 +187,16 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, dout, _backward_impl)
 
 
+_ATTENTION_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+
+
 def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: bool, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """(out, lse) with autograd, through the registered op when tracing, directly otherwise."""
     args = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k)
-    if (torch.compiler.is_compiling() or not plain_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
-            or _get_current_dispatch_mode() is not None):
+    if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or not plain_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, names=_ATTENTION_TENSORS)):
         return attention_fwd_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args)

@@ -31,10 +31,12 @@ def not_implemented(name: str, value, default) -> None:
 
 
 def check_tensors(names: tuple[str, ...], tensors: tuple, ndim: int, layout: str) -> None:
-    """Type, rank, dtype and device of the attention inputs."""
+    """Type, rank, dtype and device of the attention inputs; none may be a torch.func transform's tensor."""
     for name, t in zip(names, tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_not_transformed(names, tensors)
+    for name, t in zip(names, tensors):
         if t.dim() != ndim:
             raise ValueError(f"{name} must have {ndim} dims {layout}, got {t.dim()} dims with shape {tuple(t.shape)}")
     dtypes = {n: t.dtype for n, t in zip(names, tensors)}
@@ -129,9 +131,33 @@ def check_grid(batch: int, heads: int) -> None:
         )
 
 
-def plain_tensors(*tensors) -> bool:
-    """Whether every argument is a plain torch.Tensor or None: no subclass (fake, functional) is being traced."""
+def plain_tensors(*tensors, names: tuple[str, ...] = ()) -> bool:
+    """Whether every argument is a plain torch.Tensor or None: no subclass (fake, functional) is being traced.
+    Raises NotImplementedError for a torch.func transform's tensor (`check_not_transformed`), which passes for
+    a plain one by its type."""
+    check_not_transformed(names, tensors)
     return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+_IS_WRAPPED = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
+def check_not_transformed(names: tuple[str, ...], tensors: tuple) -> None:
+    """Raise NotImplementedError naming the first tensor that a torch.func transform (vmap, grad, vjp, jvp,
+    jacrev, jacfwd, hessian, functionalize) wraps: the kernels read the tensors' memory, which such a tensor does
+    not expose, and the transforms have no rules for the kernels. One cheap query while no transform is active;
+    tensors a transform does not wrap (a closure's) are fine. `names` name the tensors (positions otherwise).
+    Torch builds without the queries skip it."""
+    if _TRANSFORMS_ACTIVE is None or _IS_WRAPPED is None or not _TRANSFORMS_ACTIVE():
+        return
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and _IS_WRAPPED(t):
+            name = names[i] if i < len(names) else f"tensor argument {i}"
+            raise NotImplementedError(
+                f"flashtriton does not support torch.func transforms (torch.vmap, torch.func.grad / vjp / jvp / "
+                f"jacrev / jacfwd / hessian, functionalize): {name} is wrapped by one. Call flashtriton on plain "
+                "tensors: fold a vmapped dimension into the batch dimension, take gradients with torch.autograd")
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

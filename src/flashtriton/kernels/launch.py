@@ -9,11 +9,18 @@ specialization: the exact value of every int argument, every tensor's dtype and 
 multiple of 16, and the constexpr / option values. On a hit it calls the compiled kernel's launcher
 directly; on a miss (and under the interpreter, with launch hooks installed, or for argument types it does
 not know) it goes through Triton's own path, which compiles if needed.
+
+Under the interpreter (TRITON_INTERPRET=1) every launch holds one process-wide lock: Triton's interpreter
+patches `triton.language` and keeps the program ids in module-level state for the length of a launch, so two
+threads launching at once read each other's. Every flashtriton kernel launch on the interpreter goes through
+`launch` (the autotuned `kernel[grid]` calls never run there: the launchers force a config); on a GPU the lock
+is never taken.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 from triton import knobs
@@ -31,6 +38,8 @@ except ImportError:  # pragma: no cover
     GluonTensorDescriptor = None
 
 _Tensor = torch.Tensor
+
+_INTERPRETER_LOCK = threading.Lock()  # serialises interpreter launches (see the module docstring)
 
 # Triton option names (not kernel parameters) that may appear among the keyword arguments.
 _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl"})
@@ -98,7 +107,10 @@ def launch(fn, grid: tuple, args: tuple, meta: dict):
     positionally, in parameter order; meta: constexpr parameters by name and Triton options (num_warps,
     num_stages, ...). Returns the compiled kernel (as `fn[grid]` does).
     """
-    if INTERPRET or _hooks_installed():
+    if INTERPRET:
+        with _INTERPRETER_LOCK:
+            return fn[grid](*args, **meta)
+    if _hooks_installed():
         return fn[grid](*args, **meta)
     device = driver.active.get_current_device()
     key = _launch_key(fn, device, args, meta)
