@@ -133,3 +133,57 @@ def test_kvcache_under_vmap_is_refused_by_name(device):
     for _ in range(2):  # the second call's signature was never checked either: refused again
         with pytest.raises(NotImplementedError, match=r"torch\.func transforms"):
             torch.vmap(lambda x: flashtriton.flash_attn_with_kvcache(x, k_cache, v_cache, cache_seqlens=5))(q)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scales torch and flash-attn accept: negative and zero, forward and backward, against float64
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scale", [-3.0, -0.25, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_negative_and_zero_scales_match_float64(scale, causal, device):
+    """A negative scale flips which key scores highest; -3 spreads fp16 scores far past what an exp2 of
+    unshifted scores survives (2**16), so a kernel that took the maximum of the unscaled scores fails."""
+    from test_backward import check_grads, make_qkv
+
+    from accuracy import torch_attention
+
+    q, k, v, dout = make_qkv(2, 20, 27, 4, 2, 16, torch.float16, device, seed=int(10 * scale) + causal)
+    leaves_ = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = flashtriton.flash_attn_func(*leaves_, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    exact, exact_lse = attention_reference(q, k, v, scale, causal, return_lse=True)
+    assert_close_to_exact(out, torch_attention(q, k, v, scale, causal), exact, torch.float16)
+    torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=1e-3)
+    out.backward(dout)
+    check_grads([t.grad for t in leaves_], q, k, v, dout, causal, softmax_scale=scale)
+
+    sdpa = flashtriton.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal,
+                                                    scale=scale, enable_gqa=True).transpose(1, 2)
+    assert_close_to_exact(sdpa, torch_attention(q, k, v, scale, causal, bottom_right=False),
+                          attention_reference(q, k, v, scale, causal, bottom_right=False), torch.float16)
+
+    cu_q = torch.tensor([0, 20, 40], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 27, 54], dtype=torch.int32, device=device)
+    packed = [t.flatten(0, 1).clone().requires_grad_() for t in (q, k, v)]
+    varlen = flashtriton.flash_attn_varlen_func(*packed, cu_q, cu_k, 20, 27, softmax_scale=scale, causal=causal)
+    assert_close_to_exact(varlen.view_as(q), torch_attention(q, k, v, scale, causal), exact, torch.float16)
+    varlen.backward(dout.flatten(0, 1))
+    check_grads([t.grad.view_as(x) for t, x in zip(packed, (q, k, v))], q, k, v, dout, causal,
+                softmax_scale=scale, what="varlen ")
+
+
+def test_kvcache_refuses_a_negative_scale_by_name(device):
+    """The decode kernels take the running maximum of the unscaled scores: a negative scale is refused there."""
+    q = torch.randn(1, 1, 2, 16, device=device)
+    cache = torch.randn(1, 16, 2, 16, device=device)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number >= 0"):
+        flashtriton.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=5, softmax_scale=-0.5)
+
+
+def test_kvcache_takes_numpy_scales_and_softcap_none(device):
+    np = pytest.importorskip("numpy")
+    q = torch.randn(1, 1, 2, 16, device=device)
+    k_cache, v_cache = torch.randn(1, 16, 2, 16, device=device), torch.randn(1, 16, 2, 16, device=device)
+    want = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, softmax_scale=0.3)
+    got = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, softmax_scale=np.float32(0.3),
+                                              softcap=None, window_size=[-1, -1])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

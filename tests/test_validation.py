@@ -1,5 +1,8 @@
 """Every input flashtriton does not accept gets a clear error naming the argument; nothing is ignored."""
 
+import fractions
+
+import numpy as np
 import pytest
 import torch
 
@@ -114,7 +117,7 @@ class _CudaLooking:
 
 
 def test_softmax_scale_type(device):
-    with pytest.raises(TypeError, match="softmax_scale must be a float"):
+    with pytest.raises(TypeError, match="softmax_scale must be a real number"):
         flashtriton.flash_attn_func(*qkv(device), softmax_scale="0.1")
 
 
@@ -171,9 +174,9 @@ class TestVarlenCuSeqlens:
             flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 5, 5, block_table=cu)
 
 
-@pytest.mark.parametrize("scale,exc", [(-0.5, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
-                                       (True, TypeError)])
-def test_softmax_scale_must_be_finite_and_not_negative(scale, exc, device):
+@pytest.mark.parametrize("scale,exc", [(float("inf"), ValueError), (float("nan"), ValueError), (True, TypeError),
+                                       (np.float32("nan"), ValueError), (np.bool_(True), TypeError)])
+def test_softmax_scale_must_be_finite(scale, exc, device):
     with pytest.raises(exc, match="softmax_scale"):
         flashtriton.flash_attn_func(*qkv(device), softmax_scale=scale)
     q, k, v = (t.transpose(1, 2) for t in qkv(device))
@@ -181,10 +184,38 @@ def test_softmax_scale_must_be_finite_and_not_negative(scale, exc, device):
         flashtriton.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
-def test_softmax_scale_zero_is_uniform_attention(device):
-    q, k, v = qkv(device, s=8)
-    out = flashtriton.flash_attn_func(q, k, v, softmax_scale=0.0)
-    torch.testing.assert_close(out, v.float().mean(dim=1, keepdim=True).expand_as(v).to(v.dtype), atol=2e-3, rtol=0)
+def test_softmax_scale_as_a_tensor_says_to_pass_a_number(device):
+    with pytest.raises(TypeError, match=r"softmax_scale must be a real number.*got a torch.Tensor.*float\(\)"):
+        flashtriton.flash_attn_func(*qkv(device), softmax_scale=torch.tensor(0.25))
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), np.int64(1), fractions.Fraction(3, 10)])
+def test_softmax_scale_accepts_any_real_number(scale, device):
+    q, k, v = qkv(device)
+    want = flashtriton.flash_attn_func(q, k, v, softmax_scale=float(scale))
+    torch.testing.assert_close(flashtriton.flash_attn_func(q, k, v, softmax_scale=scale), want, atol=0, rtol=0)
+    sdpa = flashtriton.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale=scale)
+    torch.testing.assert_close(sdpa.transpose(1, 2), want, atol=0, rtol=0)
+
+
+def test_a_negative_scale_is_refused_where_the_kernels_need_a_positive_one():
+    """flash_attn_func / varlen / SDPA take a negative scale; a check without allow_negative (the decode path's)
+    refuses it by name."""
+    validation.check_scale("softmax_scale", -0.5, allow_negative=True)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number >= 0.*got -0.5"):
+        validation.check_scale("softmax_scale", -0.5)
+
+
+def test_softcap_none_means_no_softcap(device):
+    q, k, v = qkv(device)
+    want = flashtriton.flash_attn_func(q, k, v)
+    torch.testing.assert_close(flashtriton.flash_attn_func(q, k, v, softcap=None), want, atol=0, rtol=0)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    torch.testing.assert_close(flashtriton.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, softcap=None,
+                                                                  window_size=[-1, -1]), want[0], atol=0, rtol=0)
+    validation.not_implemented("softcap", None, 0.0)  # what flash_attn_with_kvcache calls
+    with pytest.raises(NotImplementedError, match="dropout_p=None"):  # None is no other argument's default
+        validation.not_implemented("dropout_p", None, 0.0)
 
 
 class _Strided:

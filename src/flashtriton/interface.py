@@ -20,6 +20,13 @@ def _default_scale(softmax_scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
+def _positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """(q, scale) with scale >= 0: scale · q·k = |scale| · (-q)·k. The kernels keep the running row maximum of
+    the unscaled scores times the scale, which only a scale >= 0 keeps a maximum; negating q (exact, one copy,
+    only for a negative scale) gives the same scores, lse and, through autograd, gradients."""
+    return (-q, -scale) if scale < 0 else (q, scale)
+
+
 def _unsupported_flash_args(dropout_p, window_size, softcap, alibi_slopes) -> None:
     V.not_implemented("dropout_p", dropout_p, 0.0)
     V.not_implemented("window_size", window_size, (-1, -1))
@@ -49,7 +56,8 @@ def flash_attn_func(
             nheads must be a multiple of nheads_k (GQA/MQA: query head h uses kv head h // (nheads // nheads_k)).
             headdim 1..256; fp16, bf16 (fp32 accumulation) or fp32 (exact fp32 dots, much slower).
             Any strides with a contiguous last dim (slices of a packed qkv tensor cost no copy).
-        softmax_scale: scaling of QK^T before the softmax; default 1 / sqrt(headdim).
+        softmax_scale: scaling of QK^T before the softmax, any finite real number (Python or NumPy; negative
+            and 0, a uniform average, too); default 1 / sqrt(headdim).
         causal: causal mask aligned to the bottom-right corner of the attention matrix.
             For seqlen_q = 2, seqlen_k = 5:          For seqlen_q = 5, seqlen_k = 2:
                 1 1 1 1 0                                0 0
@@ -61,7 +69,7 @@ def flash_attn_func(
         deterministic: accepted; flashtriton's backward is always deterministic (no atomics).
         return_attn_probs: also return the log-sum-exp (the probabilities are never formed: None).
         dropout_p, window_size, softcap, alibi_slopes: not supported yet; any non-default value raises
-            NotImplementedError.
+            NotImplementedError (window_size (-1, -1) may be a list, softcap None means 0.0: no softcap).
     Returns:
         out: (batch, seqlen_q, nheads, headdim)
         and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q) fp32 natural log, None)
@@ -72,14 +80,12 @@ def flash_attn_func(
     V.check_same("sequence lengths of k and v", k=k.shape[1], v=v.shape[1])
     V.check_heads_and_dims(q.shape[2], k.shape[2], q.shape[3], v.shape[3], v.shape[2])
     V.check_same("head dims of q and k", q=q.shape[3], k=k.shape[3])
-    V.check_scale("softmax_scale", softmax_scale)
+    V.check_scale("softmax_scale", softmax_scale, allow_negative=True)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     V.check_int32_offsets(("q", "k", "v"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
     V.check_grid(q.shape[0], q.shape[2])
-    out, lse = attention(
-        q, k, v, _default_scale(softmax_scale, q.shape[-1]), bool(causal), True,
-        None, None, q.shape[1], k.shape[1],
-    )
+    q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
+    out, lse = attention(q, k, v, scale, bool(causal), True, None, None, q.shape[1], k.shape[1])
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -124,7 +130,7 @@ def flash_attn_varlen_func(
     V.check_same("total key tokens of k and v", k=k.shape[0], v=v.shape[0])
     V.check_heads_and_dims(q.shape[1], k.shape[1], q.shape[2], v.shape[2], v.shape[1])
     V.check_same("head dims of q and k", q=q.shape[2], k=k.shape[2])
-    V.check_scale("softmax_scale", softmax_scale)
+    V.check_scale("softmax_scale", softmax_scale, allow_negative=True)
     batch = V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", None, q.device)
     V.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", batch, q.device)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # kernels index them densely
@@ -133,10 +139,8 @@ def flash_attn_varlen_func(
     V.check_grid(batch, q.shape[1])
     if q.shape[1] * q.shape[0] >= V.INT32_LIMIT:
         raise NotImplementedError(f"nheads x total_q = {q.shape[1] * q.shape[0]} must be below 2**31 (32-bit offsets)")
-    out, lse = attention(
-        q, k, v, _default_scale(softmax_scale, q.shape[-1]), bool(causal), True,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    )
+    q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
+    out, lse = attention(q, k, v, scale, bool(causal), True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -153,7 +157,7 @@ def scaled_dot_product_attention(
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention` on 4-D inputs.
 
     query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) -> (B, Hq, Sq, D). As in torch, `is_causal` is aligned
-    top-left (query i sees keys j <= i) and Hq != Hkv needs `enable_gqa=True`. attn_mask and dropout_p are
+    top-left (query i sees keys j <= i), Hq != Hkv needs `enable_gqa=True` and `scale` may be any finite real. attn_mask and dropout_p are
     not supported yet (NotImplementedError). The result is a (B, Hq, Sq, D) view of a (B, Sq, Hq, D) tensor,
     as torch's flash backend returns it.
     """
@@ -169,12 +173,10 @@ def scaled_dot_product_attention(
             f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass enable_gqa=True for "
             "grouped-query attention (as torch requires)"
         )
-    V.check_scale("scale", scale)
+    V.check_scale("scale", scale, allow_negative=True)
     q, k, v = (V.last_dim_contiguous(t.transpose(1, 2)) for t in (query, key, value))  # (B, S, H, D) views
     V.check_int32_offsets(("query", "key", "value"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
     V.check_grid(q.shape[0], q.shape[2])
-    out, _ = attention(
-        q, k, v, _default_scale(scale, q.shape[-1]), bool(is_causal), False,
-        None, None, q.shape[1], k.shape[1],
-    )
+    q, softmax_scale = _positive_scale(q, _default_scale(scale, q.shape[-1]))
+    out, _ = attention(q, k, v, softmax_scale, bool(is_causal), False, None, None, q.shape[1], k.shape[1])
     return out.transpose(1, 2)  # (B, Hq, Sq, D)

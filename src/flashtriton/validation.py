@@ -6,6 +6,7 @@ Every message names the argument, what was expected and what came.
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 
 import torch
@@ -18,8 +19,15 @@ MAX_HEAD_DIM = 256
 MIN_CAPABILITY = (8, 0)
 
 
+# Arguments whose None means "off" as their default does (flash-attn callers pass softcap=None for no softcap).
+_NONE_IS_DEFAULT = frozenset({"softcap"})
+
+
 def not_implemented(name: str, value, default) -> None:
-    """Raise for an argument whose feature is not built yet, unless it has its neutral value."""
+    """Raise for an argument whose feature is not built yet, unless it has its neutral value (a list compares as
+    a tuple; None counts as the default for the arguments in `_NONE_IS_DEFAULT`)."""
+    if value is None and name in _NONE_IS_DEFAULT:
+        return
     if isinstance(value, list):
         value = tuple(value)
     if isinstance(value, torch.Tensor) or value != default:
@@ -91,14 +99,22 @@ def check_same(what: str, **values: int) -> None:
         raise ValueError(f"{what} must match, got " + ", ".join(f"{n}: {v}" for n, v in values.items()))
 
 
-def check_scale(name: str, scale) -> None:
+def check_scale(name: str, scale, allow_negative: bool = False) -> None:
+    """None, or a finite real number (Python or NumPy; not a bool, not a tensor). Negative only with
+    `allow_negative`: the kernels take the running row maximum of the unscaled scores times the scale, which a
+    negative scale would turn into a minimum; the callers that allow it (`interface`) negate q instead."""
     if scale is None:
         return
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale < 0:
-        # the kernels take the running row maximum of scale * q.k: it must not flip sign
-        raise ValueError(f"{name} must be a finite number >= 0, got {scale}")
+    if isinstance(scale, torch.Tensor):
+        raise TypeError(f"{name} must be a real number (float) or None, got a torch.Tensor; pass float() of it "
+                        "(a GPU tensor's float() waits for the GPU)")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name} must be a real number (float) or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be a finite number, got {scale}")
+    if scale < 0 and not allow_negative:
+        raise ValueError(f"{name} must be a finite number >= 0 here (the decode kernels keep the running maximum of "
+                         f"the unscaled scores), got {scale}")
 
 
 INT32_LIMIT = 2**31
