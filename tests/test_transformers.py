@@ -256,8 +256,31 @@ def test_mask_function_static_cache_and_alignment():
     padding = torch.tensor([[True] * 4, [False, True, True, True]])
     assert torch.equal(ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, attention_mask=padding,
                                               mask_function=mu.causal_mask_function), padding)
-    with pytest.raises(NotImplementedError, match="queries as the last keys"):  # queries past the keys
-        ft_hf.flashtriton_mask(batch_size=1, q_length=2, kv_length=4, q_offset=6, mask_function=mu.causal_mask_function)
+    # queries past the keys: a marker that refuses when a layer receives it (transformers builds unused masks too)
+    marker = ft_hf.flashtriton_mask(batch_size=1, q_length=2, kv_length=4, q_offset=6,
+                                    mask_function=mu.causal_mask_function)
+    assert marker.dtype == torch.int8
+    q = torch.randn(1, 2, 2, 8)
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="queries as the last keys"):
+        ft_hf.flashtriton_attention_forward(module, q, torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), marker)
+
+
+def test_unused_unexpressible_mask_does_not_refuse_the_model(device):
+    """Qwen2-MoE without sliding windows still builds a (width 0) sliding mask that no layer reads."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(**{**TINY, "intermediate_size": 64}, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32, num_experts=2, num_experts_per_tok=1,
+                            use_sliding_window=False)
+    torch.manual_seed(0)
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="flashtriton")
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ref.load_state_dict(ours.state_dict())
+    ids, _ = _batch(device, lengths=(9,), seqlen=9)
+    with torch.no_grad():
+        got, expected = ours.to(device).eval()(input_ids=ids).logits, ref.to(device).eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
 def _reference(module, q, k, v, mask4d, scale):

@@ -16,6 +16,8 @@ sequences. `analyse` decides which of those a mask function is, and raises NotIm
   stays bounded — and compared with causal and full attention. It is exact for any index-based function,
   model-specific overlays included, at the cost of one pass over the (batch, q, kv) grid per mask per forward
   (what the sdpa path pays to materialise it).
+
+A refusal is an `Unexpressible` (a NotImplementedError) saying what the mask is and which feature is missing.
 """
 
 from __future__ import annotations
@@ -66,12 +68,18 @@ def analyse(mask_function: Optional[Callable], batch_size: int, q_length: int, k
     return MaskSpec(kind, derived=True)
 
 
-def _refusal(model_type: str, what: str, feature: str) -> NotImplementedError:
-    where = f" of this {model_type} model" if model_type else ""
-    return NotImplementedError(
-        f"flashtriton cannot run the attention{where}: {what}. flashtriton does not support {feature} yet; "
-        "load the model with attn_implementation='eager' (or 'sdpa' where the model supports it)."
-    )
+class Unexpressible(NotImplementedError):
+    """A mask flashtriton's kernels cannot run: `what` it is, and the `feature` flashtriton lacks for it."""
+
+    def __init__(self, what: str, feature: str, model_type: str = ""):
+        self.what, self.feature = what, feature
+        where = f" of this {model_type} model" if model_type else ""
+        super().__init__(f"flashtriton cannot run the attention{where}: {what}. flashtriton does not support "
+                         f"{feature} yet; load the model with attn_implementation='eager'.")
+
+
+def _refusal(model_type: str, what: str, feature: str) -> Unexpressible:
+    return Unexpressible(what, feature, model_type)
 
 
 def _cells(fn: Callable) -> dict:

@@ -51,6 +51,7 @@ SUPPORTED_TRANSFORMERS = ">=5.0,<6"
 _registered = False
 _KIND = "_flashtriton_kind"  # attribute of a returned key mask: the analysed kind (hf_masks.CAUSAL / FULL)
 _DENSE = "_flashtriton_dense"  # attribute of a returned key mask: no key is padded
+_REFUSAL = "_flashtriton_refusal"  # attribute of a returned int8 marker: why the kernels cannot run that mask
 
 
 def flashtriton_attention_forward(
@@ -89,6 +90,8 @@ def flashtriton_attention_forward(
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
 
+    if attention_mask is not None and attention_mask.dtype == torch.int8:  # flashtriton_mask's refusal
+        raise _refusal_for(module, getattr(attention_mask, _REFUSAL, None))
     if attention_mask is not None:
         kind = getattr(attention_mask, _KIND, None)  # the mask function's verdict beats the layer's default
         if kind is not None:
@@ -126,7 +129,7 @@ def flashtriton_mask(
     **kwargs,
 ) -> Optional[torch.Tensor]:
     """transformers' mask-interface signature: what `flashtriton_attention_forward` needs to run this mask
-    exactly, or NotImplementedError when the kernels cannot express it (`hf_masks.analyse`).
+    exactly, or a refusal marker when the kernels cannot express it (`hf_masks.analyse`).
 
     Returns None (no key is padded; the layer's own causal flag holds), the 2-D key mask sliced to the keys
     (as transformers' flash-attention mask does), or for packed rows their sequence ids as (B, S) int32
@@ -134,7 +137,25 @@ def flashtriton_mask(
     key mask that ends at the last query. When the verdict came from analysing a composed mask function, the
     returned mask carries it (`_flashtriton_kind`), and a mask with no padded key says so (`_flashtriton_dense`).
     transformers passes everything by keyword (before q_length / q_offset existed, a cache_position).
+
+    transformers builds every layer type's mask, used or not (Qwen2-MoE builds a sliding-window mask of width
+    0 that no layer reads): a mask the kernels cannot run comes back as a (B, Sk) int8 tensor carrying its
+    refusal (`_flashtriton_refusal`), and the attention function raises it when a layer receives it.
     """
+    try:
+        return _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                 attention_mask, **kwargs)
+    except NotImplementedError as refusal:
+        batch = batch_size or (attention_mask.shape[0] if attention_mask is not None else 1)
+        keys = kv_length or (attention_mask.shape[-1] if attention_mask is not None else 0)
+        marker = torch.zeros(batch, keys, dtype=torch.int8, device=kwargs.get("device"))
+        setattr(marker, _REFUSAL, refusal)
+        return marker
+
+
+def _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                      **kwargs) -> Optional[torch.Tensor]:
+    """`flashtriton_mask`'s work; NotImplementedError for a mask the kernels cannot run."""
     if q_length is None and kwargs.get("cache_position") is not None:
         position = kwargs["cache_position"]
         q_length, q_offset = int(position.shape[0]), int(position[0]) if position.numel() else 0
@@ -291,6 +312,18 @@ def refuse_unsupported_model(cls: type) -> None:
             f"{cls.__name__} cannot use attn_implementation='flashtriton': for any flash-attention name it switches "
             f"to its own {private[0]} class, which calls the flash-attn package directly instead of transformers' "
             f"AttentionInterface, so flashtriton would not run. {advice}")
+
+
+def _refusal_for(module, refusal: Optional[NotImplementedError]) -> NotImplementedError:
+    """The mask function's refusal, with advice for the model this layer belongs to."""
+    where = f" ({type(module).__name__})" if module is not None else ""
+    advice = _advice_for(_model_class(module))
+    if isinstance(refusal, hf_masks.Unexpressible):
+        return NotImplementedError(f"flashtriton cannot run this attention{where}: {refusal.what}. flashtriton "
+                                   f"does not support {refusal.feature} yet. {advice}")
+    if refusal is not None:
+        return NotImplementedError(f"{refusal} {advice}")
+    return NotImplementedError(f"flashtriton cannot run the mask this attention layer{where} received. {advice}")
 
 
 def _advice_for(cls: Optional[type]) -> str:
