@@ -187,3 +187,168 @@ def test_kvcache_takes_numpy_scales_and_softcap_none(device):
     got = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, softmax_scale=np.float32(0.3),
                                               softcap=None, window_size=[-1, -1])
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The returned log-sum-exp is differentiable: d lse_i / d s_ij = P_ij (what ring attention's merge needs)
+# ---------------------------------------------------------------------------------------------------------
+def _reference_grads(q, k, v, w, u, causal, dtype, cu_q=None, cu_k=None):
+    """Gradients of sum(out * w) + sum(lse * u) by the reference in `dtype` (float64: exact), sequence by sequence
+    for packed inputs. Rows that see no key (lse -inf) carry no lse term: their derivative is 0 (the reference's
+    own logsumexp would give NaN there)."""
+    leaves_ = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    if cu_q is None:
+        pieces = [(leaves_[0], leaves_[1], leaves_[2], w, u)]
+    else:
+        bounds = list(zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:]))
+        pieces = [(leaves_[0][None, a:b], leaves_[1][None, c:d], leaves_[2][None, c:d], w[None, a:b], u[None, :, a:b])
+                  for a, b, c, d in bounds if b > a]
+    loss = 0
+    for qb, kb, vb, wb, ub in pieces:
+        out, lse = attention_reference(qb, kb, vb, causal=causal, dtype=dtype, return_lse=True)
+        seen = torch.isfinite(lse)
+        loss = loss + (out * wb.to(dtype)).sum() + torch.where(seen, lse, 0).mul(torch.where(seen, ub.to(dtype), 0)).sum()
+    return torch.autograd.grad(loss, leaves_, allow_unused=True)
+
+
+def _check_lse_grads(ours, q, k, v, w, u, causal, cu_q=None, cu_k=None):
+    exact = _reference_grads(q, k, v, w, u, causal, torch.float64, cu_q, cu_k)
+    same_dtype = _reference_grads(q, k, v, w, u, causal, q.dtype, cu_q, cu_k)
+    for name, g, t, e in zip(("dq", "dk", "dv"), ours, same_dtype, exact):
+        e = torch.zeros_like(g, dtype=torch.float64) if e is None else e
+        t = torch.zeros_like(g) if t is None else t
+        assert_close_to_exact(g, t, e, q.dtype, name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,hq,hkv,dtype", [(9, 21, 4, 2, torch.float16), (23, 7, 2, 1, torch.float16),
+                                                (12, 12, 2, 2, torch.float32)])
+def test_lse_gradient_dense(sq, sk, hq, hkv, dtype, causal, device):
+    """Sq > Sk causal: the first Sq - Sk rows see no key (lse -inf); their lse gradient must add 0, not NaN."""
+    q, k, v = leaves(device, b=2, sq=sq, sk=sk, hq=hq, hkv=hkv, d=16, dtype=dtype, seed=sq + causal)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(q.shape, generator=gen).to(device=device, dtype=dtype)
+    u = torch.randn((2, hq, sq), generator=gen).to(device)
+    out, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert lse.requires_grad
+    ours = torch.autograd.grad((out, lse), (q, k, v), (w, u))
+    _check_lse_grads(ours, q, k, v, w, u, causal)
+    _, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    only_lse = torch.autograd.grad(lse, (q, k, v), u)  # out unused: its gradient is None inside
+    _check_lse_grads(only_lse, q, k, v, torch.zeros_like(w), u, causal)
+    empty = lse.detach() == float("-inf")
+    if empty.any():  # the lse of a row that sees no key is a constant: whatever its gradient, q, k, v get 0 from it
+        out, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        poisoned = torch.autograd.grad((out, lse), (q, k, v), (w, torch.where(empty, float("nan"), u)))
+        for a, b in zip(poisoned, ours):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_gradient_varlen(causal, device):
+    """Sequences of mixed lengths, one without keys and one without queries, GQA."""
+    gen = torch.Generator().manual_seed(3)
+    lengths_q, lengths_k = [5, 9, 0, 17, 3], [12, 0, 4, 6, 3]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lengths_q), 4, 16, generator=gen).to(device=device, dtype=torch.float16).requires_grad_()
+    k, v = (torch.randn(sum(lengths_k), 2, 16, generator=gen).to(device=device, dtype=torch.float16).requires_grad_()
+            for _ in range(2))
+    w = torch.randn(q.shape, generator=gen).to(device=device, dtype=torch.float16)
+    u = torch.randn((4, q.shape[0]), generator=gen).to(device)
+    out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                     causal=causal, return_attn_probs=True)
+    ours = torch.autograd.grad((out, lse), (q, k, v), (w, u))
+    _check_lse_grads(ours, q, k, v, w, u, causal, cu_q, cu_k)
+
+
+def test_lse_gradient_through_the_registered_op(device):
+    """The op torch.compile calls: the same gradient, and torch.library.opcheck of the backward op with dlse."""
+    q, k, v = leaves(device, b=1, sq=10, sk=6, hq=2, hkv=1, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(q.shape, generator=gen).to(device)
+    u = torch.randn((1, 2, 10), generator=gen).to(device)
+    out, lse = torch.ops.flashtriton.fwd(q, k, v, 0.25, True, True, None, None, 10, 6)
+    ours = torch.autograd.grad((out, lse), (q, k, v), (w, u))
+    eager = torch.autograd.grad(flashtriton.flash_attn_func(q, k, v, softmax_scale=0.25, causal=True,
+                                                            return_attn_probs=True)[:2], (q, k, v), (w, u))
+    for a, b in zip(ours, eager):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    detached = [t.detach() for t in (q, k, v)]
+    out, lse = torch.ops.flashtriton.fwd(*detached, 0.25, True, True, None, None, 10, 6)
+    torch.library.opcheck(torch.ops.flashtriton.bwd.default, [w, *detached, out, lse, 0.25, True, True, None, None,
+                                                              10, 6, u])
+
+
+def test_preprocess_subtracts_dlse_in_both_layouts(device):
+    """The one preprocess launch writes delta - dlse for the Triton kernels (like lse) and the Gluon kernels
+    (padded); dlse may be expanded (stride 0); rows whose lse is -inf keep delta."""
+    from flashtriton.kernels import backward as B
+
+    bg = pytest.importorskip("flashtriton.kernels.backward_gluon")
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(*shape, dt=torch.float16):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+    out, dout, lse = rand(2, 70, 3, 32), rand(2, 70, 3, 32), rand(2, 3, 70, dt=torch.float32)
+    lse[:, :, :4] = float("-inf")
+    dlse = rand(1, 3, 1, dt=torch.float32).expand(2, 3, 70)
+    want = (out.float() * dout.float()).sum(-1).transpose(1, 2) - torch.where(lse == float("-inf"), 0, dlse)
+    _, plain = B.preprocess(out, dout, lse, dlse=dlse)
+    torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
+    _, padded = B.preprocess(out, dout, lse, padded=True, dlse=dlse)
+    torch.testing.assert_close(padded[..., :70], want, rtol=1e-5, atol=1e-5)
+    assert torch.all(padded[..., 70:] == 0)
+
+    lengths = [5, 0, 70, 3]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    total = sum(lengths)
+    out, dout, lse = rand(total, 3, 32), rand(total, 3, 32), rand(3, total, dt=torch.float32)
+    dlse = rand(total, 3, dt=torch.float32).t()  # strided
+    want = (out.float() * dout.float()).sum(-1).t() - dlse
+    _, plain = B.preprocess(out, dout, lse, cu, max(lengths), dlse=dlse)
+    torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
+    _, padded = B.preprocess(out, dout, lse, cu, max(lengths), padded=True, dlse=dlse)
+    for b, n in enumerate(lengths):
+        start = 4 * (-(-int(cu[b]) // 4) + b)  # backward_gluon._lse_rows
+        torch.testing.assert_close(padded[:, start:start + n], want[:, cu[b]:cu[b + 1]], rtol=1e-5, atol=1e-5)
+    assert padded.shape[1] == bg.padded_rows(total, True, len(lengths))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_gradient_at_gluon_sizes(causal, device):
+    """Enough work for the Gluon backward kernels on sm_90 (configs.gluon_bwd_config): dense and varlen, bf16."""
+    q, k, v = leaves(device, b=1, sq=2048, sk=2048, hq=24, hkv=8, d=128, dtype=torch.bfloat16, seed=11)
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(q.shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+    u = torch.randn((1, 24, 2048), generator=gen).to(device)
+    out, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    _check_lse_grads(torch.autograd.grad((out, lse), (q, k, v), (w, u)), q, k, v, w, u, causal)
+
+    q, k, v = (t.detach().flatten(0, 1).requires_grad_() for t in leaves(device, b=1, sq=4096, sk=4096, hq=24,
+                                                                            hkv=8, d=128, dtype=torch.bfloat16))
+    cu = torch.tensor([0, 2000, 2048, 4096], dtype=torch.int32, device=device)
+    w = torch.randn(q.shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+    u = torch.randn((24, 4096), generator=gen).to(device)
+    out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, 2048, 2048, causal=causal,
+                                                     return_attn_probs=True)
+    _check_lse_grads(torch.autograd.grad((out, lse), (q, k, v), (w, u)), q, k, v, w, u, causal, cu, cu)
+
+
+def test_lse_gradient_under_torch_compile(device):
+    q, k, v = leaves(device, b=1, sq=10, sk=6, hq=2, hkv=1, dtype=torch.float32, seed=4)
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(q.shape, generator=gen).to(device)
+    u = torch.randn((1, 2, 10), generator=gen).to(device)
+
+    def loss(q, k, v):
+        out, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        return (out * w).sum() + (lse * u).sum()
+
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    _check_lse_grads(compiled, q, k, v, w, u, True)

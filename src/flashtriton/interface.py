@@ -67,7 +67,9 @@ def flash_attn_func(
                                                          1 1
             A row that sees no key returns 0 (and lse -inf).
         deterministic: accepted; flashtriton's backward is always deterministic (no atomics).
-        return_attn_probs: also return the log-sum-exp (the probabilities are never formed: None).
+        return_attn_probs: also return the log-sum-exp (the probabilities are never formed: None). The lse is
+            differentiable (d lse_i / d s_ij = softmax_ij, what ring attention's merge of partial results needs);
+            a row that sees no key has lse -inf, a constant: q, k, v get no gradient from it.
         dropout_p, window_size, softcap, alibi_slopes: not supported yet; any non-default value raises
             NotImplementedError (window_size (-1, -1) may be a list, softcap None means 0.0: no softcap).
     Returns:
@@ -122,7 +124,7 @@ def flash_attn_varlen_func(
         A kernel that writes a cu_seqlens tensor behind torch's back (no version bump) must pass a new tensor.
     Returns:
         out: (total_q, nheads, headdim)
-        and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32, None)
+        and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32, differentiable, None)
     """
     _unsupported_flash_args(dropout_p, window_size, softcap, alibi_slopes)
     V.not_implemented("block_table", block_table, None)

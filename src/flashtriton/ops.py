@@ -45,7 +45,7 @@ def _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlen
 
 @on_inputs_device
 def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
-                   cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=None):
     from .kernels.backward import attention_backward
 
     if dout.stride(-1) != 1:
@@ -56,7 +56,7 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom
                                                  max_seqlen_k))
     return attention_backward(
         dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, zero_fill=not covers_all,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, zero_fill=not covers_all, dlse=dlse,
     )
 
 
@@ -103,15 +103,17 @@ def attention_bwd_op(
     cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
+    dlse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) shaped like (q, k, v); dk/dv summed over each GQA group."""
+    """(dq, dk, dv) shaped like (q, k, v); dk/dv summed over each GQA group. dlse: the gradient of lse (shaped
+    like it), or None when lse is not differentiated."""
     return _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
-                          cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse)
 
 
 @attention_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k):
+      max_seqlen_q, max_seqlen_k, dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -120,7 +122,8 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.args = (softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k)
-    ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not differentiated
+    # Outputs nothing differentiates arrive as None (no zeros allocated): lse, in most calls, costs nothing then.
+    ctx.set_materialize_grads(False)
 
 
 DOUBLE_BACKWARD_ERROR = (
@@ -131,9 +134,9 @@ DOUBLE_BACKWARD_ERROR = (
 _DelayedError = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
 
 
-def _gradients(ctx, dout, backward_fn):
+def _gradients(ctx, dout, dlse, backward_fn):
     """(dq, dk, dv, None...) for the inputs saved by `_setup_context`, through `backward_fn` (the registered
-    op, or its implementation when called eagerly).
+    op, or its implementation when called eagerly). dout or dlse is None for an output nothing differentiates.
 
     The backward kernels have no derivative of their own. Under create_graph=True (grad mode on during the
     backward; torch.compile traces the backward with it off) they run without recording, and their results
@@ -141,14 +144,16 @@ def _gradients(ctx, dout, backward_fn):
     silently adding nothing for the second-order term."""
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k = ctx.args
+    if dout is None:  # only lse is differentiated
+        dout = torch.zeros_like(out)
     args = (dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k)
+            max_seqlen_q, max_seqlen_k, dlse)
     if not torch.is_grad_enabled():
         dq, dk, dv = backward_fn(*args)
         return dq, dk, dv, None, None, None, None, None, None, None
     with torch.no_grad():
         dq, dk, dv = backward_fn(*args)
-    dq, dk, dv = _not_differentiable((dq, dk, dv), (dout, q, k, v))
+    dq, dk, dv = _not_differentiable((dq, dk, dv), tuple(t for t in (dout, dlse, q, k, v) if t is not None))
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -164,7 +169,7 @@ def _not_differentiable(grads: tuple, inputs: tuple) -> tuple:
 
 
 def _backward(ctx, dout, dlse):
-    return _gradients(ctx, dout, attention_bwd_op)
+    return _gradients(ctx, dout, dlse, attention_bwd_op)
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -184,7 +189,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _gradients(ctx, dout, _backward_impl)
+        return _gradients(ctx, dout, dlse, _backward_impl)
 
 
 _ATTENTION_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")

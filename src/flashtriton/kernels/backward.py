@@ -3,7 +3,8 @@
 With P = softmax(scale · Q Kᵀ) recomputed tile by tile from the forward's saved log-sum-exp (never stored):
     dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP − delta)      dQ = scale · dS K      dK = scale · dSᵀ Q
 where delta = rowsum(dO ∘ O) (FlashAttention-2 §3.2). Three kernels:
-  1. `_attn_bwd_preprocess`: delta, fp32, laid out like lse.
+  1. `_attn_bwd_preprocess`: delta, fp32, laid out like lse (minus the gradient of lse, when lse is differentiated:
+     d lse_i / d s_ij = P_ij, so that term is dS = P ∘ dlse and joins delta's).
   2. `_attn_bwd_dkdv`: one program per (BLOCK_N keys, batch·kv head). It keeps K, V and the fp32 dK, dV
      accumulators resident and streams Q/dO tiles of every query head of its GQA group, so the group sum
      happens in registers: no atomics, no copies of K/V.
@@ -39,16 +40,20 @@ PREPROCESS_BLOCK_M = 64
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, LSE, DELTA, LSE_PAD, CU_SEQLENS_Q,
+    O, DO, LSE, DELTA, LSE_PAD, CU_SEQLENS_Q, DLSE,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_dob, stride_dom, stride_doh, stride_dod,
     stride_lb, stride_lh,  # lse (and unpadded delta)
     stride_pb, stride_ph,  # padded lse / delta
+    stride_db, stride_dh, stride_dm,  # dlse (any strides: autograd may hand an expanded one)
     SEQLEN_Q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    PADDED: tl.constexpr,
+    PADDED: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32. Grid (query tiles, heads, batch).
+    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32, minus dlse[b, h, i] with HAS_DLSE (the
+    gradient of the returned lse: d lse_i / d s_ij = P_ij, so dS = P ∘ (dP − (delta − dlse)) and the kernels
+    that read delta need no change; rows that see no key, lse -inf, keep delta: their lse is a constant and
+    their gradient 0 whatever dlse holds). Grid (query tiles, heads, batch).
     PADDED=False (the Triton kernels): delta laid out like lse. PADDED (the Gluon kernels, `backward_gluon.
     _lse_rows`): delta and a copy of lse in the padded layout. Dense (B, Hq, Sq_pad), the grid covering Sq_pad:
     rows past Sq get lse -inf and delta 0. Varlen (Hq, padded_rows): sequence b at row 4 · (ceil(start / 4) + b);
@@ -72,8 +77,13 @@ def _attn_bwd_preprocess(
     do = tl.load(DO + batch_do + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=mask, other=0.0)  # (BLOCK_M, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BLOCK_M,) 0 past the sequence
-    if PADDED:
+    if PADDED or HAS_DLSE:
         lse = tl.load(LSE + batch_l + off_h * stride_lh + offs_m, mask=in_seq, other=float("-inf"))
+    if HAS_DLSE:
+        dlse = tl.load(DLSE + b64 * stride_db + off_h * stride_dh + (q_start + offs_m) * stride_dm, mask=in_seq,
+                       other=0.0)
+        delta -= tl.where(lse == float("-inf"), 0.0, dlse)
+    if PADDED:
         if IS_VARLEN:  # the same row as backward_gluon._lse_rows
             padded = off_h * stride_ph + ((q_start + 3) // 4 + off_b) * 4 + offs_m
             tl.store(LSE_PAD + padded, lse, mask=in_seq)
@@ -351,11 +361,12 @@ _attn_bwd_dq_tuned = triton.autotune(
 )(_attn_bwd_dq)
 
 
-def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=False):
+def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=False, dlse=None):
     """(lse, delta) for the backward kernels; delta = rowsum(dO ∘ O) in fp32. out, dout (B, Sq, Hq, D) with lse
     (B, Hq, Sq), or varlen (total_q, Hq, D) with lse (Hq, total_q) and cu_seqlens_q. Not padded: delta like lse,
     lse itself. Padded (the Gluon kernels, which load whole 16-byte aligned tiles): both in
-    `backward_gluon.padded_rows`' layout, written by the one preprocess launch (no fill, no copy)."""
+    `backward_gluon.padded_rows`' layout, written by the one preprocess launch (no fill, no copy).
+    dlse (shaped like lse, fp32, any strides): the gradient of lse, subtracted from delta in the same launch."""
     varlen = cu_seqlens_q is not None
     heads_q, head_dim = out.shape[-2], out.shape[-1]
     if varlen:
@@ -376,10 +387,16 @@ def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=Fals
     else:
         lse_out, delta = lse, torch.empty_like(lse)
         p_s = l_s
+    if dlse is None:
+        d_s = (0, 0, 0)
+    elif varlen:
+        d_s = (0, *dlse.stride())
+    else:
+        d_s = dlse.stride()
     launch(_attn_bwd_preprocess, (configs.cdiv(rows, PREPROCESS_BLOCK_M), heads_q, batch),
-           (out, dout, lse, delta, lse_out, cu_seqlens_q, *o_s, *do_s, *l_s, *p_s, seqlen_q),
+           (out, dout, lse, delta, lse_out, cu_seqlens_q, dlse, *o_s, *do_s, *l_s, *p_s, *d_s, seqlen_q),
            dict(HEAD_DIM=head_dim, BLOCK_D=configs.padded_head_dim(head_dim), IS_VARLEN=varlen,
-                BLOCK_M=PREPROCESS_BLOCK_M, PADDED=padded))
+                BLOCK_M=PREPROCESS_BLOCK_M, PADDED=padded, HAS_DLSE=dlse is not None))
     return lse_out, delta
 
 
@@ -399,6 +416,7 @@ def attention_backward(
     max_seqlen_k: int | None = None,
     config: dict | None = None,
     zero_fill: bool = True,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs (what `attention_forward` took and returned).
 
@@ -410,6 +428,7 @@ def attention_backward(
     autotuning (and of the Gluon kernels).
     Varlen with `zero_fill`: the gradients start at zero, so tokens outside every sequence get 0; pass False
     when cu_seqlens cover every token (the kernels write every other row), saving three memsets.
+    dlse: the gradient of lse (shaped like it, fp32), or None when lse is not differentiated (no extra work).
     """
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
@@ -440,7 +459,7 @@ def attention_backward(
         raise ValueError("the Triton dQ kernel cannot read the Gluon kernels' varlen lse / delta layout: a varlen "
                          "Gluon config needs a 'dq' config too")
     lse = lse.contiguous()  # already so as the forward returns it
-    lse, delta = preprocess(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None)
+    lse, delta = preprocess(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None, dlse)
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if gluon_config is not None:
         backward_gluon.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
