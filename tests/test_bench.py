@@ -339,3 +339,47 @@ def test_readme_tables_compare_with_the_tutorial_anchors(tmp_path, capsys):
     assert "| 64 | 0 | 1024 | 400 \\| - | 420 \\| - |" in out and "geometric mean ours/cuDNN 0.95" in out
     assert "| 64 | 0 | 1024 | 400 | 391 | yes | 0.95 | 0.94 |" in out and "warmup: [25] ms" in out
     assert "above the tutorial's anchor at 1 of 12 points" in out
+
+
+def _cpu_rows(gpu):
+    env = dict.fromkeys(("torch", "triton", "cudnn", "flashtriton", "git_sha", "date"), "")
+    env["gpu"] = gpu
+    attention = [C.make_row(env, op="attention", suite="standard", mode="fwd", provider=p, B=1, H=2, H_kv=2, T=T,
+                            T_k=T, D=64, causal=0, dtype="fp16", tflops=1e-4 * T, ms_p50=1.0, status="ok")
+                 for p in ("flashtriton", "sdpa_math") for T in (64, 128)]
+    decode = [C.make_row(env, op="decode", suite="decode", mode="fwd", provider="flashtriton", B=1, H=2, H_kv=2, T=1,
+                         T_k=T, D=64, causal=0, dtype="fp16", gbps=0.1, ms_p50=1.0, status="ok") for T in (64, 128)]
+    return attention + decode
+
+
+@pytest.mark.parametrize("gpu,labelled", [("cpu (triton interpreter)", True), ("NVIDIA H200", False)])
+def test_cpu_timings_are_labelled_as_not_gpu_performance(gpu, labelled, tmp_path, monkeypatch):
+    """Tables and plot titles of rows timed on the CPU (Triton's interpreter) say so; GPU rows carry no label."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    titles = []
+    save = Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        titles.append(" ".join([fig._suptitle.get_text() if fig._suptitle else ""]
+                               + [ax.get_title() for ax in fig.axes]))
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    rows = _cpu_rows(gpu)
+    note = "Triton interpreter on CPU, not GPU performance"
+    assert (note in R.standard_table(rows)) is labelled
+    assert (note in R.decode_table(rows)) is labelled
+    assert len(R.write_plots(rows, str(tmp_path))) == 2 and len(titles) == 2
+    assert all((note in t) is labelled for t in titles), titles
+
+
+def test_main_on_the_cpu_says_its_timings_are_not_gpu_performance(tmp_path, capsys):
+    if CUDA:
+        pytest.skip("CPU-only behaviour")
+    argv = ["--shape", "1,1,16,16", "--modes", "fwd", "--causal", "0", "--providers", "flashtriton", *TINY]
+    assert bench.main(parse_raw(argv)) == 0
+    captured = capsys.readouterr()
+    assert "Triton interpreter on CPU, not GPU performance" in captured.out + captured.err

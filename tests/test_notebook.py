@@ -23,7 +23,7 @@ except ImportError:
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "flash_attention.ipynb"
 MUST_PASS = [
     "attention_ai_above_128",
-    "triton_fa2_matches_sdpa_within_1e_minus_3",
+    "triton_fa2_error_within_2x_sdpa_math_or_1e_minus_3",
     "matches_float64_bfloat16",
     "matches_float64_float32",
     "gqa_bottom_right_causal_matches_float64",

@@ -67,3 +67,30 @@ def test_sweep_reads_the_compiled_kernel(monkeypatch, device):
     assert ok and all(r["ms"] == 1.0 and r["tflops"] > 0 for r in ok)
     assert {r["limited_by"] for r in ok if r["BLOCK_M"] == 128} == {"registers"}
     assert tune.conclusion(rows)[0].startswith("best: ")
+
+
+def _opts(tmp_path, **kw):
+    base = dict(batch=4, heads=16, seqlen=4096, head_dim=16, dtype="fp16", causal=True, out=str(tmp_path))
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def test_interpreter_says_loudly_which_shape_it_runs_instead(tmp_path, capsys):
+    """Under the interpreter a shape too large for it is cut down, and the output and tune.json say so."""
+    if not tune.INTERPRET:
+        pytest.skip("the shape is cut down only under the interpreter")
+    assert tune.main(_opts(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "WARNING" in out and "B,H,T,D=(4, 16, 4096, 16)" in out and "(1, 2, 128, 16)" in out
+    report = __import__("json").loads((tmp_path / "tune.json").read_text())
+    assert report["requested_shape"] == dict(B=4, H=16, T=4096, D=16)
+    assert report["shape"] == dict(B=1, H=2, T=128, D=16) and report["shape_replaced"] is True
+
+
+def test_interpreter_honours_a_shape_it_can_run(tmp_path, capsys):
+    if not tune.INTERPRET:
+        pytest.skip("interpreter behaviour")
+    assert tune.main(_opts(tmp_path, batch=1, heads=1, seqlen=32)) == 0
+    assert "WARNING" not in capsys.readouterr().out
+    report = __import__("json").loads((tmp_path / "tune.json").read_text())
+    assert report["shape"] == report["requested_shape"] == dict(B=1, H=1, T=32, D=16)
+    assert report["shape_replaced"] is False

@@ -8,7 +8,8 @@
 Each provider is checked on every shape before it is timed (output and, for bwd, gradients against float32
 attention on batch 0 and the first heads); one that fails is reported as FAIL, never as a speed, and one that
 raises is reported with its error. Timing is `triton.testing.do_bench` (median, p20/p80). `--out DIR`
-writes long-format rows (bench.json, bench.csv) and plots; see benchmarks/README.md.
+writes long-format rows (bench.json, bench.csv) and plots; see benchmarks/README.md. Without a GPU the kernels
+run through Triton's interpreter: the output, tables and plot titles say these are not GPU timings.
 """
 
 from __future__ import annotations
@@ -311,6 +312,10 @@ def main(args: argparse.Namespace) -> int:
     env = C.environment()
     print(f"# flashtriton bench: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
           f"flashtriton {env['flashtriton']} ({env['git_sha']}), {env['date']}", flush=True)
+    if not torch.cuda.is_available():
+        print(f"# WARNING: {R.CPU_NOTE}: no CUDA GPU, so flashtriton's timings below are of its kernels run by "
+              "Triton's interpreter on the host and torch's are on the CPU; they check that the bench runs and "
+              "say nothing about speed on a GPU", flush=True)
     suites = ("standard", "varlen", "decode") if args.suite == "all" else (args.suite,)
     results = R.Results(args.out, args.append)
     try:

@@ -17,6 +17,19 @@ from .bench_core import MODES, ROW_FIELDS, ROW_KEY
 from .bench_providers import PROVIDERS
 
 OURS = "flashtriton"
+CPU_NOTE = "Triton interpreter on CPU, not GPU performance"
+
+
+def on_cpu(rows) -> bool:
+    """Whether any row was timed without a GPU (`bench_core.environment` names the device "cpu (...)")."""
+    return any(str(r.get("gpu") or "").startswith("cpu") for r in rows)
+
+
+def _cpu_banner(rows) -> str:
+    """The line that heads a table of CPU timings: flashtriton's through Triton's interpreter (numpy on the host),
+    torch's on the CPU; neither says anything about speed on a GPU."""
+    return f"NOTE: {CPU_NOTE}: these timings are of the kernels run by Triton's interpreter on the host\n" \
+        if on_cpu(rows) else ""
 
 
 def _cell(row, show) -> str:
@@ -80,7 +93,7 @@ def standard_table(rows) -> str:
                     + [_ratio(ours, max(others) if others else None), _ratio(ours, speeds.get("sdpa_cudnn"))])
     header = ["mode", "dtype", "causal", "D", "B", "H", "T"] + providers + ["ours/best_other", "ours/cudnn"]
     notes = _notes(rows)
-    return ("TFLOP/s (FlashAttention count: fwd 4·B·H·T²·D, /2 causal; bwd ×2.5; fwd_bwd ×3.5), median\n"
+    return (_cpu_banner(rows) + "TFLOP/s (FlashAttention count: fwd 4·B·H·T²·D, /2 causal; bwd ×2.5; fwd_bwd ×3.5), median\n"
             + _markdown(header, body) + ("\n\n" + notes if notes else ""))
 
 
@@ -109,7 +122,7 @@ def varlen_table(rows) -> str:
             f"attention FLOPs (Σ Tᵢ² vs N·Tmax²)\n"
             "cells: ms median (useful TFLOP/s, counting only real tokens); padded = dense on the padded batch, no mask\n")
     notes = _notes(rows)
-    return head + _markdown(header, body) + ("\n\n" + notes if notes else "")
+    return _cpu_banner(rows) + head + _markdown(header, body) + ("\n\n" + notes if notes else "")
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -137,7 +150,7 @@ def decode_table(rows) -> str:
     header = (["dtype", "B", "Hq", "Hkv", "D", "cache"] + providers
               + ["ours % of copy", "ours % of read", "ours/best_other"])
     notes = _notes(rows)
-    return ("decode: GB/s = bytes of K and V read / median time; one query token, full caches\n"
+    return (_cpu_banner(rows) + "decode: GB/s = bytes of K and V read / median time; one query token, full caches\n"
             + _markdown(header, body) + ("\n\n" + notes if notes else ""))
 
 
@@ -225,7 +238,8 @@ class Results:
 
 def write_plots(rows, out_dir: str) -> list[str]:
     """standard_<mode>_<dtype>.png (TFLOP/s vs T, a panel per D and causal, a line per provider) and
-    decode_<dtype>.png (GB/s vs cache length, a panel per batch, the copy bandwidth dashed)."""
+    decode_<dtype>.png (GB/s vs cache length, a panel per batch, the copy bandwidth dashed). Figures of CPU
+    timings are titled `CPU_NOTE`."""
     try:
         import matplotlib
 
@@ -258,7 +272,7 @@ def write_plots(rows, out_dir: str) -> list[str]:
                 ax.grid(alpha=0.3)
                 if panel:
                     ax.legend(fontsize=7)
-        fig.tight_layout()
+        _finish(fig, sel)
         path = os.path.join(out_dir, f"standard_{mode}_{dtype}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -285,12 +299,21 @@ def write_plots(rows, out_dir: str) -> list[str]:
             ax.set_ylabel("GB/s (K, V read)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        fig.tight_layout()
+        _finish(fig, sel)
         path = os.path.join(out_dir, f"decode_{dtype}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _finish(fig, rows) -> None:
+    """Lay a figure out; one that plots CPU timings says so in its title (`CPU_NOTE`)."""
+    if on_cpu(rows):
+        fig.suptitle(CPU_NOTE, color="tab:red", fontweight="bold")
+        fig.tight_layout(rect=(0, 0, 1, 0.94))
+    else:
+        fig.tight_layout()
 
 
 def merge(dest: str, sources, plots: bool = True) -> list[str]:

@@ -6,7 +6,8 @@ ones are listed as such): compile it, check its output against the float64 refer
 kernel's registers, spills and shared memory, work out how many blocks fit on one SM, and time it.
 
 On a machine without a GPU (Triton's interpreter) there are no registers or timings: the sweep only checks
-every config's output, at a tiny shape.
+every config's output, at the shape asked for cut down to at most B,H,T = `CPU_SHAPE` (with a warning that
+names both shapes when it is cut; tune.json records both).
 """
 
 from __future__ import annotations
@@ -163,21 +164,32 @@ def conclusion(rows: list[dict]) -> list[str]:
     return lines
 
 
+def interpreter_shape(requested: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """The shape the interpreter's sweep runs: the one asked for, with B, H and T cut down to `CPU_SHAPE`'s
+    where they exceed it (the interpreter needs minutes for one config at a GPU-sized shape)."""
+    return (*(min(n, limit) for n, limit in zip(requested[:3], CPU_SHAPE)), requested[3])
+
+
 def main(opts) -> int:
     dtype = DTYPES[opts.dtype]
     if min(opts.batch, opts.heads, opts.seqlen) < 1 or not 1 <= opts.head_dim <= 256:
         print(f"flashtriton tune: -B, -H, -T must be >= 1 and -D in 1..256, got "
               f"{(opts.batch, opts.heads, opts.seqlen, opts.head_dim)}", file=sys.stderr)
         return 2
-    shape = (opts.batch, opts.heads, opts.seqlen, opts.head_dim)
+    requested = (opts.batch, opts.heads, opts.seqlen, opts.head_dim)
+    shape = requested
     on_gpu = torch.cuda.is_available() and not INTERPRET
     if not on_gpu:
         if not INTERPRET:
             print("SKIP: flashtriton tune needs a CUDA GPU (or TRITON_INTERPRET=1 for the correctness sweep)")
             return 0
-        shape = (*CPU_SHAPE, opts.head_dim)
-        print(f"SKIP: registers, occupancy and timings need a CUDA GPU. Interpreter: checking every config's "
-              f"output only, at B,H,T,D={shape}.")
+        shape = interpreter_shape(requested)
+        print("SKIP: registers, occupancy and timings need a CUDA GPU. Interpreter: checking every config's "
+              "output only.")
+        if shape != requested:
+            print(f"WARNING: the shape asked for, B,H,T,D={requested}, is too large for Triton's interpreter: "
+                  f"the sweep runs B,H,T,D={shape} instead (at most B,H,T={CPU_SHAPE}); its results say nothing "
+                  f"about B,H,T,D={requested}.")
     print(f"flashtriton tune: B,H,T,D={shape} {opts.dtype} causal={opts.causal}", flush=True)
     limits = sm_limits() if on_gpu else None
     rows = sweep(shape, dtype, opts.causal, "cuda" if on_gpu else "cpu", limits)
@@ -193,7 +205,8 @@ def main(opts) -> int:
         path = Path(opts.out) / "tune.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         report = dict(environment=environment(), mode="gpu" if on_gpu else "interpreter-correctness-only",
-                      shape=dict(zip("BHTD", shape)), dtype=opts.dtype, causal=opts.causal,
+                      shape=dict(zip("BHTD", shape)), requested_shape=dict(zip("BHTD", requested)),
+                      shape_replaced=shape != requested, dtype=opts.dtype, causal=opts.causal,
                       sm_limits=limits, rows=rows, conclusion=notes)
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path}")
