@@ -8,6 +8,7 @@ must be within 2x torch's own same-dtype error plus a small floor.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -553,6 +554,275 @@ def test_bad_values_poison_only_their_sequence(name, bad, kwargs, num_splits, mo
     # the caches: exactly the good sequence's append, nothing from the bad one
     torch.testing.assert_close(kw["k_cache"], one["k_cache"], rtol=0, atol=0)
     torch.testing.assert_close(kw["v_cache"], one["v_cache"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# values near the int32 limits, bad pages anywhere in a sequence, host checks under torch.compile
+# ---------------------------------------------------------------------------------------------------------
+GUARD = 1024  # sentinel elements before and after each guarded cache
+GUARD_VALUE = -77.0
+
+
+def _guarded(shape, dtype, device, gen):
+    """A random tensor of `shape` that is a view into a larger buffer, with GUARD sentinel elements before and
+    after it: (tensor, buffer). A write outside the tensor changes a guard (see `_guards_intact`)."""
+    numel = math.prod(shape)
+    buf = torch.full((GUARD + numel + GUARD,), GUARD_VALUE, dtype=dtype, device=device)
+    t = buf[GUARD:GUARD + numel].view(shape)
+    t.copy_(torch.randn(shape, generator=gen).to(device=device, dtype=dtype))
+    return t, buf
+
+
+def _guards_intact(buf) -> bool:
+    return bool((buf[:GUARD] == GUARD_VALUE).all() and (buf[-GUARD:] == GUARD_VALUE).all())
+
+
+def _good_alone(kw, good, before, num_splits):
+    """(out, lse, k_cache, v_cache) of the call `kw` for the sequences `good` only, on copies of the caches
+    `before` (the rows of a contiguous cache through cache_batch_idx, as in the whole batch)."""
+    idx = torch.tensor(good, device=kw["q"].device)
+    one = {n: (t[idx] if n in ("q", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table") and
+               isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    one["k_cache"], one["v_cache"] = before[0].clone(), before[1].clone()
+    if one.get("block_table") is None and one.get("cache_batch_idx") is None:
+        one["cache_batch_idx"] = idx.to(torch.int32)
+    with torch.no_grad():
+        out, lse = flash_attn_with_kvcache(**one, num_splits=num_splits, return_softmax_lse=True)
+    return out, lse, one["k_cache"], one["v_cache"]
+
+
+def _schedule(num_splits, stream_schedule):
+    """(num_splits to pass, whether results are exact against a call with fewer sequences)."""
+    if num_splits == "stream":
+        stream_schedule(min_split_keys=16)  # programs of one key tile each: every unit is shared
+        return 0, False
+    return num_splits, True
+
+
+NEAR_INT32_LIMITS = [2**31 - 1, 2**31 - 2, -1, -2**31]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, "stream"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("seqlen_new", [1, 2, 3])
+def test_lengths_near_the_int32_limits_never_wrap(seqlen_new, paged, num_splits, device, monkeypatch,
+                                                  stream_schedule):
+    """cache_seqlens near 2**31 (where cache_seqlens + seqlen_new wraps in int32) and negative ones: those
+    sequences get NaN (out and lse) and append nothing, nothing outside the caches is written (sentinel guards
+    around them), and the other sequences are what a call with only them gives, appends included."""
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", False)
+    num_splits, exact = _schedule(num_splits, stream_schedule)
+    gen = torch.Generator().manual_seed(0)
+    lens = [3, 2**31 - 1, 2**31 - 2, 30, -1, -2**31]
+    good = [0, 3]
+    batch, heads_kv, head_dim, capacity = len(lens), 1, 16, 48
+    block_table = None
+    if paged:
+        page_size = 16
+        pages = capacity // page_size
+        shape = (batch * pages + 1, page_size, heads_kv, head_dim)
+        block_table = torch.randperm(batch * pages, generator=gen).reshape(batch, pages).to(device, torch.int32)
+    else:
+        shape = (batch, capacity, heads_kv, head_dim)
+    k_cache, k_buf = _guarded(shape, torch.float16, device, gen)
+    v_cache, v_buf = _guarded(shape, torch.float16, device, gen)
+    q, k, v = (torch.randn(*s, generator=gen).to(device, torch.float16)
+               for s in ((batch, 1, 2, head_dim), (batch, seqlen_new, heads_kv, head_dim),
+                         (batch, seqlen_new, heads_kv, head_dim)))
+    kw = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table, causal=True,
+              cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device))
+    before = (k_cache.clone(), v_cache.clone())
+    with torch.no_grad():
+        out, lse = flash_attn_with_kvcache(**kw, num_splits=num_splits, return_softmax_lse=True)
+    assert _guards_intact(k_buf) and _guards_intact(v_buf)
+    bad = [b for b in range(batch) if b not in good]
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    assert not out[good].isnan().any() and not lse[good].isnan().any()
+    out1, lse1, k_cache1, v_cache1 = _good_alone(kw, good, before, num_splits)
+    torch.testing.assert_close(out[good], out1, rtol=0, atol=0 if exact else 2e-3)
+    torch.testing.assert_close(lse[good], lse1, rtol=0, atol=0 if exact else 1e-4)
+    assert torch.equal(k_cache, k_cache1) and torch.equal(v_cache, v_cache1)  # the good appends, nothing else
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("seqlen_new", [1, 3])
+@pytest.mark.parametrize("value", NEAR_INT32_LIMITS)
+def test_check_values_rejects_lengths_near_the_int32_limits(value, seqlen_new, paged, device, monkeypatch):
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", True)
+    new = dict(k=torch.randn(2, seqlen_new, 2, 32, dtype=_h), v=torch.randn(2, seqlen_new, 2, 32, dtype=_h))
+    seqlens = torch.tensor([3, value], dtype=torch.int32)
+    kw = _on_device((_paged if paged else _inputs)(cache_seqlens=seqlens, **new))
+    before = (kw["k_cache"].clone(), kw["v_cache"].clone())
+    with torch.no_grad(), pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(**kw)
+    assert torch.equal(kw["k_cache"], before[0]) and torch.equal(kw["v_cache"], before[1])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_caches_of_2_31_keys_per_sequence_are_refused(paged, device):
+    """Key positions are int32 in the kernels: a cache holding 2**31 keys per sequence (here expanded views,
+    no memory) is refused on the host, with the capacity in the message."""
+    q = torch.randn(1, 1, 1, 16, dtype=torch.float16, device=device)
+    if paged:
+        k_cache = torch.randn(1, 16, 1, 16, dtype=torch.float16, device=device)
+        block_table = torch.zeros(1, 1, dtype=torch.int32, device=device).expand(1, 2**27)
+    else:
+        k_cache = torch.randn(1, 1, 1, 16, dtype=torch.float16, device=device).expand(1, 2**31, 1, 16)
+        block_table = None
+    with torch.no_grad(), pytest.raises(ValueError, match="2147483648 keys per sequence"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=5, block_table=block_table)
+
+
+PAGED_BAD_PAGES = [  # (name, block_table, cache_seqlens, seqlen_new, seqlen_q, bad sequence or None)
+    ("bad page before the new key", [[999, 1], [2, 3]], [20, 20], 1, 1, 0),
+    ("negative page before the new key", [[-1, 1], [2, 3]], [20, 20], 1, 1, 0),
+    ("most negative page", [[2, 3], [-2**31, 1]], [20, 20], 1, 1, 1),
+    ("new keys on a good and a bad page", [[0, 999], [2, 3]], [15, 20], 2, 1, 0),
+    ("bad pages past the used ones", [[0, 1, 999], [2, 3, -1]], [20, 15], 1, 1, None),
+    # 70 query rows: two M tiles; the first one's rows see keys up to 90 only, the bad page holds key 96
+    ("bad page only the last M tile sees", [[0, 1, 2, 3, 4, 5, 999], [6, 7, 8, 9, 10, 11, 12]], [27, 10], 70,
+     70, 0),
+    ("bad page only the last M tile sees, no append", [[0, 1, 2, 3, 4, 5, 999], [6, 7, 8, 9, 10, 11, 12]],
+     [97, 80], 0, 70, 0),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, "stream"])
+@pytest.mark.parametrize("name,table,lens,seqlen_new,seqlen_q,bad", PAGED_BAD_PAGES,
+                         ids=[c[0] for c in PAGED_BAD_PAGES])
+def test_bad_page_anywhere_in_a_sequence_poisons_it_whole(name, table, lens, seqlen_new, seqlen_q, bad, num_splits,
+                                                           device, monkeypatch, stream_schedule):
+    """A sequence one of whose used pages (those holding its keys, the new ones included) is not a page of the
+    cache appends nothing at all, and all of its output rows and lse are NaN; pages past the used ones do not
+    matter. The whole cache is compared: only the good sequences' new slots change."""
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", False)
+    num_splits, exact = _schedule(num_splits, stream_schedule)
+    gen = torch.Generator().manual_seed(0)
+    page_size, num_pages, heads_kv, head_dim = 16, 13, 1, 16
+    k_cache, v_cache = (torch.randn(num_pages, page_size, heads_kv, head_dim, generator=gen).to(device, _h)
+                        for _ in range(2))
+    q = torch.randn(2, seqlen_q, heads_kv, head_dim, generator=gen).to(device, _h)
+    k, v = (torch.randn(2, seqlen_new, heads_kv, head_dim, generator=gen).to(device, _h) if seqlen_new else None
+            for _ in range(2))
+    block_table = torch.tensor(table, dtype=torch.int32, device=device)
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    kw = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+              block_table=block_table, causal=True)
+    good = [b for b in range(2) if b != bad]
+    before = (k_cache.clone(), v_cache.clone())
+    expected = [_expected_cache(c, None if new is None else new[good], lens_good, block_table[good], None)
+                for c, new, lens_good in zip(before, (k, v), ([lens[b] for b in good],) * 2)]
+    with torch.no_grad():
+        out, lse = flash_attn_with_kvcache(**kw, num_splits=num_splits, return_softmax_lse=True)
+    assert torch.equal(k_cache, expected[0]) and torch.equal(v_cache, expected[1])
+    if bad is not None:
+        assert out[bad].isnan().all() and lse[bad].isnan().all()
+    assert not out[good].isnan().any() and not lse[good].isnan().any()
+    out1, lse1, _, _ = _good_alone(kw, good, before, num_splits)
+    torch.testing.assert_close(out[good], out1, rtol=0, atol=0 if exact else 2e-3)
+    torch.testing.assert_close(lse[good], lse1, rtol=0, atol=0 if exact else 1e-4)
+
+
+def _compiled_step(backend):
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                       block_table=block_table, causal=True)
+
+    torch._dynamo.reset()
+    return step, torch.compile(step, backend=backend, fullgraph=True)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_check_values_under_torch_compile(backend, device, monkeypatch):
+    """CHECK_VALUES means the same compiled as eager: the op checks the values when it runs, so a compiled
+    call with a bad cache_seqlens or block_table raises the eager call's ValueError and leaves the cache alone
+    (also after a good call of the same graph), and a good call gives eager's result."""
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", True)
+    step, compiled = _compiled_step(backend)
+    new = dict(k=torch.randn(2, 2, 2, 32, dtype=_h), v=torch.randn(2, 2, 2, 32, dtype=_h))
+    cases = [  # (kwargs, error)
+        (_inputs(**new), None),
+        (_inputs(cache_seqlens=torch.tensor([3, 63], dtype=torch.int32), **new), r"cache_seqlens \(max 63\)"),
+        (_inputs(cache_seqlens=torch.tensor([-2**31, 3], dtype=torch.int32), **new), "cache_seqlens must be >= 0"),
+        (_inputs(cache_seqlens=torch.tensor([2**31 - 1, 3], dtype=torch.int32), **new), "cache is too small"),
+        (_paged(**new), None),
+        (_paged(block_table=torch.tensor([[0, 1, 2], [9, 4, 5]], dtype=torch.int32), **new), "block_table entries"),
+    ]
+    for kwargs, error in cases:
+        kw = _on_device(kwargs)
+        args = [kw[n] for n in ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens")] + [kw.get("block_table")]
+        before = [a.clone() for a in args[1:3]]
+        with torch.no_grad():
+            if error is None:
+                expected = step(*(a.clone() if a is not None else a for a in args))
+                torch.testing.assert_close(compiled(*args), expected, rtol=0, atol=0)
+                continue
+            with pytest.raises(ValueError, match=error):
+                step(*args)
+            with pytest.raises(ValueError, match=error):
+                compiled(*args)
+        assert torch.equal(args[1], before[0]) and torch.equal(args[2], before[1])
+
+
+def test_check_values_runs_at_every_call_of_a_remembered_signature(device, monkeypatch):
+    """Shape checks are remembered per call signature; the values of the tensors are checked at every call."""
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", True)
+    new = dict(k=torch.randn(2, 1, 2, 32, dtype=_h), v=torch.randn(2, 1, 2, 32, dtype=_h))
+    kw = _on_device(_inputs(**new))
+    with torch.no_grad():
+        for _ in range(2):
+            flash_attn_with_kvcache(**kw)
+        kw["cache_seqlens"] = torch.tensor([3, 64], dtype=torch.int32, device=device)
+        with pytest.raises(ValueError, match="cache is too small"):
+            flash_attn_with_kvcache(**kw)
+
+
+FLASH_ATTN_PARAMETERS = [  # flash-attn 2.8's flash_attn_with_kvcache, in order, with its defaults
+    ("q", inspect.Parameter.empty), ("k_cache", inspect.Parameter.empty), ("v_cache", inspect.Parameter.empty),
+    ("k", None), ("v", None), ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
+    ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None), ("softmax_scale", None),
+    ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0), ("rotary_interleaved", True),
+    ("alibi_slopes", None), ("num_splits", 0), ("return_softmax_lse", False),
+]
+
+
+def test_signature_is_flash_attns():
+    params = inspect.signature(flash_attn_with_kvcache).parameters
+    assert [(n, p.default) for n, p in params.items()] == FLASH_ATTN_PARAMETERS
+    assert all(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params.values())
+
+
+def test_positional_arguments_bind_like_flash_attn(device):
+    """flash-attn's positional order: (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ...)."""
+    kw = _on_device(_inputs(k=torch.randn(2, 1, 2, 32, dtype=_h), v=torch.randn(2, 1, 2, 32, dtype=_h)))
+    q, k, v, lens = kw["q"], kw["k"], kw["v"], kw["cache_seqlens"]
+    caches = [(kw["k_cache"].clone(), kw["v_cache"].clone()) for _ in range(3)]
+    with torch.no_grad():
+        expected, expected_lse = flash_attn_with_kvcache(q, *caches[0], k=k, v=v, cache_seqlens=lens,
+                                                         softmax_scale=0.3, causal=True, num_splits=2,
+                                                         return_softmax_lse=True)
+        short = flash_attn_with_kvcache(q, *caches[1], k, v, None, None, lens, None, None, None, 0.3, True,
+                                        (-1, -1), 0.0, False, None, 2, True)
+        default = flash_attn_with_kvcache(q, *caches[2], k, v, None, None, lens)
+    assert torch.equal(short[0], expected) and torch.equal(short[1], expected_lse)
+    for kc, vc in caches[1:]:
+        assert torch.equal(kc, caches[0][0]) and torch.equal(vc, caches[0][1])
+    kc, vc = kw["k_cache"].clone(), kw["v_cache"].clone()
+    with torch.no_grad():
+        assert torch.equal(default, flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens))
+
+
+@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_leftpad"])
+def test_rotary_and_cache_leftpad_are_not_implemented(name, device):
+    kw = _on_device(_inputs(k=torch.randn(2, 1, 2, 32, dtype=_h), v=torch.randn(2, 1, 2, 32, dtype=_h)))
+    extra = torch.zeros(2, dtype=torch.int32) if name == "cache_leftpad" else torch.ones(64, 16)
+    before = kw["k_cache"].clone()
+    with torch.no_grad():
+        flash_attn_with_kvcache(**{**kw, "k_cache": kw["k_cache"].clone()})  # the signature passes once
+        with pytest.raises(NotImplementedError, match=name):
+            flash_attn_with_kvcache(**kw, **{name: extra.to(device)})
+        flash_attn_with_kvcache(**{**kw, "k_cache": kw["k_cache"].clone()}, rotary_interleaved=False)  # no rotary
+    assert torch.equal(kw["k_cache"], before)
 
 
 # ---------------------------------------------------------------------------------------------------------

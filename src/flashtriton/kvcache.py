@@ -15,11 +15,12 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import validation as V
-from .kernels.decode import append_kv, decode_attention
+from .kernels.decode import MAX_CAPACITY, append_kv, decode_attention
 from .kernels.launch import on_inputs_device
 
 # Check the values of cache_seqlens, cache_batch_idx and block_table on the host (one device-to-host copy per
-# call, a ValueError naming the bad value) instead of in the kernels (no sync; the sequence gets NaN).
+# call, a ValueError naming the bad value) instead of in the kernels (no sync; the sequence gets NaN). Read when
+# the call runs, eager or compiled alike (`_decode_step`); never while a CUDA graph is captured.
 CHECK_VALUES: bool = os.environ.get("FLASHTRITON_CHECK_VALUES", "0") == "1"
 
 _CACHE_LAYOUT = "(batch_cache, seqlen_cache, nheads_k, headdim) or paged (num_pages, page_size, nheads_k, headdim)"
@@ -87,18 +88,23 @@ def flash_attn_with_kvcache(
     v_cache: torch.Tensor,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
     cache_seqlens: int | torch.Tensor | None = None,
     cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    rotary_interleaved: bool = True,
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
 ):
-    """Attention of a few new queries against a KV cache, appending new keys/values first (flash-attn's API).
+    """Attention of a few new queries against a KV cache, appending new keys/values first (flash-attn's API,
+    with flash-attn 2.x's parameters in its order: positional calls bind as there).
 
     If k and v are not None, k_cache and v_cache are updated *in place* with them, at positions
     cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b, and attention then covers the updated
@@ -142,27 +148,34 @@ def flash_attn_with_kvcache(
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim). If not None, written into k_cache starting
             at the positions given by cache_seqlens (through block_table when paged).
         v [optional]: (batch_size, seqlen_new, nheads_k, headdim). Like k; k and v come together.
+        rotary_cos, rotary_sin: not supported yet (rotary embedding of q and k); a tensor raises
+            NotImplementedError.
         cache_seqlens: int, or (batch_size,) torch.int32 tensor: the number of keys already in the cache for
             each sequence (0 .. capacity). None means the whole cache (seqlen_cache, or max_num_pages ·
             page_size when paged).
         cache_batch_idx [optional]: (batch_size,) torch.int32: the row of k_cache / v_cache each sequence
             uses (contiguous cache only). None means rows 0 .. batch_size - 1 (batch_size_cache may be
             larger). If indices repeat and k, v are given, which sequence's new values land is unspecified.
+        cache_leftpad: not supported yet (the first key of each sequence's cache); a tensor raises
+            NotImplementedError.
         block_table [optional]: (batch_size, max_num_pages) torch.int32: block_table[b, p] is the page that
             holds keys p · page_size .. (p + 1) · page_size - 1 of sequence b. Only the pages covering the
-            sequence's keys are read (and checked to be in range).
+            sequence's keys, the new ones included, are used (and checked to be in range); later entries
+            may hold anything (e.g. -1).
             Values of these tensors are checked on the GPU, without a device-to-host sync (decoding stays
             asynchronous and CUDA-graph friendly): a sequence whose cache_seqlens is negative or leaves no
-            room for seqlen_new, whose cache_batch_idx is not a row of the cache, or whose used block_table
-            entries are not pages of the cache, is never read or written out of bounds: its new keys are not
-            appended and its output and lse are NaN (other sequences are unaffected). Set the environment
-            variable FLASHTRITON_CHECK_VALUES=1 (or flashtriton.kvcache.CHECK_VALUES = True) to check them on
-            the host instead, with a ValueError naming the bad value (one sync per call; skipped while a CUDA
-            graph is captured).
+            room for seqlen_new, whose cache_batch_idx is not a row of the cache, or one of whose used
+            block_table entries is not a page of the cache, is never read or written out of bounds: none of
+            its new keys is appended and its output and lse are NaN (other sequences are unaffected). Set the
+            environment variable FLASHTRITON_CHECK_VALUES=1 (or flashtriton.kvcache.CHECK_VALUES = True) to
+            check them on the host instead, with a ValueError naming the bad value, in eager and compiled calls
+            alike (one sync per call; skipped while a CUDA graph is captured).
         softmax_scale: float. The scaling of QK^T before the softmax. Default 1 / sqrt(headdim).
         causal: bool. Whether to apply the bottom-right causal mask drawn above.
         window_size, softcap, alibi_slopes: not supported yet; any non-default value raises
             NotImplementedError.
+        rotary_interleaved: bool. The rotary embedding's layout; accepted for flash-attn's signature, it has no
+            effect without rotary_cos / rotary_sin.
         num_splits: int. If > 1, split each sequence's keys into this many chunks (at most 128). If 1, no
             split. If 0 (default), chosen from the shape and the GPU's SM count (or the stream schedule above).
         return_softmax_lse: bool. Whether to also return the log-sum-exp of the attention scores.
@@ -181,13 +194,15 @@ def flash_attn_with_kvcache(
                or (isinstance(cache_seqlens, torch.Tensor) and type(cache_seqlens) is not torch.Tensor))
     # Every check's outcome depends only on the call's signature (shapes, strides, dtypes, devices, options):
     # a signature that passed once skips them (decoding repeats one call shape at every step).
-    signature = None if CHECK_VALUES or tracing else _signature(
-        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, num_splits, return_softmax_lse)
+    # The values of the device tensors are checked where the work runs (`_decode_step`), not here.
+    signature = None if tracing else _signature(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_softmax_lse)
     checked = _CHECKED.get(signature) if signature is not None else None
     if checked is None:
-        checked = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                              softmax_scale, window_size, softcap, alibi_slopes, num_splits, tracing)
+        checked = _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, window_size, softcap, alibi_slopes,
+                              num_splits, tracing)
         if signature is not None:
             if len(_CHECKED) >= _CHECKED_LIMIT:
                 _CHECKED.clear()
@@ -214,7 +229,13 @@ def flash_attn_with_kvcache(
 @on_inputs_device
 def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                  num_splits, max_seqlen_k, seqlen_new, return_lse):
-    """Append k, v (if any) into the caches in place, then attend: the checked call's work, (out, lse or None)."""
+    """Append k, v (if any) into the caches in place, then attend: the checked call's work, (out, lse or None).
+    With CHECK_VALUES the values of cache_seqlens, cache_batch_idx and block_table are checked first, on the
+    host (eager calls and the op alike; not while a CUDA graph is captured): a bad one raises, nothing written."""
+    if CHECK_VALUES and q.shape[0] and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        page_size = k_cache.shape[1]
+        capacity = block_table.shape[1] * page_size if block_table is not None else page_size
+        _check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0])
     if cache_seqlens.stride(0) != 1:
         cache_seqlens = cache_seqlens.contiguous()
     q = V.last_dim_contiguous(q)
@@ -268,8 +289,9 @@ def _tensor_signature(t):
     return t.shape, t.stride(), t.dtype, t.device, t.requires_grad
 
 
-def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-               window_size, softcap, alibi_slopes, num_splits, return_softmax_lse):
+def _signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+               return_softmax_lse):
     """A hashable key that fixes the outcome of every check in `_check_call`, or None for calls that must take
     the checks every time (arguments of unusual types, unsupported options: they raise there). The caller has
     made sure the tensor arguments are plain tensors or None (not tracing)."""
@@ -283,7 +305,8 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     else:
         return None
     if not (type(window_size) is tuple and window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
-            and type(num_splits) is int and (softmax_scale is None or type(softmax_scale) in (float, int))):
+            and rotary_cos is None and rotary_sin is None and cache_leftpad is None and type(num_splits) is int
+            and (softmax_scale is None or type(softmax_scale) in (float, int))):
         return None
     return (
         tuple(None if t is None else _tensor_signature(t) for t in tensors), seqlens, softmax_scale, bool(causal),
@@ -292,10 +315,14 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     )
 
 
-def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-                window_size, softcap, alibi_slopes, num_splits, tracing=False) -> _Checked:
-    """Every check of flash_attn_with_kvcache's arguments (a clear error for each bad one). While tracing,
-    the addresses are unknown: the op checks that k_cache and v_cache are not one memory when it runs."""
+def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, softmax_scale, window_size, softcap, alibi_slopes, num_splits, tracing=False) -> _Checked:
+    """Every check of flash_attn_with_kvcache's arguments (a clear error for each bad one) but those of the
+    device tensors' values (`_decode_step` with CHECK_VALUES, else the kernels). While tracing, the addresses
+    are unknown: the op checks that k_cache and v_cache are not one memory when it runs."""
+    V.not_implemented("rotary_cos", rotary_cos, None)
+    V.not_implemented("rotary_sin", rotary_sin, None)
+    V.not_implemented("cache_leftpad", cache_leftpad, None)
     V.not_implemented("window_size", window_size, (-1, -1))
     V.not_implemented("softcap", softcap, 0.0)
     V.not_implemented("alibi_slopes", alibi_slopes, None)
@@ -355,11 +382,16 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block
             raise ValueError(
                 f"k_cache has {batch_cache} rows (batch_size_cache) but q has batch {batch}: pass cache_batch_idx "
                 "or a cache with at least batch_size rows")
+    if capacity > MAX_CAPACITY:
+        where = (f"block_table.shape[1] ({block_table.shape[1]}) pages of {k_cache.shape[1]}" if paged
+                 else "k_cache.shape[1]")
+        raise ValueError(f"the cache holds {capacity} keys per sequence ({where}), more than the {MAX_CAPACITY} "
+                         "the kernels' int32 key positions allow")
 
     # cache_seqlens: Python ints are checked here; the values of device tensors (cache_seqlens, cache_batch_idx,
     # the used block_table entries) are checked by the kernels without a device-to-host sync (a sequence with a
-    # bad value gets NaN and no append), or here with one sync and a ValueError when CHECK_VALUES is on (never
-    # while a CUDA graph is captured).
+    # bad value gets NaN and no append), or by `_decode_step` with one sync and a ValueError when CHECK_VALUES
+    # is on (never while a CUDA graph is captured).
     if cache_seqlens is None:
         max_cached = capacity
     elif isinstance(cache_seqlens, torch.Tensor):
@@ -373,10 +405,6 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block
         raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor (batch_size,), got {type(cache_seqlens).__name__}")
     if batch and max_cached + seqlen_new > capacity:
         raise _cache_too_small(str(max_cached), max_cached, seqlen_new, capacity, block_table)
-    if batch and CHECK_VALUES and not tracing and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else torch.full(
-            (batch,), max_cached, dtype=torch.int32, device=device)
-        _check_values(seqlens, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0])
 
     _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     return _Checked(seqlen_new, capacity, max_cached)

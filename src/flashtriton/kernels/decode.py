@@ -22,7 +22,13 @@ Paged cache: `block_table[b, j // PAGE_SIZE]` is the page that holds key j of se
 `j % PAGE_SIZE` of the page. Pages may be smaller or larger than BLOCK_N: each key row's page is looked up.
 
 Causal is bottom-right: query i of Sq sees key j iff j <= i + Sk_b - Sq (Sk_b = the sequence's key count).
-Offsets into the cache are int64.
+Offsets into the cache are int64. Key positions are int32: the host keeps CAPACITY (keys per sequence) below
+`MAX_CAPACITY`, and a length read from CACHE_SEQLENS is tested as `cached > CAPACITY - SEQLEN_NEW` (never by
+forming cached + SEQLEN_NEW, which wraps for lengths near 2**31) before any position is derived from it.
+
+Bad values (`_unit_inputs`, `_append_kv`): a sequence whose length is out of range, whose cache row is not a row of
+the cache, or one of whose used pages (block-table entries for its keys 0 .. cached + SEQLEN_NEW - 1, the new ones
+included) is not a page of the cache appends nothing at all and gets NaN in every output row and lse.
 """
 
 from __future__ import annotations
@@ -115,8 +121,9 @@ def _unit_inputs(
     # Values are checked here, not on the host (no device-to-host sync): a sequence whose cache length or
     # cache row is out of range reads nothing and gets NaN (see flash_attn_with_kvcache).
     cached = tl.load(CACHE_SEQLENS + off_b)
-    seqlen_k = cached + SEQLEN_NEW
-    n_bad = ((cached < 0) | (seqlen_k > CAPACITY)).to(tl.int32)
+    len_bad = (cached < 0) | (cached > CAPACITY - SEQLEN_NEW)  # no sum that could wrap (module docstring)
+    n_bad = len_bad.to(tl.int32)
+    seqlen_k = tl.where(len_bad, 0, cached) + SEQLEN_NEW
 
     # Stacked rows: r = i * GROUP_SIZE + g  ->  query row i, query head off_hk * GROUP_SIZE + g.
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -159,13 +166,15 @@ def _attend_keys(
     q, q_idx, n_bad, K_base, V_base, BT_row, start, end, seqlen_k, pid_m, qk_scale,
     stride_kb, stride_kn, stride_vb, stride_vn, SEQLEN_Q, NUM_CACHE_ROWS,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, UNREAD_PAGES: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """(out, lse, n_bad) of the unit's stacked rows over its keys [start, end) (start a multiple of BLOCK_N,
     end <= seqlen_k): whole tiles without a mask, then the masked rest. Rows (or ranges) without a visible key
-    get out 0, lse -inf."""
+    get out 0, lse -inf. UNREAD_PAGES (paged, causal, several M tiles): the pages of keys in the range that no
+    row of the tile sees are checked too (see below)."""
     offs_d = tl.arange(0, BLOCK_D)
+    range_end = tl.maximum(end, start)
     # Keys [start, lo) are visible to every row of the tile and inside the sequence: no mask there.
     if IS_CAUSAL:
         num_rows = SEQLEN_Q * GROUP_SIZE
@@ -195,8 +204,30 @@ def _attend_keys(
         offs_d, last_key, lo, end, seqlen_k, qk_scale,
         True, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
+    if UNREAD_PAGES:
+        # Keys [end, range_end) are masked for every row of this tile, so they are not read; their pages are
+        # checked all the same: a bad page anywhere in the sequence poisons every tile of it. (The last M tile's
+        # last row sees every key: with one M tile the range is always empty, and the code is left out.)
+        first_page = tl.where(end > start, tl.cdiv(end, PAGE_SIZE), start // PAGE_SIZE)
+        n_bad = _count_bad_pages(BT_row, first_page, tl.cdiv(range_end, PAGE_SIZE), NUM_CACHE_ROWS, n_bad)
     out, lse = softmax_finish(acc, l_i, m_i)  # rows (or whole ranges) that saw no key: out 0, lse -inf
     return out, lse, n_bad
+
+
+# Block-table entries checked per load by `_count_bad_pages`.
+PAGE_CHECK_BLOCK = tl.constexpr(1024)
+
+
+@triton.jit
+def _count_bad_pages(BT_row, first_page, end_page, num_pages, n_bad):
+    """n_bad plus the number of block-table entries BT_row[first_page:end_page] that are not pages of the cache
+    (outside [0, num_pages)); nothing is read for an empty range."""
+    offs = tl.arange(0, PAGE_CHECK_BLOCK)
+    for p0 in range(first_page, end_page, PAGE_CHECK_BLOCK):
+        p = p0 + offs
+        pages = tl.load(BT_row + p, mask=p < end_page, other=0)
+        n_bad += tl.sum(((pages < 0) | (pages >= num_pages)).to(tl.int32))
+    return n_bad
 
 
 @triton.jit
@@ -239,6 +270,7 @@ def _decode_split(
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    UNREAD_PAGES: tl.constexpr,  # paged, causal, several M tiles: check the pages of keys a tile does not see
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1
     STORE_LSE: tl.constexpr,
     SPLITS_P2: tl.constexpr,  # next power of two >= NUM_SPLITS (the merge's lse tile)
@@ -264,7 +296,8 @@ def _decode_split(
     out, lse, n_bad = _attend_keys(
         q, q_idx, n_bad, K_base, V_base, BT_row, start, end, seqlen_k, pid_m, qk_scale,
         stride_kb, stride_kn, stride_vb, stride_vn, SEQLEN_Q, NUM_CACHE_ROWS,
-        GROUP_SIZE, HEAD_DIM, BLOCK_D, IS_CAUSAL, PAGED, PAGE_SIZE, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
+        GROUP_SIZE, HEAD_DIM, BLOCK_D, IS_CAUSAL, PAGED, PAGE_SIZE, UNREAD_PAGES, UPCAST_DOT, DOT_PRECISION,
+        BLOCK_M, BLOCK_N)
 
     # Invalid values: out NaN; lse NaN, or +inf in a partial result so that the merge gives NaN for both.
     poison = n_bad > 0
@@ -305,6 +338,7 @@ def _decode_stream(
     NUM_HEADS_KV, SEQLEN_Q, BATCH, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    UNREAD_PAGES: tl.constexpr,  # as in _decode_split
     STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr,  # next power of two >= BATCH
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -324,8 +358,8 @@ def _decode_stream(
     offs_b = tl.arange(0, BLOCK_B)
     in_batch = offs_b < BATCH
     cached = tl.load(CACHE_SEQLENS + offs_b, mask=in_batch, other=0)
-    keys = cached + SEQLEN_NEW
-    keys = tl.where((cached < 0) | (keys > CAPACITY), 0, keys)  # bad lengths: one tile that reads nothing
+    len_ok = (cached >= 0) & (cached <= CAPACITY - SEQLEN_NEW)  # no sum that could wrap (module docstring)
+    keys = tl.where(len_ok, tl.where(len_ok, cached, 0) + SEQLEN_NEW, 0)  # bad lengths: one tile, read nothing
     unit_tiles = tl.where(in_batch, tl.maximum(tl.cdiv(keys, BLOCK_N), 1), 0)  # (BLOCK_B,) tiles of each unit
     seq_tiles = unit_tiles.to(tl.int64) * units_per_seq
     seq_end = tl.cumsum(seq_tiles, 0)  # (BLOCK_B,) global tile after each sequence's units
@@ -355,7 +389,8 @@ def _decode_stream(
         out, lse, n_bad = _attend_keys(
             q, q_idx, n_bad, K_base, V_base, BT_row, start, end, seqlen_k, pid_m, qk_scale,
             stride_kb, stride_kn, stride_vb, stride_vn, SEQLEN_Q, NUM_CACHE_ROWS,
-            GROUP_SIZE, HEAD_DIM, BLOCK_D, IS_CAUSAL, PAGED, PAGE_SIZE, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
+            GROUP_SIZE, HEAD_DIM, BLOCK_D, IS_CAUSAL, PAGED, PAGE_SIZE, UNREAD_PAGES, UPCAST_DOT, DOT_PRECISION,
+            BLOCK_M, BLOCK_N)
         poison = n_bad > 0
         out = tl.where(poison, float("nan"), out)
         # The programs holding the unit's first and last tiles (program p holds [p·total // programs, ...)).
@@ -491,8 +526,8 @@ def _append_kv(
     HAS_BATCH_IDX: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Write k, v rows [t, t + BLOCK_T) of (batch b, kv head h) at cache positions CACHE_SEQLENS[b] + t ...
-    Grid (B, Hkv, token tiles). A sequence whose values are out of range (cache length, cache row, page)
-    writes nothing there: the decode kernel gives it NaN."""
+    Grid (B, Hkv, token tiles). A sequence whose values are out of range (its cache length, its cache row, or any
+    page it uses after the append) writes nothing at all: the decode kernel gives it NaN."""
     off_b = tl.program_id(0)
     off_h = tl.program_id(1)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,) new-token index
@@ -500,8 +535,17 @@ def _append_kv(
     # Scalar validity folds into the number of rows to write (mixing scalar and tensor masks with `&` trips
     # triton 3.9's interpreter, which then builds int32 masks).
     cached = tl.load(CACHE_SEQLENS + off_b)
-    n_new = tl.where((cached >= 0) & (cached + SEQLEN_NEW <= CAPACITY), SEQLEN_NEW, 0)
-    if not PAGED:
+    len_bad = (cached < 0) | (cached > CAPACITY - SEQLEN_NEW)  # no sum that could wrap (module docstring)
+    cached = tl.where(len_bad, 0, cached)
+    n_new = tl.where(len_bad, 0, SEQLEN_NEW)
+    if PAGED:
+        # Every page the sequence uses after the append must be a page of the cache, or none of its keys is
+        # written (the decode kernel checks the same pages and gives it NaN).
+        BT_row = BLOCK_TABLE + off_b.to(tl.int64) * stride_btb
+        n_bad = _count_bad_pages(BT_row, 0, tl.cdiv(cached + n_new, PAGE_SIZE), NUM_CACHE_ROWS,
+                                 len_bad.to(tl.int32))
+        n_new = tl.where(n_bad > 0, 0, n_new)
+    else:
         if HAS_BATCH_IDX:
             row = tl.load(BATCH_IDX + off_b)
             n_new = tl.where((row >= 0) & (row < NUM_CACHE_ROWS), n_new, 0)
@@ -510,8 +554,7 @@ def _append_kv(
     rows_ok = t < n_new
     pos = cached + t  # (BLOCK_T,) position in the sequence
     if PAGED:
-        page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_btb + pos // PAGE_SIZE, mask=rows_ok, other=0)
-        rows_ok = rows_ok & ((page >= 0) & (page < NUM_CACHE_ROWS))
+        page = tl.load(BT_row + pos // PAGE_SIZE, mask=rows_ok, other=0)
         k_dst = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_kn
         v_dst = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE).to(tl.int64) * stride_vn
     else:
@@ -615,6 +658,13 @@ def stream_programs(units: int, max_seqlen_k: int, num_sms: int, block_n: int, p
         return programs
     wanted = batch > 1 and programs_per_sm == 1 and max_seqlen_k >= configs.DECODE_STREAM_MIN_KEYS
     return programs if wanted else 0
+
+
+# The most keys a cache may hold per sequence (contiguous: k_cache.shape[1]; paged: pages per sequence x page
+# size), checked on the host: key positions are int32 in the kernels, and the furthest one formed (a split's or
+# key tile's start: at most DECODE_MAX_SPLITS x BLOCK_N <= 128 x 256 = 2**15 past the capacity) stays below
+# 2**31.
+MAX_CAPACITY = 2**31 - 2**20
 
 
 # Per-(GPU, stream) buffers kept between decode calls, so that a call allocates only its output:
@@ -768,6 +818,7 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     common = dict(  # the constexprs both kernels take
         GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal, PAGED=paged,
         PAGE_SIZE=cache_shape[1] if paged else 1, HAS_BATCH_IDX=has_batch_idx, STORE_LSE=return_lse,
+        UNREAD_PAGES=paged and causal and m_tiles > 1,
         UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], BLOCK_M=block_m,
     )
     if num_splits == 0:
