@@ -171,12 +171,22 @@ def test_negative_and_zero_scales_match_float64(scale, causal, device):
                 softmax_scale=scale, what="varlen ")
 
 
-def test_kvcache_refuses_a_negative_scale_by_name(device):
-    """The decode kernels take the running maximum of the unscaled scores: a negative scale is refused there."""
-    q = torch.randn(1, 1, 2, 16, device=device)
-    cache = torch.randn(1, 16, 2, 16, device=device)
-    with pytest.raises(ValueError, match="softmax_scale must be a finite number >= 0"):
-        flashtriton.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=5, softmax_scale=-0.5)
+def test_kvcache_negative_scale_is_exact_or_refused_by_name(device):
+    """flash_attn_with_kvcache with a negative scale: the float64 answer, or a ValueError naming softmax_scale
+    (never the overflow of a kernel that keeps the maximum of the unscaled scores: -3 spreads fp16 scores far)."""
+    from accuracy import torch_attention
+
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 1, 4, 16, generator=gen).to(device=device, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 64, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
+                        for _ in range(2))
+    try:
+        out = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=40, softmax_scale=-3.0)
+    except ValueError as exc:
+        assert "softmax_scale" in str(exc)
+        return
+    k, v = k_cache[:, :40], v_cache[:, :40]
+    assert_close_to_exact(out, torch_attention(q, k, v, -3.0), attention_reference(q, k, v, -3.0), torch.float16)
 
 
 def test_kvcache_takes_numpy_scales_and_softcap_none(device):
@@ -318,12 +328,21 @@ def test_preprocess_subtracts_dlse_in_both_layouts(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_lse_gradient_at_gluon_sizes(causal, device):
-    """Enough work for the Gluon backward kernels on sm_90 (configs.gluon_bwd_config): dense and varlen, bf16."""
-    q, k, v = leaves(device, b=1, sq=2048, sk=2048, hq=24, hkv=8, d=128, dtype=torch.bfloat16, seed=11)
+def test_lse_gradient_at_gluon_sizes(causal, device, monkeypatch):
+    """Enough work for the Gluon backward kernels on sm_90 (configs.gluon_bwd_config: at least GLUON_BWD_MIN_FLOPS of
+    forward work, causal too): dense and varlen, bf16, GQA."""
+    from flashtriton import configs
+    from flashtriton.kernels import backward as B
+
+    gluon_calls = []
+    if B.backward_gluon is not None:
+        real = B.backward_gluon.launch_dkdv_gluon
+        monkeypatch.setattr(B.backward_gluon, "launch_dkdv_gluon",
+                            lambda *a, **kw: gluon_calls.append(1) or real(*a, **kw))
+    q, k, v = leaves(device, b=1, sq=2048, sk=2048, hq=48, hkv=8, d=128, dtype=torch.bfloat16, seed=11)
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(q.shape, generator=gen).to(device=device, dtype=torch.bfloat16)
-    u = torch.randn((1, 24, 2048), generator=gen).to(device)
+    u = torch.randn((1, 48, 2048), generator=gen).to(device)
     out, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     _check_lse_grads(torch.autograd.grad((out, lse), (q, k, v), (w, u)), q, k, v, w, u, causal)
 
@@ -335,6 +354,9 @@ def test_lse_gradient_at_gluon_sizes(causal, device):
     out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, 2048, 2048, causal=causal,
                                                      return_attn_probs=True)
     _check_lse_grads(torch.autograd.grad((out, lse), (q, k, v), (w, u)), q, k, v, w, u, causal, cu, cu)
+    if (B.backward_gluon is not None and configs.USE_GLUON and configs.USE_GLUON_BWD
+            and configs.capability(q.device)[0] == 9):
+        assert len(gluon_calls) == 2  # both backwards ran the Gluon kernels, which read the padded delta
 
 
 def test_lse_gradient_under_torch_compile(device):
