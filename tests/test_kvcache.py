@@ -179,6 +179,14 @@ def test_softmax_scale_and_strided_q():
              causal=True, strided_q=True, num_splits=3)
 
 
+@pytest.mark.parametrize("softmax_scale", [-0.3, -2.0, 0.0])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_negative_and_zero_scales(softmax_scale, page_size):
+    """torch and flash-attn accept any real scale: a negative one flips which key scores highest."""
+    run_case(seqlens=[5, 40], seqlen_new=2, seqlen_q=2, causal=True, softmax_scale=softmax_scale,
+             page_size=page_size, num_splits=2)
+
+
 def test_more_splits_than_tiles_and_empty_sequences():
     """Splits with no keys (lse -inf) merge to the right answer; a sequence with no key at all gives 0."""
     out, lse = run_case(batch=3, capacity=40, seqlens=[0, 1, 40], num_splits=7)

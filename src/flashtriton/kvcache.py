@@ -216,6 +216,8 @@ def flash_attn_with_kvcache(
     elif not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    if scale < 0:  # the kernels keep a running maximum of the scaled scores: softmax(s·qk) = softmax(|s|·(-q)k)
+        q, scale = -q, -scale
     max_seqlen_k = max_cached + seqlen_new if batch else 0
     if tracing:
         out, lse = kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
@@ -348,7 +350,7 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                              "would write several sequences into the same memory; pass a cache with its own storage")
     if k is not None and not tracing and k_cache.data_ptr() == v_cache.data_ptr():
         raise ValueError("k_cache and v_cache are the same memory: appending k and v would overwrite each other")
-    V.check_scale("softmax_scale", softmax_scale)
+    V.check_scale("softmax_scale", softmax_scale, allow_negative=True)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= 128:
         raise ValueError(f"num_splits must be an int in 0..128 (0 = choose), got {num_splits!r}")
 

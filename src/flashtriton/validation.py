@@ -102,7 +102,7 @@ def check_same(what: str, **values: int) -> None:
 def check_scale(name: str, scale, allow_negative: bool = False) -> None:
     """None, or a finite real number (Python or NumPy; not a bool, not a tensor). Negative only with
     `allow_negative`: the kernels take the running row maximum of the unscaled scores times the scale, which a
-    negative scale would turn into a minimum; the callers that allow it (`interface`) negate q instead."""
+    negative scale would turn into a minimum; the callers that allow it (`interface`, `kvcache`) negate q instead."""
     if scale is None:
         return
     if isinstance(scale, torch.Tensor):
@@ -113,7 +113,7 @@ def check_scale(name: str, scale, allow_negative: bool = False) -> None:
     if not math.isfinite(scale):
         raise ValueError(f"{name} must be a finite number, got {scale}")
     if scale < 0 and not allow_negative:
-        raise ValueError(f"{name} must be a finite number >= 0 here (the decode kernels keep the running maximum of "
+        raise ValueError(f"{name} must be a finite number >= 0 here (the kernels keep the running maximum of "
                          f"the unscaled scores), got {scale}")
 
 
