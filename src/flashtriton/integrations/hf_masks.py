@@ -110,21 +110,22 @@ def _is_causal_window(leaves: list, mu) -> bool:
 
 
 def _packed(fn: Callable, mu) -> Optional[MaskSpec]:
-    """Packed rows as transformers builds them: and_masks(remap_positions(base, position_ids),
-    packed_sequence_mask_function(sequence_ids)) with base causal or bidirectional."""
+    """Packed rows as transformers builds them: and_masks(base, packed_sequence_mask_function(sequence_ids))
+    with base causal or bidirectional, on positions remapped per sequence (`remap_positions_for_packed_sequence`)
+    or on plain indices."""
     leaves = _and_leaves(fn)
-    if leaves is None or len(leaves) != 2:
+    if leaves is None:
         return None
     ids = [f for f in leaves if _made_by(f, "packed_sequence_mask_function")]
-    remap = [f for f in leaves if _made_by(f, "remap_positions_for_packed_sequence")]
-    if len(ids) != 1 or len(remap) != 1:
-        return None
-    base = _cells(remap[0]).get("mask_function")
+    bases = [_cells(f).get("mask_function") if _made_by(f, "remap_positions_for_packed_sequence") else f
+             for f in leaves if f not in ids]
     kinds = {mu.causal_mask_function: CAUSAL, getattr(mu, "bidirectional_mask_function", None): FULL}
-    segments = _cells(ids[0]).get("packed_sequence_mask")
-    if base not in kinds or not isinstance(segments, torch.Tensor) or segments.dim() != 2:
+    if len(ids) != 1 or len(bases) != 1 or bases[0] not in kinds:
         return None
-    return MaskSpec(kinds[base], segments=segments, derived=True)
+    segments = _cells(ids[0]).get("packed_sequence_mask")
+    if not isinstance(segments, torch.Tensor) or segments.dim() != 2:
+        return None
+    return MaskSpec(kinds[bases[0]], segments=segments, derived=True)
 
 
 def _evaluate(fn, batch_size, q_length, kv_length, q_offset, kv_offset, use_vmap, device):

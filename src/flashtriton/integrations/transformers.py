@@ -70,11 +70,15 @@ def flashtriton_attention_forward(
     """transformers' attention-function signature.
 
     query (B, Hq, Sq, D); key, value (B, Hkv, Sk, D) (with a cache: all the keys so far);
-    attention_mask: what `flashtriton_mask` made — None, a (B, Sk') bool key mask (True = real token), or
-    (B, S) int32 sequence ids of packed rows (negative: -1 - id).
+    attention_mask: what `flashtriton_mask` made — None, a (B, Sk') bool key mask (True = real token),
+    (B, 1, 1, S) int32 sequence ids of packed rows (negative: -1 - id), or a (B, 1, 1, Sk) int8 refusal.
     Returns (attn_output (B, Sq, Hq, D), None): attention weights are never formed.
     """
-    _check_supported(module, query, key, dropout, sliding_window, softcap, attention_mask, kwargs)
+    marker = attention_mask if _is_marker(attention_mask) else None
+    if marker is not None and marker.dtype == torch.int8:  # flashtriton_mask's refusal
+        raise _refusal_for(module, getattr(marker, _REFUSAL, None))
+    _check_supported(module, query, key, dropout, sliding_window, softcap, None if marker is not None else
+                     attention_mask, kwargs)
     if kwargs.get("output_attentions", False):
         _warn_once("flashtriton does not return attention weights (output_attentions=True gives None).")
     if is_causal is None:
@@ -90,15 +94,13 @@ def flashtriton_attention_forward(
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
 
-    if attention_mask is not None and attention_mask.dtype == torch.int8:  # flashtriton_mask's refusal
-        raise _refusal_for(module, getattr(attention_mask, _REFUSAL, None))
     if attention_mask is not None:
         kind = getattr(attention_mask, _KIND, None)  # the mask function's verdict beats the layer's default
         if kind is not None:
             causal = kind == hf_masks.CAUSAL
-        if attention_mask.dtype == torch.int32:  # packed rows: per-token sequence ids
+        if marker is not None:  # packed rows: per-token sequence ids
             _check_window(sliding_window, k.shape[1])
-            return _segments_attention(q, k, v, -1 - attention_mask, scaling, causal), None
+            return _segments_attention(q, k, v, -1 - marker[:, 0, 0], scaling, causal), None
         if k.shape[1] > attention_mask.shape[-1]:  # a static cache larger than what was written so far
             k, v = k[:, : attention_mask.shape[-1]], v[:, : attention_mask.shape[-1]]
         _check_window(sliding_window, k.shape[1])
@@ -132,14 +134,15 @@ def flashtriton_mask(
     exactly, or a refusal marker when the kernels cannot express it (`hf_masks.analyse`).
 
     Returns None (no key is padded; the layer's own causal flag holds), the 2-D key mask sliced to the keys
-    (as transformers' flash-attention mask does), or for packed rows their sequence ids as (B, S) int32
-    `-1 - id`. A causal call whose last keys lie after the last query (a static cache's unwritten slots) gets a
+    (as transformers' flash-attention mask does), or for packed rows their sequence ids as (B, 1, 1, S)
+    int32 `-1 - id`. A causal call whose last keys lie after the last query (a static cache's unwritten slots) gets a
     key mask that ends at the last query. When the verdict came from analysing a composed mask function, the
-    returned mask carries it (`_flashtriton_kind`), and a mask with no padded key says so (`_flashtriton_dense`).
+    A returned mask carries the verdict, causal or full (`_flashtriton_kind`: the layer's own flag only
+    decides when no mask exists, as in sdpa), and a mask with no padded key says so (`_flashtriton_dense`).
     transformers passes everything by keyword (before q_length / q_offset existed, a cache_position).
 
     transformers builds every layer type's mask, used or not (Qwen2-MoE builds a sliding-window mask of width
-    0 that no layer reads): a mask the kernels cannot run comes back as a (B, Sk) int8 tensor carrying its
+    0 that no layer reads): a mask the kernels cannot run comes back as a (B, 1, 1, Sk) int8 tensor carrying its
     refusal (`_flashtriton_refusal`), and the attention function raises it when a layer receives it.
     """
     try:
@@ -148,9 +151,15 @@ def flashtriton_mask(
     except NotImplementedError as refusal:
         batch = batch_size or (attention_mask.shape[0] if attention_mask is not None else 1)
         keys = kv_length or (attention_mask.shape[-1] if attention_mask is not None else 0)
-        marker = torch.zeros(batch, keys, dtype=torch.int8, device=kwargs.get("device"))
+        marker = torch.zeros(batch, 1, 1, keys, dtype=torch.int8, device=kwargs.get("device"))
         setattr(marker, _REFUSAL, refusal)
         return marker
+
+
+def _is_marker(mask) -> bool:
+    """A 4-D int8 / int32 tensor: `flashtriton_mask`'s refusal or packed sequence ids. 4-D, so that model code
+    that rebuilds masks from a 2-D padding mask passes it through as a prepared mask."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype in (torch.int8, torch.int32)
 
 
 def _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
@@ -176,7 +185,9 @@ def _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask
                                       f"got {q_length} queries at {q_offset} and {kv_length} keys at {kv_offset}")
         if attention_mask is not None and not bool(attention_mask[:, -kv_length:].all()):
             raise NotImplementedError("flashtriton does not support padding inside packed sequences")
-        return (-1 - spec.segments.expand(batch_size, -1)).to(torch.int32)
+        ids = (-1 - spec.segments.expand(batch_size, -1)).to(torch.int32)[:, None, None, :]
+        setattr(ids, _KIND, spec.kind)
+        return ids
     keys = attention_mask[:, -kv_length:] if attention_mask is not None else None
     if spec.kind == hf_masks.CAUSAL:
         visible = q_offset + q_length - kv_offset  # keys up to the last query's own position
@@ -194,8 +205,7 @@ def _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask
         keys = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
     keys = keys.bool()[:, :]  # a tensor object of our own, to carry the verdict
     setattr(keys, _DENSE, dense)
-    if spec.derived:
-        setattr(keys, _KIND, spec.kind)
+    setattr(keys, _KIND, spec.kind)  # what sdpa and eager obey once a mask exists, whatever the layer's flag
     return keys
 
 
