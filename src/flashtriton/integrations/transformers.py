@@ -36,7 +36,9 @@ otherwise be looked up as a hub kernel) and swaps it for the hub kernels some mo
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import re
 import sys
 from typing import Callable, Optional
 
@@ -315,13 +317,31 @@ def refuse_unsupported_model(cls: type) -> None:
             f"{cls.__name__} cannot use attn_implementation='flashtriton': transformers marks it as unable to use "
             f"flash-attention kernels (_supports_flash_attn = False; for example its mask is bidirectional over "
             f"image or prefix tokens, which a causal + padding kernel drops). {advice}")
-    module = sys.modules.get(cls.__module__)
-    private = sorted(n for n in vars(module) if n.endswith("FlashAttention2")) if module is not None else []
+    private = _private_flash_path(cls.__module__)
     if private:
         raise ValueError(
             f"{cls.__name__} cannot use attn_implementation='flashtriton': for any flash-attention name it switches "
-            f"to its own {private[0]} class, which calls the flash-attn package directly instead of transformers' "
-            f"AttentionInterface, so flashtriton would not run. {advice}")
+            f"to its own flash-attention code ({private}), which calls the flash-attn package instead of "
+            f"transformers' AttentionInterface, so flashtriton would not run. {advice}")
+
+
+@functools.lru_cache(maxsize=None)
+def _private_flash_path(module_name: str) -> str:
+    """What in a modeling file bypasses the AttentionInterface for flash-named implementations: a
+    `*FlashAttention2` class (GPT-Neo, Falcon, Bark), or an import of the flash-attn package itself
+    (ModernBERT, GPT-J, Moshi in early transformers 5.x); '' when nothing does."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return ""
+    private = sorted(n for n in vars(module) if n.endswith("FlashAttention2"))
+    if private:
+        return f"the {private[0]} class"
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return ""
+    found = re.search(r"^\s*(from flash_attn\b[\w.]*\s+import\s+\w+|import flash_attn\b)", source, re.MULTILINE)
+    return f"'{found.group(1).strip()}'" if found else ""
 
 
 def _refusal_for(module, refusal: Optional[NotImplementedError]) -> NotImplementedError:
