@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from .kernels.variant import Variant
+
 
 def causal_mask(seqlen_q: int, seqlen_k: int, bottom_right: bool = True, device=None) -> torch.Tensor:
     """Boolean (Sq, Sk) mask, True where query i may see key j.
@@ -17,10 +19,7 @@ def causal_mask(seqlen_q: int, seqlen_k: int, bottom_right: bool = True, device=
         Sq=2, Sk=5:  1 1 1 1 0                                1 0 0 0 0
                      1 1 1 1 1                                1 1 0 0 0
     """
-    i = torch.arange(seqlen_q, device=device)[:, None]
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    offset = seqlen_k - seqlen_q if bottom_right else 0
-    return j <= i + offset
+    return Variant(causal=True, bottom_right=bottom_right).dense_mask(seqlen_q, seqlen_k, device=device)
 
 
 def attention_reference(
@@ -32,28 +31,34 @@ def attention_reference(
     bottom_right: bool = True,
     dtype: torch.dtype = torch.float64,
     return_lse: bool = False,
+    variant: Variant | None = None,
+    diagonal: int | None = None,
 ):
     """Exact attention in `dtype` (float64 by default) for (B, S, H, D) inputs, flash-attn's layout.
 
     q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq a multiple of Hkv (GQA: each group of Hq/Hkv query
-    heads shares one kv head). Returns out (B, Sq, Hq, D) in `dtype` and, when asked, the natural-log
-    log-sum-exp (B, Hq, Sq). A query row that sees no key gives out 0 and lse -inf. Differentiable.
+    heads shares one kv head). The mask is `variant`'s (`kernels/variant.py`; by default
+    Variant(causal, bottom_right=bottom_right)), at `diagonal` (q_start - k_start) when given. Returns out
+    (B, Sq, Hq, D) in `dtype` and, when asked, the natural-log log-sum-exp (B, Hq, Sq). A query row that sees
+    no key gives out 0 and lse -inf. Differentiable.
     """
+    variant = Variant(causal=causal, bottom_right=bottom_right) if variant is None else variant
+    variant.require_supported()  # the reference grows each score change with the kernels
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     group = heads_q // heads_kv
     qh = q.to(dtype).transpose(1, 2)  # (B, Hq, Sq, D)
     kh = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, D)
-    vh = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, D)
+    vh = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, Dv)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # (B, Hq, Sq, Sk)
-    if causal:
-        allowed = causal_mask(seqlen_q, seqlen_k, bottom_right, device=q.device)
+    if variant.masks:
+        allowed = variant.dense_mask(seqlen_q, seqlen_k, diagonal, device=q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, Sq), -inf on rows that see no key
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - safe_lse[..., None])  # exp(-inf) = 0 on masked entries
-    out = torch.matmul(probs, vh).transpose(1, 2)  # (B, Sq, Hq, D)
+    out = torch.matmul(probs, vh).transpose(1, 2)  # (B, Sq, Hq, Dv)
     return (out, lse) if return_lse else out
 
 
