@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from . import bench_core as C
 from . import bench_providers as P
-from .bench import emit, measure_rows, report_problems
+from .bench_measure import emit, measure_rows, report_problems
 
 VARLEN_PROVIDERS = {  # varlen provider -> the --providers name that selects it
     "flashtriton": "flashtriton", "flashtriton_padded": "flashtriton",

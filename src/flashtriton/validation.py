@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import weakref
 
 import torch
 
 from . import configs
+from .kernels.memo import remembered
 from ._env import INTERPRET
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -213,29 +213,6 @@ def check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tens
 
 
 _CHECKED_CU_SEQLENS: dict = {}  # (ids, totals, maxima) -> (stamp, weakrefs to the two tensors, result)
-
-
-def remembered(cache: dict, key, tensors: tuple, build, keep: bool = True):
-    """build(), or what it returned for `key` before while `tensors` are the same objects, not written since
-    (`_stamp`). Kept in `cache` (at most 64 entries) unless `keep` is False or the tensors have no stamp."""
-    stamp = _stamp(*tensors)
-    seen = cache.get(key)
-    if stamp is not None and seen is not None and seen[0] == stamp and all(
-            ref() is t for ref, t in zip(seen[1], tensors)):
-        return seen[2]
-    value = build()
-    if stamp is not None and keep:
-        if len(cache) >= 64:
-            cache.clear()
-        cache[key] = (stamp, tuple(weakref.ref(t) for t in tensors), value)
-    return value
-
-
-def _stamp(*tensors: torch.Tensor):
-    """What must not change for a check to stand: each tensor's storage address and version counter."""
-    if torch.compiler.is_compiling() or any(t.is_inference() or type(t) is not torch.Tensor for t in tensors):
-        return None
-    return tuple((t.data_ptr(), t._version) for t in tensors)
 
 
 def _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):

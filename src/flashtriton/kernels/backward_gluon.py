@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import configs
-from ..validation import remembered
+from .memo import remembered
 from .common import LOG2E
 from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, sequence, tma_load, tma_store, wgmma_layout
 from .launch import hooks_installed, launch, launch_and_keep
