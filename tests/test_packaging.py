@@ -51,6 +51,11 @@ def test_wheel_contents(wheel):
     metadata = zipfile.ZipFile(wheel).read(f"{dist_info}/METADATA").decode()
     for extra in ("test", "hf", "notebook"):
         assert f"Provides-Extra: {extra}" in metadata
+    # what a package index shows: an SPDX license, classifiers, and numpy only with the interpreter's extra
+    assert "License-Expression: MIT" in metadata
+    assert "Classifier: Environment :: GPU :: NVIDIA CUDA" in metadata
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: numpy")]
+    assert requires and all("extra ==" in line for line in requires), requires
 
 
 def test_wheel_imports(wheel, tmp_path):
