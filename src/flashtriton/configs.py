@@ -22,6 +22,43 @@ from ._env import INTERPRET
 
 AUTOTUNE: bool = os.environ.get("FLASHTRITON_AUTOTUNE", "0") == "1"
 
+# Which kernel families the dispatch may take, from FLASHTRITON_KERNEL (read once, at import):
+#   auto (default) or gluon: the Gluon kernels where the rules below name the shape, else the TMA kernels on Hopper,
+#     else the portable ones;
+#   tma: no Gluon kernel (the TMA forward and the Triton backward on Hopper);
+#   portable: the portable Triton kernels everywhere, as Ampere runs them.
+# The three booleans below are what the launchers read (tests set them directly).
+KERNELS = ("auto", "gluon", "tma", "portable")
+_LEGACY_SWITCHES = {"FLASHTRITON_TMA": "portable", "FLASHTRITON_GLUON": "tma", "FLASHTRITON_GLUON_BWD": None}
+
+
+def kernel_choice(environ=os.environ) -> tuple[bool, bool, bool]:
+    """(USE_TMA, USE_GLUON, USE_GLUON_BWD) from FLASHTRITON_KERNEL; ValueError naming it for an unknown value.
+    The older FLASHTRITON_TMA=0 / FLASHTRITON_GLUON=0 / FLASHTRITON_GLUON_BWD=0 still work, with a FutureWarning
+    that names the replacement (FLASHTRITON_GLUON_BWD=0, the Gluon backward alone, has none)."""
+    choice = environ.get("FLASHTRITON_KERNEL", "auto").strip().lower()
+    if choice not in KERNELS:
+        raise ValueError(f"FLASHTRITON_KERNEL must be one of {', '.join(KERNELS)}, got {choice!r}")
+    use_tma, use_gluon = choice != "portable", choice in ("auto", "gluon")
+    use_gluon_bwd = use_gluon
+    for name, replacement in _LEGACY_SWITCHES.items():
+        if environ.get(name, "1") != "0":
+            continue
+        import warnings
+
+        instead = f"use FLASHTRITON_KERNEL={replacement}" if replacement else "it stays for one release"
+        warnings.warn(f"{name}=0 is deprecated: {instead}", FutureWarning, stacklevel=2)
+        if name == "FLASHTRITON_TMA":
+            use_tma = use_gluon = use_gluon_bwd = False
+        elif name == "FLASHTRITON_GLUON":
+            use_gluon = use_gluon_bwd = False
+        else:
+            use_gluon_bwd = False
+    return use_tma, use_gluon, use_gluon_bwd
+
+
+_USE_TMA, _USE_GLUON, _USE_GLUON_BWD = kernel_choice()
+
 
 def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
@@ -112,10 +149,10 @@ def default_fwd_config(head_dim_padded: int, elem_bytes: int, device: torch.devi
 
 
 # Hopper's TMA forward (kernels.forward._attn_fwd_tma; fp16/bf16, dense or varlen, the head dims below) on sm_90,
-# off with FLASHTRITON_TMA=0 (or configs.USE_TMA = False, which turns the Gluon kernels off too): its best tiles are
+# off with FLASHTRITON_KERNEL=portable (or configs.USE_TMA = False, which turns the Gluon kernels off too): its best tiles are
 # 1.05-1.24x the portable kernel at every point of the D=64/128 sweep.
 # H200: benchmarks/2026-11-29-h200/explore3/tma.json
-USE_TMA: bool = os.environ.get("FLASHTRITON_TMA", "1") != "0"
+USE_TMA: bool = _USE_TMA
 TMA_HEAD_DIMS = (64, 128)
 
 
@@ -140,8 +177,8 @@ def default_fwd_tma_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: 
 
 # Hopper's Gluon forward (kernels/forward_gluon.py: FlashAttention-3's schedule, a TMA producer and consumer
 # warpgroups, persistent) on sm_90 where a config below names the shape (fp16/bf16, softmax_scale > 0); off with
-# FLASHTRITON_GLUON=0 (or configs.USE_GLUON = False), which keeps the backward on the Triton kernels too.
-USE_GLUON: bool = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
+# FLASHTRITON_KERNEL=tma (or configs.USE_GLUON = False), which keeps the backward on the Triton kernels too.
+USE_GLUON: bool = _USE_GLUON
 
 
 def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict | None:
@@ -286,9 +323,8 @@ def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device: torch.dev
 
 # Hopper's Gluon backward kernels (kernels/backward_gluon.py: a TMA producer and two consumer warpgroups; dK/dV
 # holding 128 keys, dQ holding 128 query rows): fp16/bf16 at D = 64 and 128 on sm_90, dense and varlen, under
-# USE_GLUON, and only where no Triton config is forced. FLASHTRITON_GLUON_BWD=0 (or configs.USE_GLUON_BWD = False)
-# keeps the Triton kernels.
-USE_GLUON_BWD: bool = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
+# USE_GLUON, and only where no Triton config is forced. configs.USE_GLUON_BWD = False keeps the Triton kernels.
+USE_GLUON_BWD: bool = _USE_GLUON_BWD
 # Below this much work (forward FLOPs, 4·B·Hq·Sq·Sk·D, halved when causal) the backward takes the Triton kernels:
 # their GPU time no longer hides the Gluon launches' host time (13 TMA descriptors encoded per call).
 # H200, through autograd: benchmarks/2026-11-29-h200/explore11/run_5af617d97779/explore/bwd_host.json
