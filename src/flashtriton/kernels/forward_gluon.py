@@ -419,12 +419,12 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     is: it is stored (the store's only place in the loop) instead of rescaled. So the tensor cores do not idle
     between items for the last P V, the epilogue and the first S (each costs about a tile's matmuls; an item at
     T = 512 has 1-4 tiles), and the loop holds one softmax and one store: a body of ~1000 SASS instructions per
-    warpgroup, which items of 1-4 tiles run through in full. Session 12's version (the item's end and the next one's
-    start as a block of their own, with a second softmax and store) spilled and spent 24 % of its consumer warps'
-    stall samples waiting for instructions (explore15/ncu; performance.md forward 37).
+    warpgroup, which items of 1-4 tiles run through in full. Written with the item's end and the next one's start
+    as a block of their own (a second softmax and store), the loop spills and its consumer warps spend 24 % of their
+    stall samples waiting for instructions (benchmarks/2026-11-29-h200/explore15/ncu/).
     The mask and the epilogue take their COMPACT forms here (shorter code; explore16/ab/ab_flat2.txt: 351 against 301
     TFLOP/s at causal T=512), and the longer ones in `_consume_in_turn`, whose schedule the compact ones slow by 2-5 %
-    (ab_flat3.txt; performance.md forward 39)."""
+    (explore16/ab/ab_flat3.txt)."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
      LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS

@@ -24,9 +24,9 @@ def unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAU
 
     Non-causal: head-major, so the programs running together read the same head's K/V (from L2).
     Causal pairs (CAUSAL_PAIRS): unit j of a head is the pair of query tiles n_m - 1 - j and j (equal total work,
-    see `item`), head-major like non-causal: the pairs of a head run at once and share its K/V in L2. (Session 14,
-    benchmarks/2026-11-29-h200/explore16: at T=512 the head groups below read 244 MB from DRAM where Q, K and V are
-    201 MB, and the flat loop went 324 -> 351 TFLOP/s head-major; level from 8k.)
+    see `item`), head-major like non-causal: the pairs of a head run at once and share its K/V in L2 (at T=512 the
+    head groups below read 244 MB from DRAM where Q, K and V are 201 MB; head-major runs the flat loop at 351
+    TFLOP/s against 324, level from 8k: benchmarks/2026-11-29-h200/explore16/ab/ab_flat2.txt).
     Causal items one at a time: heads go in groups whose K/V fit in L2_BUDGET; within a group, query tile j
     (counted from the last) of every head comes before tile j + 1: the longest items first."""
     if IS_CAUSAL and CAUSAL_PAIRS:
@@ -55,7 +55,7 @@ def item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_PAIR
 
     Units (`unit_item`) pid, pid + programs, ...; CAUSAL_PAIRS: items 2k and 2k + 1 are the program's k-th pair
     (with an odd n_m the middle tile is a pair of its own and its second slot is empty). Handed out one at a
-    time, the programs' totals ended up to 20 % apart from 2k keys on (performance.md, item 18)."""
+    time, causal items give the programs unequal totals: tile j costs j + 1 key tiles."""
     if IS_CAUSAL and CAUSAL_PAIRS:
         unit = gl.program_id(0) + (i // 2) * gl.num_programs(0)
     else:

@@ -2,7 +2,7 @@
 
 `kernel[grid](*args, **meta)` binds the arguments, computes Triton's specialization of every one of them
 (dtype, 16-byte alignment of pointers, divisibility of ints) and looks the compiled kernel up: ~40 us of
-CPU per launch of a 35-argument kernel on the H200 machine's host (docs/performance.md), more than the
+CPU per launch of a 35-argument kernel on the H200 machine's host (benchmarks/2026-11-29-h200/explore9/host_fa183e7cb3b0.json), more than the
 GPU time of a small decode step. Decoding and short sequences call the same kernels with the same shapes
 again and again, so `launch` remembers the compiled kernel under a key that is *stricter* than Triton's
 specialization: the exact value of every int argument, every tensor's dtype and whether its address is a
