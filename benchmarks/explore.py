@@ -56,11 +56,11 @@ DECODE_SPLITS = [0, 1, 2, 4, 8, 16, 32, 64]
 
 
 TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
-                      # the tutorial's Hopper space, not swept before (it reaches 521 at T=1024, these tiles 450):
+                      # the tutorial's Hopper space (it reaches 521 at T=1024, the tiles above 450):
                       (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 4), (64, 64, 4, 4)],
                64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
                     (128, 128, 4, 3),
-                    # not swept before session 10: 128-key and 32-key tiles under 64 rows, 8 warps on 64 rows
+                    # 128-key and 32-key tiles under 64 rows, 8 warps on 64 rows
                     (64, 128, 4, 3), (64, 128, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3), (64, 64, 8, 3),
                     (64, 128, 8, 3)]}
 
@@ -142,8 +142,8 @@ def bench_graph(fn, rep=20, warmup=5):
 def time_rounds(fns: dict, flops: float, warmup: float = 5) -> dict:
     """TFLOP/s of each fn (name -> callable) by `bench_graph`, in as many rounds as there are fns, each round starting
     one later, so that each is timed first once: a GPU that has paused runs up to 10 % faster for a moment, which
-    would go to whichever is timed first (performance.md, forward 41). warmup: ms before each timing (`bench_graph`).
-    Returns name -> [one reading per round]."""
+    would go to whichever is timed first (benchmarks/2026-11-29-h200/explore16/ab/ab_flat2.txt). warmup: ms before each
+    timing (`bench_graph`). Returns name -> [one reading per round]."""
     names, res = list(fns), {n: [] for n in fns}
     for r in range(len(names)):
         for n in names[r:] + names[:r]:

@@ -274,9 +274,9 @@ def test_shared_memory_estimate_and_limit():
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_dispatched_dense_config_launches(head_dim, causal):
     """Whatever `configs.gluon_fwd_config` returns for a dense shape passes `launch_parts` (shared memory within sm_90's,
-    no schedule it refuses), for query and key lengths from one token to 64k, equal or not: the dispatch
-    takes the Gluon kernel at D = 64 and 128 for every length (performance.md, forward 42), so a config it returns
-    for some length that the kernel refuses would fail users' calls, not fall back."""
+    no schedule it refuses), for query and key lengths from one token to 64k, equal or not: the dispatch takes the
+    Gluon kernel at D = 64 and 128 for every length (benchmarks/2026-11-29-h200/explore17/ab_steady.txt), so a config
+    it returns for some length that the kernel refuses would fail users' calls, not fall back."""
     lengths = [1, 17, 128, 512, 1000, 1024, 2048, 3000, 4096, 8192, 16384, 65536]
     for seqlen_q in lengths:
         for seqlen_k in lengths:
@@ -307,8 +307,9 @@ def compile_in_fresh_process(script: str) -> str:
 
 
 # Register spills (bytes of spill stores, `ptxas -v`) of the dispatched Gluon forward configs as triton 3.6's ptxas
-# compiles them; the one that spills was measured fast regardless (performance.md, forward 40). A change that makes
-# one spill more fails here before it costs device time (the former OVERLAP loop's 36 bytes cost it 5-15 %).
+# compiles them; the one that spills (D=64 causal 16k) was measured fast regardless
+# (benchmarks/2026-11-29-h200/explore17/ab_steady_long.txt, `c3o`). A change that makes one spill more fails here
+# before it costs device time (the former OVERLAP loop's 36 bytes cost it 5-15 %).
 SPILL_BUDGET = {(64, True, False, 16384): 28}
 
 
