@@ -638,7 +638,7 @@ def main(argv=None) -> int:
     p.add_argument("--ptx-only", action="store_true", help="with --compare: judge the PTX hashes alone")
     p.add_argument("--quick", action="store_true", help="a tiny grid: one dense and one decode call, sm_90 and sm_80")
     p.add_argument("--autotune", action="store_true",
-                   help="add the autotuners' candidate configs (FLASHTRITON_AUTOTUNE=1; ~10 more minutes cold)")
+                   help="add the autotuners' candidate configs (FLASHTRITON_AUTOTUNE=1; ~13 more minutes cold)")
     p.add_argument("--count", action="store_true", help="list what the grid compiles, without compiling (no hashes)")
     p.add_argument("--jobs", type=int, default=2, help="settings compiled at once (processes; default 2)")
     p.add_argument("--ptx-dir", help="also write each normalised PTX as DIR/<sha256>.ptx")
