@@ -75,6 +75,13 @@ class Family:
     train: bool = False  # built in train mode (dropout cases)
 
 
+def _modernbert(local_attention: int):
+    return _config("ModernBertConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, global_attn_every_n_layers=2, local_attention=local_attention,
+                   max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+                   cls_token_id=BOS, sep_token_id=EOS)
+
+
 def _gemma3_multimodal():
     text = _config("Gemma3TextConfig", **DECODER, sliding_window=32, query_pre_attn_scalar=8,
                    layer_types=["sliding_attention", "full_attention"])
@@ -150,18 +157,8 @@ FAMILIES: dict[str, Family] = {
                                                  max_position_embeddings=64, hidden_dropout_prob=0.0,
                                                  attention_probs_dropout_prob=0.3, pad_token_id=PAD),
                                  auto="AutoModelForMaskedLM", train=True),
-    "modernbert_local8": Family(lambda: _config("ModernBertConfig", vocab_size=VOCAB, hidden_size=32,
-                                                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                                global_attn_every_n_layers=2, local_attention=8,
-                                                max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS,
-                                                eos_token_id=EOS, cls_token_id=BOS, sep_token_id=EOS),
-                                auto="AutoModelForMaskedLM"),
-    "modernbert_local64": Family(lambda: _config("ModernBertConfig", vocab_size=VOCAB, hidden_size=32,
-                                                 intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                                 global_attn_every_n_layers=2, local_attention=64,
-                                                 max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS,
-                                                 eos_token_id=EOS, cls_token_id=BOS, sep_token_id=EOS),
-                                 auto="AutoModelForMaskedLM"),
+    "modernbert_local8": Family(lambda: _modernbert(local_attention=8), auto="AutoModelForMaskedLM"),
+    "modernbert_local64": Family(lambda: _modernbert(local_attention=64), auto="AutoModelForMaskedLM"),
     "vit": Family(lambda: _config("ViTConfig", image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, intermediate_size=64), auto="AutoModel"),
     "whisper": Family(lambda: _config("WhisperConfig", **{k: v for k, v in SEQ2SEQ.items()

@@ -55,16 +55,15 @@ def analyse(mask_function: Optional[Callable], batch_size: int, q_length: int, k
         last_query = q_offset + q_length - 1
         if kv_offset > last_query - window:  # every key this call holds lies inside every query's window
             return MaskSpec(CAUSAL, derived=True)
-        raise _refusal(model_type, f"a sliding window of {window} keys over {kv_length} keys (the window hides "
-                       f"key {kv_offset} from query {last_query})", "sliding-window attention")
+        raise Unexpressible(f"a sliding window of {window} keys over {kv_length} keys (the window hides "
+                       f"key {kv_offset} from query {last_query})", "sliding-window attention", model_type)
     kind, witness = _evaluate(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, use_vmap, device)
     if kind is None:
         b, q, kv, value = witness
-        raise _refusal(
-            model_type,
+        raise Unexpressible(
             f"its mask is neither causal nor full attention over the keys (batch {b}, query {q}, key {kv} is "
             f"{'visible' if value else 'hidden'}: a sliding window, chunked attention, a prefix-LM prefix or "
-            "bidirectional attention over image tokens)", "this attention pattern")
+            "bidirectional attention over image tokens)", "this attention pattern", model_type)
     return MaskSpec(kind, derived=True)
 
 
@@ -76,10 +75,6 @@ class Unexpressible(NotImplementedError):
         where = f" of this {model_type} model" if model_type else ""
         super().__init__(f"flashtriton cannot run the attention{where}: {what}. flashtriton does not support "
                          f"{feature} yet; load the model with attn_implementation='eager'.")
-
-
-def _refusal(model_type: str, what: str, feature: str) -> Unexpressible:
-    return Unexpressible(what, feature, model_type)
 
 
 def _cells(fn: Callable) -> dict:
