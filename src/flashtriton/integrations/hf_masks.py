@@ -56,7 +56,7 @@ def analyse(mask_function: Optional[Callable], batch_size: int, q_length: int, k
         if kv_offset > last_query - window:  # every key this call holds lies inside every query's window
             return MaskSpec(CAUSAL, derived=True)
         raise Unexpressible(f"a sliding window of {window} keys over {kv_length} keys (the window hides "
-                       f"key {kv_offset} from query {last_query})", "sliding-window attention", model_type)
+                            f"key {kv_offset} from query {last_query})", "sliding-window attention", model_type)
     kind, witness = _evaluate(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, use_vmap, device)
     if kind is None:
         b, q, kv, value = witness
