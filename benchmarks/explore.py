@@ -55,14 +55,10 @@ DECODE_POINTS = [(B, S) for B in (1, 8, 64) for S in (1024, 4096, 32768, 131072)
 DECODE_SPLITS = [0, 1, 2, 4, 8, 16, 32, 64]
 
 
-TMA_CONFIGS = {128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
-                      # the tutorial's Hopper space (it reaches 521 at T=1024, the tiles above 450):
-                      (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 4), (64, 64, 4, 4)],
-               64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4),
-                    (128, 128, 4, 3),
-                    # 128-key and 32-key tiles under 64 rows, 8 warps on 64 rows
-                    (64, 128, 4, 3), (64, 128, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3), (64, 64, 8, 3),
-                    (64, 128, 8, 3)]}
+# The TMA forward's tiles on the varlen suite's batch (D=128), forced through configs.varlen_fwd_tma_config; the last
+# four are the tutorial's Hopper space.
+VARLEN_TMA = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+              (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 4), (64, 64, 4, 4)]
 
 _GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, DYNAMIC=False,
            OVERLAP=False)
@@ -81,6 +77,7 @@ if SMOKE:  # logic check on a CPU (TRITON_INTERPRET=1): tiny lists
     BWD_DQ = {d: v[:1] for d, v in BWD_DQ.items()}
     DECODE_CONFIGS, DECODE_POINTS, DECODE_SPLITS = DECODE_CONFIGS[:1], [(2, 64)], [0, 2]
     VARLEN_FWD, VARLEN_BWD_DKDV, VARLEN_BWD_DQ = VARLEN_FWD[:1], VARLEN_BWD_DKDV[:1], VARLEN_BWD_DQ[:1]
+    VARLEN_TMA = VARLEN_TMA[:1]
 
 
 def cfg(t):
@@ -89,6 +86,39 @@ def cfg(t):
 
 def dcfg(t):
     return {"BLOCK_N": t[0], "num_warps": t[1], "num_stages": t[2]}
+
+
+@contextlib.contextmanager
+def kernel_families(kind, varlen_tma_tile=None):
+    """Launches inside take the kernel families FLASHTRITON_KERNEL=`kind` ("auto", "tma", "portable") gives at import:
+    configs.USE_TMA / USE_GLUON, which the launchers read on every call. `varlen_tma_tile` (a VARLEN_TMA entry), when
+    given, is the TMA forward's tile on packed batches: what configs.varlen_fwd_tma_config, asked on every packed
+    call, answers inside."""
+    saved = configs.USE_TMA, configs.USE_GLUON, configs.varlen_fwd_tma_config
+    configs.USE_TMA, configs.USE_GLUON = kind != "portable", kind in ("auto", "gluon")
+    if varlen_tma_tile is not None:
+        configs.varlen_fwd_tma_config = lambda *a, c=cfg(varlen_tma_tile): c
+    try:
+        yield
+    finally:
+        configs.USE_TMA, configs.USE_GLUON, configs.varlen_fwd_tma_config = saved
+
+
+def tma_forward(q, k, v, causal, tile=None, cu=None, mx=None):
+    """(out, lse) of the Hopper TMA forward through the public launcher, the Gluon kernels off. Dense: at the
+    dispatch's tile (configs.default_fwd_tma_config); the public launcher takes no forced tile there. Packed (cu, mx
+    given): at `tile` where given, else the dispatch's (configs.varlen_fwd_tma_config)."""
+    if tile is not None and cu is None:
+        raise ValueError("the public launcher takes a forced TMA tile on packed batches only")
+    with kernel_families("tma", tile):
+        if cu is None:
+            return F.attention_forward(q, k, v, q.shape[-1] ** -0.5, causal)
+        return F.attention_forward(q, k, v, q.shape[-1] ** -0.5, causal, True, cu, cu, mx, mx)
+
+
+def hopper() -> bool:
+    """Whether the TMA kernels can run here (without them `tma_forward` runs the portable kernel)."""
+    return DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,10 +200,6 @@ def _compile_job(job):
             both = configs.default_bwd_configs(D, 2, q.device)
             both[which] = cfg(c)
             B.attention_backward(torch.randn_like(out), q, k, v, out, lse, D ** -0.5, causal, config=both)
-        elif kind == "tma":
-            D, dtype, causal, c = args
-            q, k, v = fwd_inputs(256, D, DTYPE[dtype])
-            _tma_forward(q, k, v, causal, c)
         elif kind == "varlen":
             which, causal, c = args
             q, k, v, cu, mx = _varlen_inputs(small=True)
@@ -181,9 +207,7 @@ def _compile_job(job):
         elif kind == "varlen_tma":
             causal, c = args
             q, k, v, cu, mx = _varlen_inputs(small=True)
-            out = torch.empty_like(q)
-            lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
-            F._launch_forward_tma(q, k, v, out, lse, 128 ** -0.5, causal, True, cfg(c), cu, cu, mx, mx)
+            tma_forward(q, k, v, causal, c, cu, mx)
         elif kind == "decode":
             c, splits = args
             _decode_run(1, 4096, splits, dcfg(c))
@@ -392,7 +416,7 @@ def sweep_varlen_bwd(opts):
     kernels against the Gluon ones under each VARLEN_BWD_GLUON config (lse / delta in the aligned padded layout).
     Each variant's gradients against the Triton kernels' (max abs difference), then eager (do_bench) and CUDA-graph
     (GPU time) medians; the dense backward on the batch padded to its longest sequence for the ratio of the issue."""
-    from flashtriton.bench_core import varlen_flops
+    from flashtriton.tools.bench_core import varlen_flops
     from flashtriton.kernels import backward_gluon as BG
 
     q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
@@ -620,22 +644,16 @@ def _time_forward(cands, ref, flops, base, cudnn_context=None):
     return rows
 
 
-def _tma_forward(q, k, v, causal, c):
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
-    F._launch_forward_tma(q, k, v, out, lse, q.shape[-1] ** -0.5, causal, True, cfg(c))
-    return out
-
-
 def sweep_tma(opts):
-    """Hopper TMA forward (each config) against the portable kernel's default and cuDNN, same run."""
+    """The Hopper TMA forward at the dispatch's tile (`tma_forward`) against the portable kernel's default and cuDNN,
+    same run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if not hopper() and not SMOKE:
+        raise SystemExit("tma: the TMA kernels need an sm_90 GPU")
     head_dims, dtypes = opts.head_dims, opts.dtypes.split(",")
     causals = [bool(int(c)) for c in opts.causal.split(",")]
     seqlens = opts.seqlens or FWD_SEQLENS
-    jobs = [("tma", (D, dt, c, x)) for D in head_dims for dt in dtypes for c in causals for x in TMA_CONFIGS[D]]
-    precompile(jobs, opts.jobs)
     rows = []
     for D in head_dims:
         for dt in dtypes:
@@ -644,8 +662,14 @@ def sweep_tma(opts):
                     q, k, v = fwd_inputs(T, D, DTYPE[dt])
                     flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
                     ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal)
-                    cands = [("portable", lambda: F.attention_forward(q, k, v, D ** -0.5, causal))]
-                    cands += [(str(c), lambda c=c: _tma_forward(q, k, v, causal, c)) for c in TMA_CONFIGS[D]]
+                    tile = configs.default_fwd_tma_config(D, T, T, causal)
+
+                    def portable():
+                        with kernel_families("portable"):
+                            return F.attention_forward(q, k, v, D ** -0.5, causal)
+
+                    cands = [("portable", portable),
+                             (f"tma {tile['BLOCK_M']}x{tile['BLOCK_N']}", lambda: tma_forward(q, k, v, causal))]
                     qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
 
                     def cudnn():
@@ -739,10 +763,7 @@ def sweep_gluon(opts):
                     q, k, v = fwd_inputs(T, D, DTYPE[dt])
                     flops = attention_flops(max(1, 16384 // T), 2048 // D, T, D, causal, "fwd")
                     ref, _ = F.attention_forward(q, k, v, D ** -0.5, causal)
-                    tma_config = configs.default_fwd_tma_config(D, T, T, causal)
-                    cands = [("tma", lambda: _tma_forward(q, k, v, causal, (tma_config["BLOCK_M"], tma_config["BLOCK_N"],
-                                                                            tma_config["num_warps"],
-                                                                            tma_config["num_stages"])))]
+                    cands = [("tma", lambda: tma_forward(q, k, v, causal))]
                     cands += [(name, lambda c=c: gluon_forward(q, k, v, causal, c)) for name, c in GLUON_CONFIGS[D].items()]
                     qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
                     ctx = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
@@ -762,7 +783,7 @@ def sweep_gluon(opts):
 
 def _varlen_inputs(small=False, seed=0):
     """The varlen suite's batch: 64 sequences, lengths uniform in 1..4096 (seed 0), H=16, D=128, fp16."""
-    from flashtriton.bench_suites import varlen_seqlens
+    from flashtriton.tools.bench_suites import varlen_seqlens
 
     lens = varlen_seqlens(4 if small else 64, 256 if small else 4096, seed)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
@@ -784,10 +805,10 @@ def _varlen_run(which, q, k, v, cu, mx, causal, c, state=None):
 def sweep_varlen(opts):
     """Configs of the varlen forward and of each backward kernel on the varlen suite's batch (64 sequences,
     1..4096): what the launcher should pick from the lengths it knows on the host (max, mean)."""
-    from flashtriton.bench_core import varlen_flops
+    from flashtriton.tools.bench_core import varlen_flops
 
     jobs = [("varlen", ("fwd", c, x)) for c in (False, True) for x in VARLEN_FWD]
-    jobs += [("varlen_tma", (c, x)) for c in (False, True) for x in TMA_CONFIGS[128]]
+    jobs += [("varlen_tma", (c, x)) for c in (False, True) for x in VARLEN_TMA] if hopper() else []
     if not opts.fwd_only:
         jobs += [("varlen", (w, c, x)) for c in (False, True)
                  for w, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ)) for x in tab]
@@ -803,13 +824,10 @@ def sweep_varlen(opts):
         for c in VARLEN_FWD:
             ms = bench(lambda: _varlen_run("fwd", q, k, v, cu, mx, causal, c))
             rows.append(dict(mode="fwd", causal=causal, variant=str(c), ms=ms, tflops=fl_f / ms / 1e9))
-        if DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9:
-            for c in TMA_CONFIGS[128]:
+        if hopper():
+            for c in VARLEN_TMA:
                 def tma(c=c):
-                    out = torch.empty_like(q)
-                    lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
-                    F._launch_forward_tma(q, k, v, out, lse, 128 ** -0.5, causal, True, cfg(c), cu, cu, mx, mx)
-                    return out
+                    return tma_forward(q, k, v, causal, c, cu, mx)
                 try:
                     ms = bench(tma)
                 except Exception as exc:  # noqa: BLE001  (a config past the shared memory)
@@ -819,10 +837,7 @@ def sweep_varlen(opts):
                 rows.append(dict(mode="fwd_tma", causal=causal, variant=str(c), ms=ms, tflops=fl_f / ms / 1e9))
             from flashtriton.kernels import forward_gluon as G
 
-            ref = F._launch_forward_tma  # the TMA kernel's output: what each Gluon variant must match
-            ref_out = torch.empty_like(q)
-            ref(q, k, v, ref_out, torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32),
-                128 ** -0.5, causal, True, configs.varlen_fwd_tma_config(128, mx, mx, causal), cu, cu, mx, mx)
+            ref_out, _ = tma_forward(q, k, v, causal, cu=cu, mx=mx)  # what each Gluon variant must match
             for name, gc in GLUON_VARLEN.items():
                 def gluon(gc=gc):
                     out = torch.empty_like(q)

@@ -3,9 +3,10 @@
     ncu --clock-control none --nvtx --nvtx-include "prof/" --set full -o DIR/CASE python benchmarks/profile_ncu.py CASE
 
 The call is made twice to compile and warm up, then once inside the NVTX range "prof", so that ncu profiles
-exactly one kernel: flashtriton's (through the kernel the case names, with the config it names) or cuDNN's
-through torch SDPA. Cases: NAME = PROVIDER-D-causal-T, e.g. gluon_q1-128-0-4096, tma-64-1-512, cudnn-64-1-512.
-Inputs are the standard sweep's (B·T = 16384, H·D = 2048), fp16.
+exactly one kernel: flashtriton's or cuDNN's through torch SDPA. Cases: NAME = PROVIDER-D-causal-T, e.g.
+gluon_q1-128-0-4096, tma-64-1-512, cudnn-64-1-512. `tma` is the public forward with the Gluon kernels off (as
+FLASHTRITON_KERNEL=tma runs it: the TMA kernel at the dispatch's tile); `gluon_*` the Gluon forward's public
+launcher with the config VARIANTS names. Inputs are the standard sweep's (B·T = 16384, H·D = 2048), fp16.
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def case_fn(name: str):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
     elif provider == "tma":
-        config = configs.default_fwd_tma_config(D, T, T, causal)
+        if torch.cuda.get_device_capability()[0] != 9:
+            raise SystemExit("tma: the TMA kernels need an sm_90 GPU")
+        configs.USE_TMA, configs.USE_GLUON = True, False  # FLASHTRITON_KERNEL=tma, read by the launcher on each call
 
         def fn():
-            F._launch_forward_tma(q, k, v, out, lse, scale, causal, True, config)
+            F.attention_forward(q, k, v, scale, causal)
     else:
         config = VARIANTS[provider]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashtriton
-from flashtriton import bench, bench_core as C, bench_providers as P, bench_report as R, bench_suites as S
+from flashtriton.tools import bench, bench_core as C, bench_providers as P, bench_report as R, bench_suites as S
 from flashtriton.reference import attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -263,11 +263,11 @@ def parse_raw(argv):
 
 
 def test_python_m_bench_restarts_with_interpreter(tmp_path):
-    """`python -m flashtriton.bench` without TRITON_INTERPRET on a CPU machine restarts under the interpreter."""
+    """`python -m flashtriton.tools.bench` without TRITON_INTERPRET on a CPU machine restarts under the interpreter."""
     if CUDA:
         pytest.skip("CPU-only behaviour")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "flashtriton.bench", "--shape", "1,1,16,16", "--modes", "fwd", "--causal", "0",
+    cmd = [sys.executable, "-m", "flashtriton.tools.bench", "--shape", "1,1,16,16", "--modes", "fwd", "--causal", "0",
            "--providers", "flashtriton", "--out", str(tmp_path), *TINY]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]

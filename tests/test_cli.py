@@ -13,8 +13,10 @@ import types
 import pytest
 
 import flashtriton
-from flashtriton import checks, cli
+import flashtriton.tools
+from flashtriton import cli
 from flashtriton._env import INTERPRET
+from flashtriton.tools import checks
 
 GPU_CHECKS = ["triton_fa2_at_least_3x_naive", "triton_fa2_fwd_bwd_faster_than_naive", "memory_linear_in_T"]
 
@@ -111,19 +113,19 @@ def test_unknown_option_is_an_error():
 
 
 def test_bench_passes_its_arguments_through(monkeypatch):
-    fake = types.ModuleType("flashtriton.bench")
+    fake = types.ModuleType("flashtriton.tools.bench")
     fake.add_arguments = lambda parser: parser.add_argument("--seqlens", type=int)
     fake.main = lambda args: 0 if args.seqlens == 7 else 5
-    monkeypatch.setitem(sys.modules, "flashtriton.bench", fake)
-    monkeypatch.setattr(flashtriton, "bench", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "flashtriton.tools.bench", fake)
+    monkeypatch.setattr(flashtriton.tools, "bench", fake, raising=False)
     assert cli.main(["bench", "--seqlens", "7"]) == 0
 
 
 def test_bench_missing_exits_2(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "flashtriton.bench", None)
-    monkeypatch.delattr(flashtriton, "bench", raising=False)
+    monkeypatch.setitem(sys.modules, "flashtriton.tools.bench", None)
+    monkeypatch.delattr(flashtriton.tools, "bench", raising=False)
     assert cli.main(["bench"]) == 2
-    assert "no flashtriton.bench" in capsys.readouterr().err
+    assert "no flashtriton.tools.bench" in capsys.readouterr().err
 
 
 def _rows(ft_growth):

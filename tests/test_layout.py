@@ -1,10 +1,13 @@
-"""The package's layering: no import cycle, and the kernels never import the layers above them."""
+"""The package's layering: no import cycle, the kernels never import the layers above them, and the command-line
+tooling (`flashtriton.tools`) is imported by the command alone."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "flashtriton"
 KERNELS_MAY_IMPORT = {"flashtriton._env", "flashtriton.configs"}  # besides flashtriton.kernels.*
+TOOLS = "flashtriton.tools"
+TOOLS_IMPORTED_BY = {"flashtriton.cli"}  # besides flashtriton.tools.*
 
 
 def _module_name(path: Path) -> str:
@@ -63,3 +66,19 @@ def test_kernels_import_only_kernels_configs_and_env():
         if name.startswith("flashtriton.kernels"):
             upward = {t for t in targets if not t.startswith("flashtriton.kernels") and t not in KERNELS_MAY_IMPORT}
             assert not upward, f"{name} imports {sorted(upward)} (a layer above the kernels)"
+
+
+def test_tools_subpackage_holds_the_tooling():
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    for name in ("bench", "bench_core", "bench_measure", "bench_providers", "bench_suites", "bench_report", "checks",
+                 "tune"):
+        assert f"{TOOLS}.{name}" in modules, f"{TOOLS}.{name} missing"
+        assert f"flashtriton.{name}" not in modules, f"flashtriton.{name} belongs in {TOOLS}"
+
+
+def test_only_the_command_imports_the_tools():
+    for name, targets in _graph().items():
+        if name == TOOLS or name.startswith(TOOLS + ".") or name in TOOLS_IMPORTED_BY:
+            continue
+        tools = {t for t in targets if t == TOOLS or t.startswith(TOOLS + ".")}
+        assert not tools, f"{name} imports {sorted(tools)} (the command-line tooling; only the command may)"

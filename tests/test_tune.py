@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from flashtriton import tune
+from flashtriton.tools import tune
 
 H200 = dict(regs=65536, smem=228 * 1024, warps=64, blocks=32, sms=132, name="H200")
 

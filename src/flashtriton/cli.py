@@ -27,9 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="The cookbook notebook's checks; exit status 1 if any FAILs.")
     tune = sub.add_parser("tune", help="sweep the forward configs of one shape: registers, occupancy, TFLOP/s",
                           description="Compile, check and time every forward config for one shape.")
-    # bench's options belong to flashtriton.bench, imported only when it runs: its arguments pass through.
+    # bench's options belong to flashtriton.tools.bench, imported only when it runs: its arguments pass through.
     sub.add_parser("bench", help="side-by-side benchmark (options: flashtriton bench --help)", add_help=False)
-    from . import checks, tune as tune_mod
+    from .tools import checks, tune as tune_mod
 
     checks.add_arguments(check)
     tune_mod.add_arguments(tune)
@@ -49,11 +49,11 @@ def _restart_with_interpreter_if_needed(argv) -> None:
 
 def _bench(rest: list[str]) -> int:
     try:
-        from . import bench
+        from .tools import bench
     except ModuleNotFoundError as exc:
-        if exc.name != "flashtriton.bench":
+        if exc.name != "flashtriton.tools.bench":
             raise
-        print("flashtriton bench: this installation has no flashtriton.bench module", file=sys.stderr)
+        print("flashtriton bench: this installation has no flashtriton.tools.bench module", file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(prog="flashtriton bench", description=bench.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(rest)
     if args.command == "check":
-        from . import checks
+        from .tools import checks
 
         return checks.main(args)
-    from . import tune
+    from .tools import tune
 
     return tune.main(args)

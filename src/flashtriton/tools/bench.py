@@ -3,7 +3,7 @@
     flashtriton bench                                   # the standard sweep: fwd+bwd, fp16, D 64/128, causal 0/1
     flashtriton bench --modes fwd --dtypes bf16 --head-dims 128,256 --out benchmarks/DATE-h200 --append
     flashtriton bench --suite varlen | decode | all     # serving features (varlen packing, KV-cache decode)
-    python -m flashtriton.bench --quick                 # a small subset
+    python -m flashtriton.tools.bench --quick           # a small subset
 
 Each provider is checked on every shape before it is timed (output and, for bwd, gradients against float32
 attention on batch 0 and the first heads); one that fails is reported as FAIL, never as a speed, and one that
@@ -20,17 +20,17 @@ import sys
 
 import torch
 
+from .._env import INTERPRET
 from . import bench_core as C
 from . import bench_providers as P
 from .bench_measure import emit, measure_rows, report_problems
-from ._env import INTERPRET
 
 SUITES = ("standard", "varlen", "decode", "all")
 STANDARD_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `flashtriton bench` (also `python -m flashtriton.bench`)."""
+    """The options of `flashtriton bench` (also `python -m flashtriton.tools.bench`)."""
     a = parser.add_argument
     a("--suite", choices=SUITES, default="standard", help="standard sweep, varlen packing, KV-cache decode, or all")
     a("--providers", default=None, help=f"comma list from {','.join(P.PROVIDERS)} (default: all but seed)")
@@ -218,17 +218,17 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m flashtriton.bench", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m flashtriton.tools.bench", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return parser
 
 
 if __name__ == "__main__":
-    from ._env import INTERPRET, enable_interpreter_if_no_cuda
+    from .._env import INTERPRET, enable_interpreter_if_no_cuda
 
     # The package (and its @triton.jit kernels) was imported before this line ran; when the interpreter has
     # to be switched on, start again with TRITON_INTERPRET set so that the kernels are defined under it.
     if enable_interpreter_if_no_cuda() and not INTERPRET:
-        os.execv(sys.executable, [sys.executable, "-m", "flashtriton.bench", *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "flashtriton.tools.bench", *sys.argv[1:]])
     sys.exit(main(_parser().parse_args()))

@@ -199,7 +199,7 @@ def flex_callable(seqlen_q: int, seqlen_k: int, causal: bool, device):
 
 def load_seed_kernel():
     """seed_attention from benchmarks/seed_kernel.py next to the package's checkout."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "seed_kernel.py"
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "seed_kernel.py"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found (the seed provider runs from a checkout)")
     spec = importlib.util.spec_from_file_location("flashtriton_bench_seed_kernel", path)

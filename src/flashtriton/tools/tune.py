@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import configs
-from ._env import INTERPRET
+from .. import configs
+from .._env import INTERPRET
+from ..kernels.forward import launch_forward
+from ..reference import attention_flops, attention_reference
 from .bench_core import environment
-from .kernels.forward import launch_forward
-from .reference import attention_flops, attention_reference
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FLOOR = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-22}  # half an ulp at 1.0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .reference import attention_flops, attention_reference
+from ..reference import attention_flops, attention_reference
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -134,7 +134,7 @@ def git_sha() -> str:
     'unknown' without either."""
     if os.environ.get("FLASHTRITON_GIT_SHA"):
         return os.environ["FLASHTRITON_GIT_SHA"]
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
@@ -148,7 +148,7 @@ def git_sha() -> str:
 def environment() -> dict:
     import triton
 
-    from ._version import __version__
+    from .._version import __version__
 
     cuda = torch.cuda.is_available()
     return dict(

@@ -22,9 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 import flashtriton
-from ._env import INTERPRET
+from .._env import INTERPRET
+from ..reference import sdpa_reference
 from .bench_core import environment
-from .reference import sdpa_reference
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 NOTEBOOK_SHAPE = (1, 8, 1024, 64)  # (B, H, T, D): the notebook's correctness shape

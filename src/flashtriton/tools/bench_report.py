@@ -2,7 +2,7 @@
 
 Merging runs made separately (on the GPU each call writes its own directory), on any machine:
 
-    python -m flashtriton.bench_report DEST SRC [SRC ...]     # DEST/bench.json|csv + plots; later SRC wins
+    python -m flashtriton.tools.bench_report DEST SRC [SRC ...]   # DEST/bench.json|csv + plots; later SRC wins
 """
 
 from __future__ import annotations
