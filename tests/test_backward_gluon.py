@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashtriton
+from flashtriton.kernels import dispatch
 from flashtriton import configs
 from flashtriton.kernels import backward as B
 from flashtriton.kernels import backward_gluon as BG
@@ -45,7 +46,7 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
     for are the ones that ran."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = attention_forward(q, k, v, scale, causal, bottom_right)
-    monkeypatch.setattr(configs, "USE_GLUON_BWD", use_gluon)
+    monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice(gluon_bwd=use_gluon))
     if use_gluon:
         config = config or configs.gluon_bwd_config(q.shape[-1], 4096, 4096, causal)
         monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)

@@ -207,13 +207,13 @@ def test_large_gqa_uneven_lengths(device):
 @pytest.mark.parametrize("seqlen", [1, 77, 300])
 def test_portable_path_forced_on_every_gpu(causal, seqlen, device, monkeypatch):
     """The portable (Ampere) kernel stays correct where the TMA kernel would be taken (sm_90, D=128)."""
-    from flashtriton import configs
+    from flashtriton.kernels import dispatch
 
     q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16, device)
     exact = attention_reference(q, k, v, causal=causal)
     same_dtype = torch_attention(q, k, v, causal=causal)
     for use_tma in (False, True):
-        monkeypatch.setattr(configs, "USE_TMA", use_tma)
+        monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice(level="tma" if use_tma else "portable"))
         out = flashtriton.flash_attn_func(q, k, v, causal=causal)
         assert_close_to_exact(out, same_dtype, exact, torch.bfloat16, f"USE_TMA={use_tma}")
 

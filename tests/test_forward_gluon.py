@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flashtriton
+from flashtriton.kernels import dispatch
 from flashtriton import configs
 from flashtriton.kernels import forward_gluon as G
 from flashtriton.kernels import gluon_common
@@ -107,10 +108,10 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, head_di
                            True, True)
     assert plan is not None and plan.gluon
     out = flashtriton.flash_attn_func(q, k, v, causal=causal)
-    monkeypatch.setattr(configs, "USE_GLUON", False)
+    monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice(level="tma"))
     reference = flashtriton.flash_attn_func(q, k, v, causal=causal)
     torch.testing.assert_close(out, reference, atol=2e-3, rtol=0)
-    monkeypatch.setattr(configs, "USE_GLUON", True)
+    monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice())
     zero_scale = flashtriton.flash_attn_func(q, k, v, causal=causal, softmax_scale=0.0)  # the TMA kernel's
     exact = attention_reference(q, k, v, 0.0, causal)
     assert_close_to_exact(zero_scale, torch_attention(q, k, v, 0.0, causal), exact, torch.float16)

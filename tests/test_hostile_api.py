@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashtriton
+from flashtriton.kernels import dispatch
 from flashtriton.reference import attention_reference
 
 from accuracy import assert_close_to_exact
@@ -329,6 +330,7 @@ def test_lse_gradient_at_gluon_sizes(causal, device, monkeypatch):
     forward work, causal too): dense and varlen, bf16, GQA."""
     from flashtriton import configs
     from flashtriton.kernels import backward as B
+    from flashtriton.kernels.host import capability
 
     gluon_calls = []
     if B.backward_gluon is not None:
@@ -350,8 +352,8 @@ def test_lse_gradient_at_gluon_sizes(causal, device, monkeypatch):
     out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, 2048, 2048, causal=causal,
                                                      return_attn_probs=True)
     _check_lse_grads(torch.autograd.grad((out, lse), (q, k, v), (w, u)), q, k, v, w, u, causal, cu, cu)
-    if (B.backward_gluon is not None and configs.USE_GLUON and configs.USE_GLUON_BWD
-            and configs.capability(q.device)[0] == 9):
+    if (B.backward_gluon is not None and dispatch.gluon_bwd_allowed()
+            and capability(q.device)[0] == 9):
         assert len(gluon_calls) == 2  # both backwards ran the Gluon kernels, which read the padded delta
 
 

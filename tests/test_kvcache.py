@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from flashtriton.kernels import dispatch
 from flashtriton import configs, kvcache
 from flashtriton.kernels import decode
 from flashtriton.kernels.decode import choose_num_splits, decode_attention
@@ -201,7 +202,7 @@ def stream_schedule(monkeypatch):
     """Force the stream schedule (`_decode_stream`); `use(sms, min_split_keys)` sets how many programs it gets:
     min(SMs · programs per SM, key tiles // (min_split_keys // BLOCK_N)) (the SM count only off the GPU)."""
     def use(sms=4, min_split_keys=None):
-        monkeypatch.setattr(configs, "DECODE_SCHEDULE", "stream")
+        monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice(decode="stream"))
         monkeypatch.setattr(configs, "DECODE_INTERPRETER_SMS", sms)
         if min_split_keys is not None:
             monkeypatch.setattr(configs, "DECODE_MIN_SPLIT_KEYS", min_split_keys)
@@ -857,8 +858,8 @@ def test_large_decode(page_size, dtype, monkeypatch):
     k = torch.randn(batch, 1, heads_kv, head_dim, device=device, dtype=dtype, generator=gen)
     v = torch.randn_like(k)
     seqlens = torch.tensor([0, 1, 1000, 4097, 20000, 32000, 32766, 32767], dtype=torch.int32, device=device)
-    for schedule, num_splits in (("auto", 0), ("grid", 0), ("stream", 0), ("auto", 1), ("auto", 5)):
-        monkeypatch.setattr(configs, "DECODE_SCHEDULE", schedule)
+    for schedule, num_splits in (("auto", 0), ("split", 0), ("stream", 0), ("auto", 1), ("auto", 5)):
+        monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice(decode=schedule))
         kc, vc = k_cache.clone(), v_cache.clone()
         with torch.no_grad():
             out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=block_table,
@@ -937,12 +938,12 @@ def test_repeated_split_calls_reuse_zeroed_ticket_counters():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule,num_splits", [("grid", 8), ("stream", 0)])
+@pytest.mark.parametrize("schedule,num_splits", [("split", 8), ("stream", 0)])
 def test_decode_in_a_cuda_graph(schedule, num_splits, monkeypatch):
     """Capture decode steps (append + split-KV attention) in a CUDA graph and replay them: the captured
     launch gets its own counters (zeroed inside the graph), and replays match eager calls; under both
     schedules (the stream schedule reads the cache lengths on the GPU, so a replay needs no host value)."""
-    monkeypatch.setattr(configs, "DECODE_SCHEDULE", schedule)
+    monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice(decode=schedule))
     q, k_cache, v_cache, seqlens = _decode_inputs(batch=4, heads_q=32, heads_kv=8, head_dim=128, capacity=8192)
     seqlens = torch.tensor([8000, 1, 4096, 7000], dtype=torch.int32, device="cuda")
     k_new = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.float16)

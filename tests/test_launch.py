@@ -126,23 +126,3 @@ def test_inputs_on_a_gpu_that_is_not_current():
         dec = flash_attn_with_kvcache(q[:, :1].detach(), cache, cache, cache_seqlens=lens)
         with torch.cuda.device(1):
             assert torch.equal(dec, flash_attn_with_kvcache(q[:, :1].detach(), cache, cache, cache_seqlens=lens))
-
-
-def test_one_environment_switch_for_the_kernel_families():
-    """FLASHTRITON_KERNEL picks the families; unknown values fail by name; the older switches map and warn."""
-    import warnings
-
-    from flashtriton.configs import kernel_choice
-
-    assert kernel_choice({}) == (True, True, True)
-    assert kernel_choice({"FLASHTRITON_KERNEL": "gluon"}) == (True, True, True)
-    assert kernel_choice({"FLASHTRITON_KERNEL": "tma"}) == (True, False, False)
-    assert kernel_choice({"FLASHTRITON_KERNEL": "Portable"}) == (False, False, False)
-    with pytest.raises(ValueError, match="FLASHTRITON_KERNEL"):
-        kernel_choice({"FLASHTRITON_KERNEL": "cudnn"})
-    for legacy, expected in (("FLASHTRITON_TMA", (False, False, False)), ("FLASHTRITON_GLUON", (True, False, False)),
-                             ("FLASHTRITON_GLUON_BWD", (True, True, False))):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert kernel_choice({legacy: "0"}) == expected
-        assert any(legacy in str(w.message) and w.category is FutureWarning for w in caught)

@@ -131,7 +131,7 @@ def flash_attn_with_kvcache(
     the GPU. With num_splits=0, batches of several sequences with long caches (>= 32k keys) take the stream
     schedule instead: all the batch's key tiles, counted from cache_seqlens on the GPU, are cut into equal
     ranges, one per program, so that sequences of different lengths leave no program idle
-    (`FLASHTRITON_DECODE_SCHEDULE=grid|stream|auto` overrides the choice).
+    (`FLASHTRITON_KERNEL=auto,split|stream` overrides the choice).
 
     Under torch.compile / torch.export the call is the op torch.ops.flashtriton.kvcache, which updates the caches
     in place: a decode step compiles with fullgraph=True.

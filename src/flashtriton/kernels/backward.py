@@ -27,8 +27,10 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings, key_range, load_tile, sequence_bounds, tma_ok
+from .common import LOG2E, dot_settings, load_tile, sequence_bounds, tma_ok
+from . import dispatch
 from .launch import launch
+from .variant import diagonal, key_blocks, query_blocks, visible
 
 try:  # Hopper's Gluon dK/dV kernel (triton >= 3.6 ships Gluon's Hopper API)
     from . import backward_gluon
@@ -117,7 +119,7 @@ def _attn_bwd_dkdv_tile(
     stride_qm, stride_qh, stride_dom, stride_doh, stride_lh,
     q_offs, do_offs,  # (BLOCK_M, BLOCK_D) offsets of a tile inside one head
     offs_n, offs_m, offs_d,
-    start_m, end_m, group_size, seqlen_q, causal_offset, qk_scale,
+    start_m, end_m, group_size, seqlen_q, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -145,7 +147,7 @@ def _attn_bwd_dkdv_tile(
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) fp32
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED and IS_CAUSAL:
-            p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
+            p_t = tl.where(visible(True, rows[None, :], offs_n[:, None], diag, IS_CAUSAL), p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -201,19 +203,9 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query rows this key tile sees: [lo, seqlen_q). Tiles from `mid` on see every key of the tile; tiles
-    # from `full` on may reach past the end of the queries. Masked: [lo, mid) and [full, seqlen_q).
-    if IS_CAUSAL:
-        causal_offset = seqlen_k - seqlen_q if CAUSAL_BOTTOM_RIGHT else 0
-        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M
-    else:
-        causal_offset = 0
-        lo = 0
-        mid = 0
-    full = seqlen_q // BLOCK_M * BLOCK_M
-    mid = tl.maximum(tl.minimum(mid, full), lo)
-    full = tl.maximum(full, mid)
+    # Query rows this key tile sees: masked [lo, mid), unmasked [mid, full), masked [full, seqlen_q).
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
+    lo, mid, full = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
 
     # Pointers at the group's first query head; the tile loops step over heads and rows.
     q_head = Q + batch_q + (off_hk * GROUP_SIZE) * stride_qh
@@ -228,7 +220,7 @@ def _attn_bwd_dkdv(
         dk, dv = _attn_bwd_dkdv_tile(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qh, stride_dom, stride_doh, stride_lh, q_offs, do_offs, offs_n, offs_m, offs_d,
-            start, end, GROUP_SIZE, seqlen_q, causal_offset, qk_scale,
+            start, end, GROUP_SIZE, seqlen_q, diag, qk_scale,
             stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST_DOT, DOT_PRECISION,
         )
 
@@ -246,7 +238,7 @@ def _attn_bwd_dq_tile(
     dq, q, do, lse, delta,
     k_ptrs, v_ptrs, stride_kn, stride_vn,
     offs_m, offs_n, offs_d,
-    start_n, end_n, seqlen_k, causal_offset, qk_scale,
+    start_n, end_n, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -263,10 +255,7 @@ def _attn_bwd_dq_tile(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         p = tl.math.exp2(qk * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
         if MASKED:
-            visible = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(visible(cols[None, :] < seqlen_k, offs_m[:, None], cols[None, :], diag, IS_CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
@@ -326,16 +315,17 @@ def _attn_bwd_dq(
         do = do.to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
+    lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
 
     dq = _attn_bwd_dq_tile(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-        0, lo, seqlen_k, causal_offset, qk_scale,
+        0, lo, seqlen_k, diag, qk_scale,
         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
     dq = _attn_bwd_dq_tile(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-        lo, hi, seqlen_k, causal_offset, qk_scale,
+        lo, hi, seqlen_k, diag, qk_scale,
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
 
@@ -446,7 +436,7 @@ def attention_backward(
     if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
         return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
     gluon_config = None
-    if (config is None and backward_gluon is not None and configs.USE_GLUON and configs.USE_GLUON_BWD
+    if (config is None and backward_gluon is not None and dispatch.gluon_bwd_allowed()
             and tma_ok(q, k, v, dout, dq, dk, dv)):  # (no broadcast, stride-0, dimension among them)
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)

@@ -48,6 +48,7 @@ from .memo import remembered
 from .common import LOG2E
 from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, sequence, tma_load, tma_store, wgmma_layout
 from .launch import hooks_installed, launch, launch_and_keep
+from .variant import diagonal, key_end, query_first, tile_hidden, tile_masked, visible
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
 BLOCK_M = gl.constexpr(64)  # query rows per streamed tile
@@ -121,7 +122,7 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 
 
 @gluon.jit
-def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
+def _consumer(shared, place, seq, diag, qk_scale, softmax_scale,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
               NUM_STAGES: gl.constexpr):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores."""
@@ -159,9 +160,8 @@ def _consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale,
         lse = _lse_base2(lse)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
-        if IS_CAUSAL:
-            if m + causal_offset < first_key + ROWS - 1:  # the tile reaches past some row's diagonal
-                p = gl.where(keys[:, None] <= (m + cols)[None, :] + causal_offset, p, 0.0)
+        if tile_masked(m, first_key + ROWS - 1, diag, IS_CAUSAL):  # the tile reaches past some row's diagonal
+            p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL), p, 0.0)
         p_op = gl.convert_layout(p.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
         delta = delta_bufs.index(stage).load(col_layout)
@@ -214,14 +214,8 @@ def _attn_bwd_dkdv_gluon(
         seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
                        IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
-    if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
-        causal_offset = seqlen_k - seqlen_q
-    else:
-        causal_offset = gl.to_tensor(0)
-    if IS_CAUSAL:  # the first query tile with a row that sees key start_n
-        lo = gl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-    else:
-        lo = gl.to_tensor(0)
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
+    lo = query_first(start_n, diag, IS_CAUSAL, BLOCK_M)  # the first query tile with a row that sees key start_n
     n_m = gl.cdiv(gl.maximum(seqlen_q - lo, 0), BLOCK_M)  # query tiles per head; 0: dK = dV = 0
     if IS_VARLEN:
         if start_n >= seqlen_k:  # keys past a shorter sequence's end: nothing to do (no K/V load, no barrier)
@@ -252,7 +246,7 @@ def _attn_bwd_dkdv_gluon(
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv,
                      DK, DV, gl.to_tensor(stride_dkn), gl.to_tensor(stride_dkh), gl.to_tensor(stride_dvn),
                      gl.to_tensor(stride_dvh))
-    scales = (causal_offset, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
+    scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     gl.warp_specialize([
         (_producer, (producer_args, place, seq, group_size, gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD),
                      IS_VARLEN, NUM_STAGES)),
@@ -284,7 +278,7 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
 
 
 @gluon.jit
-def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse_ptr, delta_ptr,
+def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, delta_ptr,
                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store."""
@@ -313,7 +307,7 @@ def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse
         stage = j % NUM_STAGES
         mbarrier.wait(kv_ready.index(stage), (j // NUM_STAGES) & 1)
         n = j * BLOCK_N
-        if IS_CAUSAL and n > row0 + (ROWS - 1) + causal_offset:
+        if tile_hidden(row0 + (ROWS - 1), n, diag, IS_CAUSAL):
             # No row of this warpgroup sees a key of the tile (the first warpgroup's last tile): nothing to add.
             mbarrier.arrive(kv_empty.index(stage), count=1)
         else:
@@ -323,14 +317,10 @@ def _dq_consumer(shared, place, seq, causal_offset, qk_scale, softmax_scale, lse
             dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
             p = gl.exp2(s * qk_scale - lse[:, None])
-            need_mask = n + BLOCK_N > seqlen_k
-            if IS_CAUSAL:
-                need_mask = need_mask | (n + BLOCK_N - 1 > row0 + causal_offset)
+            need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL)
             if need_mask:
-                visible = (n + cols)[None, :] < seqlen_k
-                if IS_CAUSAL:
-                    visible = visible & ((n + cols)[None, :] <= rows[:, None] + causal_offset)
-                p = gl.where(visible, p, 0.0)
+                keep = visible((n + cols)[None, :] < seqlen_k, rows[:, None], (n + cols)[None, :], diag, IS_CAUSAL)
+                p = gl.where(keep, p, 0.0)
             dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
             ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
             ds_op = gl.convert_layout(ds.to(dtype), op_layout)
@@ -375,12 +365,9 @@ def _attn_bwd_dq_gluon(
                        IS_VARLEN)
     off_hk = off_h // GROUP_SIZE
     q_start, seqlen_q, k_start, seqlen_k = seq
-    if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
-        causal_offset = seqlen_k - seqlen_q
-    else:
-        causal_offset = gl.to_tensor(0)
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
     if IS_CAUSAL:  # keys up to the last row's diagonal
-        hi = gl.minimum(seqlen_k, gl.maximum(start_m + KEYS + causal_offset, 0))
+        hi = gl.minimum(seqlen_k, gl.maximum(key_end(start_m + KEYS - 1, diag, IS_CAUSAL), 0))
     else:
         hi = seqlen_k
     n_tiles = gl.cdiv(hi, BLOCK_N)  # 0: rows that see no key, dQ = 0
@@ -410,7 +397,7 @@ def _attn_bwd_dq_gluon(
     producer_args = (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty)
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ,
                      gl.to_tensor(stride_dqm), gl.to_tensor(stride_dqh))
-    scales = (causal_offset, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
+    scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     lse_ptr = LSE + rows_base
     delta_ptr = DELTA + rows_base
     gl.warp_specialize([

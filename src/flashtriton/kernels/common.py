@@ -1,5 +1,5 @@
-"""Pieces every attention kernel shares: where a sequence lives, masked tile loads, the causal key range,
-and the dot settings per dtype. `@triton.jit` helpers are inlined into the kernels that call them."""
+"""Pieces every attention kernel shares: where a sequence lives, masked tile loads, the online-softmax step,
+and the dot settings per dtype (the mask and block ranges are `variant`'s). `@triton.jit` helpers are inlined into the kernels that call them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
+from . import dispatch
+from .variant import visible
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them the TMA paths are never taken
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -61,41 +63,16 @@ def load_tile(ptrs, rows, n_rows, offs_d, MASK_ROWS: tl.constexpr, HEAD_DIM: tl.
 
 
 @triton.jit
-def key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys a tile of BLOCK_M query rows sees: (lo, hi, causal_offset).
-
-    Keys [0, lo) are visible to every row of the tile and inside the sequence, so they need no mask; keys
-    [lo, hi) are masked (they straddle the causal diagonal or the end of the keys); keys from hi on are
-    never visited. Query i sees key j iff j <= i + causal_offset (causal_offset = Sk - Sq bottom-right,
-    0 top-left).
-    """
-    if IS_CAUSAL:
-        causal_offset = seqlen_k - seqlen_q if CAUSAL_BOTTOM_RIGHT else 0
-        hi = tl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
-        lo = tl.minimum(start_m * BLOCK_M + causal_offset + 1, seqlen_k)
-    else:
-        causal_offset = 0
-        hi = seqlen_k
-        lo = seqlen_k
-    hi = tl.maximum(hi, 0)
-    lo = tl.minimum(tl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi)
-    return lo, hi, causal_offset
-
-
-@triton.jit
 def softmax_step(
-    acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
+    acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold one K/V tile into the running (acc, l_i, m_i): qk (BLOCK_M, BLOCK_N) are the raw scores Q Kᵀ of
-    keys `cols`, v (BLOCK_N, BLOCK_D) their values. MASKED tiles hide keys past seqlen_k (and, causal, past
-    each row's diagonal)."""
+    keys `cols` for query rows `offs_m`, v (BLOCK_N, BLOCK_D) their values. MASKED tiles hide keys past seqlen_k
+    and the pairs the variant hides (`variant.visible`, diagonal `diag`)."""
     if MASKED:
-        visible = cols[None, :] < seqlen_k
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        keep = visible(cols[None, :] < seqlen_k, offs_m[:, None], cols[None, :], diag, IS_CAUSAL)
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -137,7 +114,7 @@ def tma_tile(desc, off_b, row, off_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexp
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the Hopper TMA kernels take these tensors: on by default (FLASHTRITON_TMA=0 turns it off), on
-    sm_90, fp16/bf16, a head dim in `configs.TMA_HEAD_DIMS`, base addresses and strides 16-byte aligned (TMA's
+    sm_90, fp16/bf16, a head dim the TMA forward declares (`dispatch.KERNELS`), base addresses and strides 16-byte aligned (TMA's
     rules), nothing empty, no broadcast (stride-0) dimension. Off under the interpreter unless a test calls the TMA
     launchers directly."""
     t0 = tensors[0]
@@ -148,10 +125,10 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
 
 def tma_layout_ok(device: torch.device, dtype: torch.dtype, *shapes_and_strides) -> bool:
     """`tma_ok` without the base addresses: what the shapes, strides, dtype and device decide."""
-    if (INTERPRET or not configs.USE_TMA or TensorDescriptor is None or device.type != "cuda"
+    if (INTERPRET or not dispatch.allows("tma") or TensorDescriptor is None or device.type != "cuda"
             or dtype not in (torch.float16, torch.bfloat16) or configs.capability(device)[0] != 9):
         return False
-    return _tma_shapes_ok(configs.TMA_HEAD_DIMS, dtype.itemsize, shapes_and_strides)
+    return _tma_shapes_ok(dispatch.BY_NAME["tma_fwd"].head_dims, dtype.itemsize, shapes_and_strides)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -12,7 +12,7 @@ in fp32 (a split with no keys writes 0 and -inf) and takes a ticket from a per-t
 arrives last merges them all, out = sum_s exp(lse_s - lse) · out_s with lse = logsumexp_s(lse_s), writes
 the result and resets the counter to zero. A row with no key in any split gives out 0, lse -inf (never NaN).
 
-The stream schedule (`_decode_stream`, `configs.DECODE_SCHEDULE`) launches a fixed number of programs instead:
+The stream schedule (`_decode_stream`, `dispatch.decode_schedule()`) launches a fixed number of programs instead:
 the key tiles of all units (b, hk, M tile), laid end to end, are cut into one equal range per program from the
 cache lengths on the GPU, so that programs stay equal when the sequences' lengths differ (the split grid gives
 each sequence the same number of programs whatever its length). A unit shared by several programs is merged as
@@ -44,14 +44,16 @@ import triton.language as tl
 from .. import configs
 from .._env import INTERPRET
 from .common import LOG2E, dot_settings, sm_count, softmax_finish, softmax_step
+from . import dispatch
 from .launch import hooks_installed, launch, launch_and_keep
+from .variant import diagonal, key_end
 
 
 @triton.jit
 def _decode_tile(
     acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, num_pages,
     stride_kp, stride_kn, stride_vp, stride_vn,
-    offs_d, last_key, start_n, end_n, seqlen_k, qk_scale,
+    offs_d, diag_key, start_n, end_n, seqlen_k, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -100,8 +102,8 @@ def _decode_tile(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        # Row r sees keys up to last_key[r]: the shared step's causal test with offset 0.
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, last_key, seqlen_k, 0, qk_scale,
+        # Row r's diagonal is diag_key[r]: the shared step's mask with diagonal 0.
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, diag_key, seqlen_k, 0, qk_scale,
                                      MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION)
     return acc, l_i, m_i, n_bad
 
@@ -178,14 +180,14 @@ def _attend_keys(
     # Keys [start, lo) are visible to every row of the tile and inside the sequence: no mask there.
     if IS_CAUSAL:
         num_rows = SEQLEN_Q * GROUP_SIZE
-        causal_offset = seqlen_k - SEQLEN_Q
-        last_key = q_idx + causal_offset  # (BLOCK_M,) last key each row sees
+        diag = diagonal(SEQLEN_Q, seqlen_k, IS_CAUSAL, True)  # the cache's new rows are its last
+        diag_key = q_idx + diag  # (BLOCK_M,) each row's diagonal: the tiles test keys against it, diagonal 0
         first_row_q = (pid_m * BLOCK_M) // GROUP_SIZE
         last_row_q = (tl.minimum((pid_m + 1) * BLOCK_M, num_rows) - 1) // GROUP_SIZE
-        end = tl.minimum(end, last_row_q + causal_offset + 1)
-        lo = first_row_q + causal_offset + 1
+        end = tl.minimum(end, key_end(last_row_q, diag, IS_CAUSAL))
+        lo = key_end(first_row_q, diag, IS_CAUSAL)
     else:
-        last_key = q_idx  # unused
+        diag_key = q_idx  # unused
         lo = seqlen_k
     end = tl.maximum(end, start)
     lo = tl.minimum(tl.maximum(lo, start), end)
@@ -196,12 +198,12 @@ def _attend_keys(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, l_i, m_i, n_bad = _decode_tile(
         acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
-        offs_d, last_key, start, lo, seqlen_k, qk_scale,
+        offs_d, diag_key, start, lo, seqlen_k, qk_scale,
         False, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
     acc, l_i, m_i, n_bad = _decode_tile(
         acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
-        offs_d, last_key, lo, end, seqlen_k, qk_scale,
+        offs_d, diag_key, lo, end, seqlen_k, qk_scale,
         True, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
     if UNREAD_PAGES:
@@ -748,7 +750,7 @@ def decode_attention(
         block_table.shape[1] if paged else 0, block_table.stride(0) if paged else 0, cache_batch_idx is not None,
         bool(causal), max_seqlen_k, num_splits, seqlen_new, return_lse,
         None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device),
-        device, configs.DECODE_SCHEDULE,
+        device, dispatch.decode_schedule(),
     )
     dummy = cache_seqlens  # stands in for absent pointers
     if plan.part_rows:
@@ -797,8 +799,9 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
                  has_batch_idx, causal, max_seqlen_k, num_splits, seqlen_new, return_lse, config, autotune,
                  num_sms, device, schedule="auto") -> _Plan:
     """Everything of a decode launch that depends only on shapes, strides and options. `schedule`
-    (`configs.DECODE_SCHEDULE`): with num_splits = 0 and a known config, "auto" takes the stream schedule where
-    `stream_programs` says it pays, "stream" wherever it can, "grid" never."""
+    (`dispatch.decode_schedule()`: FLASHTRITON_KERNEL=<kernel>,split|stream): with num_splits = 0 and a known
+    config, "auto" takes the stream schedule where
+    `stream_programs` says it pays, "stream" wherever it can, "split" never."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_kv = cache_shape[2]
     group = heads_q // heads_kv
@@ -826,7 +829,7 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
         block_n = config["BLOCK_N"] if config else 128
         num_splits = _choose_num_splits(units, max_seqlen_k, num_sms, block_n, per_sm)
         programs = 0
-        if config is not None and schedule != "grid" and batch <= configs.DECODE_STREAM_MAX_BATCH:
+        if config is not None and schedule != "split" and batch <= configs.DECODE_STREAM_MAX_BATCH:
             programs = stream_programs(units, max_seqlen_k, num_sms, block_n, per_sm, batch,
                                        force=schedule == "stream")
         if programs:

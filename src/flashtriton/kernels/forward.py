@@ -24,9 +24,11 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import (LOG2E, dot_settings, key_range, load_tile, sequence_bounds, sm_count, softmax_finish, softmax_step,
+from .common import (LOG2E, dot_settings, load_tile, sequence_bounds, sm_count, softmax_finish, softmax_step,
                      tma_descriptor, tma_layout_ok, tma_ok, tma_tile)
+from . import dispatch
 from .launch import hooks_installed, launch, launch_and_keep
+from .variant import diagonal, key_blocks
 
 try:  # Hopper's Gluon forward (triton >= 3.6 ships Gluon's Hopper API)
     from . import forward_gluon
@@ -39,7 +41,7 @@ def _attn_fwd_tile(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, stride_kn, stride_vn,
     offs_m, offs_n, offs_d,
-    start_n, end_n, seqlen_k, causal_offset, qk_scale,
+    start_n, end_n, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -53,7 +55,7 @@ def _attn_fwd_tile(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, diag, qk_scale,
                                       MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -111,16 +113,17 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
+    lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
 
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-        0, lo, seqlen_k, causal_offset, qk_scale,
+        0, lo, seqlen_k, diag, qk_scale,
         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-        lo, hi, seqlen_k, causal_offset, qk_scale,
+        lo, hi, seqlen_k, diag, qk_scale,
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
 
@@ -149,7 +152,7 @@ _attn_fwd_tuned = triton.autotune(
 @triton.jit
 def _attn_fwd_tile_tma(
     acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start,
-    offs_m, offs_n, start_n, end_n, seqlen_k, causal_offset, qk_scale,
+    offs_m, offs_n, start_n, end_n, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
@@ -163,7 +166,7 @@ def _attn_fwd_tile_tma(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, causal_offset, qk_scale,
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, diag, qk_scale,
                                       MASKED, IS_CAUSAL, UPCAST_DOT, "tf32")
     return acc, l_i, m_i
 
@@ -205,12 +208,13 @@ def _attn_fwd_tma(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo, hi, causal_offset = key_range(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
+    lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
-                                       0, lo, seqlen_k, causal_offset, qk_scale, False, IS_CAUSAL, IS_VARLEN,
+                                       0, lo, seqlen_k, diag, qk_scale, False, IS_CAUSAL, IS_VARLEN,
                                        HEAD_DIM, BLOCK_N, UPCAST_DOT)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
-                                       lo, hi, seqlen_k, causal_offset, qk_scale, True, IS_CAUSAL, IS_VARLEN,
+                                       lo, hi, seqlen_k, diag, qk_scale, True, IS_CAUSAL, IS_VARLEN,
                                        HEAD_DIM, BLOCK_N, UPCAST_DOT)
 
     out, lse = softmax_finish(acc, l_i, m_i)
@@ -363,14 +367,14 @@ def launch_forward(
         # Dense on Hopper: a plan per call shape (TMA applicability, tiles, launch arguments, the compiled
         # kernel); per call only the addresses are checked (TMA needs 16-byte aligned bases).
         plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, bool(causal),
-                               bool(causal_bottom_right), configs.USE_TMA,
-                               configs.USE_GLUON and forward_gluon is not None and softmax_scale > 0)
+                               bool(causal_bottom_right), dispatch.allows("tma"),
+                               dispatch.allows("gluon") and forward_gluon is not None and softmax_scale > 0)
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
             _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale)
             return out, lse, None
     if config is None and varlen and tma_ok(q, k, v, out):
         gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal))
-                        if configs.USE_GLUON and forward_gluon is not None and softmax_scale > 0 else None)
+                        if dispatch.allows("gluon") and forward_gluon is not None and softmax_scale > 0 else None)
         if gluon_config is not None and (forward_gluon.work_units(seqlen_q, heads_q, batch, gluon_config, bool(causal))
                                          >= forward_gluon.UNIT_LIMIT):  # many (empty) sequences: the TMA kernel
             gluon_config = None

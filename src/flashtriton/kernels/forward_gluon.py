@@ -39,6 +39,7 @@ from .forward_gluon_items import (ITEM_FIELDS, item_bounds, num_items, post_end,
                                   work_ahead)
 from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, sequence, tma_load, wgmma_layout
 from .launch import launch
+from .variant import key_end, tile_masked, visible
 
 ROWS = gl.constexpr(64)  # rows per consumer warpgroup: wgmma's M; an item has ROWS * N_CONSUMERS rows
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
@@ -122,7 +123,7 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
             next_unit = gl.atomic_add(COUNTER, 1, sem="relaxed")  # in flight while this unit's loads are issued
             off_b, off_h, start_m = unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, False, HEAD_DIM)
             seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
-            causal_offset, n_tiles, has_rows = item_bounds(start_m, seq[1], seq[3], IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+            diag, n_tiles, has_rows = item_bounds(start_m, seq[1], seq[3], IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                        BLOCK_M, BLOCK_N)
             if has_rows:
                 qi, c = _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
@@ -134,7 +135,7 @@ def _producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr
         for i in range(0, n_items):
             off_b, off_h, start_m, seq, bounds, ahead = work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                               CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
-            causal_offset, n_tiles, has_rows = bounds
+            diag, n_tiles, has_rows = bounds
             if has_rows:
                 qi, c = _load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
                                    N_CONSUMERS, Q_BUFFERS, POSTED)
@@ -164,27 +165,23 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
+def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale,
                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False):
     """Fold raw scores s (ROWS, BLOCK_N) of keys [n, n + BLOCK_N) into (m_i, l_i): (p, alpha, m_new, l_new).
     Only tiles that reach past the keys or, causal, past the first row's diagonal pay for the mask. COMPACT: one
     compare per score against the row's last visible key, for `_consume_flat` (which says why only there)."""
-    need_mask = n + BLOCK_N > seqlen_k
-    if IS_CAUSAL:
-        need_mask = need_mask | (n + BLOCK_N - 1 > row0 + causal_offset)
+    need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL)
     if need_mask:
         if COMPACT:
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # in the tile
             if IS_CAUSAL:
-                visible = cols[None, :] < (gl.minimum(rows + causal_offset + 1, seqlen_k) - n)[:, None]
+                keep = cols[None, :] < (gl.minimum(key_end(rows, diag, IS_CAUSAL), seqlen_k) - n)[:, None]
             else:
-                visible = cols[None, :] < seqlen_k - n
+                keep = cols[None, :] < seqlen_k - n
         else:
             cols = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            visible = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
-        s = gl.where(visible, s, float("-inf"))
+            keep = visible(cols[None, :] < seqlen_k, rows[:, None], cols[None, :], diag, IS_CAUSAL)
+        s = gl.where(keep, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -195,7 +192,7 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, causal_offset, qk_scale,
 
 
 @gluon.jit
-def _first_softmax(s, row0, seqlen_k, causal_offset, qk_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _first_softmax(s, row0, seqlen_k, diag, qk_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_N: gl.constexpr, dtype: gl.constexpr):
     """An item's first tile of scores s (ROWS, BLOCK_N) from a fresh softmax state: (p_op, m_i, l_i), p_op the
     P operand of its P V."""
@@ -204,13 +201,13 @@ def _first_softmax(s, row0, seqlen_k, causal_offset, qk_scale, IS_CAUSAL: gl.con
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, row0, rows, seqlen_k, causal_offset, qk_scale, IS_CAUSAL,
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, row0, rows, seqlen_k, diag, qk_scale, IS_CAUSAL,
                                        BLOCK_N, s_layout)
     return gl.convert_layout(p.to(dtype), p_layout), m_i, l_i
 
 
 @gluon.jit
-def _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, causal_offset, qk_scale, WG: gl.constexpr,
+def _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, diag, qk_scale, WG: gl.constexpr,
                 IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                 PINGPONG: gl.constexpr):
     """Tile c of the ring, an item's first: its scores and softmax (its P V goes out with the next tile's
@@ -224,13 +221,13 @@ def _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, causal_
     _pass_turn(turn, WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(stage), count=1)
-    p_op, m_i, l_i = _first_softmax(s, row0, seqlen_k, causal_offset, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, q.dtype)
+    p_op, m_i, l_i = _first_softmax(s, row0, seqlen_k, diag, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, q.dtype)
     return p_op, m_i, l_i, g
 
 
 @gluon.jit
 def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles,
-                row0, seqlen_k, causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                row0, seqlen_k, diag, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                 IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                 PINGPONG: gl.constexpr):
     """Tiles c + 1 .. c + n_tiles - 1 of an item whose first tile (c) left (p_op, m_i, l_i): per tile j, S_j and
@@ -257,7 +254,7 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, rows, seqlen_k, causal_offset, qk_scale,
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, rows, seqlen_k, diag, qk_scale,
                                            IS_CAUSAL, BLOCK_N, s_layout)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -282,14 +279,14 @@ def _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, turn, c, g, WG: gl.co
 
 @gluon.jit
 def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c, g, n_tiles, row0, seqlen_k,
-            causal_offset, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+            diag, qk_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1):
     (acc, m_i, l_i, next tile, next turn)."""
-    p_op, m_i, l_i, g = _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, causal_offset, qk_scale,
+    p_op, m_i, l_i, g = _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, row0, seqlen_k, diag, qk_scale,
                                     WG, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
     acc, p_op, m_i, l_i, g = _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty,
-                                         v_empty, turn, c, g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG,
+                                         v_empty, turn, c, g, n_tiles, row0, seqlen_k, diag, qk_scale, WG,
                                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
     acc, g = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, turn, c + n_tiles - 1, g, WG, IS_VARLEN, HEAD_DIM,
                       BLOCK_N, NUM_BUFFERS, PINGPONG)
@@ -330,7 +327,7 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
 
 
 @gluon.jit
-def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles,
+def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles,
                   WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, N_CONSUMERS: gl.constexpr):
     """One item's rows of this warpgroup, its Q landed in slot qs: attend, release the slot, store out and lse.
@@ -344,7 +341,7 @@ def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, se
     q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
     if n_tiles > 0:
         acc, m_i, l_i, c, g = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, c,
-                                      g, n_tiles, row0, seqlen_k, causal_offset, qk_scale, WG, IS_CAUSAL,
+                                      g, n_tiles, row0, seqlen_k, diag, qk_scale, WG, IS_CAUSAL,
                                       IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, PINGPONG)
     else:  # causal with Sq > Sk: rows that see no key
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -360,14 +357,14 @@ def _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, se
 def _following_item(qi, slots, q_ready, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
                     BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """OVERLAP: the item the producer posted in Q slot qi (once its Q has landed): (valid, off_b, off_h, start_m,
-    q_start, seqlen_q, seqlen_k, causal_offset, n_tiles); not valid after the program's last item. The producer
+    q_start, seqlen_q, seqlen_k, diag, n_tiles); not valid after the program's last item. The producer
     works out the schedule (and skips items without rows) so that the consumers' path between items is short."""
     qs = qi % Q_BUFFERS
     mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
     off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = read_item(slots.index(qs))
-    causal_offset, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+    diag, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                ROWS * N_CONSUMERS, BLOCK_N)
-    return off_b >= 0, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles
+    return off_b >= 0, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles
 
 
 @gluon.jit
@@ -375,12 +372,12 @@ def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
                     IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr,
                     Q_BUFFERS: gl.constexpr):
     """The first item from Q slot qi on whose rows see a key: (qi, valid, off_b, off_h, start_m, q_start, seqlen_q,
-    seqlen_k, causal_offset, n_tiles). Items before it (causal with Sq > Sk: rows that see no key) get out 0 and
+    seqlen_k, diag, n_tiles). Items before it (causal with Sq > Sk: rows that see no key) get out 0 and
     lse -inf here, and their Q slots back."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, turn, desc_o, O,
      LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _following_item(
+    valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _following_item(
         qi, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
     while valid & (n_tiles == 0):
         if not IS_VARLEN:
@@ -392,9 +389,9 @@ def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
                     stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True)
         mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
         qi += 1
-        valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _following_item(
+        valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _following_item(
             qi, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
-    return qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles
+    return qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles
 
 
 @gluon.jit
@@ -434,7 +431,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     dtype: gl.constexpr = q_bufs.dtype
     g = gl.to_tensor(0)  # ping-pong turns (unused)
     # The S side: the item in Q slot qi, tile j of its n_tiles; the output side (o_*): the item accumulated in acc.
-    qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_with_keys(
+    qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _item_with_keys(
         gl.to_tensor(0), shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
     c = gl.to_tensor(0)  # K/V tiles consumed, over all items
     j = gl.to_tensor(0)
@@ -449,12 +446,12 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     o_seqlen_q = seqlen_q
     if valid:  # the program's first S, with no P V beside it
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
-        p_op, m_i, l_i, g = _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, o_row0, seqlen_k, causal_offset,
+        p_op, m_i, l_i, g = _first_tile(q, k_bufs, k_ready, k_empty, turn, c, g, o_row0, seqlen_k, diag,
                                         qk_scale, WG, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, False)
         c = 1
         j = 1
         if n_tiles == 1:
-            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_after(
+            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _item_after(
                 qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
             j = 0
     while valid:
@@ -473,7 +470,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         first = j == 0
         m_in = gl.where(first, float("-inf"), m_i)
         l_in = gl.where(first, 0.0, l_i)
-        p, alpha, m_new, l_new = _softmax_tile(s, m_in, l_in, j * BLOCK_N, row0, rows, seqlen_k, causal_offset,
+        p, alpha, m_new, l_new = _softmax_tile(s, m_in, l_in, j * BLOCK_N, row0, rows, seqlen_k, diag,
                                                qk_scale, IS_CAUSAL, BLOCK_N, s_layout, True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -496,7 +493,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         c += 1
         j += 1
         if j == n_tiles:  # the item's last S is done: its Q slot may take the next Q
-            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, causal_offset, n_tiles = _item_after(
+            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _item_after(
                 qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
             j = 0
     if c > 0:  # the last item's last P V, alone
@@ -551,10 +548,10 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
             if more:
                 if not IS_VARLEN:
                     tma.store_wait(0)  # the previous item's output has left o_smem
-                causal_offset, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL,
+                diag, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL,
                                                                CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
                 c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
-                                     causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                                     diag, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                                      PINGPONG, N_CONSUMERS)
             qi += 1
     else:
@@ -563,14 +560,14 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
             off_b, off_h, start_m, seq, bounds, ahead = work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
                                                               CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
             q_start, seqlen_q, k_start, seqlen_k = seq
-            causal_offset, n_tiles, has_rows = bounds
+            diag, n_tiles, has_rows = bounds
             if has_rows:
                 if not IS_VARLEN:
                     tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
                 qs = qi % Q_BUFFERS
                 mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
                 c, g = _consume_item(shared, qs, c, g, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k,
-                                     causal_offset, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                                     diag, n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
                                      PINGPONG, N_CONSUMERS)
                 qi += 1
     if not IS_VARLEN:

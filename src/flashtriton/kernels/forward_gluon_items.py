@@ -13,6 +13,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .gluon_common import sequence
+from .variant import diagonal, key_blocks
 
 L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the unpaired causal schedule keeps in use (L2: 50-60 MB)
 
@@ -80,18 +81,12 @@ def num_items(n_m, n_bh, PAIRS: gl.constexpr):
 @gluon.jit
 def item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """An item's (causal_offset, n_tiles, has_rows) in its sequence: items past a varlen sequence's last row have
+    """An item's (diag, n_tiles, has_rows) in its sequence: items past a varlen sequence's last row have
     no rows."""
-    if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
-        causal_offset = seqlen_k - seqlen_q
-    else:
-        causal_offset = gl.to_tensor(0)
-    if IS_CAUSAL:
-        hi = gl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + causal_offset)
-    else:
-        hi = seqlen_k
-    n_tiles = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
-    return causal_offset, n_tiles, start_m * BLOCK_M < seqlen_q
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
+    lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    return diag, n_tiles, start_m * BLOCK_M < seqlen_q
 
 
 @gluon.jit
@@ -112,7 +107,7 @@ def work(i, n_items, ahead, items, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT:
           CAUSAL_PAIRS: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr):
     """This program's item i, what both partitions loop over: (off_b, off_h, start_m, (q_start, seqlen_q,
-    k_start, seqlen_k), (causal_offset, n_tiles, has_rows), ahead). Varlen: `ahead` holds item i, fetched while
+    k_start, seqlen_k), (diag, n_tiles, has_rows), ahead). Varlen: `ahead` holds item i, fetched while
     item i - 1 ran (`work_ahead`), and comes back holding item i + 1 (item i again after the last), so that the
     cu_seqlens loads are not on an item's critical path."""
     n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k = items

@@ -10,7 +10,7 @@ the real starts of its chunks). Query i sees key j iff
 
 That is the whole mask. Score changes (softcap, ALiBi, sinks) and dropout are fields too, so that every kernel
 family, the float64 reference, the tests and the benchmarks' FLOP counts read one description. The kernels
-take causal attention today; `require_supported` refuses any other field by name until a kernel declares it.
+declare the fields they run (`dispatch.KERNELS`); `require_supported` refuses by name a field that none declares.
 
     1 1 1 1 0      causal, Sq = 2, Sk = 5, d = 3         1 1 1 0 0      window (1, 0), Sq = Sk = 5, d = 0
     1 1 1 1 1                                             0 1 1 1 0  (the diagonal and one key to its left)
@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -109,20 +111,27 @@ class Variant:
 
         return mask_mod
 
-    def unsupported(self) -> list[str]:
-        """The fields set to something no kernel runs yet, by their public argument names."""
-        names = []
-        if self.window != (-1, -1) and not (self.causal and self.window in ((-1, 0), (-1, -1))):
-            names.append("window_size")
+    def fields(self) -> frozenset:
+        """The fields set, by their public argument names: what a kernel must declare to run this variant
+        (`dispatch.Kernel.fields`). A window that only restates causal ((-1, 0) or (-1, -1)) is causal."""
+        names = {"causal"} if self.causal else set()
+        if self.window != (-1, -1) and not (self.causal and self.window == (-1, 0)):
+            names.add("window_size")
         if self.softcap:
-            names.append("softcap")
+            names.add("softcap")
         if self.dropout_p:
-            names.append("dropout_p")
+            names.add("dropout_p")
         if self.alibi_slopes is not None:
-            names.append("alibi_slopes")
+            names.add("alibi_slopes")
         if self.sinks is not None:
-            names.append("learnable_sink")
-        return names
+            names.add("learnable_sink")
+        return frozenset(names)
+
+    def unsupported(self) -> list[str]:
+        """The fields set to something no kernel in `dispatch.KERNELS` runs, by their public argument names."""
+        from .dispatch import unsupported_fields
+
+        return unsupported_fields(self.fields())
 
     def require_supported(self) -> None:
         """NotImplementedError naming the first field the kernels do not run yet."""
@@ -130,3 +139,101 @@ class Variant:
         if names:
             raise NotImplementedError(f"{names[0]} is not supported yet by flashtriton's kernels "
                                       f"(variant fields set: {', '.join(names)})")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Device side: the only mask code in any kernel. Plain `@triton.jit` helpers, which the Gluon kernels call too
+# (a jit function called from a Gluon kernel compiles in Gluon mode): they take index tensors and scalars and
+# make none, so they need no layout. The variant's constexprs are IS_CAUSAL and CAUSAL_BOTTOM_RIGHT; `diag` is
+# the diagonal d above (query row i meets key i + d).
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def diagonal(seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr):
+    """d of a (seqlen_q, seqlen_k) sequence pair: Sk - Sq bottom-right, 0 top-left (and unused without a mask);
+    always a tensor, so that it can be carried through loops and warp-specialized partitions."""
+    if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
+        return seqlen_k - seqlen_q
+    else:
+        return seqlen_k * 0  # a zero of seqlen_k's kind (a tensor where it is one); folds to a constant
+
+
+@triton.jit
+def visible(keep, q_idx, k_idx, diag, IS_CAUSAL: tl.constexpr):
+    """`keep` (a bool tile, or True) and the element mask: query q_idx sees key k_idx. q_idx and k_idx broadcast
+    against each other ((M, 1) and (1, N), or transposed for key-major tiles)."""
+    if IS_CAUSAL:
+        keep = keep & (k_idx <= q_idx + diag)
+    return keep
+
+
+@triton.jit
+def tile_masked(row_first, key_last, diag, IS_CAUSAL: tl.constexpr):
+    """Whether the mask hides some pair of a tile of rows from `row_first` and keys up to `key_last` (the end of
+    the keys is the caller's test)."""
+    if IS_CAUSAL:
+        return key_last > row_first + diag
+    else:
+        return False
+
+
+@triton.jit
+def tile_hidden(row_last, key_first, diag, IS_CAUSAL: tl.constexpr):
+    """Whether the mask hides every pair of a tile of rows up to `row_last` and keys from `key_first`."""
+    if IS_CAUSAL:
+        return key_first > row_last + diag
+    else:
+        return False
+
+
+@triton.jit
+def key_end(row_last, diag, IS_CAUSAL: tl.constexpr):
+    """One past the last key that row `row_last` (or the last of rows up to it) sees; unbounded (a large int)
+    without a causal mask: the caller clips it to the sequence."""
+    if IS_CAUSAL:
+        return row_last + diag + 1
+    else:
+        return 2147483647
+
+
+@triton.jit
+def key_blocks(start_m, seqlen_k, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys the query tile `start_m` (rows [start_m * BLOCK_M, + BLOCK_M)) visits: (lo, hi). Keys [0, lo) are
+    visible to every row of the tile and inside the sequence, so they need no mask; keys [lo, hi) are masked
+    (they straddle the diagonal or the end of the keys); keys from hi on are never visited. lo is a multiple
+    of BLOCK_N."""
+    if IS_CAUSAL:
+        hi = tl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + diag)
+        lo = tl.minimum(start_m * BLOCK_M + diag + 1, seqlen_k)
+    else:
+        hi = seqlen_k
+        lo = seqlen_k
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(tl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi)
+    return lo, hi
+
+
+@triton.jit
+def query_first(start_n, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The first query tile start (a multiple of BLOCK_M) with a row that sees key `start_n`."""
+    if IS_CAUSAL:
+        return tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+    else:
+        return start_n * 0
+
+
+@triton.jit
+def query_blocks(start_n, seqlen_q, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query rows the key tile [start_n, start_n + BLOCK_N) visits: (lo, mid, full), multiples of BLOCK_M. Rows
+    [lo, mid) are masked (they straddle the diagonal), [mid, full) see every key of the tile and lie inside the
+    sequence (no mask), [full, seqlen_q) may reach past the end of the queries (masked); rows before lo see none
+    of the tile's keys."""
+    if IS_CAUSAL:
+        lo = query_first(start_n, diag, IS_CAUSAL, BLOCK_M)
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        mid = 0
+    full = seqlen_q // BLOCK_M * BLOCK_M
+    mid = tl.maximum(tl.minimum(mid, full), lo)
+    full = tl.maximum(full, mid)
+    return lo, mid, full
