@@ -26,6 +26,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from flashtriton import configs  # noqa: E402
+from flashtriton.kernels import dispatch  # noqa: E402
 from flashtriton.kernels import backward as B  # noqa: E402
 from flashtriton.kernels import decode as Dk  # noqa: E402
 from flashtriton.kernels import forward as F  # noqa: E402
@@ -90,18 +91,18 @@ def dcfg(t):
 
 @contextlib.contextmanager
 def kernel_families(kind, varlen_tma_tile=None):
-    """Launches inside take the kernel families FLASHTRITON_KERNEL=`kind` ("auto", "tma", "portable") gives at import:
-    configs.USE_TMA / USE_GLUON, which the launchers read on every call. `varlen_tma_tile` (a VARLEN_TMA entry), when
+    """Launches inside take the kernel families FLASHTRITON_KERNEL=`kind` ("auto", "tma", "portable") allows
+    (`dispatch.force`, which the launchers read on every call). `varlen_tma_tile` (a VARLEN_TMA entry), when
     given, is the TMA forward's tile on packed batches: what configs.varlen_fwd_tma_config, asked on every packed
     call, answers inside."""
-    saved = configs.USE_TMA, configs.USE_GLUON, configs.varlen_fwd_tma_config
-    configs.USE_TMA, configs.USE_GLUON = kind != "portable", kind in ("auto", "gluon")
+    saved = configs.varlen_fwd_tma_config
     if varlen_tma_tile is not None:
         configs.varlen_fwd_tma_config = lambda *a, c=cfg(varlen_tma_tile): c
     try:
-        yield
+        with dispatch.force(kind):
+            yield
     finally:
-        configs.USE_TMA, configs.USE_GLUON, configs.varlen_fwd_tma_config = saved
+        configs.varlen_fwd_tma_config = saved
 
 
 def tma_forward(q, k, v, causal, tile=None, cu=None, mx=None):
@@ -337,7 +338,7 @@ def sweep_gluon_bwd(opts):
                 base = dict(D=D, causal=causal, T=T)
 
                 def run(gluon_cfg):
-                    configs.USE_GLUON_BWD = gluon_cfg is not None
+                    dispatch.CHOICE = dispatch.Choice(gluon_bwd=gluon_cfg is not None)
                     if gluon_cfg is not None:
                         configs.gluon_bwd_config = lambda *a, c=gluon_cfg: c
                     return B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal)
@@ -354,7 +355,7 @@ def sweep_gluon_bwd(opts):
                         rows.append(dict(base, variant=name, error=str(exc)[:300]))
                     finally:
                         configs.gluon_bwd_config = real_config
-                        configs.USE_GLUON_BWD = True
+                        dispatch.CHOICE = dispatch.Choice(gluon_bwd=True)
                 try:
                     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
                     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -429,7 +430,7 @@ def sweep_varlen_bwd(opts):
         do = torch.randn_like(q)
 
         def run(gc, use=True, order="dispatch"):
-            configs.USE_GLUON_BWD = use
+            dispatch.CHOICE = dispatch.Choice(gluon_bwd=use)
             configs.gluon_bwd_config = (lambda *a, c=gc: c) if gc is not None else real_config
             real_order, real_table = configs.VARLEN_BWD_ORDER[causal], BG.cached_work_table
             if order == "grid_table":  # the grid's programs, empty ones included, in its order, from a work table
@@ -442,7 +443,7 @@ def sweep_varlen_bwd(opts):
                                             zero_fill=False)
             finally:
                 configs.gluon_bwd_config = real_config
-                configs.USE_GLUON_BWD = True
+                dispatch.CHOICE = dispatch.Choice(gluon_bwd=True)
                 configs.VARLEN_BWD_ORDER[causal] = real_order
                 BG.cached_work_table = real_table
 
@@ -537,10 +538,10 @@ def sweep_bwd_kernels(opts):
     for D, causal, T in BWD_KERNEL_POINTS:
         q, k, v, out, lse, do, flops = bwd_inputs(T, D, causal)
         for name, on in (("gluon", True), ("triton", False)):
-            configs.USE_GLUON_BWD = on
+            dispatch.CHOICE = dispatch.Choice(gluon_bwd=on)
             times = kernel_times(lambda: B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal))
             rows.append(dict(D=D, causal=causal, T=T, variant=name, kernels_us=times, flops=flops))
-        configs.USE_GLUON_BWD = True
+        dispatch.CHOICE = dispatch.Choice(gluon_bwd=True)
         qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -570,7 +571,7 @@ def sweep_bwd_host(opts):
         q, k, v, out, lse, do, flops = bwd_inputs(T, D, causal)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         for name, on in (("gluon", True), ("triton", False)):
-            configs.USE_GLUON_BWD = on
+            dispatch.CHOICE = dispatch.Choice(gluon_bwd=on)
             forced = real_config(D, T, T, causal)  # the Gluon kernels whatever the size (no host-time threshold)
             configs.gluon_bwd_config = lambda *a, c=forced: c
             direct = lambda: B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal)  # noqa: E731
@@ -616,7 +617,7 @@ def sweep_bwd_host(opts):
             print(f"bwd_host D={D} causal={int(causal)} T={T} {name}: " + " ".join(
                 f"{k2}={v2:.3f}" for k2, v2 in row.items() if isinstance(v2, float)) + f" | {row['autograd_kernels']}",
                 flush=True)
-        configs.USE_GLUON_BWD = True
+        dispatch.CHOICE = dispatch.Choice(gluon_bwd=True)
         configs.gluon_bwd_config = real_config
     return rows
 
@@ -955,7 +956,7 @@ def sweep_decode(opts):
 
 
 def sweep_decode_schedule(opts):
-    """The decode API under each schedule (`configs.DECODE_SCHEDULE`: the split grid, the stream schedule forced,
+    """The decode API under each schedule (`dispatch.decode_schedule()`: the split grid, the stream schedule forced,
     and auto) beside cuDNN, eager and in CUDA graphs, every point measured in ROUNDS interleaved rounds (the
     machine's run-to-run spread is the size of the effect); plus a ragged batch (lengths uniform in 1 .. S) where
     the cache's capacity, not the lengths, sizes the launch."""
@@ -974,8 +975,8 @@ def sweep_decode_schedule(opts):
         with torch.no_grad():
             ref = flashtriton.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens).float()
         for r in range(rounds):
-            for schedule in ("grid", "stream", "auto"):
-                configs.DECODE_SCHEDULE = schedule
+            for schedule in ("split", "stream", "auto"):
+                dispatch.CHOICE = dispatch.Choice(decode=schedule)
 
                 def api():
                     return flashtriton.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
@@ -988,7 +989,7 @@ def sweep_decode_schedule(opts):
                 if Bsz > 1:
                     rows.append(dict(_decode_row(Bsz, S, f"ragged_{schedule}", 0, lambda: (api_ragged(),),
                                                  ragged_bytes), round=r))
-            configs.DECODE_SCHEDULE = "auto"
+            dispatch.CHOICE = dispatch.Choice()
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION if DEV == "cuda" else SDPBackend.MATH]):
                 rows.append(dict(_decode_row(Bsz, S, "sdpa_cudnn", 0, lambda: (torch.nn.functional.scaled_dot_product_attention(
                     qb, kb, vb, enable_gqa=True).transpose(1, 2),), kv_bytes, ref), round=r))

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from flashtriton import configs  # noqa: E402
+from flashtriton.kernels import dispatch  # noqa: E402
 from flashtriton.kernels import forward as F  # noqa: E402
 from flashtriton.kernels import forward_gluon as G  # noqa: E402
 
@@ -49,7 +49,7 @@ def case_fn(name: str):
     elif provider == "tma":
         if torch.cuda.get_device_capability()[0] != 9:
             raise SystemExit("tma: the TMA kernels need an sm_90 GPU")
-        configs.USE_TMA, configs.USE_GLUON = True, False  # FLASHTRITON_KERNEL=tma, read by the launcher on each call
+        dispatch.CHOICE = dispatch.Choice(level="tma")  # FLASHTRITON_KERNEL=tma, read by the launcher on each call
 
         def fn():
             F.attention_forward(q, k, v, scale, causal)
