@@ -88,3 +88,13 @@ def test_reference_with_a_variant_is_the_reference_with_flags():
         flags = attention_reference(q, k, v, 0.3, causal, bottom_right)
         described = attention_reference(q, k, v, 0.3, variant=Variant(causal=causal, bottom_right=bottom_right))
         assert torch.equal(flags, described)
+
+
+def test_attention_flops_counts_a_windows_visible_pairs():
+    from flashtriton.reference import attention_flops
+
+    window = Variant(window=(127, 0))
+    pairs = window.visible_pairs(1024, 1024)
+    assert pairs == sum(min(i, 127) + 1 for i in range(1024))
+    assert attention_flops(2, 3, 1024, 64, variant=window, mode="bwd") == 2.5 * 4.0 * 2 * 3 * pairs * 64
+    assert attention_flops(2, 3, 1024, 64, variant=Variant(causal=True)) == attention_flops(2, 3, 1024, 64, True)

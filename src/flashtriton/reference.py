@@ -72,10 +72,14 @@ def sdpa_reference(q, k, v, softmax_scale=None, is_causal=False, dtype=torch.flo
 
 
 def attention_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool = False,
-                    mode: str = "fwd", seqlen_k: int | None = None) -> float:
+                    mode: str = "fwd", seqlen_k: int | None = None, variant: Variant | None = None) -> float:
     """FLOPs by the FlashAttention papers' convention: 4·B·H·Sq·Sk·D forward (Sk = Sq unless given),
-    halved when causal; backward 2.5× forward, forward+backward 3.5×."""
+    halved when causal; backward 2.5× forward, forward+backward 3.5×. A `variant` whose mask is more than causal
+    (a window) counts its visible pairs exactly (`Variant.visible_flops`)."""
     seqlen_k = seqlen if seqlen_k is None else seqlen_k
+    if variant is not None and variant.window != (-1, -1) and "window_size" in variant.fields():
+        return variant.visible_flops(batch, heads, seqlen, seqlen_k, head_dim, mode)
+    causal = causal or (variant is not None and variant.causal)
     flops = 4.0 * batch * heads * seqlen * seqlen_k * head_dim
     if causal:
         flops /= 2

@@ -113,7 +113,7 @@ def tma_tile(desc, off_b, row, off_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexp
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the Hopper TMA kernels take these tensors: on by default (FLASHTRITON_TMA=0 turns it off), on
+    """Whether the Hopper TMA kernels take these tensors: on unless the switch says `portable` (`dispatch.allows("tma")`), on
     sm_90, fp16/bf16, a head dim the TMA forward declares (`dispatch.KERNELS`), base addresses and strides 16-byte aligned (TMA's
     rules), nothing empty, no broadcast (stride-0) dimension. Off under the interpreter unless a test calls the TMA
     launchers directly."""
