@@ -29,6 +29,7 @@ def _helpers_kernel(MASK, KEY_LO, KEY_HI, Q_LO, Q_MID, Q_FULL, TILE_MASKED, TILE
                      IS_CAUSAL)
     tl.store(MASK + rows[:, None] * SK_PAD + cols[None, :], keep.to(tl.int8))
     tl.store(KEY_END + rows, V.key_end(rows, diag, IS_CAUSAL))
+    tl.store(KEY_END + SQ_PAD + rows, V.key_end_before(rows + 1, diag, IS_CAUSAL))
     for start_m in range(0, tl.cdiv(seqlen_q, BLOCK_M)):
         lo, hi = V.key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
         tl.store(KEY_LO + start_m, lo)
@@ -55,7 +56,7 @@ def test_device_helpers_match_the_dense_mask(sq, sk, causal, bottom_right, block
     sq_pad, sk_pad = triton.next_power_of_2(sq), triton.next_power_of_2(sk)
     n_m, n_n = triton.cdiv(sq, block_m), triton.cdiv(sk, block_n)
     out = {name: torch.full((size,), -7, dtype=torch.int32, device=DEVICE) for name, size in
-           dict(key_lo=n_m, key_hi=n_m, q_lo=n_n, q_mid=n_n, q_full=n_n, key_end=sq_pad).items()}
+           dict(key_lo=n_m, key_hi=n_m, q_lo=n_n, q_mid=n_n, q_full=n_n, key_end=2 * sq_pad).items()}
     mask = torch.zeros(sq_pad, sk_pad, dtype=torch.int8, device=DEVICE)
     masked = torch.full((n_m * 64,), -7, dtype=torch.int8, device=DEVICE)
     hidden = torch.full((n_m * 64,), -7, dtype=torch.int8, device=DEVICE)
@@ -66,6 +67,7 @@ def test_device_helpers_match_the_dense_mask(sq, sk, causal, bottom_right, block
     dense = Variant(causal=causal, bottom_right=bottom_right).dense_mask(sq, sk)
     assert torch.equal(mask.cpu()[:sq, :sk].bool(), dense)
     assert not mask.cpu()[sq:].any() and not mask.cpu()[:, sk:].any()
+    assert out["key_end"][:sq_pad] == out["key_end"][sq_pad:]  # key_end_before(row + 1) is key_end(row)
     if causal:  # key_end: one past the last key each row sees (before clipping to the sequence)
         for i in range(sq):
             seen = dense[i].nonzero()

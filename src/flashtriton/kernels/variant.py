@@ -186,11 +186,21 @@ def tile_hidden(row_last, key_first, diag, IS_CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def key_end(row_last, diag, IS_CAUSAL: tl.constexpr):
-    """One past the last key that row `row_last` (or the last of rows up to it) sees; unbounded (a large int)
-    without a causal mask: the caller clips it to the sequence."""
+def key_end(row, diag, IS_CAUSAL: tl.constexpr):
+    """One past the last key query `row` sees (a tensor of rows, or one); unbounded (a large int) without a causal
+    mask. The caller clips it to the sequence."""
     if IS_CAUSAL:
-        return row_last + diag + 1
+        return row + diag + 1
+    else:
+        return 2147483647
+
+
+@triton.jit
+def key_end_before(row_end, diag, IS_CAUSAL: tl.constexpr):
+    """`key_end(row_end - 1)`: one past the last key that any query row before `row_end` sees, in the form the
+    tile bounds compute it."""
+    if IS_CAUSAL:
+        return row_end + diag
     else:
         return 2147483647
 
@@ -202,8 +212,8 @@ def key_blocks(start_m, seqlen_k, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.con
     (they straddle the diagonal or the end of the keys); keys from hi on are never visited. lo is a multiple
     of BLOCK_N."""
     if IS_CAUSAL:
-        hi = tl.minimum(seqlen_k, (start_m + 1) * BLOCK_M + diag)
-        lo = tl.minimum(start_m * BLOCK_M + diag + 1, seqlen_k)
+        hi = tl.minimum(seqlen_k, key_end_before((start_m + 1) * BLOCK_M, diag, IS_CAUSAL))
+        lo = tl.minimum(key_end(start_m * BLOCK_M, diag, IS_CAUSAL), seqlen_k)
     else:
         hi = seqlen_k
         lo = seqlen_k
