@@ -1,0 +1,148 @@
+"""Backward configs: the Triton kernels' candidates and defaults, the Hopper Gluon kernels' table and gates."""
+
+from __future__ import annotations
+
+import triton
+
+from .table import ANY, CAUSAL, H200, SM90, Table, tiles, variant_class, width
+
+# Two tuned kernels: dK/dV (one program per BLOCK_N keys, streaming BLOCK_M query rows of every head of its GQA
+# group) and dQ (one program per BLOCK_M query rows, streaming BLOCK_N keys). The delta kernel is not tuned.
+BWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "IS_CAUSAL", "IS_VARLEN"]
+
+# Candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, input width ("16": fp16 / bf16, "32": fp32) and
+# padded head dim (64 stands for 16..64). dK/dV keeps two fp32 (BLOCK_N, D) accumulators and K, V resident, dQ one
+# (BLOCK_M, D) accumulator and Q, dO: wide BLOCK_N for dK/dV, wide BLOCK_M for dQ, as in FlashAttention-2 and
+# Triton's tutorial; at D=256 only small tiles fit. Every entry compiles without register spills (stack <= 16
+# bytes) for sm_80 and sm_90 with triton 3.6 (offline `triton.compile` on a GPUTarget, 16-byte-aligned pointers,
+# unit last stride; `cuobjdump -res-usage`; no results file), the fp32 lists for sm_90 only. The first entry of a
+# list is the default off Hopper; autotuning picks among them on the GPU.
+BWD_CANDIDATES = {
+    "dkdv": {
+        ("16", 64): [(32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3),
+                     (64, 64, 4, 3), (64, 64, 8, 2), (32, 32, 4, 2)],
+        ("16", 128): [(32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2),
+                      (32, 64, 8, 2), (16, 64, 4, 3), (32, 32, 4, 2)],
+        ("16", 256): [(32, 32, 8, 2), (64, 32, 8, 2), (32, 16, 4, 2), (16, 32, 4, 2), (32, 32, 4, 2)],
+        ("32", 64): [(32, 32, 8, 2), (16, 32, 4, 2), (32, 16, 4, 2)],
+        ("32", 128): [(16, 32, 4, 2), (16, 16, 4, 2)],
+        ("32", 256): [(16, 32, 8, 2), (16, 16, 4, 2)],
+    },
+    "dq": {
+        ("16", 64): [(128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+                     (64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
+        ("16", 128): [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2),
+                      (32, 32, 4, 2)],
+        ("16", 256): [(64, 32, 8, 2), (32, 32, 8, 2), (16, 64, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2)],
+        ("32", 64): [(32, 32, 4, 2), (32, 32, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2)],
+        ("32", 128): [(32, 32, 8, 2), (32, 16, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
+        ("32", 256): [(32, 32, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
+    },
+}
+
+
+def _bwd_configs(kernel: str) -> list:
+    seen = dict.fromkeys(t for lists in BWD_CANDIDATES[kernel].values() for t in lists)  # ordered, unique
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in seen]
+
+
+BWD_DKDV_CONFIGS = _bwd_configs("dkdv")
+BWD_DQ_CONFIGS = _bwd_configs("dq")
+
+# The one config the interpreter uses for both kernels.
+BWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+
+FIRST_CANDIDATE = "the first candidate"  # a config that says: each kernel's first entry of BWD_CANDIDATES
+
+
+def pair(dkdv: tuple, dq: tuple) -> dict:
+    return {"dkdv": tiles(*dkdv), "dq": tiles(*dq)}
+
+
+# The Triton backward's defaults {"dkdv": .., "dq": ..}. Hopper, fp16 / bf16, D <= 128: small tiles with 4 warps
+# and 3 stages, the fastest when each kernel is swept with the other fixed.
+TRITON_BWD = Table(("gpu", "dtype", "head_dim", "variant"), rows=[
+    # gpu dtype  head dim     variant  config                                       source
+    (SM90, "16", (None, 64),  CAUSAL,  pair(dkdv=(64, 64, 4, 3), dq=(64, 32, 4, 3)), H200 + "explore/bwd.json"),
+    (SM90, "16", (None, 128), ANY,     pair(dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3)), H200 + "explore/bwd.json"),
+    (ANY,  ANY,  ANY,         ANY,     FIRST_CANDIDATE, "why: the widest spill-free candidate (BWD_CANDIDATES)"),
+])
+
+
+def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device, causal: bool = False) -> dict:
+    """The Triton backward's configs {"dkdv": .., "dq": ..}: `TRITON_BWD`'s rule for the call."""
+    configs = TRITON_BWD.lookup(device, width(elem_bytes), head_dim_padded, variant_class(causal))
+    if configs == FIRST_CANDIDATE:
+        key = (width(elem_bytes), max(64, head_dim_padded))
+        return {kernel: tiles(*BWD_CANDIDATES[kernel][key][0]) for kernel in ("dkdv", "dq")}
+    return configs
+
+
+# Hopper's Gluon backward kernels (kernels/backward_gluon.py: a TMA producer and two consumer warpgroups; dK/dV
+# holding 128 keys, dQ holding 128 query rows): fp16 / bf16 at D = 64 and 128 on sm_90, dense and varlen, where no
+# Triton config is forced. Below GLUON_BWD_MIN_FLOPS of work (forward FLOPs, 4·B·Hq·Sq·Sk·D, halved when causal)
+# the Triton kernels' GPU time does not hide the Gluon launches' host time (13 TMA descriptors encoded a call).
+# H200, through autograd: benchmarks/2026-11-29-h200/explore11/run_5af617d97779/explore/bwd_host.json
+GLUON_BWD_MIN_FLOPS = 5e10
+# D = 64 up to 512 keys: the Gluon kernels' GPU time is level with the Triton ones', so their extra host time would
+# only show. H200: benchmarks/2026-11-29-h200/explore10/gluon_bwd_8c6167939b66.json
+GLUON_BWD_D64_MIN_KEYS = 513
+
+# The Gluon backward's configs by head dim: D = 128 3 stages, dQ by 64-key tiles (128-key tiles need 64 more
+# score registers a thread); D = 64 2 stages, dQ by 128-key tiles. Packed (varlen) batches take the same configs,
+# 1.25-1.35x faster than the Triton kernels on the varlen suite's batch.
+# H200: benchmarks/2026-11-29-h200/explore11/run_9452517c10f2/explore/varlen_bwd.json
+GLUON_BWD_D128 = {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240),
+                  "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
+GLUON_BWD_D64 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+                 "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
+GLUON_BWD = Table(("gpu", "dtype", "head_dim"), rows=[
+    # gpu dtype  head dim  config          source
+    (SM90, "16", 128,      GLUON_BWD_D128, H200 + "explore10/gluon_bwd_8c6167939b66.json"),
+    (SM90, "16", 64,       GLUON_BWD_D64,  H200 + "explore10/gluon_bwd_8c6167939b66.json"),
+    (ANY,  ANY,  ANY,      None,           "why: no Gluon config for the head dim: the Triton kernels run it"),
+])
+
+
+def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
+                     fwd_flops: float = float("inf"), varlen: bool = False) -> dict | None:
+    """{"dkdv": config, "dq": config} of the Gluon backward kernels (`GLUON_BWD`), or None (the Triton kernels):
+    None with less work than GLUON_BWD_MIN_FLOPS, or at D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS."""
+    if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
+        return None
+    return GLUON_BWD.lookup(SM90, "16", head_dim)
+
+
+# Where a varlen Gluon backward's programs come from, per causal mode: "grid" (the longest sequence's blocks ×
+# heads × sequences, empty programs included), or the work table (`backward_gluon.work_table`: only the blocks that
+# exist) with the sequences "as_given" or "largest_first" (by seqlen_q · seqlen_k). Causal: the table, largest
+# first, a few % faster than the grid; non-causal: the grid, the table being 1.3-1.6 ms slower there for a reason
+# not known (docs/performance.md, open questions).
+# H200: benchmarks/2026-11-29-h200/explore12/run_b994eb18f8c0/explore/varlen_bwd.json
+VARLEN_BWD_ORDER = {True: "largest_first", False: "grid"}
+
+
+def varlen_bwd_order(causal: bool) -> str:
+    return VARLEN_BWD_ORDER[bool(causal)]
+
+
+def _config_tuple(c: triton.Config) -> tuple:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+
+def _prune_bwd(kernel: str, configs, named_args, kwargs):
+    head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
+    allowed = set(BWD_CANDIDATES[kernel][(width(named_args["Q"].element_size()), max(64, head_dim_padded))])
+    kept = [c for c in configs if _config_tuple(c) in allowed]
+    # Short sequences: tiles longer than the sequence only multiply masked work.
+    q_bucket, k_bucket = named_args["TUNE_SEQLEN_Q"], named_args["TUNE_SEQLEN_K"]
+    short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(32, q_bucket) and c.kwargs["BLOCK_N"] <= max(32, k_bucket)]
+    return short or kept or configs[-1:]
+
+
+def prune_bwd_dkdv_configs(configs, named_args, **kwargs):
+    return _prune_bwd("dkdv", configs, named_args, kwargs)
+
+
+def prune_bwd_dq_configs(configs, named_args, **kwargs):
+    return _prune_bwd("dq", configs, named_args, kwargs)

@@ -1,0 +1,187 @@
+"""Forward configs: the portable kernel's candidates and defaults, the Hopper TMA and Gluon kernels' tables."""
+
+from __future__ import annotations
+
+import triton
+
+from .table import ANY, CAUSAL, FULL, H200, SM80, SM90, Table, tiles, variant_class, width
+
+FWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "IS_CAUSAL", "IS_VARLEN"]
+
+# Autotuning candidates of the portable forward, (BLOCK_M, BLOCK_N, num_warps, num_stages): a curated space around
+# what FlashAttention-2 and Triton's tutorial use, BLOCK_M in {32, 64, 128}. Pruned per problem
+# (`prune_fwd_configs`); `flashtriton tune` sweeps it.
+FWD_CANDIDATES = [
+    (128, 128, 8, 2), (128, 128, 8, 3),
+    (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 3),
+    (64, 128, 4, 3),
+    (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3),
+    (32, 64, 4, 3), (32, 32, 4, 2), (32, 32, 2, 3),
+]
+FWD_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+               for bm, bn, w, s in FWD_CANDIDATES]
+
+# The one config the interpreter uses.
+FWD_INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+FP32_DOTS = "why: fp32 runs the exact (IEEE) dot, whose registers allow small tiles only"
+AMPERE_FIT = "why: tiles that fit Ampere's 163 KiB of shared memory and smaller register file"
+D256_FIT = "why: at D=256 only 64-row tiles keep the accumulator in registers"
+
+# The portable forward's default per (GPU class, input width, padded head dim, variant class, lengths). On Hopper
+# 128-row tiles with 8 warps where every (batch, head) has enough query tiles to fill the GPU, 64-row tiles for
+# short causal calls (fewer idle rows on the diagonal, more programs).
+PORTABLE_FWD = Table(("gpu", "dtype", "head_dim", "variant", "seqlen_q", "seqlen_k"), rows=[
+    # gpu dtype  head dim     variant  seqlen_q      seqlen_k      config               source
+    (ANY,  "32", (None, 128), ANY,     ANY,          ANY,          tiles(64, 32, 4, 2), FP32_DOTS),
+    (ANY,  "32", ANY,         ANY,     ANY,          ANY,          tiles(32, 32, 4, 2), FP32_DOTS),
+    (SM90, "16", (256, None), ANY,     ANY,          ANY,          tiles(64, 64, 8, 2), D256_FIT),
+    (SM80, "16", (256, None), ANY,     ANY,          ANY,          tiles(64, 32, 4, 2), AMPERE_FIT),
+    (SM90, "16", (128, None), CAUSAL,  (None, 1024), ANY,          tiles(64, 32, 4, 3), H200 + "explore/fwd.json"),
+    (SM90, "16", (128, None), CAUSAL,  (None, 2048), ANY,          tiles(64, 64, 4, 3), H200 + "explore/fwd.json"),
+    (SM90, "16", (128, None), CAUSAL,  ANY,          ANY,          tiles(128, 64, 8, 3), H200 + "explore/fwd.json"),
+    (SM90, "16", (128, None), FULL,    ANY,          (2048, None), tiles(128, 64, 8, 3), H200 + "explore/fwd.json"),
+    (SM90, "16", (128, None), FULL,    ANY,          ANY,          tiles(64, 64, 4, 3), H200 + "explore/fwd.json"),
+    (SM80, "16", (128, None), ANY,     ANY,          ANY,          tiles(128, 64, 8, 2), AMPERE_FIT),
+    (ANY,  "16", ANY,         CAUSAL,  (None, 1024), ANY,          tiles(64, 64, 4, 3), H200 + "explore/fwd.json"),
+    (ANY,  ANY,  ANY,         ANY,     ANY,          ANY,          tiles(128, 64, 8, 3), H200 + "explore/fwd.json"),
+])
+
+
+def default_fwd_config(head_dim_padded: int, elem_bytes: int, device, seqlen_q: int = 4096,
+                       seqlen_k: int | None = None, causal: bool = False) -> dict:
+    """The portable forward's config: `PORTABLE_FWD`'s rule for the call (seqlen_k defaults to seqlen_q)."""
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    return PORTABLE_FWD.lookup(device, width(elem_bytes), head_dim_padded, variant_class(causal), seqlen_q, seqlen_k)
+
+
+# Hopper's TMA forward (kernels.forward._attn_fwd_tma) on sm_90 at these head dims, fp16 / bf16, dense or varlen:
+# its tiles below are 1.05-1.24x the portable kernel at every point of the D=64/128 sweep.
+# H200: benchmarks/2026-11-29-h200/explore3/tma.json
+TMA_HEAD_DIMS = (64, 128)
+
+# The TMA forward's tiles per (head dim, variant class, lengths), 3 stages everywhere (2 lose 10-20 %). D=64 causal
+# 64x64 keeps to 128 registers a thread (`maxnreg`) so that four programs share an SM instead of three and cover
+# each other's waits; non-causal gains nothing from it and 128-row tiles spill under it.
+TMA_FWD = Table(("gpu", "dtype", "head_dim", "variant", "seqlen_q", "seqlen_k"), rows=[
+    # gpu dtype  head dim    variant  seqlen_q      seqlen_k      config                source
+    (SM90, "16", (None, 64), CAUSAL,  (8192, None), ANY,          tiles(128, 64, 4, 3), H200 + "explore3/tma.json"),
+    (SM90, "16", (None, 64), CAUSAL,  ANY,          ANY,          tiles(64, 64, 4, 3, maxnreg=128),
+     H200 + "explore15/maxnreg/ab_output.txt"),
+    (SM90, "16", (None, 64), FULL,    ANY,          ANY,          tiles(64, 64, 4, 3), H200 + "explore3/tma.json"),
+    (SM90, "16", ANY,        FULL,    ANY,          (None, 2048), tiles(64, 32, 4, 3), H200 + "explore3/tma.json"),
+    (SM90, "16", ANY,        FULL,    ANY,          ANY,          tiles(128, 128, 8, 3), H200 + "explore3/tma.json"),
+    (SM90, "16", ANY,        CAUSAL,  (None, 512),  ANY,          tiles(64, 64, 4, 3), H200 + "explore3/tma.json"),
+    (SM90, "16", ANY,        CAUSAL,  (None, 8192), ANY,          tiles(64, 32, 4, 3), H200 + "explore3/tma.json"),
+    (ANY,  ANY,  ANY,        ANY,     ANY,          ANY,          tiles(128, 128, 8, 3), H200 + "explore3/tma.json"),
+])
+
+
+def default_fwd_tma_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict:
+    """The TMA forward's tiles for a dense call: `TMA_FWD`'s rule."""
+    return TMA_FWD.lookup(SM90, "16", head_dim, variant_class(causal), seqlen_q, seqlen_k)
+
+
+DENSE_RULE = "the dense rule"  # a config that says: TMA_FWD's rule at the longest sequences
+
+# The TMA forward's tiles for packed (varlen) batches, by the longest sequence: 128x128 with 8 warps at D=128
+# beyond 2048 keys (fastest or level on the varlen suite's batch), else the dense rule (D=64 is not swept packed).
+VARLEN_TMA_FWD = Table(("gpu", "dtype", "head_dim", "longest"), rows=[
+    # gpu dtype  head dim  longest       config                 source
+    (SM90, "16", 128,      (None, 2048), DENSE_RULE,            H200 + "explore4/varlen.json"),
+    (SM90, "16", 128,      ANY,          tiles(128, 128, 8, 3), H200 + "explore4/varlen.json"),
+    (ANY,  ANY,  ANY,      ANY,          DENSE_RULE,            H200 + "explore4/varlen.json"),
+])
+
+
+def varlen_fwd_tma_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> dict:
+    """The TMA forward's tiles for packed sequences: `VARLEN_TMA_FWD`'s rule."""
+    config = VARLEN_TMA_FWD.lookup(SM90, "16", head_dim, max(max_seqlen_q, max_seqlen_k))
+    if config == DENSE_RULE:
+        return default_fwd_tma_config(head_dim, max_seqlen_q, max_seqlen_k, causal)
+    return config
+
+
+# Hopper's Gluon forward (kernels/forward_gluon.py: FlashAttention-3's schedule, a TMA producer and consumer
+# warpgroups, persistent), on sm_90 where its table names the shape (fp16 / bf16, softmax_scale > 0). Base: two
+# consumer warpgroups of 64 rows, 128-key tiles, 2 stages, one persistent program per SM, causal items in pairs of
+# equal work, one Q slot.
+GLUON_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
+                  Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
+# Short items (up to 4k keys causal, 1k non-causal) spend much of their time starting and ending: two Q slots and
+# OVERLAP (each item's last P V issued with the next item's first S, one loop over the program's K/V tiles).
+GLUON_SHORT = dict(GLUON_BASE, Q_BUFFERS=2, OVERLAP=True)
+GLUON_SHORT_D64 = dict(GLUON_SHORT, NUM_BUFFERS=3)
+# D=64 beyond the short items: three consumers (192-row items, FlashAttention-3's D=64 tiles) with OVERLAP.
+GLUON_THREE = dict(GLUON_BASE, N_CONSUMERS=3, CONSUMER_REGS=160, OVERLAP=True)
+# Packed batches: items drawn from a global counter, one Q slot.
+GLUON_DYNAMIC = dict(GLUON_BASE, CAUSAL_PAIRS=False, DYNAMIC=True)
+NO_GLUON = "why: no Gluon config for the shape: the TMA kernel runs it"
+
+# D=64 and D=128 take the Gluon forward at every dense length: it is ahead of the TMA kernel at every point of the
+# standard sweep (D=64 measured in steady state).
+GLUON_FWD = Table(("gpu", "dtype", "head_dim", "variant", "seqlen_k"), rows=[
+    # gpu dtype  head dim  variant  seqlen_k      config             source
+    (SM90, "16", 128,      CAUSAL,  (None, 4096), GLUON_SHORT,       H200 + "explore16/ab/ab_flat2.txt"),
+    (SM90, "16", 128,      FULL,    (None, 1024), GLUON_SHORT,       H200 + "explore16/ab/ab_flat2.txt"),
+    (SM90, "16", 128,      ANY,     ANY,          GLUON_BASE,        H200 + "explore8/gluon_72e8c4a825c2.json"),
+    (SM90, "16", 64,       CAUSAL,  (None, 4096), GLUON_SHORT_D64,   H200 + "explore17/ab_steady.txt"),
+    (SM90, "16", 64,       FULL,    (None, 1024), GLUON_SHORT_D64,   H200 + "explore17/ab_steady.txt"),
+    (SM90, "16", 64,       ANY,     ANY,          GLUON_THREE,       H200 + "explore17/ab_steady.txt"),
+    (ANY,  ANY,  ANY,      ANY,     ANY,          None,              NO_GLUON),
+])
+
+
+def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool) -> dict | None:
+    """The Gluon forward's config for a dense call (`GLUON_FWD`), or None (the TMA kernel)."""
+    return GLUON_FWD.lookup(SM90, "16", head_dim, variant_class(causal), seqlen_k)
+
+
+# Packed (varlen) batches at D=128, causal or not: GLUON_DYNAMIC, so that programs that drew short sequences draw
+# more (20 % off the causal forward against a static share per program; ahead of the TMA kernel's best tiles
+# non-causal).
+GLUON_VARLEN_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
+    # gpu dtype  head dim  config         source
+    (SM90, "16", 128,      GLUON_DYNAMIC, H200 + "explore9/varlen_fwd_de6340f13ce5.json"),
+    (ANY,  ANY,  ANY,      None,          NO_GLUON),
+])
+
+
+def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> dict | None:
+    """The Gluon forward's config for packed (varlen) batches (`GLUON_VARLEN_FWD`), or None (the TMA kernel)."""
+    return GLUON_VARLEN_FWD.lookup(SM90, "16", head_dim)
+
+
+def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    warps, stages = config.num_warps, config.num_stages
+    # Shared memory: the Q tile and `stages` buffers of K and V tiles; H100 / H200 allow 227 KiB a block, A100
+    # 163 KiB: keep to the smaller, so that one list serves both.
+    smem = elem_bytes * head_dim_padded * (bm + 2 * bn * max(stages - 1, 1))
+    if smem > 160 * 1024:
+        return False
+    # Registers: the fp32 accumulator (BM x D) and scores (BM x BN) spread over the warps' threads.
+    acc_regs_per_thread = (bm * head_dim_padded + bm * bn) / (warps * 32)
+    if acc_regs_per_thread > 160:
+        return False
+    # Too many warps for a tiny tile waste the machine; too few for a big one spill.
+    if bm == 32 and warps == 8:
+        return False
+    if bm == 128 and warps == 4 and head_dim_padded >= 128 and bn >= 128:
+        return False
+    if bn > bm * 2:
+        return False
+    return True
+
+
+def prune_fwd_configs(configs, named_args, **kwargs):
+    head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
+    elem_bytes = named_args["Q"].element_size()
+    if elem_bytes == 4:  # fp32 runs the exact (IEEE) dot: small tiles only
+        kept = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64]
+    else:
+        kept = [c for c in configs if _fwd_fits(c, head_dim_padded, elem_bytes)]
+    # Short sequences: a BLOCK_N wider than the keys only multiplies masked work.
+    seqlen_k_bucket = named_args["TUNE_SEQLEN_K"]
+    kept = [c for c in kept if c.kwargs["BLOCK_N"] <= max(32, seqlen_k_bucket)] or kept
+    return kept or configs[:1]
