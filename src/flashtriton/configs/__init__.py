@@ -18,7 +18,8 @@ How a launcher picks its config, in order:
                VARLEN_BWD_ORDER
   decode.py    the split decode kernel (SPLIT_DECODE), the split-KV and schedule constants
   table.py     Table, the keys a rule names (GPU classes, input widths, variant classes), seqlen_bucket
-Host arithmetic and device queries (`cdiv`, `next_power_of_2`, `padded_head_dim`, `capability`) live in
+Which kernel families a call may take (the switch FLASHTRITON_KERNEL) and what each declares are
+`kernels/dispatch.py`'s. Host arithmetic and device queries (`cdiv`, `next_power_of_2`, `padded_head_dim`, `capability`) live in
 `kernels/host.py`; they are re-exported here for the kernels' call sites.
 """
 
@@ -37,7 +38,7 @@ from .decode import (DECODE_AUTOTUNE_KEY, DECODE_CANDIDATES, DECODE_CONFIGS, DEC
                      SPLIT_DECODE, decode_programs_per_sm, decode_shared_memory, default_decode_config,
                      prune_decode_configs)
 from .forward import (FWD_AUTOTUNE_KEY, FWD_CANDIDATES, FWD_CONFIGS, FWD_INTERPRETER_CONFIG, GLUON_FWD,
-                      GLUON_VARLEN_FWD, PORTABLE_FWD, TMA_FWD, TMA_HEAD_DIMS, VARLEN_TMA_FWD, default_fwd_config,
+                      GLUON_VARLEN_FWD, PORTABLE_FWD, TMA_FWD, VARLEN_TMA_FWD, default_fwd_config,
                       default_fwd_tma_config, gluon_fwd_config, gluon_varlen_config, prune_fwd_configs,
                       varlen_fwd_tma_config)
 from .table import Table, seqlen_bucket
@@ -48,56 +49,3 @@ TABLES = {"PORTABLE_FWD": PORTABLE_FWD, "TMA_FWD": TMA_FWD, "VARLEN_TMA_FWD": VA
           "SPLIT_DECODE": SPLIT_DECODE}
 
 AUTOTUNE: bool = os.environ.get("FLASHTRITON_AUTOTUNE", "0") == "1"
-
-# Which kernel families the dispatch may take, from FLASHTRITON_KERNEL (read once, at import):
-#   auto (default) or gluon: the Gluon kernels where the rules name the shape, else the TMA kernels on Hopper,
-#     else the portable ones;
-#   tma: no Gluon kernel (the TMA forward and the Triton backward on Hopper);
-#   portable: the portable Triton kernels everywhere, as Ampere runs them.
-# The three booleans below are what the launchers read (tests set them directly).
-KERNELS = ("auto", "gluon", "tma", "portable")
-_LEGACY_SWITCHES = {"FLASHTRITON_TMA": "portable", "FLASHTRITON_GLUON": "tma", "FLASHTRITON_GLUON_BWD": None}
-
-
-def kernel_choice(environ=os.environ) -> tuple[bool, bool, bool]:
-    """(USE_TMA, USE_GLUON, USE_GLUON_BWD) from FLASHTRITON_KERNEL; ValueError naming it for an unknown value.
-    The older FLASHTRITON_TMA=0 / FLASHTRITON_GLUON=0 / FLASHTRITON_GLUON_BWD=0 still work, with a FutureWarning
-    that names the replacement (FLASHTRITON_GLUON_BWD=0, the Gluon backward alone, has none)."""
-    choice = environ.get("FLASHTRITON_KERNEL", "auto").strip().lower()
-    if choice not in KERNELS:
-        raise ValueError(f"FLASHTRITON_KERNEL must be one of {', '.join(KERNELS)}, got {choice!r}")
-    use_tma, use_gluon = choice != "portable", choice in ("auto", "gluon")
-    use_gluon_bwd = use_gluon
-    for name, replacement in _LEGACY_SWITCHES.items():
-        if environ.get(name, "1") != "0":
-            continue
-        import warnings
-
-        instead = f"use FLASHTRITON_KERNEL={replacement}" if replacement else "it stays for one release"
-        warnings.warn(f"{name}=0 is deprecated: {instead}", FutureWarning, stacklevel=2)
-        if name == "FLASHTRITON_TMA":
-            use_tma = use_gluon = use_gluon_bwd = False
-        elif name == "FLASHTRITON_GLUON":
-            use_gluon = use_gluon_bwd = False
-        else:
-            use_gluon_bwd = False
-    return use_tma, use_gluon, use_gluon_bwd
-
-
-_USE_TMA, _USE_GLUON, _USE_GLUON_BWD = kernel_choice()
-
-# Hopper's TMA forward (fp16 / bf16, dense or varlen, at TMA_HEAD_DIMS) on sm_90; off with
-# FLASHTRITON_KERNEL=portable (or configs.USE_TMA = False, which turns the Gluon kernels off too).
-USE_TMA: bool = _USE_TMA
-# Hopper's Gluon forward on sm_90 where GLUON_FWD / GLUON_VARLEN_FWD name the shape; off with FLASHTRITON_KERNEL=tma
-# (or configs.USE_GLUON = False), which keeps the backward on the Triton kernels too.
-USE_GLUON: bool = _USE_GLUON
-# Hopper's Gluon backward under USE_GLUON where GLUON_BWD names the shape and no Triton config is forced;
-# configs.USE_GLUON_BWD = False keeps the Triton kernels.
-USE_GLUON_BWD: bool = _USE_GLUON_BWD
-
-# The decode launch's schedule (kernels.decode), from FLASHTRITON_DECODE_SCHEDULE: "grid" (`_decode_split`:
-# B·Hkv·M tiles × splits programs, each sequence's keys cut into equal splits), "stream" (`_decode_stream`: all key
-# tiles of the batch cut into one equal range per program, units shared between programs merged), or "auto": the
-# stream schedule where `decode.stream_programs` takes it (DECODE_STREAM_MAX_BATCH, DECODE_STREAM_MIN_KEYS).
-DECODE_SCHEDULE: str = os.environ.get("FLASHTRITON_DECODE_SCHEDULE", "auto")

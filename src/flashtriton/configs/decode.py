@@ -64,7 +64,7 @@ DECODE_MAX_SPLITS = 128
 DECODE_PROGRAM_OVERHEAD_TILES = 3
 DECODE_SPLIT_OVERHEAD_TILES = 5
 
-# The decode schedule's "auto" (configs.DECODE_SCHEDULE; kernels.decode.stream_programs): the stream schedule for
+# The decode schedule's "auto" (dispatch.decode_schedule(); stream_programs): the stream schedule for
 # batches of 2 .. DECODE_STREAM_MAX_BATCH sequences (every stream program reads all cache lengths) whose caches
 # hold at least DECODE_STREAM_MIN_KEYS keys. There ragged batches (lengths uniform in 1 .. cache) gain 4-42 % and
 # full caches lose ~1 %; at 4k keys and below the full-cache loss outweighs the ragged gain. H200, GPU time:

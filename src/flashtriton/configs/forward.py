@@ -55,10 +55,9 @@ def default_fwd_config(head_dim_padded: int, elem_bytes: int, device, seqlen_q: 
     return PORTABLE_FWD.lookup(device, width(elem_bytes), head_dim_padded, variant_class(causal), seqlen_q, seqlen_k)
 
 
-# Hopper's TMA forward (kernels.forward._attn_fwd_tma) on sm_90 at these head dims, fp16 / bf16, dense or varlen:
-# its tiles below are 1.05-1.24x the portable kernel at every point of the D=64/128 sweep.
+# Hopper's TMA forward (kernels.forward._attn_fwd_tma; the head dims and dtypes it takes are its row in
+# kernels/dispatch.py): its tiles below are 1.05-1.24x the portable kernel at every point of the D=64/128 sweep.
 # H200: benchmarks/2026-11-29-h200/explore3/tma.json
-TMA_HEAD_DIMS = (64, 128)
 
 # The TMA forward's tiles per (head dim, variant class, lengths), 3 stages everywhere (2 lose 10-20 %). D=64 causal
 # 64x64 keeps to 128 registers a thread (`maxnreg`) so that four programs share an SM instead of three and cover
