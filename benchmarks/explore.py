@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from flashtriton import configs  # noqa: E402
 from flashtriton.kernels import dispatch  # noqa: E402
 from flashtriton.kernels import backward as B  # noqa: E402
-from flashtriton.kernels import decode as Dk  # noqa: E402
+from flashtriton.kernels import decode_launch as Dk  # noqa: E402
 from flashtriton.kernels import forward as F  # noqa: E402
 from flashtriton.reference import attention_flops  # noqa: E402
 
@@ -390,7 +390,7 @@ _GRID_TABLES: dict = {}
 
 
 def _grid_work_table(cu_q, cu_k, heads, kernel, causal, longest_first, total):
-    """A `backward_gluon.work_table` with a row for every program of the grid (blocks of the longest sequence ×
+    """A `backward_gluon_launch.work_table` with a row for every program of the grid (blocks of the longest sequence ×
     heads × sequences, blocks fastest), empty ones included (their kernels return on start >= the sequence's
     length), in the grid's order (dQ causal: the last blocks first). Built at the first (eager) call, reused in
     CUDA graph captures (it reads the longest length on the host)."""
@@ -418,7 +418,7 @@ def sweep_varlen_bwd(opts):
     Each variant's gradients against the Triton kernels' (max abs difference), then eager (do_bench) and CUDA-graph
     (GPU time) medians; the dense backward on the batch padded to its longest sequence for the ratio of the issue."""
     from flashtriton.tools.bench_core import varlen_flops
-    from flashtriton.kernels import backward_gluon as BG
+    from flashtriton.kernels import backward_gluon_launch as BG
 
     q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
     lens = (cu[1:] - cu[:-1]).tolist()
@@ -814,7 +814,7 @@ def sweep_varlen(opts):
         jobs += [("varlen", (w, c, x)) for c in (False, True)
                  for w, tab in (("dkdv", VARLEN_BWD_DKDV), ("dq", VARLEN_BWD_DQ)) for x in tab]
     precompile(jobs, opts.jobs)
-    from flashtriton.kernels import backward_gluon as BG
+    from flashtriton.kernels import backward_gluon_launch as BG
 
     q, k, v, cu, mx = _varlen_inputs(small=SMOKE)
     lens = (cu[1:] - cu[:-1]).tolist()

@@ -77,7 +77,7 @@ def main(out_dir: str) -> None:
 def gluon_bwd_kernels(out: Path) -> None:
     """The Gluon backward (dK/dV and dQ) in every config the dispatch picks, dense and varlen, causal or not."""
     from flashtriton import configs
-    from flashtriton.kernels.backward_gluon import compile_for_sm90
+    from flashtriton.kernels.backward_gluon_launch import compile_for_sm90
 
     for head_dim in (64, 128):
         for causal in (False, True):

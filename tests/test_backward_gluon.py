@@ -15,7 +15,7 @@ import flashtriton
 from flashtriton.kernels import dispatch
 from flashtriton import configs
 from flashtriton.kernels import backward as B
-from flashtriton.kernels import backward_gluon as BG
+from flashtriton.kernels import backward_gluon_launch as BG
 from flashtriton.kernels.forward import attention_forward
 
 from test_backward import check_grads, make_qkv
@@ -367,7 +367,7 @@ def test_gluon_backward_compiles_for_sm90_without_a_gpu():
     script = (
         "import torch\n"
         "from flashtriton import configs\n"
-        "from flashtriton.kernels.backward_gluon import compile_for_sm90\n"
+        "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
         "for head_dim, causal, dtype in ((128, False, torch.float16), (128, True, torch.bfloat16),\n"
         "                                (64, False, torch.bfloat16), (64, True, torch.float16)):\n"
         "    config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal)\n"

@@ -292,7 +292,7 @@ def test_preprocess_subtracts_dlse_in_both_layouts(device):
     (padded); dlse may be expanded (stride 0); rows whose lse is -inf keep delta."""
     from flashtriton.kernels import backward as B
 
-    bg = pytest.importorskip("flashtriton.kernels.backward_gluon")
+    bg = pytest.importorskip("flashtriton.kernels.backward_gluon_launch")
     gen = torch.Generator().manual_seed(5)
 
     def rand(*shape, dt=torch.float16):
@@ -333,9 +333,9 @@ def test_lse_gradient_at_gluon_sizes(causal, device, monkeypatch):
     from flashtriton.kernels.host import capability
 
     gluon_calls = []
-    if B.backward_gluon is not None:
-        real = B.backward_gluon.launch_dkdv_gluon
-        monkeypatch.setattr(B.backward_gluon, "launch_dkdv_gluon",
+    if B.backward_gluon_launch is not None:
+        real = B.backward_gluon_launch.launch_dkdv_gluon
+        monkeypatch.setattr(B.backward_gluon_launch, "launch_dkdv_gluon",
                             lambda *a, **kw: gluon_calls.append(1) or real(*a, **kw))
     q, k, v = leaves(device, b=1, sq=2048, sk=2048, hq=48, hkv=8, d=128, dtype=torch.bfloat16, seed=11)
     gen = torch.Generator().manual_seed(2)
@@ -352,7 +352,7 @@ def test_lse_gradient_at_gluon_sizes(causal, device, monkeypatch):
     out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, 2048, 2048, causal=causal,
                                                      return_attn_probs=True)
     _check_lse_grads(torch.autograd.grad((out, lse), (q, k, v), (w, u)), q, k, v, w, u, causal, cu, cu)
-    if (B.backward_gluon is not None and dispatch.gluon_bwd_allowed()
+    if (B.backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
             and capability(q.device)[0] == 9):
         assert len(gluon_calls) == 2  # both backwards ran the Gluon kernels, which read the padded delta
 

@@ -16,8 +16,8 @@ import torch
 
 from flashtriton.kernels import dispatch
 from flashtriton import configs, kvcache
-from flashtriton.kernels import decode
-from flashtriton.kernels.decode import choose_num_splits, decode_attention
+from flashtriton.kernels import decode, decode_launch
+from flashtriton.kernels.decode_launch import choose_num_splits, decode_attention
 from flashtriton.kvcache import flash_attn_with_kvcache
 from flashtriton.reference import attention_reference
 
@@ -206,23 +206,23 @@ def stream_schedule(monkeypatch):
         monkeypatch.setattr(configs, "DECODE_INTERPRETER_SMS", sms)
         if min_split_keys is not None:
             monkeypatch.setattr(configs, "DECODE_MIN_SPLIT_KEYS", min_split_keys)
-        decode._decode_plan.cache_clear()  # plans are kept per shape, and these settings are not in the key
+        decode_launch._decode_plan.cache_clear()  # plans are kept per shape, and these settings are not in the key
 
     yield use
-    decode._decode_plan.cache_clear()
+    decode_launch._decode_plan.cache_clear()
 
 
 def _launched_kernels(monkeypatch):
     """Names and grids of the decode launches from now on."""
     seen = []
-    launch, keep = decode.launch, decode.launch_and_keep
+    launch, keep = decode_launch.launch, decode_launch.launch_and_keep
 
     def record(kernel, grid, args, meta):
         assert len(grid) == 3  # a kept launch (`Relaunch`) passes all three grid dimensions
         seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, tuple(grid)))
 
-    monkeypatch.setattr(decode, "launch", lambda k, g, a, m: (record(k, g, a, m), launch(k, g, a, m))[1])
-    monkeypatch.setattr(decode, "launch_and_keep", lambda k, g, a, m: (record(k, g, a, m), keep(k, g, a, m))[1])
+    monkeypatch.setattr(decode_launch, "launch", lambda k, g, a, m: (record(k, g, a, m), launch(k, g, a, m))[1])
+    monkeypatch.setattr(decode_launch, "launch_and_keep", lambda k, g, a, m: (record(k, g, a, m), keep(k, g, a, m))[1])
     return seen
 
 
@@ -269,7 +269,7 @@ def test_stream_schedule_one_unit_over_many_programs(stream_schedule, monkeypatc
     programs = seen[0][1][0]
     assert programs > decode.MERGE_CHUNK.value, seen
     run_case(batch=2, heads_q=2, heads_kv=1, capacity=300, seqlens=[0, 0])  # no key anywhere: 0 and -inf
-    for (kind, *_), buf in decode._STREAM_BUFFERS.items():
+    for (kind, *_), buf in decode_launch._STREAM_BUFFERS.items():
         if kind == "tickets":
             assert int(buf.abs().sum()) == 0
 
@@ -287,7 +287,7 @@ def test_stream_programs_model():
     program: a batch of full caches is cut as the split grid cuts it), for batches of several sequences with long
     caches under a one-program-per-SM config; batch 1, short caches and many programs per SM keep the grid."""
     def pick(batch, keys, per_sm=1, force=False):
-        return decode.stream_programs(batch * 8, keys, 132, 128, per_sm, batch, force=force)
+        return decode_launch.stream_programs(batch * 8, keys, 132, 128, per_sm, batch, force=force)
 
     assert pick(8, 32768) == 128 and pick(8, 131072) == 128  # 2 programs per unit
     assert pick(8, 16384) == 0 and pick(8, 16384, force=True) == 128  # below DECODE_STREAM_MIN_KEYS
@@ -919,7 +919,7 @@ def test_output_without_lse_equals_output_with_it(num_splits):
 def test_repeated_split_calls_reuse_zeroed_ticket_counters():
     """Split-KV launches count finished splits in counters that each launch leaves at zero (no memset per
     call on the GPU): many calls in a row, with different split counts and batch sizes, all stay correct."""
-    from flashtriton.kernels import decode
+    from flashtriton.kernels import decode_launch
 
     q, k_cache, v_cache, seqlens = _decode_inputs()
     with torch.no_grad():
@@ -932,7 +932,7 @@ def test_repeated_split_calls_reuse_zeroed_ticket_counters():
             assert torch.equal(got, expected[splits])
             one = flash_attn_with_kvcache(q[:1], k_cache, v_cache, cache_seqlens=seqlens[:1], num_splits=splits)
             assert torch.equal(one, expected[splits][:1])
-    for (kind, *_), buf in decode._STREAM_BUFFERS.items():  # on the GPU: kept counters are all back at zero
+    for (kind, *_), buf in decode_launch._STREAM_BUFFERS.items():  # on the GPU: kept counters are all back at zero
         if kind == "tickets":
             assert int(buf.abs().sum()) == 0
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import validation as V
-from .kernels.decode import MAX_CAPACITY, append_kv, decode_attention
+from .kernels.decode_launch import MAX_CAPACITY, append_kv, decode_attention
 from .kernels.launch import on_inputs_device
 
 # Check the values of cache_seqlens, cache_batch_idx and block_table on the host (one device-to-host copy per

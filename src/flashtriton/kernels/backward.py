@@ -33,9 +33,9 @@ from .launch import launch
 from .variant import diagonal, key_blocks, query_blocks, visible
 
 try:  # Hopper's Gluon dK/dV kernel (triton >= 3.6 ships Gluon's Hopper API)
-    from . import backward_gluon
+    from . import backward_gluon_launch
 except ImportError:  # pragma: no cover
-    backward_gluon = None
+    backward_gluon_launch = None
 
 PREPROCESS_BLOCK_M = 64
 
@@ -355,7 +355,7 @@ def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=Fals
     """(lse, delta) for the backward kernels; delta = rowsum(dO ∘ O) in fp32. out, dout (B, Sq, Hq, D) with lse
     (B, Hq, Sq), or varlen (total_q, Hq, D) with lse (Hq, total_q) and cu_seqlens_q. Not padded: delta like lse,
     lse itself. Padded (the Gluon kernels, which load whole 16-byte aligned tiles): both in
-    `backward_gluon.padded_rows`' layout, written by the one preprocess launch (no fill, no copy).
+    `backward_gluon_launch.padded_rows`' layout, written by the one preprocess launch (no fill, no copy).
     dlse (shaped like lse, fp32, any strides): the gradient of lse, subtracted from delta in the same launch."""
     varlen = cu_seqlens_q is not None
     heads_q, head_dim = out.shape[-2], out.shape[-1]
@@ -368,7 +368,7 @@ def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=Fals
         o_s, do_s, l_s = out.stride(), dout.stride(), (lse.stride(0), lse.stride(1))
     rows = seqlen_q
     if padded:
-        n_pad = backward_gluon.padded_rows(out.shape[0] if varlen else seqlen_q, varlen, batch)
+        n_pad = backward_gluon_launch.padded_rows(out.shape[0] if varlen else seqlen_q, varlen, batch)
         lse_out = torch.empty((*lse.shape[:-1], n_pad), dtype=torch.float32, device=out.device)
         delta = torch.empty_like(lse_out)
         p_s = (0, lse_out.stride(0)) if varlen else (lse_out.stride(0), lse_out.stride(1))
@@ -436,12 +436,12 @@ def attention_backward(
     if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
         return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
     gluon_config = None
-    if (config is None and backward_gluon is not None and dispatch.gluon_bwd_allowed()
+    if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
             and tma_ok(q, k, v, dout, dq, dk, dv)):  # (no broadcast, stride-0, dimension among them)
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
         gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)
-        pad = backward_gluon.padded_rows(q.shape[0] if varlen else seqlen_q, varlen, batch)
+        pad = backward_gluon_launch.padded_rows(q.shape[0] if varlen else seqlen_q, varlen, batch)
         if heads_q * (1 if varlen else batch) * pad >= 2**31:  # the padded lse / delta's TMA coordinates are int32
             gluon_config = None
 
@@ -452,11 +452,11 @@ def attention_backward(
     lse, delta = preprocess(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None, dlse)
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if gluon_config is not None:
-        backward_gluon.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
-                                         causal_bottom_right, gluon_config["dkdv"], *varlen_args)
+        backward_gluon_launch.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
+                                                causal_bottom_right, gluon_config["dkdv"], *varlen_args)
         if gluon_config["dq"] is not None:  # (the host path of short calls: nothing below is needed)
-            backward_gluon.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal, causal_bottom_right,
-                                           gluon_config["dq"], *varlen_args)
+            backward_gluon_launch.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal,
+                                                  causal_bottom_right, gluon_config["dq"], *varlen_args)
             return dq, dk, dv
 
     # The Triton kernels: dK/dV unless the Gluon kernel ran it, then dQ.

@@ -140,7 +140,7 @@ def launch(fn, grid: tuple, args: tuple, meta: dict):
 
 class Relaunch:
     """One compiled kernel, launched again with new argument values of the same signature without any key:
-    for a caller that already knows the signature is unchanged (e.g. `kernels.decode` keys its launch plans
+    for a caller that already knows the signature is unchanged (e.g. `kernels.decode_launch` keys its launch plans
     on shapes, strides and dtypes, and checks pointer alignment itself). Pointer arguments may be passed as
     ints (`tensor.data_ptr()`), which Triton's launcher takes as they are."""
 

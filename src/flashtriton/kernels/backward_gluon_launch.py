@@ -1,0 +1,260 @@
+"""The host side of Hopper's Gluon backward (the kernels are `backward_gluon`'s): the padded lse / delta layout's
+sizes (`padded_rows`) and its descriptor (`row_descriptor`), each kernel's grid, int arguments and constexprs
+(`launch_parts`, kept per dense call shape in `_dense_plan`), the varlen work table (`work_table`, remembered per
+cu_seqlens pair), the launchers `launch_dkdv_gluon` / `launch_dq_gluon` that `backward.attention_backward` calls
+where `configs.gluon_bwd_config` says, and `compile_for_sm90` (the kernels compiled without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .. import configs
+from .backward_gluon import BLOCK_M, KEYS, ROWS, _attn_bwd_dkdv_gluon, _attn_bwd_dq_gluon
+from .common import LOG2E
+from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor
+from .launch import hooks_installed, launch, launch_and_keep
+from .memo import remembered
+
+
+@functools.lru_cache(maxsize=None)
+def _row_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def row_descriptor(t: torch.Tensor) -> TensorDescriptor:
+    """Descriptor of a contiguous fp32 lse / delta buffer (a fresh allocation: aligned) as one flat row, in blocks
+    of BLOCK_M values; built without TensorDescriptor's re-checks where its fields allow (`descriptor`)."""
+    flat = t.view(-1)
+    if not FAST_DESCRIPTOR:
+        return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M.value], _row_layout())
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = \
+        flat, [flat.numel()], [1], [BLOCK_M.value], _row_layout(), "zero"
+    return desc
+
+
+def padded_seqlen(seqlen_q: int) -> int:
+    """lse / delta rows per (batch, head) of a dense batch: Sq rounded up to the dQ kernel's 128-row tiles."""
+    return configs.cdiv(seqlen_q, KEYS.value) * KEYS.value
+
+
+def padded_rows(seqlen_q: int, varlen: bool, batch: int = 0) -> int:
+    """lse / delta rows per (batch entry and) head. Dense: `padded_seqlen`. Varlen (seqlen_q = total_q, `batch`
+    sequences): each sequence starts at a 16-byte aligned row (`backward_gluon._lse_rows`), the last 128 rows a
+    margin so that the last sequence's last tile stays inside."""
+    return 4 * (configs.cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
+
+
+def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2) -> int:
+    """Shared memory of a kernel's tiles (barriers aside). dK/dV: K and V of 128 keys, and per stage a 64-row Q and
+    dO tile with their lse and delta. dQ: Q and dO of 128 rows, and per stage a K and a V tile."""
+    resident = 2 * KEYS.value * head_dim * elem_bytes
+    if kernel == "dkdv":
+        per_stage = 2 * BLOCK_M.value * (head_dim * elem_bytes + 4)
+    else:
+        per_stage = 2 * config["BLOCK_N"] * head_dim * elem_bytes
+    return resident + config["NUM_STAGES"] * per_stage
+
+
+def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv",
+                 batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
+    """(grid, int arguments after the scales and output strides, constexprs and options) of the dK/dV or the dQ
+    kernel. Dense (batch None): q (B, Sq, Hq, D), k (B, Sk, Hkv, D). Varlen: q (total_q, Hq, D),
+    k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens."""
+    varlen = batch is not None
+    heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
+    if varlen:
+        seqlen_q, seqlen_k, pad = max_seqlen_q, max_seqlen_k, padded_rows(q_shape[0], True, batch)
+    else:
+        batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
+        pad = padded_rows(seqlen_q, False)
+    if shared_memory_bytes(config, head_dim, kernel) > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"Gluon {kernel} config {config} needs {shared_memory_bytes(config, head_dim, kernel)} bytes "
+                         f"of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
+    if kernel == "dkdv":
+        grid = (triton.cdiv(seqlen_k, KEYS.value), heads_kv, batch)
+    else:
+        grid = (triton.cdiv(seqlen_q, KEYS.value), heads_q, batch)
+    ints = (heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k, pad)
+    meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+                HEAD_DIM=head_dim, num_warps=4, WORK_TABLE=False, **config)
+    return grid, ints, meta
+
+
+def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: int, kernel: str, causal: bool,
+               longest_first: bool, total: int) -> torch.Tensor:
+    """int32 (rows, 8) on cu_seqlens' device, one row per program of a varlen dK/dV (kernel "dkdv": key blocks,
+    `heads` the kv heads) or dQ ("dq": query blocks, the query heads) launch: (sequence b, head, first key / query
+    row of its 128, q_start, seqlen_q, k_start, seqlen_k, 0). Only blocks that exist get a row (a grid over the
+    longest sequence's blocks is half empty programs on mixed lengths); rows past the last block hold b = −1.
+    Order: the sequences as given, or by seqlen_q · seqlen_k, largest first (`longest_first`), so that the last
+    programs to start are short ones; within a sequence its heads, within a head its blocks in the order the dense
+    grid runs them (dQ causal: the last rows, which see the most keys, first), so that a head's blocks run together
+    and share its Q / dO (dK/dV) or K / V (dQ) in L2. `total`: the packed tokens along the blocked axis (total_k
+    for dK/dV, total_q for dQ), a host-side bound on the rows (heads · (total // 128 + B)): built with GPU ops
+    only, no copy to the host."""
+    batch = cu_seqlens_q.numel() - 1
+    keys = KEYS.value
+    dev = cu_seqlens_q.device
+    if batch == 0:  # no sequences: no program (a launch of an empty grid does nothing)
+        return torch.empty(0, 8, dtype=torch.int32, device=dev)
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]  # (B,)
+    blocks = ((len_k if kernel == "dkdv" else len_q) + keys - 1) // keys  # per (sequence, head)
+    if longest_first:
+        order = torch.argsort(len_q * len_k, descending=True, stable=True)
+    else:
+        order = torch.arange(batch, device=dev)
+    blocks = blocks[order]  # per ordered sequence
+    per_seq = blocks * heads
+    ends = torch.cumsum(per_seq, 0)  # (B,) programs up to and including each (ordered) sequence
+    rows = heads * (total // keys + batch)
+    pid = torch.arange(rows, device=dev)
+    j = torch.searchsorted(ends, pid, right=True)  # the ordered sequence of each program; B past the last
+    valid = j < batch
+    j = j.clamp(max=max(batch - 1, 0))
+    r = pid - (ends[j] - per_seq[j])  # the program's index within its sequence
+    nb = blocks[j].clamp(min=1)
+    head, block = r // nb, r % nb
+    if kernel == "dq" and causal:
+        block = nb - 1 - block
+    b = order[j]
+    table = torch.stack([b, head, block * keys, cu_q[:-1][b], len_q[b], cu_k[:-1][b], len_k[b],
+                         torch.zeros_like(b)], 1)
+    pad = torch.tensor([-1, 0, 0, 0, 0, 0, 0, 0], device=dev)
+    return torch.where(valid[:, None], table, pad).to(torch.int32).contiguous()
+
+
+_WORK_TABLES: dict = {}  # (ids, heads, kernel, causal, order, total) -> (stamp, weakrefs to the cu_seqlens, table)
+
+
+def cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total) -> torch.Tensor:
+    """`work_table`, reused while the same cu_seqlens tensors are unchanged (as `validation.check_cu_seqlens_values`
+    reuses its check): a model's layers share one batch's tables. Not kept while a CUDA graph is captured."""
+    key = (id(cu_seqlens_q), id(cu_seqlens_k), heads, kernel, bool(causal), bool(longest_first), total)
+    capturing = cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()
+    return remembered(_WORK_TABLES, key, (cu_seqlens_q, cu_seqlens_k), lambda: work_table(
+        cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total), keep=not capturing)
+
+
+def _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid):
+    """(grid, WORK, WORK_TABLE) of a varlen launch: where `configs.varlen_bwd_order` takes the work table, its
+    grid and rows; else the given grid and a placeholder pointer."""
+    order = configs.varlen_bwd_order(causal)
+    if order == "grid":
+        return grid, cu_seqlens_q, False
+    heads = k.shape[-2] if kernel == "dkdv" else q.shape[-2]
+    total = k.shape[0] if kernel == "dkdv" else q.shape[0]
+    table = cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, order == "largest_first", total)
+    return (table.shape[0],), table, True
+
+
+class _DensePlan:
+    """A dense launch's grid, int arguments and constexprs for one call shape, and the compiled kernel once it ran
+    (`launch.Relaunch`): the pointers of a dense Gluon backward launch are all 16-byte aligned (`common.tma_ok`, fresh
+    buffers) and its int arguments are not specialized on, so the kernel compiled at a shape's first call serves
+    every later one, without `launch`'s key over ~25 arguments."""
+
+    __slots__ = ("grid", "ints", "meta", "relaunch")
+
+    def __init__(self, grid, ints, meta):
+        self.grid, self.ints, self.meta, self.relaunch = grid, ints, meta, None
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_plan(kernel, q_shape, k_shape, dtype, device, causal, causal_bottom_right, config_items) -> _DensePlan:
+    return _DensePlan(*launch_parts(q_shape, k_shape, causal, causal_bottom_right, dict(config_items), kernel))
+
+
+def _launch_parts_for(kernel, q, k, causal, causal_bottom_right, config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k):
+    """(grid, ints, meta, WORK, plan) of a launch: dense from its `_DensePlan` (WORK a placeholder), varlen from
+    `launch_parts` and `_varlen_work` (plan None)."""
+    if cu_seqlens_q is None:
+        plan = _dense_plan(kernel, tuple(q.shape), tuple(k.shape), q.dtype, q.device, bool(causal),
+                           bool(causal_bottom_right), tuple(sorted(config.items())))
+        return plan.grid, plan.ints, plan.meta, q, plan
+    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, kernel,
+                                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+    grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid)
+    return grid, ints, meta, work, None
+
+
+def _launch(fn, plan, grid, args, meta) -> None:
+    if plan is None:
+        launch(fn, grid, args, meta)
+    elif plan.relaunch is not None and not hooks_installed():
+        plan.relaunch(grid, args)
+    else:
+        plan.relaunch = launch_and_keep(fn, grid, args, meta)
+
+
+def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
+                      config, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+    """Dense q, dout (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D), lse_pad / delta_pad contiguous fp32
+    (B, Hq, `padded_rows`); or varlen q, dout (total_q, Hq, D), k, v, dk, dv (total_k, Hkv, D), lse_pad / delta_pad
+    (Hq, `padded_rows`, sequences at `backward_gluon._lse_rows`), cu_seqlens int32 (B + 1,); as
+    `backward.preprocess(padded=True)` writes them. Inputs that pass `common.tma_ok`, D 64 or 128, Sq, Sk > 0; dk / dv
+    with a contiguous last dim."""
+    varlen = cu_seqlens_q is not None
+    grid, ints, meta, work, plan = _launch_parts_for("dkdv", q, k, causal, causal_bottom_right, config, cu_seqlens_q,
+                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    rows = ROWS.value
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
+    args = (descriptor(q, rows, varlen), descriptor(k, rows, varlen), descriptor(v, rows, varlen),
+            descriptor(dout, rows, varlen), descriptor(dk, rows, varlen), descriptor(dv, rows, varlen),
+            row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, work, softmax_scale,
+            softmax_scale * LOG2E, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
+    _launch(_attn_bwd_dkdv_gluon, plan, grid, args, meta)
+
+
+def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right, config,
+                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+    """dQ (times the softmax scale) into dq (like q); the inputs as `launch_dkdv_gluon`'s."""
+    varlen = cu_seqlens_q is not None
+    grid, ints, meta, work, plan = _launch_parts_for("dq", q, k, causal, causal_bottom_right, config, cu_seqlens_q,
+                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    rows, block_n = ROWS.value, config["BLOCK_N"]
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
+    args = (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
+            descriptor(dout, rows, varlen), descriptor(dq, rows, varlen), lse_pad, delta_pad, dq, cu_q, cu_k, work,
+            softmax_scale, softmax_scale * LOG2E, dq.stride(-3), dq.stride(-2), *ints)
+    _launch(_attn_bwd_dq_gluon, plan, grid, args, meta)
+
+
+def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
+                     kernel: str = "dkdv", varlen: bool = False, with_table: bool = True):
+    """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon.compile_for_sm90`): for tests
+    and `ptxas -v`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
+    rows_t = torch.empty(4, 1024, dtype=torch.float32)
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256)
+    meta["WORK_TABLE"] = varlen and with_table  # varlen: programs from the work table, or the grid
+    options = {"num_warps": meta.pop("num_warps")}
+    rows = ROWS.value
+    fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
+    kv_rows = rows if kernel == "dkdv" else config["BLOCK_N"]
+    descriptors = {name: descriptor(t, kv_rows if name in ("desc_k", "desc_v") else rows, varlen)
+                   for name in ("desc_q", "desc_k", "desc_v", "desc_do", "desc_dk", "desc_dv", "desc_dq")}
+    descriptors.update(desc_lse=row_descriptor(rows_t), desc_delta=row_descriptor(rows_t))
+    element = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DK": element, "DV": element, "DQ": element,
+                "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
+                "WORK": "*i32" if varlen else "*bf16" if dtype == torch.bfloat16 else "*fp16"}
+    names = fn.arg_names
+    signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
+                 else pointers[name] if name in pointers else "fp32" if name in ("softmax_scale", "qk_scale")
+                 else "i32" for name in names}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers if name in names}
+    source = GluonASTSource(fn, signature, constexprs=meta, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

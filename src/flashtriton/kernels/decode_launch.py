@@ -1,0 +1,299 @@
+"""The host side of split-KV decoding (the kernels are `decode`'s): `decode_attention` launches `_decode_split` (its
+autotuned form `_decode_split_tuned` under FLASHTRITON_AUTOTUNE) or `_decode_stream` from a launch plan kept per
+call shape (`_decode_plan`), `append_kv` writes new keys into the cache; the split count (`choose_num_splits`), the
+stream schedule's program count (`stream_programs`), the ticket counters and split-KV workspace kept per (GPU,
+stream) (`_stream_buffer`), and the largest cache the kernels' int32 key positions allow (`MAX_CAPACITY`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import torch
+import triton
+
+from .. import configs
+from .._env import INTERPRET
+from .common import LOG2E, dot_settings, sm_count
+from . import dispatch
+from .decode import PART_PAD, _append_kv, _decode_split, _decode_stream
+from .launch import hooks_installed, launch, launch_and_keep
+
+
+def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
+    """Write k, v (B, S_new, Hkv, D) into the caches at cache_seqlens[b].. (through block_table when paged),
+    in place, one launch. Values out of range write nothing (see `_append_kv`)."""
+    batch, seqlen_new, heads_kv, head_dim = k.shape
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    block_d = configs.padded_head_dim(head_dim)
+    block_t = min(configs.next_power_of_2(seqlen_new), max(1, 4096 // block_d))
+    dummy = cache_seqlens
+    launch(_append_kv, (batch, heads_kv, configs.cdiv(seqlen_new, block_t)), (
+        k, v, k_cache, v_cache, cache_seqlens,
+        cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        seqlen_new, capacity, k_cache.shape[0],
+    ), dict(HEAD_DIM=head_dim, BLOCK_D=block_d, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+            HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_T=block_t, num_warps=4))
+
+
+_decode_split_tuned = triton.autotune(
+    configs=configs.DECODE_CONFIGS,
+    key=configs.DECODE_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": configs.prune_decode_configs},
+    cache_results=True,
+)(_decode_split)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda" or INTERPRET:
+        return configs.DECODE_INTERPRETER_SMS
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(programs: int, max_seqlen_k: int, device: torch.device, num_sms: int | None = None,
+                      block_n: int = 128, programs_per_sm: int = 1) -> int:
+    """How many chunks to cut each sequence's keys into.
+
+    `programs` = batch · kv heads · M tiles, each reading up to `max_seqlen_k` keys in tiles of `block_n`.
+    The GPU runs `programs_per_sm` programs per SM at once (`configs.decode_programs_per_sm`), so the launch
+    takes about waves · (tiles per program + overhead) tile-times, with waves = ceil(programs · splits /
+    slots): the split count that minimises this (the fewest splits among equals), with at least
+    `DECODE_MIN_SPLIT_KEYS` keys per split and at most `DECODE_MAX_SPLITS` splits. Every program costs
+    `DECODE_PROGRAM_OVERHEAD_TILES`, and a split `DECODE_SPLIT_OVERHEAD_TILES` more (its partial result, the
+    merge). `num_sms` overrides the device's SM count (off the GPU a small `configs.DECODE_INTERPRETER_SMS`).
+    """
+    return _choose_num_splits(programs, max_seqlen_k, num_sms or _num_sms(device), block_n, programs_per_sm)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int, programs_per_sm: int) -> int:
+    slots = programs_per_sm * num_sms
+    tiles = max(1, configs.cdiv(max_seqlen_k, block_n))
+    max_splits = max(1, min(configs.DECODE_MAX_SPLITS, max_seqlen_k // configs.DECODE_MIN_SPLIT_KEYS))
+    best, best_cost = 1, math.inf
+    for splits in range(1, max_splits + 1):
+        per_split = configs.cdiv(tiles, splits)
+        overhead = configs.DECODE_PROGRAM_OVERHEAD_TILES + (configs.DECODE_SPLIT_OVERHEAD_TILES if splits > 1 else 0)
+        cost = configs.cdiv(programs * splits, slots) * (per_split + overhead)
+        if cost < best_cost:
+            best, best_cost = splits, cost
+    return best
+
+
+def stream_programs(units: int, max_seqlen_k: int, num_sms: int, block_n: int, programs_per_sm: int, batch: int,
+                    force: bool = False) -> int:
+    """Programs of the stream schedule (`_decode_stream`) for `units` = batch · kv heads · M tiles of up to
+    `max_seqlen_k` keys, or 0 where the split grid is the better launch.
+
+    The count follows the units, so that a batch of full caches is cut as the split grid cuts it (k programs per
+    unit, or k units per program, no unit shared by two programs when the numbers divide): measured with 132
+    programs instead (explore13), 1-8 % of the bandwidth went to units shared between programs, each a second
+    pipeline start and a merge. One program per slot (SM · programs per SM) where the aligned count would leave
+    more than 5 % of the slots' time idle; at least DECODE_MIN_SPLIT_KEYS keys per program.
+    The stream schedule is taken for batches of several sequences (their cache lengths may differ, which leaves
+    the split grid's programs unequal) with caches of at least DECODE_STREAM_MIN_KEYS, under a config of one
+    program per SM. `force`: the count whatever the rule says."""
+    slots = programs_per_sm * num_sms
+    tiles = max(1, configs.cdiv(max_seqlen_k, block_n))
+    total = units * tiles
+    aligned = units * (slots // units) if units <= slots else configs.cdiv(units, configs.cdiv(units, slots))
+    # Aligned unless that leaves much of the GPU idle (e.g. 136 units on 132 SMs: 68 programs of two units)
+    programs = aligned if configs.cdiv(total, aligned) * slots <= 1.05 * total else slots
+    programs = max(1, min(programs, total // max(1, configs.DECODE_MIN_SPLIT_KEYS // block_n)))
+    if force:
+        return programs
+    wanted = batch > 1 and programs_per_sm == 1 and max_seqlen_k >= configs.DECODE_STREAM_MIN_KEYS
+    return programs if wanted else 0
+
+
+# The most keys a cache may hold per sequence (contiguous: k_cache.shape[1]; paged: pages per sequence x page
+# size), checked on the host: key positions are int32 in the kernels, and the furthest one formed (a split's or
+# key tile's start: at most DECODE_MAX_SPLITS x BLOCK_N <= 128 x 256 = 2**15 past the capacity) stays below
+# 2**31.
+MAX_CAPACITY = 2**31 - 2**20
+
+
+# Per-(GPU, stream) buffers kept between decode calls, so that a call allocates only its output:
+# - the ticket counters of the split-KV merge: zeroed once; every launch leaves its counters at zero again
+#   (the last split resets its tile's), and launches on one stream run in order;
+# - the split-KV workspace (partial results), up to STREAM_WORKSPACE_LIMIT floats: each launch writes what
+#   it reads.
+# Buffers are never freed (a larger one is added when needed): a launch still queued may use an older one.
+# While a CUDA graph is being captured, fresh tensors are allocated (and the counters zeroed) inside the
+# graph instead: memory a graph uses must come from its own pool.
+_STREAM_BUFFERS: dict = {}
+_KEPT: list = []
+STREAM_WORKSPACE_LIMIT = 4 * 2**20
+
+
+def _stream_buffer(kind: str, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    fresh = torch.zeros if kind == "tickets" else torch.empty
+    if device.type != "cuda" or INTERPRET or (kind == "workspace" and count > STREAM_WORKSPACE_LIMIT):
+        return fresh(count, dtype=dtype, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return fresh(count, dtype=dtype, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (kind, index, torch._C._cuda_getCurrentRawStream(index))
+    buf = _STREAM_BUFFERS.get(key)
+    if buf is None or buf.numel() < count:
+        buf = fresh(max(count, 4096), dtype=dtype, device=device)
+        _STREAM_BUFFERS[key] = buf
+        _KEPT.append(buf)
+    return buf
+
+
+def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int32 tensor of at least `count` counters that the decode kernel leaves zeroed."""
+    return _stream_buffer("tickets", count, torch.int32, device)
+
+
+def decode_block_m(rows: int) -> int:
+    """M tile for `rows` = Sq · group stacked query rows: at least 16 (tl.dot), at most 64."""
+    return min(max(16, configs.next_power_of_2(max(rows, 1))), 64)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    cache_batch_idx: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int = 0,
+    config: dict | None = None,
+    seqlen_new: int = 0,
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the decode kernels on validated inputs (`flashtriton.kvcache` checks them and appends new keys).
+
+    q (B, Sq, Hq, D); k_cache, v_cache (B_cache, S_cache, Hkv, D), or paged (num_pages, page_size, Hkv, D)
+    with block_table int32 (B, max_pages); cache_seqlens int32 (B,): keys in the cache before the append of
+    `seqlen_new` keys (already written): sequence b attends to cache_seqlens[b] + seqlen_new keys;
+    max_seqlen_k: an upper bound of those (a Python int: sizes the split heuristic and the autotune key).
+    Out-of-range values (cache lengths, cache rows, pages) give that sequence NaN, never an out-of-bounds read;
+    cache_batch_idx int32 (B,) or None (contiguous cache only). Caches must have a contiguous last dim.
+    num_splits: 0 chooses, 1 no split, n > 1 n chunks. `config` forces {"BLOCK_N", "num_warps", "num_stages"}.
+    Returns out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) fp32 (natural log), or None for lse when
+    `return_lse` is False (then it is neither allocated nor written: every allocation costs host time).
+    """
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    device = q.device
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=device) if return_lse else None
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf")) if return_lse else None
+
+    paged = block_table is not None
+    if config is None and INTERPRET:
+        config = configs.DECODE_INTERPRETER_CONFIG
+    plan = _decode_plan(
+        tuple(q.shape), q.stride(), tuple(k_cache.shape), k_cache.stride(), v_cache.stride(), q.dtype,
+        block_table.shape[1] if paged else 0, block_table.stride(0) if paged else 0, cache_batch_idx is not None,
+        bool(causal), max_seqlen_k, num_splits, seqlen_new, return_lse,
+        None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device),
+        device, dispatch.decode_schedule(),
+    )
+    dummy = cache_seqlens  # stands in for absent pointers
+    if plan.part_rows:
+        part = _stream_buffer("workspace", plan.part_rows * plan.part_width, torch.float32, device)
+        tickets = ticket_counters(plan.tickets, device)
+    else:
+        part = tickets = dummy  # unused
+    tensors = (q, k_cache, v_cache, out, lse if return_lse else dummy, part, tickets, cache_seqlens,
+               cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy)
+    scale = softmax_scale * LOG2E
+    if plan.autotune:
+        _decode_split_tuned[plan.grid](*tensors, scale, *plan.ints, **plan.meta)
+        return out, lse
+    # The plan fixes every argument's type; the compiled kernel also depends on pointer alignment: when all
+    # pointers are 16-byte aligned (as compiled), relaunch it with raw pointers and no lookup at all.
+    pointers = [t.data_ptr() for t in tensors]
+    aligned = not functools.reduce(operator.or_, pointers) & 15
+    kernel = _decode_stream if plan.stream else _decode_split
+    if aligned and plan.relaunch is not None and not hooks_installed():
+        plan.relaunch(plan.grid, (*pointers, scale, *plan.ints))
+    elif aligned:
+        plan.relaunch = launch_and_keep(kernel, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
+    else:
+        launch(kernel, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
+    return out, lse
+
+
+class _Plan:
+    """A decode launch, fixed by shapes, strides, dtypes, device and options."""
+
+    __slots__ = ("grid", "part_rows", "part_width", "tickets", "ints", "meta", "autotune", "stream", "relaunch")
+
+    def __init__(self, grid, part_rows, part_width, tickets, ints, meta, autotune, stream=False):
+        self.grid = grid  # (B·Hkv, splits, M tiles), or (programs, 1, 1) for the stream schedule (3-D: `launch`)
+        self.stream = stream  # `_decode_stream` (else `_decode_split`)
+        self.part_rows, self.part_width = part_rows, part_width  # split-KV workspace (rows 0 without splits)
+        self.tickets = tickets  # ticket counters the launch uses
+        self.ints = ints  # the kernel's scalar arguments after qk_scale
+        self.meta = meta  # constexprs and options (the config too unless autotuned)
+        self.autotune = autotune
+        self.relaunch = None  # the compiled kernel, once launched with 16-byte aligned pointers
+
+
+@functools.lru_cache(maxsize=1024)  # decoding repeats a few shapes: their launch plans are computed once
+def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, max_pages, stride_btb,
+                 has_batch_idx, causal, max_seqlen_k, num_splits, seqlen_new, return_lse, config, autotune,
+                 num_sms, device, schedule="auto") -> _Plan:
+    """Everything of a decode launch that depends only on shapes, strides and options. `schedule`
+    (`dispatch.decode_schedule()`: FLASHTRITON_KERNEL=<kernel>,split|stream): with num_splits = 0 and a known
+    config, "auto" takes the stream schedule where
+    `stream_programs` says it pays, "stream" wherever it can, "split" never."""
+    batch, seqlen_q, heads_q, head_dim = q_shape
+    heads_kv = cache_shape[2]
+    group = heads_q // heads_kv
+    paged = max_pages > 0
+    rows = seqlen_q * group
+    block_m = decode_block_m(rows)
+    m_tiles = configs.cdiv(rows, block_m)
+    units = batch * heads_kv * m_tiles
+    block_d = configs.padded_head_dim(head_dim)
+    config = dict(config) if config is not None else None
+    if config is None and not autotune:
+        config = configs.default_decode_config(block_d, dtype.itemsize, units, num_sms, max_seqlen_k)
+    capacity = max_pages * cache_shape[1] if paged else cache_shape[1]
+    out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
+    lse_strides = (heads_q * seqlen_q, 1, seqlen_q) if return_lse else (0, 0, 0)  # (B, Hq, Sq): b, row, head
+    strides = (*q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb)
+    common = dict(  # the constexprs both kernels take
+        GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal, PAGED=paged,
+        PAGE_SIZE=cache_shape[1] if paged else 1, HAS_BATCH_IDX=has_batch_idx, STORE_LSE=return_lse,
+        UNREAD_PAGES=paged and causal and m_tiles > 1,
+        UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], BLOCK_M=block_m,
+    )
+    if num_splits == 0:
+        per_sm = configs.decode_programs_per_sm(config, block_d, block_m, dtype.itemsize)
+        block_n = config["BLOCK_N"] if config else 128
+        num_splits = _choose_num_splits(units, max_seqlen_k, num_sms, block_n, per_sm)
+        programs = 0
+        if config is not None and schedule != "split" and batch <= configs.DECODE_STREAM_MAX_BATCH:
+            programs = stream_programs(units, max_seqlen_k, num_sms, block_n, per_sm, batch,
+                                       force=schedule == "stream")
+        if programs:
+            ints = (*strides, heads_kv, seqlen_q, batch, seqlen_new, capacity, cache_shape[0])
+            meta = dict(common, BLOCK_B=configs.next_power_of_2(batch), **config)
+            return _Plan((programs, 1, 1), programs * 2 * block_m, block_d + PART_PAD.value, units, ints, meta, False,
+                         stream=True)
+    num_splits = max(1, int(num_splits))
+    split_kv = num_splits > 1
+    ints = (*strides, heads_kv, seqlen_q, num_splits, seqlen_new, capacity, cache_shape[0],
+            configs.seqlen_bucket(configs.cdiv(max(max_seqlen_k, 1), num_splits)))
+    meta = dict(common, SPLIT_KV=split_kv, SPLITS_P2=configs.next_power_of_2(num_splits) if split_kv else 1)
+    if config is not None:
+        meta.update(config)
+    part_rows = batch * seqlen_q * heads_q * num_splits if split_kv else 0
+    return _Plan((batch * heads_kv, num_splits, m_tiles), part_rows, block_d + PART_PAD.value, units, ints, meta,
+                 config is None)
