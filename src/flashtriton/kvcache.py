@@ -1,7 +1,7 @@
 """KV-cache decoding: flash-attn's `flash_attn_with_kvcache` (contiguous or paged cache, split-KV).
 
 Inference only: there is no backward. See `flash_attn_with_kvcache` for the arguments and
-`flashtriton.kernels.decode` for the kernels. Eager calls run the checked arguments straight to the kernels
+`flashtriton.kernels.decode` / `decode_launch` for the kernels and their launcher. Eager calls run the checked arguments straight to the kernels
 (`_decode_step`); under torch.compile / export the same work is the op `flashtriton::kvcache` (`kvcache_op`).
 """
 

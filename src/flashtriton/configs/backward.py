@@ -114,8 +114,8 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
 
 
 # Where a varlen Gluon backward's programs come from, per causal mode: "grid" (the longest sequence's blocks ×
-# heads × sequences, empty programs included), or the work table (`backward_gluon.work_table`: only the blocks that
-# exist) with the sequences "as_given" or "largest_first" (by seqlen_q · seqlen_k). Causal: the table, largest
+# heads × sequences, empty programs included), or the work table (`backward_gluon_launch.work_table`: only the
+# blocks that exist) with the sequences "as_given" or "largest_first" (by seqlen_q · seqlen_k). Causal: the table, largest
 # first, a few % faster than the grid; non-causal: the grid, the table being 1.3-1.6 ms slower there for a reason
 # not known (docs/performance.md, open questions).
 # H200: benchmarks/2026-11-29-h200/explore12/run_b994eb18f8c0/explore/varlen_bwd.json

@@ -51,8 +51,8 @@ def default_decode_config(head_dim_padded: int, elem_bytes: int, programs: int =
     return SPLIT_DECODE.lookup(width(elem_bytes), head_dim_padded, programs >= 2 * num_sms > 0, max_seqlen_k)
 
 
-# Split-KV heuristic (kernels.decode.choose_num_splits): the SM count it assumes off the GPU, the fewest keys worth
-# a split of their own, the most splits, and what a program costs beyond its key tiles, in key-tile times (one
+# Split-KV heuristic (kernels.decode_launch.choose_num_splits): the SM count it assumes off the GPU, the fewest keys
+# worth a split of their own, the most splits, and what a program costs beyond its key tiles, in key-tile times (one
 # 128 x 128 fp16 K+V tile streams in ~1.8 us per SM at full bandwidth): a program's fixed cost (prologue, first
 # loads after the L2 is cold, the stores) is ~3 tiles and a split's extra (partial result, ticket, the merge by the
 # last split) ~5, fitted to CUDA-graph times of every config and split count at D=128. Programs per SM come from
