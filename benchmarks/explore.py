@@ -61,8 +61,7 @@ DECODE_SPLITS = [0, 1, 2, 4, 8, 16, 32, 64]
 VARLEN_TMA = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
               (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 4), (64, 64, 4, 4)]
 
-_GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, DYNAMIC=False,
-           OVERLAP=False)
+_GV = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, N_CONSUMERS=2, DYNAMIC=False, OVERLAP=False)
 GLUON_VARLEN = {"q2_static": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False),
                 "q2_dynamic": dict(_GV, Q_BUFFERS=2, CAUSAL_PAIRS=False, DYNAMIC=True),
                 "q1_dynamic": dict(_GV, Q_BUFFERS=1, CAUSAL_PAIRS=False, DYNAMIC=True)}
@@ -686,15 +685,15 @@ def sweep_tma(opts):
     return rows
 
 
-_G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2, Q_BUFFERS=1,
-          CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
+_G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, N_CONSUMERS=2, Q_BUFFERS=1, CAUSAL_PAIRS=True,
+          DYNAMIC=False, OVERLAP=False)
 _G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)  # 192-row items, as FlashAttention-3 at D = 64
 GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
     # explore7/gluon_2b6137fa8c9f.json also tried one program per item, 64-key tiles, ping-pong
     # explore8/gluon_72e8c4a825c2.json also tried items one at a time from a static schedule (unpaired)
     # explore9/gluon_a99806d25f61.json also tried the dynamic schedule (one or two Q slots)
     128: {"persist": _G, "q2": dict(_G, Q_BUFFERS=2), "overlap": dict(_G, OVERLAP=True),
-          "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True), "pingpong": dict(_G, PINGPONG=True)},
+          "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True)},
     # gluon_ccaefbc239e1.json also tried 3 consumers with 64-key tiles
     # explore14/run_549e8e775c38 also tried one Q slot, with and without OVERLAP (behind two slots everywhere)
     64: {"q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True),
@@ -709,7 +708,7 @@ GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bott
 
 def gluon_forward(q, k, v, causal, c, bottom_right=True):
     """(out, lse) of the Gluon forward with config c."""
-    from flashtriton.kernels import forward_gluon as G
+    from flashtriton.kernels import forward_gluon_launch as G
 
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
@@ -836,7 +835,7 @@ def sweep_varlen(opts):
                                      error=str(exc)[:200]))
                     continue
                 rows.append(dict(mode="fwd_tma", causal=causal, variant=str(c), ms=ms, tflops=fl_f / ms / 1e9))
-            from flashtriton.kernels import forward_gluon as G
+            from flashtriton.kernels import forward_gluon_launch as G
 
             ref_out, _ = tma_forward(q, k, v, causal, cu=cu, mx=mx)  # what each Gluon variant must match
             for name, gc in GLUON_VARLEN.items():
@@ -1027,7 +1026,7 @@ def sweep_host(opts):
             print(rows[-1], flush=True)
     # The varlen suite's batch: the API's forward (causal: the Gluon kernel) against the kernel launched directly.
     vq, vk, vv, cu, mx = _varlen_inputs(small=SMOKE)
-    from flashtriton.kernels import forward_gluon as G
+    from flashtriton.kernels import forward_gluon_launch as G
 
     def gluon_direct():
         out = torch.empty_like(vq)

@@ -20,13 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from flashtriton.kernels import dispatch  # noqa: E402
 from flashtriton.kernels import forward as F  # noqa: E402
-from flashtriton.kernels import forward_gluon as G  # noqa: E402
+from flashtriton.kernels import forward_gluon_launch as G  # noqa: E402
 
-GLUON = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
-             Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
+GLUON = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, N_CONSUMERS=2, Q_BUFFERS=1, CAUSAL_PAIRS=True,
+             DYNAMIC=False, OVERLAP=False)
 VARIANTS = {"gluon_q1": GLUON, "gluon_q2": dict(GLUON, Q_BUFFERS=2),
             "gluon_q2o": dict(GLUON, Q_BUFFERS=2, OVERLAP=True),
-            "gluon_c3": dict(GLUON, N_CONSUMERS=3, CONSUMER_REGS=160), "gluon_pp": dict(GLUON, PINGPONG=True)}
+            "gluon_c3": dict(GLUON, N_CONSUMERS=3, CONSUMER_REGS=160)}
 
 
 def case_fn(name: str):

@@ -94,7 +94,7 @@ def gluon_kernels(out: Path) -> None:
     """The Gluon forward in every config the dispatch picks: dense D=128 (long and short keys, causal or not),
     D=64 non-causal (three consumers), varlen D=128 (dynamic schedule), causal or not."""
     from flashtriton import configs
-    from flashtriton.kernels.forward_gluon import compile_for_sm90
+    from flashtriton.kernels.forward_gluon_launch import compile_for_sm90
 
     cases = [(d, t, c, False) for d, t, c in ((128, 16384, False), (128, 16384, True), (128, 1024, False),
                                               (128, 1024, True), (64, 16384, False))]

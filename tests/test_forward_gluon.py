@@ -1,4 +1,4 @@
-"""Hopper's Gluon forward (kernels/forward_gluon.py). Gluon kernels compile for sm_90 only and do not run in the
+"""Hopper's Gluon forward (kernels/forward_gluon*.py). Gluon kernels compile for sm_90 only and do not run in the
 interpreter: the kernel tests run on a Hopper GPU; the host-side pieces are tested everywhere.
 
 flash_attn_func takes the Gluon kernel on sm_90 where `configs.gluon_fwd_config` says so (D = 64 and 128), so the
@@ -17,7 +17,7 @@ import torch
 import flashtriton
 from flashtriton.kernels import dispatch
 from flashtriton import configs
-from flashtriton.kernels import forward_gluon as G
+from flashtriton.kernels import forward_gluon_launch as G
 from flashtriton.kernels import gluon_common
 from flashtriton.kernels import launch
 from flashtriton.kernels.forward import _dense_tma_plan
@@ -29,13 +29,11 @@ from test_forward import make_qkv
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper_only = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: sm_90 only (no interpreter)")
 
-_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
-             Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
+_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, N_CONSUMERS=2, Q_BUFFERS=1, CAUSAL_PAIRS=True,
+             DYNAMIC=False, OVERLAP=False)
 CONFIGS = {
     "default": _BASE,
-    "one program per item": {**_BASE, "PERSISTENT": False},
     "64-key tiles, 4 stages": {**_BASE, "BLOCK_N": 64, "NUM_BUFFERS": 4},
-    "ping-pong": {**_BASE, "PINGPONG": True},
     "two Q buffers": {**_BASE, "Q_BUFFERS": 2},
     "causal items one at a time": {**_BASE, "CAUSAL_PAIRS": False},
     "three consumers, two Q buffers": {**_BASE, "N_CONSUMERS": 3, "CONSUMER_REGS": 160, "Q_BUFFERS": 2},
@@ -50,7 +48,6 @@ CONFIGS = {
     "overlap, two Q buffers, 3 stages": {**_BASE, "OVERLAP": True, "Q_BUFFERS": 2, "NUM_BUFFERS": 3},  # D = 64 only
     "overlap, three consumers": {**_BASE, "OVERLAP": True, "N_CONSUMERS": 3, "CONSUMER_REGS": 160},
     "overlap, causal items one at a time": {**_BASE, "OVERLAP": True, "CAUSAL_PAIRS": False},
-    "overlap, one program per item": {**_BASE, "OVERLAP": True, "PERSISTENT": False},
     "overlap, 64-key tiles, 4 stages": {**_BASE, "OVERLAP": True, "BLOCK_N": 64, "NUM_BUFFERS": 4},
     "overlap, dynamic schedule": {**_BASE, "OVERLAP": True, "CAUSAL_PAIRS": False, "DYNAMIC": True},
     "varlen dispatch, overlap": {**configs.gluon_varlen_config(128, 4096, 4096, True), "OVERLAP": True},
@@ -79,7 +76,7 @@ def run_gluon(q, k, v, causal, bottom_right, config, softmax_scale=None):
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("head_dim,dtype", [(128, torch.float16), (64, torch.bfloat16)])
 def test_gluon_kernel_against_float64(name, causal, bottom_right, head_dim, dtype, device):
-    if G.shared_memory_bytes(CONFIGS[name], head_dim) > G.SHARED_MEMORY_LIMIT:
+    if G.shared_memory_bytes(CONFIGS[name], head_dim) > gluon_common.SHARED_MEMORY_LIMIT:
         with pytest.raises(ValueError, match="shared memory"):
             run_gluon(*make_qkv(1, 64, 64, 2, 2, head_dim, dtype, device), causal, bottom_right, CONFIGS[name])
         return
@@ -118,7 +115,7 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, head_di
 
 
 @hopper_only
-@pytest.mark.parametrize("name", ["default", "one program per item", "three consumers", "two Q buffers",
+@pytest.mark.parametrize("name", ["default", "three consumers", "two Q buffers",
                                   "causal items one at a time", "varlen dispatch", "varlen, static schedule",
                                   "varlen, dynamic schedule, two Q slots", "varlen dispatch, overlap",
                                   "varlen, overlap, two Q slots", "varlen, static schedule, overlap"])
@@ -205,15 +202,15 @@ def test_gluon_kernel_long_sequences(device):
 def test_fast_descriptor_equals_the_checked_one():
     """`descriptor` skips TensorDescriptor's checks; its fields must be what the checked constructor gives."""
     t = torch.empty(2, 100, 4, 128, dtype=torch.bfloat16)
-    fast = G.descriptor(t, 64)
+    fast = gluon_common.descriptor(t, 64)
     checked = gluon_common.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 64, 1, 128],
                                             gluon_common.smem_layout((1, 64, 1, 128), t.dtype))
     for field in ("shape", "strides", "block_shape", "layout", "padding"):
         assert getattr(fast, field) == getattr(checked, field), field
     assert fast.base is t
     packed = t.view(200, 4, 128)
-    assert G.descriptor(packed, 64, varlen=True).block_shape == [64, 1, 128]
-    assert G.descriptor(packed, 64, varlen=True).layout.rank == 3
+    assert gluon_common.descriptor(packed, 64, varlen=True).block_shape == [64, 1, 128]
+    assert gluon_common.descriptor(packed, 64, varlen=True).layout.rank == 3
 
 
 def test_launch_parts_count_items_and_cap_programs_at_the_sms():
@@ -223,19 +220,32 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
     assert grid == (132, 1, 1)
     # out strides (token, head), lse strides (batch, head), heads, batch, group, Sq, Sk
     assert ints == (16 * 128, 128, 16 * 1000, 1000, 16, 3, 4, 1000, 700)
-    assert meta["IS_CAUSAL"] and not meta["IS_VARLEN"] and meta["HEAD_DIM"] == 128 and "PERSISTENT" not in meta
+    assert meta["IS_CAUSAL"] and not meta["IS_VARLEN"] and meta["HEAD_DIM"] == 128
     # varlen: 5 sequences packed in 3000 / 2000 tokens, the longest 900 / 700; lse (Hq, total_q)
-    grid, ints, meta = G.launch_parts((3000, 16, 128), (2000, 4, 128), False, True,
-                                      {**_BASE, "PERSISTENT": False}, 132, batch=5, max_seqlen_q=900, max_seqlen_k=700)
+    many_sms = 10**6  # more SMs than work units: one program per unit
+    grid, ints, meta = G.launch_parts((3000, 16, 128), (2000, 4, 128), False, True, _BASE, many_sms, batch=5,
+                                      max_seqlen_q=900, max_seqlen_k=700)
     assert grid == (8 * 16 * 5, 1, 1) and meta["IS_VARLEN"]
     assert ints == (16 * 128, 128, 0, 3000, 16, 5, 4, 900, 700)
-    assert G.launch_parts(q_shape, k_shape, False, True, {**_BASE, "PERSISTENT": False}, sms=132)[0] == (items, 1, 1)
-    # causal items go in pairs (query tiles j and n_m - 1 - j): a grid of one program per pair
+    assert G.launch_parts(q_shape, k_shape, False, True, _BASE, sms=many_sms)[0] == (items, 1, 1)
+    # causal items go in pairs (query tiles j and n_m - 1 - j): at most one program per pair
     pairs = 4 * 16 * 3
-    assert G.launch_parts(q_shape, k_shape, True, True, {**_BASE, "PERSISTENT": False}, sms=132)[0] == (pairs, 1, 1)
+    assert G.launch_parts(q_shape, k_shape, True, True, _BASE, sms=many_sms)[0] == (pairs, 1, 1)
     assert G.launch_parts((1, 300, 2, 128), (1, 300, 2, 128), True, True, _BASE, sms=132)[0] == (2 * 2, 1, 1)
     three = {**_BASE, "N_CONSUMERS": 3}
-    assert G.launch_parts(q_shape, k_shape, False, True, {**three, "PERSISTENT": False}, 132)[0][0] == 6 * 16 * 3
+    assert G.launch_parts(q_shape, k_shape, False, True, three, many_sms)[0][0] == 6 * 16 * 3
+
+
+def test_launch_parts_take_the_removed_keys_only_at_the_kernels_own_schedule():
+    """PINGPONG=False and PERSISTENT=True name the kernel's one schedule: taken and dropped; any other value of
+    either is refused with a ValueError that names the key."""
+    shapes = ((2, 256, 4, 128), (2, 256, 4, 128), True, True)
+    plain = G.launch_parts(*shapes, _BASE, 132)
+    assert G.launch_parts(*shapes, {**_BASE, "PINGPONG": False, "PERSISTENT": True}, 132) == plain
+    assert "PINGPONG" not in plain[2] and "PERSISTENT" not in plain[2]
+    for key, value in (("PINGPONG", True), ("PERSISTENT", False)):
+        with pytest.raises(ValueError, match=f"{key}={value}: removed"):
+            G.launch_parts(*shapes, {**_BASE, key: value}, 132)
 
 
 def test_dynamic_schedule_takes_causal_items_one_at_a_time():
@@ -246,11 +256,8 @@ def test_dynamic_schedule_takes_causal_items_one_at_a_time():
     assert meta["DYNAMIC"] and grid == (2 * 4 * 2, 1, 1)  # one program per item up to the SM count
 
 
-def test_overlap_refuses_ping_pong():
-    """OVERLAP's consumer takes no ping-pong turns; it takes every schedule, dense and varlen."""
-    with pytest.raises(ValueError, match="OVERLAP"):
-        G.launch_parts((2, 256, 4, 128), (2, 256, 4, 128), True, True, {**_BASE, "OVERLAP": True, "PINGPONG": True},
-                       132)
+def test_overlap_takes_every_schedule():
+    """OVERLAP's consumer runs under the static and the dynamic schedule, dense and varlen."""
     varlen = {**configs.gluon_varlen_config(128, 4096, 4096, True), "OVERLAP": True}
     for dynamic in (False, True):
         _, _, meta = G.launch_parts((512, 4, 128), (512, 4, 128), True, True, {**varlen, "DYNAMIC": dynamic}, 132, 2,
@@ -264,9 +271,9 @@ def test_shared_memory_estimate_and_limit():
     # D = 128, two consumers: Q 2 x 16 KB, K/V ring 2 x 2 x 32 KB, O staging 2 x 16 KB (the compiled kernel holds
     # 196976 bytes, barriers included); a second Q slot adds 32 KB; three consumers with two slots do not fit.
     assert G.shared_memory_bytes(_BASE, 128) == 196608
-    assert G.shared_memory_bytes({**_BASE, "Q_BUFFERS": 2}, 128) == 196608 + 32768 <= G.SHARED_MEMORY_LIMIT
+    assert G.shared_memory_bytes({**_BASE, "Q_BUFFERS": 2}, 128) == 196608 + 32768 <= gluon_common.SHARED_MEMORY_LIMIT
     too_big = {**_BASE, "N_CONSUMERS": 3, "Q_BUFFERS": 2}
-    assert G.shared_memory_bytes(too_big, 64) <= G.SHARED_MEMORY_LIMIT < G.shared_memory_bytes(too_big, 128)
+    assert G.shared_memory_bytes(too_big, 64) <= gluon_common.SHARED_MEMORY_LIMIT < G.shared_memory_bytes(too_big, 128)
     with pytest.raises(ValueError, match="shared memory"):
         G.launch_parts((1, 256, 2, 128), (1, 256, 2, 128), False, True, too_big, 132)
 
@@ -286,15 +293,15 @@ def test_every_dispatched_dense_config_launches(head_dim, causal):
             grid, _, meta = G.launch_parts((2, seqlen_q, 8, head_dim), (2, seqlen_k, 2, head_dim), causal, True, config,
                                            sms=132)
             assert 1 <= grid[0] <= 132 and meta["HEAD_DIM"] == head_dim
-            assert G.shared_memory_bytes(config, head_dim) <= G.SHARED_MEMORY_LIMIT
+            assert G.shared_memory_bytes(config, head_dim) <= gluon_common.SHARED_MEMORY_LIMIT
 
 
 def test_launch_keys_tell_gluon_descriptor_layouts_apart():
     t = torch.empty(1, 64, 2, 64, dtype=torch.float16)
-    a = launch._arg_key(G.descriptor(t, 64))
-    assert a == launch._arg_key(G.descriptor(t, 64))
-    assert a != launch._arg_key(G.descriptor(t, 32))
-    assert a != launch._arg_key(G.descriptor(t.to(torch.bfloat16), 64))
+    a = launch._arg_key(gluon_common.descriptor(t, 64))
+    assert a == launch._arg_key(gluon_common.descriptor(t, 64))
+    assert a != launch._arg_key(gluon_common.descriptor(t, 32))
+    assert a != launch._arg_key(gluon_common.descriptor(t.to(torch.bfloat16), 64))
 
 
 def compile_in_fresh_process(script: str) -> str:
@@ -323,7 +330,7 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
         "import re, subprocess, tempfile\n"
         "from triton.backends.nvidia.compiler import get_ptxas\n"
         "from flashtriton import configs\n"
-        "from flashtriton.kernels.forward_gluon import compile_for_sm90\n"
+        "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
         "for head_dim, causal, varlen, keys in ((128, False, False, 16384), (128, True, False, 16384),\n"
         "                                       (128, True, False, 1024), (64, False, False, 16384),\n"
         "                                       (64, True, False, 16384), (64, True, False, 1024),\n"

@@ -266,14 +266,14 @@ def test_gluon_work_units_must_fit_32_bit_counters():
     """Varlen work units span the longest sequence's query tiles for every sequence: many (empty) sequences with
     one long one would overflow the Gluon kernel's int32 unit count; its launcher refuses that, and the
     dispatch leaves such batches to the TMA kernel (whose grid is (tiles, heads, batch))."""
-    forward_gluon = pytest.importorskip("flashtriton.kernels.forward_gluon")
+    gluon_launch = pytest.importorskip("flashtriton.kernels.forward_gluon_launch")
     from flashtriton import configs
 
     config = configs.gluon_varlen_config(128, 2**20, 2**20, True)
-    assert forward_gluon.work_units(2**20, 64, 40000, config, True) >= forward_gluon.UNIT_LIMIT
-    assert forward_gluon.work_units(4096, 16, 64, config, True) == 32 * 16 * 64
+    assert gluon_launch.work_units(2**20, 64, 40000, config, True) >= gluon_launch.UNIT_LIMIT
+    assert gluon_launch.work_units(4096, 16, 64, config, True) == 32 * 16 * 64
     with pytest.raises(ValueError, match="32-bit"):
-        forward_gluon.launch_parts((2**20, 64, 128), (2**20, 8, 128), True, True, config, 132, 40000, 2**20, 2**20)
+        gluon_launch.launch_parts((2**20, 64, 128), (2**20, 8, 128), True, True, config, 132, 40000, 2**20, 2**20)
 
 
 def test_strided_cu_seqlens_are_read_as_their_values(device):

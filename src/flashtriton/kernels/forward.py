@@ -31,9 +31,9 @@ from .launch import hooks_installed, launch, launch_and_keep
 from .variant import diagonal, key_blocks
 
 try:  # Hopper's Gluon forward (triton >= 3.6 ships Gluon's Hopper API)
-    from . import forward_gluon
+    from . import forward_gluon_launch
 except ImportError:  # pragma: no cover
-    forward_gluon = None
+    forward_gluon_launch = None
 
 
 @triton.jit
@@ -293,9 +293,9 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
         return None
     gluon_config = configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal) if use_gluon else None
     if gluon_config is not None:
-        grid, ints, meta = forward_gluon.launch_parts(q_shape, k_shape, causal, causal_bottom_right, gluon_config,
-                                                      sm_count(device.index))
-        return _DenseTmaPlan(forward_gluon._attn_fwd_gluon, grid, ints, meta, None, gluon_config["BLOCK_N"], True)
+        grid, ints, meta = forward_gluon_launch.launch_parts(q_shape, k_shape, causal, causal_bottom_right,
+                                                             gluon_config, sm_count(device.index))
+        return _DenseTmaPlan(forward_gluon_launch.KERNEL, grid, ints, meta, None, gluon_config["BLOCK_N"], True)
     config = configs.default_fwd_tma_config(head_dim, seqlen_q, k_shape[1], causal)
     grid, ints, meta = _tma_launch_parts(q_shape, k_shape, dtype, out_strides, (heads_q * seqlen_q, seqlen_q), causal,
                                          causal_bottom_right, config)
@@ -305,7 +305,8 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
 def _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale) -> None:
     if plan.gluon:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.meta["DYNAMIC"] else None
-        args = forward_gluon.launch_args(q, k, v, out, lse, softmax_scale, plan.block_n, plan.ints, None, None, counter)
+        args = forward_gluon_launch.launch_args(q, k, v, out, lse, softmax_scale, plan.block_n, plan.ints, None, None,
+                                                counter)
     else:
         args = _tma_args(q, k, v, out, lse, softmax_scale, plan.block_m, plan.block_n, False, None, None, plan.ints)
     if plan.relaunch is not None and not hooks_installed():
@@ -368,19 +369,22 @@ def launch_forward(
         # kernel); per call only the addresses are checked (TMA needs 16-byte aligned bases).
         plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, bool(causal),
                                bool(causal_bottom_right), dispatch.allows("tma"),
-                               dispatch.allows("gluon") and forward_gluon is not None and softmax_scale > 0)
+                               dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0)
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
             _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale)
             return out, lse, None
     if config is None and varlen and tma_ok(q, k, v, out):
         gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal))
-                        if dispatch.allows("gluon") and forward_gluon is not None and softmax_scale > 0 else None)
-        if gluon_config is not None and (forward_gluon.work_units(seqlen_q, heads_q, batch, gluon_config, bool(causal))
-                                         >= forward_gluon.UNIT_LIMIT):  # many (empty) sequences: the TMA kernel
+                        if dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0
+                        else None)
+        if gluon_config is not None and (forward_gluon_launch.work_units(seqlen_q, heads_q, batch, gluon_config,
+                                                                         bool(causal))
+                                         >= forward_gluon_launch.UNIT_LIMIT):  # many (empty) sequences: the TMA kernel
             gluon_config = None
         if gluon_config is not None:
-            forward_gluon.launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
-                                               gluon_config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            forward_gluon_launch.launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
+                                                      gluon_config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                      max_seqlen_k)
             return out, lse, None
         tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
         _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config,

@@ -1,0 +1,134 @@
+"""The host side of Hopper's Gluon forward (`forward_gluon`): a config checked against the kernel and sm_90,
+the grid (one persistent program per SM, at most one per work unit), the runtime arguments and constexprs, the
+launch, and an offline compile for sm_90 that needs no GPU.
+
+A config is a dict of the kernel's schedule constexprs (BLOCK_N, NUM_BUFFERS, CONSUMER_REGS, N_CONSUMERS,
+Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP), as `configs.gluon_fwd_config` and `configs.gluon_varlen_config` give.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .common import LOG2E, sm_count
+from .forward_gluon import ROWS, _attn_fwd_gluon
+from .gluon_common import SHARED_MEMORY_LIMIT, descriptor
+from .launch import launch
+
+KERNEL = _attn_fwd_gluon
+# Config keys of schedules the kernel does not have, taken at the one value that names its own schedule
+# (warpgroups that do not take turns; persistent programs) and dropped.
+REMOVED_KEYS = {"PINGPONG": False, "PERSISTENT": True}
+# Work units are counted in int32, and a program's last draw (or static slot) runs up to one grid past the end.
+UNIT_LIMIT = 2**31 - 2**20
+
+
+def work_units(seqlen_q: int, heads_q: int, batch: int, config: dict, causal: bool) -> int:
+    """How many work units a launch hands out: query tiles (in pairs: pairs of them) x heads x batch entries;
+    varlen: over the longest sequence's tiles, for every sequence."""
+    n_m = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
+    return ((n_m + 1) // 2 if causal and config["CAUSAL_PAIRS"] else n_m) * heads_q * batch
+
+
+def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen: bool = False) -> int:
+    """Shared memory of the kernel's tiles under `config` (barriers aside): Q slots, the K/V ring and, dense, the O
+    staging tiles. Three consumers with two Q slots at D = 128 need 272 KB: more than sm_90 has."""
+    rows = ROWS.value * config["N_CONSUMERS"]
+    q = config["Q_BUFFERS"] * rows * head_dim
+    kv = 2 * config["NUM_BUFFERS"] * config["BLOCK_N"] * head_dim
+    o = 0 if varlen else rows * head_dim
+    return elem_bytes * (q + kv + o)
+
+
+def kernel_config(config: dict) -> dict:
+    """`config` without the keys in REMOVED_KEYS; ValueError naming the key where one holds another value."""
+    config = dict(config)
+    for key, kept in REMOVED_KEYS.items():
+        value = config.pop(key, kept)
+        if value != kept:
+            raise ValueError(f"Gluon forward config {key}={value}: removed; git history has it")
+    return config
+
+
+def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,
+                 batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
+    """(grid, int arguments after the scale, constexprs and options) of a launch. Dense (batch None):
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), contiguous out like q and lse (B, Hq, Sq). Varlen: q (total_q, Hq, D),
+    k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens, contiguous out like q
+    and lse (Hq, total_q)."""
+    config = kernel_config(config)
+    varlen = batch is not None
+    heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
+    if varlen:
+        seqlen_q, seqlen_k, lse_strides = max_seqlen_q, max_seqlen_k, (0, q_shape[0])
+    else:
+        batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
+        lse_strides = (heads_q * seqlen_q, seqlen_q)
+    if shared_memory_bytes(config, head_dim, 2, varlen) > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"Gluon forward config {config} needs {shared_memory_bytes(config, head_dim, 2, varlen)} "
+                         f"bytes of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
+    if config["DYNAMIC"] and causal and config["CAUSAL_PAIRS"]:
+        raise ValueError(f"Gluon forward config {config}: the dynamic schedule takes items one at a time")
+    units = work_units(seqlen_q, heads_q, batch, config, causal)  # pairs of items, or items
+    if units >= UNIT_LIMIT:
+        raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
+    grid = (min(units, sms), 1, 1)
+    ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
+    meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+                HEAD_DIM=head_dim, num_warps=4, **config)
+    return grid, ints, meta
+
+
+def launch_args(q, k, v, out, lse, softmax_scale: float, block_n: int, ints: tuple, cu_seqlens_q=None,
+                cu_seqlens_k=None, counter=None) -> tuple:
+    """The kernel's runtime arguments: the four descriptors, out, lse, cu_seqlens (varlen; else lse stands in),
+    the dynamic schedule's counter (a zeroed int32; else lse stands in), the scale, then `ints`."""
+    varlen = cu_seqlens_q is not None
+    rows = ROWS.value
+    return (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
+            descriptor(out, rows, varlen), out, lse, cu_seqlens_q if varlen else lse,
+            cu_seqlens_k if varlen else lse, lse if counter is None else counter, softmax_scale * LOG2E, *ints)
+
+
+def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config, cu_seqlens_q=None,
+                         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+    """Dense q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), out like q, lse (B, Hq, Sq); or varlen q (total_q, Hq, D),
+    k/v (total_k, Hkv, D), out like q, lse (Hq, total_q), cu_seqlens int32 (B + 1,). out and lse contiguous,
+    fp16/bf16, D 64 or 128, inputs that pass `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks)."""
+    batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
+    grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, sm_count(q.device.index),
+                                    batch, max_seqlen_q, max_seqlen_k)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config["DYNAMIC"] else None  # one per launch
+    # `launch` skips Triton's argument binding for a call shape seen before: ~0.2 ms of host time per varlen call
+    # on the H200 machine's CPU, which a benchmark that idles the GPU between calls sees as GPU idle time.
+    launch(_attn_fwd_gluon, grid, launch_args(q, k, v, out, lse, softmax_scale, config["BLOCK_N"], ints,
+                                              cu_seqlens_q, cu_seqlens_k, counter), meta)
+
+
+def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
+                     varlen: bool = False):
+    """Compile the kernel for sm_90 without a GPU (Triton's frontend and Hopper passes, then its bundled ptxas):
+    compiled.asm["ptx"] / ["cubin"], compiled.metadata.shared. For tests and for looking at what a change does
+    to registers and spills (`ptxas -v` on the PTX) before spending device time. Not under the interpreter."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
+    batch = 2 if varlen else None
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256)
+    options = {"num_warps": meta.pop("num_warps")}
+    rows = ROWS.value
+    descriptors = {"desc_q": descriptor(t, rows, varlen), "desc_o": descriptor(t, rows, varlen),
+                   "desc_k": descriptor(t, config["BLOCK_N"], varlen), "desc_v": descriptor(t, config["BLOCK_N"], varlen)}
+    pointers = {"O": "*bf16" if dtype == torch.bfloat16 else "*fp16", "LSE": "*fp32",
+                "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
+                "COUNTER": "*i32" if config["DYNAMIC"] else "*fp32"}
+    names = _attn_fwd_gluon.arg_names
+    signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
+                 else pointers[name] if name in pointers else "fp32" if name == "qk_scale" else "i32"
+                 for name in names}
+    source = GluonASTSource(_attn_fwd_gluon, signature, constexprs=meta,
+                            attrs={(names.index(name),): [["tt.divisibility", 16]] for name in pointers})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
