@@ -236,16 +236,15 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
     assert G.launch_parts(q_shape, k_shape, False, True, three, many_sms)[0][0] == 6 * 16 * 3
 
 
-def test_launch_parts_take_the_removed_keys_only_at_the_kernels_own_schedule():
-    """PINGPONG=False and PERSISTENT=True name the kernel's one schedule: taken and dropped; any other value of
-    either is refused with a ValueError that names the key."""
+def test_launch_parts_refuse_unknown_and_missing_config_keys():
+    """A config names exactly the kernel's schedule keys: an unknown one (PINGPONG, PERSISTENT: schedules it does not have) or a
+    missing one is a ValueError that names it."""
     shapes = ((2, 256, 4, 128), (2, 256, 4, 128), True, True)
-    plain = G.launch_parts(*shapes, _BASE, 132)
-    assert G.launch_parts(*shapes, {**_BASE, "PINGPONG": False, "PERSISTENT": True}, 132) == plain
-    assert "PINGPONG" not in plain[2] and "PERSISTENT" not in plain[2]
-    for key, value in (("PINGPONG", True), ("PERSISTENT", False)):
-        with pytest.raises(ValueError, match=f"{key}={value}: removed"):
-            G.launch_parts(*shapes, {**_BASE, key: value}, 132)
+    for extra in ("PINGPONG", "PERSISTENT"):
+        with pytest.raises(ValueError, match=f"unknown keys \\['{extra}'\\]"):
+            G.launch_parts(*shapes, {**_BASE, extra: False}, 132)
+    with pytest.raises(ValueError, match="missing \\['OVERLAP'\\]"):
+        G.launch_parts(*shapes, {k: v for k, v in _BASE.items() if k != "OVERLAP"}, 132)
 
 
 def test_dynamic_schedule_takes_causal_items_one_at_a_time():

@@ -105,8 +105,8 @@ def varlen_fwd_tma_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, c
 # warpgroups, persistent), on sm_90 where its table names the shape (fp16 / bf16, softmax_scale > 0). Base: two
 # consumer warpgroups of 64 rows, 128-key tiles, 2 stages, one persistent program per SM, causal items in pairs of
 # equal work, one Q slot.
-GLUON_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, PINGPONG=False, PERSISTENT=True, N_CONSUMERS=2,
-                  Q_BUFFERS=1, CAUSAL_PAIRS=True, DYNAMIC=False, OVERLAP=False)
+GLUON_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, N_CONSUMERS=2, Q_BUFFERS=1, CAUSAL_PAIRS=True,
+                  DYNAMIC=False, OVERLAP=False)
 # Short items (up to 4k keys causal, 1k non-causal) spend much of their time starting and ending: two Q slots and
 # OVERLAP (each item's last P V issued with the next item's first S, one loop over the program's K/V tiles).
 GLUON_SHORT = dict(GLUON_BASE, Q_BUFFERS=2, OVERLAP=True)

@@ -342,8 +342,8 @@ def launch_forward(
     Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
     "num_stages"} of the portable kernel instead of autotuning (always so under the interpreter). Without
     one, on Hopper, fp16/bf16 inputs (dense or varlen) with head dim 64 or 128 take the TMA kernel
-    (`_attn_fwd_tma`; FLASHTRITON_TMA=0 turns it off), or where `configs.gluon_fwd_config` (dense) or
-    `configs.gluon_varlen_config` (varlen) say so the Gluon kernel (`forward_gluon`; FLASHTRITON_GLUON=0 turns
+    (`_attn_fwd_tma`; FLASHTRITON_KERNEL=portable turns it off), or where `configs.gluon_fwd_config` (dense) or
+    `configs.gluon_varlen_config` (varlen) say so the Gluon kernel (`forward_gluon`; FLASHTRITON_KERNEL=tma turns
     it off).
     Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
     returned when a config is forced on a GPU, for `flashtriton tune`.

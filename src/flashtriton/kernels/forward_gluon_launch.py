@@ -17,9 +17,9 @@ from .gluon_common import SHARED_MEMORY_LIMIT, descriptor
 from .launch import launch
 
 KERNEL = _attn_fwd_gluon
-# Config keys of schedules the kernel does not have, taken at the one value that names its own schedule
-# (warpgroups that do not take turns; persistent programs) and dropped.
-REMOVED_KEYS = {"PINGPONG": False, "PERSISTENT": True}
+# The keys of a Gluon forward config (configs/forward.py GLUON_BASE says what each means).
+CONFIG_KEYS = frozenset({"BLOCK_N", "NUM_BUFFERS", "CONSUMER_REGS", "N_CONSUMERS", "Q_BUFFERS", "CAUSAL_PAIRS",
+                         "DYNAMIC", "OVERLAP"})
 # Work units are counted in int32, and a program's last draw (or static slot) runs up to one grid past the end.
 UNIT_LIMIT = 2**31 - 2**20
 
@@ -42,12 +42,10 @@ def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen
 
 
 def kernel_config(config: dict) -> dict:
-    """`config` without the keys in REMOVED_KEYS; ValueError naming the key where one holds another value."""
-    config = dict(config)
-    for key, kept in REMOVED_KEYS.items():
-        value = config.pop(key, kept)
-        if value != kept:
-            raise ValueError(f"Gluon forward config {key}={value}: removed; git history has it")
+    """`config` if its keys are CONFIG_KEYS; ValueError naming the keys it lacks or does not know."""
+    if config.keys() != CONFIG_KEYS:
+        unknown, missing = sorted(config.keys() - CONFIG_KEYS), sorted(CONFIG_KEYS - config.keys())
+        raise ValueError(f"Gluon forward config {config}: unknown keys {unknown}, missing {missing}")
     return config
 
 
