@@ -237,8 +237,8 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
 
 
 def test_launch_parts_refuse_unknown_and_missing_config_keys():
-    """A config names exactly the kernel's schedule keys: an unknown one (PINGPONG, PERSISTENT: schedules it does not have) or a
-    missing one is a ValueError that names it."""
+    """A config names exactly the kernel's schedule keys: an unknown one (PINGPONG, PERSISTENT: schedules it does
+    not have) or a missing one is a ValueError that names it."""
     shapes = ((2, 256, 4, 128), (2, 256, 4, 128), True, True)
     for extra in ("PINGPONG", "PERSISTENT"):
         with pytest.raises(ValueError, match=f"unknown keys \\['{extra}'\\]"):
