@@ -50,18 +50,18 @@ ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = [
     ("sm90", 90, {}, ("attention:full", "decode:full")),
     ("sm80", 80, {}, ("attention:full", "decode:full")),
-    ("sm90 FLASHTRITON_GLUON=0", 90, {"FLASHTRITON_GLUON": "0"}, ("attention:sweep",)),
-    ("sm90 FLASHTRITON_TMA=0", 90, {"FLASHTRITON_TMA": "0"}, ("attention:sweep",)),
+    ("sm90 FLASHTRITON_KERNEL=tma", 90, {"FLASHTRITON_KERNEL": "tma"}, ("attention:sweep",)),
+    ("sm90 FLASHTRITON_KERNEL=portable", 90, {"FLASHTRITON_KERNEL": "portable"}, ("attention:sweep",)),
     ("sm90 FLASHTRITON_GLUON_BWD=0", 90, {"FLASHTRITON_GLUON_BWD": "0"}, ("attention:sweep",)),
-    ("sm90 FLASHTRITON_DECODE_SCHEDULE=grid", 90, {"FLASHTRITON_DECODE_SCHEDULE": "grid"}, ("decode:sweep",)),
-    ("sm90 FLASHTRITON_DECODE_SCHEDULE=stream", 90, {"FLASHTRITON_DECODE_SCHEDULE": "stream"}, ("decode:sweep",)),
-    ("sm80 FLASHTRITON_DECODE_SCHEDULE=stream", 80, {"FLASHTRITON_DECODE_SCHEDULE": "stream"}, ("decode:sweep",)),
+    ("sm90 FLASHTRITON_KERNEL=auto,split", 90, {"FLASHTRITON_KERNEL": "auto,split"}, ("decode:sweep",)),
+    ("sm90 FLASHTRITON_KERNEL=auto,stream", 90, {"FLASHTRITON_KERNEL": "auto,stream"}, ("decode:sweep",)),
+    ("sm80 FLASHTRITON_KERNEL=auto,stream", 80, {"FLASHTRITON_KERNEL": "auto,stream"}, ("decode:sweep",)),
 ]
-# `--autotune`: the autotuners' candidates (FLASHTRITON_AUTOTUNE=1, with the TMA kernels off so that the portable
+# `--autotune`: the autotuners' candidates (FLASHTRITON_AUTOTUNE=1, with the Hopper kernels off so that the portable
 # kernel is tuned wherever it could run): every pruned config of every autotuned launch, on a small grid.
 AUTOTUNE_SETTINGS = [
-    ("sm90 FLASHTRITON_AUTOTUNE=1 FLASHTRITON_TMA=0", 90, {"FLASHTRITON_AUTOTUNE": "1", "FLASHTRITON_TMA": "0"},
-     ("attention:autotune", "decode:autotune")),
+    ("sm90 FLASHTRITON_AUTOTUNE=1 FLASHTRITON_KERNEL=portable", 90,
+     {"FLASHTRITON_AUTOTUNE": "1", "FLASHTRITON_KERNEL": "portable"}, ("attention:autotune", "decode:autotune")),
     ("sm80 FLASHTRITON_AUTOTUNE=1", 80, {"FLASHTRITON_AUTOTUNE": "1"}, ("attention:autotune", "decode:autotune")),
 ]
 QUICK_SETTINGS = [("sm90", 90, {}, ("attention:quick", "decode:quick")),

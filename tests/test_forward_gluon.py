@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flashtriton
+from flashtriton.kernels.variant import Variant
 from flashtriton.kernels import dispatch
 from flashtriton import configs
 from flashtriton.kernels import forward_gluon_launch as G
@@ -101,8 +102,8 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, head_di
     -inf * 0) is never given to it."""
     seqlen = 1000 if causal else 512
     q, k, v = make_qkv(2, seqlen, seqlen, 8, 2, head_dim, torch.float16, device)
-    plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, True,
-                           True, True)
+    plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
+                           Variant.of(causal), True, True)
     assert plan is not None and plan.gluon
     out = flashtriton.flash_attn_func(q, k, v, causal=causal)
     monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice(level="tma"))

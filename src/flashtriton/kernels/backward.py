@@ -29,8 +29,9 @@ from .. import configs
 from .._env import INTERPRET
 from .common import LOG2E, dot_settings, load_tile, sequence_bounds, tma_ok
 from . import dispatch
+from .host import cdiv, padded_head_dim
 from .launch import launch
-from .variant import diagonal, key_blocks, query_blocks, visible
+from .variant import Variant, diagonal, key_blocks, query_blocks, visible
 
 try:  # Hopper's Gluon dK/dV kernel (triton >= 3.6 ships Gluon's Hopper API)
     from . import backward_gluon_launch
@@ -383,9 +384,9 @@ def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=Fals
         d_s = (0, *dlse.stride())
     else:
         d_s = dlse.stride()
-    launch(_attn_bwd_preprocess, (configs.cdiv(rows, PREPROCESS_BLOCK_M), heads_q, batch),
+    launch(_attn_bwd_preprocess, (cdiv(rows, PREPROCESS_BLOCK_M), heads_q, batch),
            (out, dout, lse, delta, lse_out, cu_seqlens_q, dlse, *o_s, *do_s, *l_s, *p_s, *d_s, seqlen_q),
-           dict(HEAD_DIM=head_dim, BLOCK_D=configs.padded_head_dim(head_dim), IS_VARLEN=varlen,
+           dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), IS_VARLEN=varlen,
                 BLOCK_M=PREPROCESS_BLOCK_M, PADDED=padded, HAS_DLSE=dlse is not None))
     return lse_out, delta
 
@@ -436,8 +437,10 @@ def attention_backward(
     if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
         return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
     gluon_config = None
+    variant = Variant.of(causal, causal_bottom_right)
     if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
-            and tma_ok(q, k, v, dout, dq, dk, dv)):  # (no broadcast, stride-0, dimension among them)
+            and tma_ok(q, k, v, dout, dq, dk, dv)
+            and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields())):  # (no broadcast, stride-0, dimension among them)
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
         gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)
@@ -467,13 +470,13 @@ def attention_backward(
         strides = [t.stride() for t in (q, k, v, dout, dq, dk, dv)]
         l_s = (lse.stride(0), lse.stride(1))
     q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s = strides
-    block_d = configs.padded_head_dim(head_dim)
+    block_d = padded_head_dim(head_dim)
     upcast, precision = dot_settings(q.dtype)
     common = (softmax_scale, softmax_scale * LOG2E, *q_s, *k_s, *v_s, *do_s)
     tail = (seqlen_q, seqlen_k, configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+        **variant.constexprs, IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
     if config is None and INTERPRET:
@@ -484,10 +487,10 @@ def attention_backward(
         config = {"dkdv": config, "dq": config}
 
     def grid_dkdv(meta):
-        return (configs.cdiv(seqlen_k, meta["BLOCK_N"]), heads_kv, batch)
+        return (cdiv(seqlen_k, meta["BLOCK_N"]), heads_kv, batch)
 
     def grid_dq(meta):
-        return (configs.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
+        return (cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
     if gluon_config is None:
         args_dkdv = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s, *l_s,

@@ -18,8 +18,10 @@ from .. import configs
 from .backward_gluon import BLOCK_M, KEYS, ROWS, _attn_bwd_dkdv_gluon, _attn_bwd_dq_gluon
 from .common import LOG2E
 from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor
+from .host import cdiv
 from .launch import hooks_installed, launch, launch_and_keep
 from .memo import remembered
+from .variant import Variant
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,14 +43,14 @@ def row_descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 def padded_seqlen(seqlen_q: int) -> int:
     """lse / delta rows per (batch, head) of a dense batch: Sq rounded up to the dQ kernel's 128-row tiles."""
-    return configs.cdiv(seqlen_q, KEYS.value) * KEYS.value
+    return cdiv(seqlen_q, KEYS.value) * KEYS.value
 
 
 def padded_rows(seqlen_q: int, varlen: bool, batch: int = 0) -> int:
     """lse / delta rows per (batch entry and) head. Dense: `padded_seqlen`. Varlen (seqlen_q = total_q, `batch`
     sequences): each sequence starts at a 16-byte aligned row (`backward_gluon._lse_rows`), the last 128 rows a
     margin so that the last sequence's last tile stays inside."""
-    return 4 * (configs.cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
+    return 4 * (cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
 
 
 def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2) -> int:
@@ -78,11 +80,11 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         raise ValueError(f"Gluon {kernel} config {config} needs {shared_memory_bytes(config, head_dim, kernel)} bytes "
                          f"of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if kernel == "dkdv":
-        grid = (triton.cdiv(seqlen_k, KEYS.value), heads_kv, batch)
+        grid = (cdiv(seqlen_k, KEYS.value), heads_kv, batch)
     else:
-        grid = (triton.cdiv(seqlen_q, KEYS.value), heads_q, batch)
+        grid = (cdiv(seqlen_q, KEYS.value), heads_q, batch)
     ints = (heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k, pad)
-    meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+    meta = dict(**Variant.of(causal, causal_bottom_right).constexprs, IS_VARLEN=varlen,
                 HEAD_DIM=head_dim, num_warps=4, WORK_TABLE=False, **config)
     return grid, ints, meta
 
@@ -230,7 +232,7 @@ def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
                      kernel: str = "dkdv", varlen: bool = False, with_table: bool = True):
-    """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon.compile_for_sm90`): for tests
+    """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon_launch.compile_for_sm90`): for tests
     and `ptxas -v`."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource

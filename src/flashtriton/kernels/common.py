@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import configs
 from .._env import INTERPRET
 from . import dispatch
+from .host import capability
 from .variant import visible
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them the TMA paths are never taken
@@ -126,7 +126,7 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
 def tma_layout_ok(device: torch.device, dtype: torch.dtype, *shapes_and_strides) -> bool:
     """`tma_ok` without the base addresses: what the shapes, strides, dtype and device decide."""
     if (INTERPRET or not dispatch.allows("tma") or TensorDescriptor is None or device.type != "cuda"
-            or dtype not in (torch.float16, torch.bfloat16) or configs.capability(device)[0] != 9):
+            or dtype not in (torch.float16, torch.bfloat16) or capability(device)[0] != 9):
         return False
     return _tma_shapes_ok(dispatch.BY_NAME["tma_fwd"].head_dims, dtype.itemsize, shapes_and_strides)
 

@@ -19,6 +19,7 @@ from .._env import INTERPRET
 from .common import LOG2E, dot_settings, sm_count
 from . import dispatch
 from .decode import PART_PAD, _append_kv, _decode_split, _decode_stream
+from .host import cdiv, next_power_of_2, padded_head_dim
 from .launch import hooks_installed, launch, launch_and_keep
 
 
@@ -28,10 +29,10 @@ def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block
     batch, seqlen_new, heads_kv, head_dim = k.shape
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    block_d = configs.padded_head_dim(head_dim)
-    block_t = min(configs.next_power_of_2(seqlen_new), max(1, 4096 // block_d))
+    block_d = padded_head_dim(head_dim)
+    block_t = min(next_power_of_2(seqlen_new), max(1, 4096 // block_d))
     dummy = cache_seqlens
-    launch(_append_kv, (batch, heads_kv, configs.cdiv(seqlen_new, block_t)), (
+    launch(_append_kv, (batch, heads_kv, cdiv(seqlen_new, block_t)), (
         k, v, k_cache, v_cache, cache_seqlens,
         cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -74,13 +75,13 @@ def choose_num_splits(programs: int, max_seqlen_k: int, device: torch.device, nu
 @functools.lru_cache(maxsize=4096)
 def _choose_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int, programs_per_sm: int) -> int:
     slots = programs_per_sm * num_sms
-    tiles = max(1, configs.cdiv(max_seqlen_k, block_n))
+    tiles = max(1, cdiv(max_seqlen_k, block_n))
     max_splits = max(1, min(configs.DECODE_MAX_SPLITS, max_seqlen_k // configs.DECODE_MIN_SPLIT_KEYS))
     best, best_cost = 1, math.inf
     for splits in range(1, max_splits + 1):
-        per_split = configs.cdiv(tiles, splits)
+        per_split = cdiv(tiles, splits)
         overhead = configs.DECODE_PROGRAM_OVERHEAD_TILES + (configs.DECODE_SPLIT_OVERHEAD_TILES if splits > 1 else 0)
-        cost = configs.cdiv(programs * splits, slots) * (per_split + overhead)
+        cost = cdiv(programs * splits, slots) * (per_split + overhead)
         if cost < best_cost:
             best, best_cost = splits, cost
     return best
@@ -100,11 +101,11 @@ def stream_programs(units: int, max_seqlen_k: int, num_sms: int, block_n: int, p
     the split grid's programs unequal) with caches of at least DECODE_STREAM_MIN_KEYS, under a config of one
     program per SM. `force`: the count whatever the rule says."""
     slots = programs_per_sm * num_sms
-    tiles = max(1, configs.cdiv(max_seqlen_k, block_n))
+    tiles = max(1, cdiv(max_seqlen_k, block_n))
     total = units * tiles
-    aligned = units * (slots // units) if units <= slots else configs.cdiv(units, configs.cdiv(units, slots))
+    aligned = units * (slots // units) if units <= slots else cdiv(units, cdiv(units, slots))
     # Aligned unless that leaves much of the GPU idle (e.g. 136 units on 132 SMs: 68 programs of two units)
-    programs = aligned if configs.cdiv(total, aligned) * slots <= 1.05 * total else slots
+    programs = aligned if cdiv(total, aligned) * slots <= 1.05 * total else slots
     programs = max(1, min(programs, total // max(1, configs.DECODE_MIN_SPLIT_KEYS // block_n)))
     if force:
         return programs
@@ -155,7 +156,7 @@ def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
 
 def decode_block_m(rows: int) -> int:
     """M tile for `rows` = Sq · group stacked query rows: at least 16 (tl.dot), at most 64."""
-    return min(max(16, configs.next_power_of_2(max(rows, 1))), 64)
+    return min(max(16, next_power_of_2(max(rows, 1))), 64)
 
 
 def decode_attention(
@@ -258,9 +259,9 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     paged = max_pages > 0
     rows = seqlen_q * group
     block_m = decode_block_m(rows)
-    m_tiles = configs.cdiv(rows, block_m)
+    m_tiles = cdiv(rows, block_m)
     units = batch * heads_kv * m_tiles
-    block_d = configs.padded_head_dim(head_dim)
+    block_d = padded_head_dim(head_dim)
     config = dict(config) if config is not None else None
     if config is None and not autotune:
         config = configs.default_decode_config(block_d, dtype.itemsize, units, num_sms, max_seqlen_k)
@@ -284,14 +285,14 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
                                        force=schedule == "stream")
         if programs:
             ints = (*strides, heads_kv, seqlen_q, batch, seqlen_new, capacity, cache_shape[0])
-            meta = dict(common, BLOCK_B=configs.next_power_of_2(batch), **config)
+            meta = dict(common, BLOCK_B=next_power_of_2(batch), **config)
             return _Plan((programs, 1, 1), programs * 2 * block_m, block_d + PART_PAD.value, units, ints, meta, False,
                          stream=True)
     num_splits = max(1, int(num_splits))
     split_kv = num_splits > 1
     ints = (*strides, heads_kv, seqlen_q, num_splits, seqlen_new, capacity, cache_shape[0],
-            configs.seqlen_bucket(configs.cdiv(max(max_seqlen_k, 1), num_splits)))
-    meta = dict(common, SPLIT_KV=split_kv, SPLITS_P2=configs.next_power_of_2(num_splits) if split_kv else 1)
+            configs.seqlen_bucket(cdiv(max(max_seqlen_k, 1), num_splits)))
+    meta = dict(common, SPLIT_KV=split_kv, SPLITS_P2=next_power_of_2(num_splits) if split_kv else 1)
     if config is not None:
         meta.update(config)
     part_rows = batch * seqlen_q * heads_q * num_splits if split_kv else 0

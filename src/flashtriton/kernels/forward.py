@@ -27,8 +27,9 @@ from .._env import INTERPRET
 from .common import (LOG2E, dot_settings, load_tile, sequence_bounds, sm_count, softmax_finish, softmax_step,
                      tma_descriptor, tma_layout_ok, tma_ok, tma_tile)
 from . import dispatch
+from .host import capability, cdiv, padded_head_dim
 from .launch import hooks_installed, launch, launch_and_keep
-from .variant import diagonal, key_blocks
+from .variant import Variant, diagonal, key_blocks
 
 try:  # Hopper's Gluon forward (triton >= 3.6 ships Gluon's Hopper API)
     from . import forward_gluon_launch
@@ -242,12 +243,12 @@ def _tma_launch_parts(q_shape, k_shape, dtype, out_strides, lse_strides, causal,
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         stride_lb, stride_lh = lse_strides[0], lse_strides[1]
     ints = (out_strides[-3], out_strides[-2], stride_lb, stride_lh, heads_q // heads_kv, seqlen_q, seqlen_k)
-    meta = dict(HEAD_DIM=q_shape[-1], IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right),
+    meta = dict(HEAD_DIM=q_shape[-1], **Variant.of(causal, causal_bottom_right).constexprs,
                 IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(dtype)[0],
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
     if config.get("maxnreg"):  # a register cap, so that more programs fit on an SM
         meta["maxnreg"] = config["maxnreg"]
-    return (configs.cdiv(seqlen_q, bm), heads_q, batch), ints, meta
+    return (cdiv(seqlen_q, bm), heads_q, batch), ints, meta
 
 
 def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config,
@@ -281,16 +282,22 @@ class _DenseTmaPlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, device, causal, causal_bottom_right,
+def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, device, variant: Variant,
                     use_tma, use_gluon) -> _DenseTmaPlan | None:
     """The plan of a dense Hopper forward, or None where the TMA kernels do not take such tensors whatever their
-    addresses (`tma_layout_ok`; the output is contiguous). The Gluon kernel where `configs.gluon_fwd_config`
-    has a config for the shape (and `use_gluon`: it is on, and softmax_scale > 0), else the TMA kernel."""
+    addresses (`tma_layout_ok`; the output is contiguous) or do not declare the variant (`dispatch.KERNELS`). The
+    Gluon kernel where it declares the call and `configs.gluon_fwd_config` has a config for the shape (and
+    `use_gluon`: it is on, and softmax_scale > 0), else the TMA kernel."""
     batch, seqlen_q, heads_q, head_dim = q_shape
+    causal, causal_bottom_right = variant.causal, variant.bottom_right
     out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1)
     if not use_tma or not tma_layout_ok(device, dtype, (q_shape, q_strides), (k_shape, k_strides),
                                         (k_shape, v_strides), (q_shape, out_strides)):
         return None
+    major = capability(device)[0]
+    if not dispatch.supports("tma_fwd", dtype, head_dim, major, False, False, variant.fields()):
+        return None
+    use_gluon = use_gluon and dispatch.supports("gluon_fwd", dtype, head_dim, major, False, False, variant.fields())
     gluon_config = configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal) if use_gluon else None
     if gluon_config is not None:
         grid, ints, meta = forward_gluon_launch.launch_parts(q_shape, k_shape, causal, causal_bottom_right,
@@ -350,6 +357,7 @@ def launch_forward(
     """
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
+    variant = Variant.of(causal, causal_bottom_right)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if varlen:
         batch = cu_seqlens_q.numel() - 1
@@ -367,15 +375,17 @@ def launch_forward(
     if config is None and not varlen and q.is_cuda and not INTERPRET:
         # Dense on Hopper: a plan per call shape (TMA applicability, tiles, launch arguments, the compiled
         # kernel); per call only the addresses are checked (TMA needs 16-byte aligned bases).
-        plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, bool(causal),
-                               bool(causal_bottom_right), dispatch.allows("tma"),
+        plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, variant,
+                               dispatch.allows("tma"),
                                dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0)
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
             _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale)
             return out, lse, None
-    if config is None and varlen and tma_ok(q, k, v, out):
+    if (config is None and varlen and tma_ok(q, k, v, out)
+            and dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, False, variant.fields())):
         gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal))
                         if dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0
+                        and dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, False, variant.fields())
                         else None)
         if gluon_config is not None and (forward_gluon_launch.work_units(seqlen_q, heads_q, batch, gluon_config,
                                                                          bool(causal))
@@ -405,13 +415,13 @@ def launch_forward(
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
     )
     constexprs = dict(
-        HEAD_DIM=head_dim, BLOCK_D=configs.padded_head_dim(head_dim),
-        IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        **variant.constexprs, IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
 
     def grid(meta):
-        return (configs.cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
+        return (cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
     if config is None and INTERPRET:
         config = configs.FWD_INTERPRETER_CONFIG

@@ -14,7 +14,9 @@ import triton
 from .common import LOG2E, sm_count
 from .forward_gluon import ROWS, _attn_fwd_gluon
 from .gluon_common import SHARED_MEMORY_LIMIT, descriptor
+from .host import cdiv
 from .launch import launch
+from .variant import Variant
 
 KERNEL = _attn_fwd_gluon
 # The keys of a Gluon forward config (configs/forward.py GLUON_BASE says what each means).
@@ -27,7 +29,7 @@ UNIT_LIMIT = 2**31 - 2**20
 def work_units(seqlen_q: int, heads_q: int, batch: int, config: dict, causal: bool) -> int:
     """How many work units a launch hands out: query tiles (in pairs: pairs of them) x heads x batch entries;
     varlen: over the longest sequence's tiles, for every sequence."""
-    n_m = triton.cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
+    n_m = cdiv(seqlen_q, ROWS.value * config["N_CONSUMERS"])
     return ((n_m + 1) // 2 if causal and config["CAUSAL_PAIRS"] else n_m) * heads_q * batch
 
 
@@ -73,7 +75,7 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
     grid = (min(units, sms), 1, 1)
     ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
-    meta = dict(IS_CAUSAL=bool(causal), CAUSAL_BOTTOM_RIGHT=bool(causal_bottom_right), IS_VARLEN=varlen,
+    meta = dict(**Variant.of(causal, causal_bottom_right).constexprs, IS_VARLEN=varlen,
                 HEAD_DIM=head_dim, num_warps=4, **config)
     return grid, ints, meta
 

@@ -18,6 +18,7 @@ declare the fields they run (`dispatch.KERNELS`); `require_supported` refuses by
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -42,6 +43,18 @@ class Variant:
             raise ValueError(f"window_size must be two ints >= -1 (-1 = unbounded), got {self.window!r}")
         if self.causal and right > 0:
             raise ValueError(f"window_size={self.window!r} with causal=True: the right side must be 0 or -1")
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def of(causal: bool, bottom_right: bool = True) -> "Variant":
+        """The variant of the launchers' flags (flash-attn's `causal`, `causal_bottom_right`): one shared instance
+        per pair, so that a launch pays a dictionary lookup for it."""
+        return Variant(causal=bool(causal), bottom_right=bool(bottom_right))
+
+    @functools.cached_property
+    def constexprs(self) -> dict:
+        """The constexprs every attention kernel (Triton and Gluon) takes for this variant; do not modify."""
+        return {"IS_CAUSAL": self.causal, "CAUSAL_BOTTOM_RIGHT": self.bottom_right}
 
     @property
     def right(self) -> int:
@@ -114,6 +127,10 @@ class Variant:
     def fields(self) -> frozenset:
         """The fields set, by their public argument names: what a kernel must declare to run this variant
         (`dispatch.Kernel.fields`). A window that only restates causal ((-1, 0) or (-1, -1)) is causal."""
+        return self._fields
+
+    @functools.cached_property
+    def _fields(self) -> frozenset:
         names = {"causal"} if self.causal else set()
         if self.window != (-1, -1) and not (self.causal and self.window == (-1, 0)):
             names.add("window_size")
