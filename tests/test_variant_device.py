@@ -37,8 +37,11 @@ def _helpers_kernel(MASK, KEY_LO, KEY_HI, Q_LO, Q_MID, Q_FULL, TILE_MASKED, TILE
         for start_n in range(0, tl.cdiv(seqlen_k, BLOCK_N)):
             row0 = start_m * BLOCK_M
             n = start_n * BLOCK_N
-            tl.store(TILE_MASKED + start_m * 64 + start_n, V.tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL))
-            tl.store(TILE_HIDDEN + start_m * 64 + start_n, V.tile_hidden(row0 + BLOCK_M - 1, n, diag, IS_CAUSAL))
+            masked = tl.where(V.tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL), 1, 0)
+            key_major = tl.where(V.key_tile_masked(n + BLOCK_N - 1, row0, diag, IS_CAUSAL), 1, 0)
+            tl.store(TILE_MASKED + start_m * 64 + start_n, tl.where(masked == key_major, masked, 9).to(tl.int8))
+            hidden = tl.where(V.tile_hidden(row0 + BLOCK_M - 1, n, diag, IS_CAUSAL), 1, 0)
+            tl.store(TILE_HIDDEN + start_m * 64 + start_n, hidden.to(tl.int8))
     for start_n in range(0, tl.cdiv(seqlen_k, BLOCK_N)):
         lo, mid, full = V.query_blocks(start_n * BLOCK_N, seqlen_q, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
         tl.store(Q_LO + start_n, lo)
@@ -74,6 +77,7 @@ def test_device_helpers_match_the_dense_mask(sq, sk, causal, bottom_right, block
             assert min(out["key_end"][i], sk) == (int(seen[-1]) + 1 if len(seen) else min(out["key_end"][i], sk))
     extended = Variant(causal=causal, bottom_right=bottom_right).dense_mask(  # rows and keys past the ends too
         n_m * block_m + sq, n_n * block_n, diagonal=sk - sq if causal and bottom_right else 0)
+    assert (masked.cpu()[masked.cpu() != -7] != 9).all(), "key_tile_masked disagrees with tile_masked"
     masked, hidden = masked.cpu().view(n_m, 64)[:, :n_n].bool(), hidden.cpu().view(n_m, 64)[:, :n_n].bool()
     for m in range(n_m):
         rows = slice(m * block_m, min((m + 1) * block_m, sq))

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .gluon_common import sequence, tma_load, tma_store, wgmma_layout
-from .variant import diagonal, key_end_before, query_first, tile_hidden, tile_masked, visible
+from .variant import diagonal, key_end_before, key_tile_masked, query_first, tile_hidden, tile_masked, visible
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
 BLOCK_M = gl.constexpr(64)  # query rows per streamed tile
@@ -154,7 +154,7 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale,
         lse = _lse_base2(lse)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
-        if tile_masked(m, first_key + ROWS - 1, diag, IS_CAUSAL):  # the tile reaches past some row's diagonal
+        if key_tile_masked(first_key + ROWS - 1, m, diag, IS_CAUSAL):  # the tile reaches past some row's diagonal
             p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL), p, 0.0)
         p_op = gl.convert_layout(p.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)

@@ -194,6 +194,16 @@ def tile_masked(row_first, key_last, diag, IS_CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def key_tile_masked(key_last, row_first, diag, IS_CAUSAL: tl.constexpr):
+    """`tile_masked` seen from a key-major tile (the dK/dV kernels, whose tile rows are keys up to `key_last`,
+    against query rows from `row_first`): whether the mask hides some pair of it."""
+    if IS_CAUSAL:
+        return row_first + diag < key_last
+    else:
+        return False
+
+
+@triton.jit
 def tile_hidden(row_last, key_first, diag, IS_CAUSAL: tl.constexpr):
     """Whether the mask hides every pair of a tile of rows up to `row_last` and keys from `key_first`."""
     if IS_CAUSAL:
