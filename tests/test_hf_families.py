@@ -271,6 +271,16 @@ def _generate(**kwargs):
     return run
 
 
+def _generate_full_cache(**kwargs):
+    """Generation with a DynamicCache that keeps every key (no config: no sliding layers), so that decoding past
+    the window runs the window over the whole cache."""
+    def run(model, inputs):
+        return model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
+                              **{_cache_kwarg(model): transformers.DynamicCache()}, **kwargs)
+
+    return run
+
+
 def _real_tokens(inputs) -> Optional[torch.Tensor]:
     """Positions whose outputs mean something: the 2-D mask's real tokens; all positions without a mask.
     Seq2seq: the outputs are the decoder's, all real (the encoder mask pads keys, not decoder queries)."""
@@ -286,6 +296,9 @@ class Case:
     run: Callable = _forward
     tokens: bool = False  # compare generated tokens exactly (else logits within ATOL)
     must_run: bool = False  # nothing flashtriton lacks is involved: a refusal fails too
+    # the kernel variants the run must launch, all of them and no other ("window": a window that hides keys,
+    # "softcap"); None: not checked
+    variants: Optional[tuple] = None
 
 
 def _own_flash_code(model: str) -> bool:
@@ -322,23 +335,48 @@ CASES: dict[str, Case] = {
                                         run=_generate(cache_implementation="static")),
     "llama_greedy_generate": runs("llama", lambda: _text(**_PROMPTS), run=_generate(), tokens=True),
     "llama_beam_generate": runs("llama", lambda: _text(**_PROMPTS), run=_generate(num_beams=2), tokens=True),
-    "mistral_window_shorter": may_refuse("mistral_window8", lambda: _text()),
+    # sliding windows shorter than the keys: flash-attn's window_size (the mask's window), per sequence in varlen
+    "mistral_window_shorter": runs("mistral_window8", lambda: _text(), variants=("window",)),
+    "mistral_window_shorter_left_padded": runs("mistral_window8", lambda: _text(**_PADDED, left=True),
+                                               variants=("window",)),
+    "mistral_window_shorter_right_padded": runs("mistral_window8", lambda: _text(**_PADDED, left=False),
+                                                variants=("window",)),
+    "mistral_window_shorter_packed_2rows": runs("mistral_window8", lambda: _packed([(0, 12), (0, 12)],
+                                                                                   [(5, 15), (0, 14)]),
+                                                 variants=("window",)),
+    # chunked prefill through the sliding cache (DynamicCache(config=...) keeps the last window - 1 keys)
+    "mistral_window_shorter_chunked_prefill": runs("mistral_window8", lambda: _text(**_PADDED),
+                                                   run=_chunked_prefill(10), variants=("window",)),
     # prompts inside the window, generation past it: the sliding cache keeps every call within the window
     "mistral_window_shorter_generate": runs("mistral_window8", lambda: _text(seqlen=6, lengths=(6, 4)),
-                                            run=_generate(), tokens=True),
-    "mistral_window_longer": runs("mistral_window64", lambda: _text(**_PADDED)),
+                                            run=_generate(), tokens=True, variants=()),
+    # prompts longer than the window, generation past it: sliding caches (dynamic, static) and a full DynamicCache
+    "mistral_window_shorter_generate_long_prompts": runs("mistral_window8", lambda: _text(**_PROMPTS),
+                                                         run=_generate(), tokens=True, variants=("window",)),
+    "mistral_window_shorter_static_cache_generate": runs("mistral_window8", lambda: _text(**_PROMPTS), tokens=True,
+                                                         run=_generate(cache_implementation="static"),
+                                                         variants=("window",)),
+    "mistral_window_shorter_full_cache_generate": runs("mistral_window8", lambda: _text(**_PROMPTS), tokens=True,
+                                                       run=_generate_full_cache(), variants=("window",)),
+    "mistral_window_longer": runs("mistral_window64", lambda: _text(**_PADDED), variants=()),
     "qwen2": runs("qwen2", lambda: _text(**_PADDED)),
-    "qwen2_window_shorter": may_refuse("qwen2_window8", lambda: _text()),
+    "qwen2_window_shorter": runs("qwen2_window8", lambda: _text(**_PADDED), variants=("window",)),
     "qwen2_moe": runs("qwen2_moe", lambda: _text(**_PADDED)),
-    "qwen2_moe_window_shorter": may_refuse("qwen2_moe_window8", lambda: _text()),
-    "phimoe_window_shorter": may_refuse("phimoe_window8", lambda: _text()),
+    "qwen2_moe_window_shorter": runs("qwen2_moe_window8", lambda: _text(**_PADDED), variants=("window",)),
+    "phimoe_window_shorter": runs("phimoe_window8", lambda: _text(**_PADDED), variants=("window",)),
     "phi3": runs("phi3", lambda: _text(**_PADDED)),
-    "gemma2_softcap_window_shorter": may_refuse("gemma2", lambda: _text()),
-    "gemma2_softcap_window_longer": may_refuse("gemma2_softcap_window64", lambda: _text()),
-    "gemma2_window_shorter": may_refuse("gemma2_no_softcap_window8", lambda: _text()),
-    "gemma2_window_longer": runs("gemma2_no_softcap_window64", lambda: _text(**_PADDED)),
-    "gemma3_text_window_shorter": may_refuse("gemma3_text_window8", lambda: _text()),
-    "gemma3_text_window_longer": runs("gemma3_text_window64", lambda: _text(**_PADDED)),
+    # softcap (attn_logit_softcapping, the `softcap` kwarg) with windows shorter and longer than the keys
+    "gemma2_softcap_window_shorter": runs("gemma2", lambda: _text(**_PADDED), variants=("softcap", "window")),
+    "gemma2_softcap_window_shorter_generate": runs("gemma2", lambda: _text(**_PROMPTS), run=_generate(),
+                                                   tokens=True, variants=("softcap", "window")),
+    "gemma2_softcap_window_longer": runs("gemma2_softcap_window64", lambda: _text(), variants=("softcap",)),
+    "gemma2_window_shorter": runs("gemma2_no_softcap_window8", lambda: _text(), variants=("window",)),
+    "gemma2_window_longer": runs("gemma2_no_softcap_window64", lambda: _text(**_PADDED), variants=()),
+    "gemma3_text_window_shorter": runs("gemma3_text_window8", lambda: _text(**_PADDED, left=False),
+                                       variants=("window",)),
+    "gemma3_text_window_shorter_packed": runs("gemma3_text_window8", lambda: _packed([(0, 10), (0, 14)]),
+                                              variants=("window",)),
+    "gemma3_text_window_longer": runs("gemma3_text_window64", lambda: _text(**_PADDED), variants=()),
     "gemma3_multimodal_images": may_refuse("gemma3_multimodal", _gemma3_images),
     "gemma3_multimodal_text_only": may_refuse("gemma3_multimodal", lambda: _text(**_PADDED)),
     "paligemma_prefix_lm": may_refuse("paligemma", _paligemma_prefix),
@@ -350,10 +388,14 @@ CASES: dict[str, Case] = {
     "falcon_alibi": may_refuse("falcon_alibi", lambda: _text()),
     "bert_right_padded": runs("bert", lambda: _text(**_PADDED, left=False)),
     "bert_train_dropout": may_refuse("bert_train_dropout", lambda: _text(**_PADDED, left=False)),
-    "modernbert_local_attention": may_refuse("modernbert_local8", lambda: _text(lengths=(16, 11), left=False)),
+    # local attention: |q - k| <= local_attention // 2 around each query (flash-attn's (w, w)), right-padded rows;
     # early transformers 5.x run ModernBERT's flash path through flash-attn itself: refused there
+    "modernbert_local_attention": (may_refuse if _own_flash_code("modernbert") else runs)(
+        "modernbert_local8", lambda: _text(lengths=(16, 11), left=False), variants=("window",)),
+    "modernbert_local_attention_unpadded": (may_refuse if _own_flash_code("modernbert") else runs)(
+        "modernbert_local8", lambda: _text(), variants=("window",)),
     "modernbert_local_attention_longer": (may_refuse if _own_flash_code("modernbert") else runs)(
-        "modernbert_local64", lambda: _text(lengths=(16, 11), left=False)),
+        "modernbert_local64", lambda: _text(lengths=(16, 11), left=False), variants=()),
     "vit": runs("vit", lambda: {"pixel_values": _pixels(2)}),
     "whisper": runs("whisper", lambda: _whisper(10)),
     "whisper_decoder_longer": runs("whisper", lambda: _whisper(20)),
@@ -372,6 +414,7 @@ class Spy:
     """What one model run called: flashtriton's kernels, transformers' attention/mask entries, torch's sdpa."""
 
     kernels: int = 0  # flashtriton kernel launches (dense/varlen forward, decode)
+    variants: set = field(default_factory=set)  # the variants those launches ran: "window", "softcap"
     sdpa: int = 0  # torch.nn.functional.scaled_dot_product_attention calls
     attention_calls: list = field(default_factory=list)  # kwargs seen by the "flashtriton" attention entry
     mask_calls: list = field(default_factory=list)  # kwargs seen by the "flashtriton" mask entry
@@ -396,6 +439,10 @@ def _spy():
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             spy.kernels += 1
+            if tuple(kwargs.get("window_size", (-1, -1))) != (-1, -1):
+                spy.variants.add("window")
+            if kwargs.get("softcap"):
+                spy.variants.add("softcap")
             return fn(*args, **kwargs)
 
         return wrapper
@@ -439,7 +486,8 @@ def _routing(spy: Spy) -> str:
                     for c in spy.mask_calls})
     keys = sorted({k for c in spy.attention_calls for k in c})
     shown = sorted({f"{k}={c[k]}" for c in spy.attention_calls for k in _SHOWN if k in c})
-    return (f"{spy.kernels} kernel launches, {len(spy.attention_calls)} attention calls with kwargs {keys} "
+    return (f"{spy.kernels} kernel launches ({', '.join(sorted(spy.variants)) or 'plain'}), "
+            f"{len(spy.attention_calls)} attention calls with kwargs {keys} "
             f"({', '.join(shown) or '-'}), mask functions {masks or '-'}")
 
 
@@ -577,6 +625,10 @@ def test_family_matches_reference_or_refuses(name):
         return
     assert spy.kernels > 0, f"flashtriton's kernels never ran (sdpa calls: {spy.sdpa}); {routing}"
     assert spy.sdpa == 0, f"torch sdpa ran {spy.sdpa} times inside the flashtriton model; {routing}"
+    if case.variants is not None:
+        assert spy.variants == set(case.variants), (
+            f"the kernels ran {sorted(spy.variants) or 'no variant'}, not {sorted(case.variants) or 'no variant'}; "
+            f"{routing}")
 
     if family.train:  # attention dropout: no reference to compare with; it must at least be applied
         again = _run(case, ours, seed=1)

@@ -149,23 +149,90 @@ def test_attention_function_with_cache_chunk_and_left_padding(device):
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
-def test_sliding_window_raises_only_when_it_matters(device):
+def test_sliding_window_matches_sdpa(device):
+    """A window shorter than the keys (unpadded, left- and right-padded) and one that holds them all."""
     ours, ref = _pair("mistral", sliding_window=4)
-    ids, _ = _batch(device, lengths=(8,), seqlen=8)
-    with pytest.raises(NotImplementedError, match="sliding"):
+    for lengths, seqlen, left in (((8,), 8, True), ((9, 6, 4), 9, True), ((9, 6, 4), 9, False), ((4,), 4, True)):
+        ids, mask = _batch(device, lengths=lengths, seqlen=seqlen, left=left)
         with torch.no_grad():
-            ours(input_ids=ids)
-    short, _ = _batch(device, lengths=(4,), seqlen=4)  # keys fit in the window: plain causal attention
-    with torch.no_grad():
-        torch.testing.assert_close(ours(input_ids=short).logits, ref(input_ids=short).logits, atol=ATOL, rtol=0)
+            got = ours(input_ids=ids, attention_mask=mask).logits
+            expected = ref(input_ids=ids, attention_mask=mask).logits
+        real = mask.bool()
+        torch.testing.assert_close(got[real], expected[real], atol=ATOL, rtol=0)
+
+
+def _eager(q, k, v, visible, scale, softcap=None):
+    """transformers' Gemma 2 eager attention (softcap, then the mask) with a (.., Sq, Sk) bool mask."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = q.shape[1] // k.shape[1], False
+    bias = torch.zeros(visible.shape, device=q.device).masked_fill(~visible, torch.finfo(torch.float32).min)
+    return eager_attention_forward(module, q, k, v, bias, scaling=scale, softcap=softcap)[0]
+
+
+def test_softcap_and_window_kwargs_match_eager(device):
+    """Without a mask verdict the layer's kwargs decide: sliding_window w is flash-attn's (w - 1, w - 1) (causal:
+    (w - 1, 0)), as transformers' flash-attention path passes it; softcap caps the scaled scores before the mask."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 7, 16, device=device) * 3
+    k, v = (torch.randn(2, 2, 7, 16, device=device) * 3 for _ in range(2))
+    i, j = torch.arange(7, device=device)[:, None], torch.arange(7, device=device)[None, :]
+    for causal, window, softcap in ((True, None, 30.0), (True, 3, None), (True, 3, 5.0), (False, 3, 5.0)):
+        module = torch.nn.Module()
+        module.is_causal = causal
+        out, _ = ft_hf.flashtriton_attention_forward(module, q, k, v, None, scaling=0.25, sliding_window=window,
+                                                     softcap=softcap)
+        visible = (j <= i) if causal else torch.ones(7, 7, dtype=torch.bool, device=device)
+        if window is not None:
+            visible = visible & ((i - j).abs() < window)
+        expected = _eager(q, k, v, visible.expand(2, 1, 7, 7), 0.25, softcap)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0, msg=f"causal={causal} window={window} "
+                                                                         f"softcap={softcap}")
+
+
+def test_window_with_cache_chunk_and_packed_rows(device):
+    """A window over a chunk of queries after a cache (Sq < Sk, left padding) and over packed rows."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(3, 4, 3, 16, device=device)
+    k, v = (torch.randn(3, 2, 9, 16, device=device) for _ in range(2))
+    mask2d = torch.arange(9, device=device)[None, :] >= torch.tensor([0, 2, 4], device=device)[:, None]
+    out, _ = ft_hf.flashtriton_attention_forward(module, q, k, v, mask2d, scaling=0.3, sliding_window=4, softcap=2.0)
+    position = torch.arange(6, 9, device=device)[:, None]  # query i is key 6 + i
+    visible = (torch.arange(9, device=device)[None, :] <= position) & (torch.arange(9, device=device) > position - 4)
+    expected = _eager(q, k, v, (visible[None] & mask2d[:, None, :])[:, None], 0.3, 2.0)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+    positions = torch.tensor([list(range(3, 13)) + list(range(6))], device=device)  # two documents
+    q, k, v = (torch.randn(1, h, 16, 16, device=device) for h in (4, 2, 2))
+    out, _ = ft_hf.flashtriton_attention_forward(module, q, k, v, None, scaling=0.25, sliding_window=5,
+                                                 position_ids=positions)
+    ids = torch.arange(16, device=device) >= 10
+    i, j = torch.arange(16, device=device)[:, None], torch.arange(16, device=device)[None, :]
+    visible = (ids[:, None] == ids[None, :]) & (j <= i) & (j > i - 5)
+    torch.testing.assert_close(out, _eager(q, k, v, visible[None, None], 0.25), atol=ATOL, rtol=0)
+
+
+def test_window_over_padding_between_tokens_is_refused(device):
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 6, 8, device=device)
+    holes = torch.tensor([[True, True, False, True, True, True]], device=device)
+    with pytest.raises(NotImplementedError, match="contiguous"):
+        ft_hf.flashtriton_attention_forward(module, q, q, q, holes, sliding_window=2)
+    out, _ = ft_hf.flashtriton_attention_forward(module, q, q, q, holes, sliding_window=6)  # hides no key
+    assert out.shape == (1, 6, 2, 8)
 
 
 def test_unsupported_features_raise(device):
     q = torch.randn(1, 4, 5, 16, device=device)
     k = torch.randn(1, 2, 5, 16, device=device)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="softcap"):
-        ft_hf.flashtriton_attention_forward(module, q, k, k, None, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        ft_hf.flashtriton_attention_forward(module, q, k, k, None, s_aux=torch.zeros(4, device=device))
+    with pytest.raises(NotImplementedError, match="position biases"):
+        ft_hf.flashtriton_attention_forward(module, q, k, k, None, position_bias=torch.zeros(1, 4, 5, 5))
     with pytest.raises(NotImplementedError, match="dropout"):
         ft_hf.flashtriton_attention_forward(module, q, k, k, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="4-D|2-D"):
@@ -178,8 +245,10 @@ def test_unsupported_features_raise(device):
 
 
 @pytest.mark.skipif(not HAS_BACKWARD, reason="flashtriton's backward kernel is not in this tree yet")
-def test_training_step_gradients_match_sdpa(device):
-    ours, ref = _pair("llama")
+@pytest.mark.parametrize("kind, overrides", [("llama", {}), ("mistral", {"sliding_window": 3})],
+                         ids=["llama", "mistral_window3"])
+def test_training_step_gradients_match_sdpa(device, kind, overrides):
+    ours, ref = _pair(kind, **overrides)
     ids, mask = _batch(device, lengths=(7, 4), seqlen=7)
     grads = []
     for model in (ours, ref):
@@ -217,14 +286,49 @@ def test_mask_analysis_plain_and_derived_kinds():
 
 
 def test_mask_analysis_sliding_window_from_offsets():
+    """transformers' window w (q - w < k <= q) is flash-attn's (w - 1, 0); |q - k| <= w is (w, w); a window that
+    hides no key of the call is None."""
     window = mu.sliding_window_causal_mask_function(4)
-    assert _analyse(window, 4, 4).kind == hf_masks.CAUSAL  # the keys fit in the window
-    with pytest.raises(NotImplementedError, match="sliding window of 4 keys"):
-        _analyse(window, 5, 5)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        _analyse(window, 1, 9, q_offset=8)  # decoding over a full cache
+    assert _analyse(window, 4, 4) == hf_masks.MaskSpec(hf_masks.CAUSAL, derived=True)  # the keys fit in it
+    assert _analyse(window, 5, 5).window == (3, 0)
+    assert _analyse(window, 1, 9, q_offset=8).window == (3, 0)  # decoding over a full cache
     # a sliding cache keeps the last keys only (kv_offset > 0): decoding over them is causal attention
-    assert _analyse(window, 1, 4, q_offset=8, kv_offset=5).kind == hf_masks.CAUSAL
+    assert _analyse(window, 1, 4, q_offset=8, kv_offset=5) == hf_masks.MaskSpec(hf_masks.CAUSAL, derived=True)
+    assert _analyse(window, 2, 5, q_offset=8, kv_offset=5).window == (3, 0)  # two queries past a sliding cache
+    local = mu.sliding_window_bidirectional_mask_function(2)  # ModernBERT's local attention
+    assert _analyse(local, 6, 6) == hf_masks.MaskSpec(hf_masks.FULL, derived=True, window=(2, 2))
+    assert _analyse(local, 3, 3).window is None
+    for fn, q_len, kv_len, q_off, kv_off in ((window, 5, 5, 0, 0), (window, 2, 5, 8, 5), (local, 6, 6, 0, 0)):
+        spec = _analyse(fn, q_len, kv_len, q_off, kv_off)
+        q = torch.arange(q_len)[:, None] + q_off
+        kv = torch.arange(kv_len)[None, :] + kv_off
+        left, right = spec.window
+        band = (kv >= q - left) & ((kv <= q) if spec.kind == hf_masks.CAUSAL else (kv <= q + right))
+        assert torch.equal(band, fn(0, 0, q, kv)), (fn, spec)
+
+
+def test_mask_analysis_finds_windows_in_composed_functions():
+    """An arbitrary function is evaluated: a band of keys around each query is a window (Gemma 3's bidirectional
+    window overlay, |q - k| < w, or-ed onto its causal window), anything else is refused."""
+    overlay = lambda b, h, q, kv: (q - kv).abs() < 3  # noqa: E731
+    gemma3_bidirectional = mu.or_masks(mu.sliding_window_causal_mask_function(3), overlay)
+    assert _analyse(gemma3_bidirectional, 8, 8) == hf_masks.MaskSpec(hf_masks.FULL, derived=True, window=(2, 2))
+    causal_band = mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: q - kv < 3)
+    assert _analyse(causal_band, 8, 8).window == (2, 0)
+    with pytest.raises(NotImplementedError, match="neither causal nor full"):
+        _analyse(mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: q - kv != 1), 8, 8)
+
+
+def test_packed_rows_with_a_window():
+    positions = torch.tensor([[5, 6, 7, 0, 1, 2, 3, 4, 5, 6]])
+    ids = mu.find_packed_sequence_indices(positions)
+    remap = getattr(mu, "remap_positions_for_packed_sequence", None)
+    base = mu.sliding_window_causal_mask_function(4)
+    fn = mu.and_masks(remap(base, positions) if remap else base, mu.packed_sequence_mask_function(ids))
+    spec = _analyse(fn, 10, 10, batch=1)
+    assert spec.kind == hf_masks.CAUSAL and spec.window == (3, 0) and torch.equal(spec.segments, ids)
+    mask = ft_hf.flashtriton_mask(batch_size=1, q_length=10, kv_length=10, mask_function=fn)
+    assert getattr(mask, "_flashtriton_window") == (3, 0)
 
 
 def test_mask_analysis_image_and_prefix_overlays_are_refused():
@@ -382,5 +486,5 @@ def test_refusal_advice_works():
     gemma = Gemma2Attention(Gemma2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8),
                             layer_idx=0)
     with pytest.raises(NotImplementedError, match="attn_implementation='eager' instead") as err:
-        ft_hf.flashtriton_attention_forward(gemma, q, q, q, None, softcap=50.0)
+        ft_hf.flashtriton_attention_forward(gemma, q, q, q, None, softcap=50.0, s_aux=torch.zeros(4))
     assert "sdpa" not in str(err.value)

@@ -5,17 +5,21 @@ on absolute positions (queries at q_offset .., keys at kv_offset ..), composed f
 `sliding_window_overlay(w)`, `packed_sequence_mask_function(ids)`, model-specific overlays for image tokens or a
 prefix-LM prefix...) and hands it to the mask interface registered under the implementation's name. flashtriton's
 kernels run causal (bottom-right aligned) or full attention over each sequence's keys, with padding and packed
-sequences. `analyse` decides which of those a mask function is, and raises NotImplementedError for anything else:
+sequences, narrowed to a window around each query's own position (flash-attn's `window_size`). `analyse` decides
+which of those a mask function is, and raises NotImplementedError for anything else:
 
 - the plain pieces are recognised by identity (no cost);
-- packed sequences (transformers' `packed_sequence_mask_function` over a causal or bidirectional base) give the
-  per-token sequence ids;
-- a causal mask narrowed by `sliding_window_overlay` is decided exactly from the offsets (the window either
-  hides no key of this call, or the call is refused);
+- packed sequences (transformers' `packed_sequence_mask_function` over a causal or bidirectional base, windowed
+  or not) give the per-token sequence ids;
+- a causal mask narrowed by `sliding_window_overlay(w)` (key k visible to query q iff q - w < k <= q) is the
+  window (w - 1, 0); a bidirectional one narrowed by `sliding_window_bidirectional_overlay(w)` (|q - k| <= w,
+  ModernBERT's local attention) is (w, w). Both are decided exactly from the offsets: a window that hides no
+  key of this call is dropped (the plain kernels run);
 - any other function is evaluated at every (query, key) pair of the call — query rows in chunks, so memory
-  stays bounded — and compared with causal and full attention. It is exact for any index-based function,
-  model-specific overlays included, at the cost of one pass over the (batch, q, kv) grid per mask per forward
-  (what the sdpa path pays to materialise it).
+  stays bounded — and compared with causal and full attention, then with the band of keys around each query
+  that it shows (a window). It is exact for any index-based function, model-specific overlays included, at the
+  cost of one or two passes over the (batch, q, kv) grid per mask per forward (what the sdpa path pays to
+  materialise it).
 
 A refusal is an `Unexpressible` (a NotImplementedError) saying what the mask is and which feature is missing.
 """
@@ -34,6 +38,9 @@ class MaskSpec(NamedTuple):
     kind: str  # CAUSAL or FULL
     segments: Optional[torch.Tensor] = None  # (batch, seqlen) sequence ids of packed rows, or None
     derived: bool = False  # True when the kind came from analysing a composed function (not a plain piece)
+    # flash-attn's window_size around each query's own position: query q sees key k iff q - left <= k <= q + right
+    # (-1: unbounded on that side; causal: right 0); None when no key of this call lies outside it
+    window: Optional[tuple[int, int]] = None
 
 
 def analyse(mask_function: Optional[Callable], batch_size: int, q_length: int, kv_length: int, q_offset: int,
@@ -46,25 +53,23 @@ def analyse(mask_function: Optional[Callable], batch_size: int, q_length: int, k
         return MaskSpec(CAUSAL)
     if mask_function is getattr(mu, "bidirectional_mask_function", None):
         return MaskSpec(FULL)
-    packed = _packed(mask_function, mu)
+    packed = _packed(mask_function, mu, q_length)
     if packed is not None:
         return packed
     leaves = _and_leaves(mask_function)
-    if leaves is not None and _is_causal_window(leaves, mu):
-        window = min(_cells(f)["sliding_window"] for f in leaves if f is not mu.causal_mask_function)
-        last_query = q_offset + q_length - 1
-        if kv_offset > last_query - window:  # every key this call holds lies inside every query's window
-            return MaskSpec(CAUSAL, derived=True)
-        raise Unexpressible(f"a sliding window of {window} keys over {kv_length} keys (the window hides "
-                            f"key {kv_offset} from query {last_query})", "sliding-window attention", model_type)
-    kind, witness = _evaluate(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, use_vmap, device)
+    plain = _windowed(leaves, mu) if leaves is not None else None
+    if plain is not None:  # causal / bidirectional narrowed by transformers' own sliding-window overlays
+        kind, band = plain
+        return MaskSpec(kind, derived=True, window=_hidden_sides(kind, band, q_length, kv_length, q_offset, kv_offset))
+    kind, window, witness = _evaluate(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, use_vmap,
+                                      device)
     if kind is None:
         b, q, kv, value = witness
         raise Unexpressible(
-            f"its mask is neither causal nor full attention over the keys (batch {b}, query {q}, key {kv} is "
-            f"{'visible' if value else 'hidden'}: a sliding window, chunked attention, a prefix-LM prefix or "
-            "bidirectional attention over image tokens)", "this attention pattern", model_type)
-    return MaskSpec(kind, derived=True)
+            f"its mask is neither causal nor full attention over the keys, nor a window around each query (batch "
+            f"{b}, query {q}, key {kv} is {'visible' if value else 'hidden'}: chunked attention, a prefix-LM prefix "
+            "or bidirectional attention over image tokens)", "this attention pattern", model_type)
+    return MaskSpec(kind, derived=True, window=window)
 
 
 class Unexpressible(NotImplementedError):
@@ -98,51 +103,114 @@ def _and_leaves(fn: Callable) -> Optional[list]:
     return leaves
 
 
-def _is_causal_window(leaves: list, mu) -> bool:
-    windows = [f for f in leaves if _made_by(f, "sliding_window_overlay")]
-    return bool(windows) and all(f is mu.causal_mask_function or f in windows for f in leaves) and (
-        mu.causal_mask_function in leaves) and all(isinstance(_cells(f).get("sliding_window"), int) for f in windows)
+def _windowed(leaves: list, mu) -> Optional[tuple[str, tuple[int, int]]]:
+    """(CAUSAL, (w - 1, 0)) for leaves that are causal_mask_function and sliding_window_overlay(w)s (q - w < k
+    <= q), (FULL, (w, w)) for bidirectional_mask_function and sliding_window_bidirectional_overlay(w)s (|q - k|
+    <= w), (kind, (-1, -1)) for the plain piece alone; the narrowest window wins. None for anything else."""
+    causal_windows = [f for f in leaves if _made_by(f, "sliding_window_overlay")]
+    full_windows = [f for f in leaves if _made_by(f, "sliding_window_bidirectional_overlay")]
+    for base, kind, windows, band in (
+            (mu.causal_mask_function, CAUSAL, causal_windows, lambda w: (w - 1, 0)),
+            (getattr(mu, "bidirectional_mask_function", None), FULL, full_windows, lambda w: (w, w))):
+        if base is None or not all(f is base or f in windows for f in leaves):
+            continue
+        sizes = [_cells(f).get("sliding_window") for f in windows]
+        if not all(isinstance(w, int) and not isinstance(w, bool) for w in sizes):
+            return None
+        if base not in leaves and not (kind == FULL and windows):  # a bare bidirectional overlay is one too
+            return None
+        if kind == CAUSAL and sizes and min(sizes) < 1:  # a window of 0 keys hides every key: not a band
+            return None
+        return kind, (band(min(sizes)) if sizes else (-1, -1))
+    return None
 
 
-def _packed(fn: Callable, mu) -> Optional[MaskSpec]:
+def _hidden_sides(kind: str, band: tuple[int, int], q_length: int, kv_length: int, q_offset: int,
+                  kv_offset: int) -> Optional[tuple[int, int]]:
+    """The window `band` (around each query's own position; causal: right 0) with each side that hides no key
+    of this call set to -1; None when no side hides one (causal: the left one)."""
+    left, right = band
+    last_query, last_key = q_offset + q_length - 1, kv_offset + kv_length - 1
+    if left >= 0 and kv_offset >= last_query - left:  # the last query sees back to the first key
+        left = -1
+    if kind == CAUSAL:
+        return None if left == -1 else (left, 0)
+    if right >= 0 and last_key <= q_offset + right:  # the first query sees up to the last key
+        right = -1
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def _packed(fn: Callable, mu, seqlen: int) -> Optional[MaskSpec]:
     """Packed rows as transformers builds them: and_masks(base, packed_sequence_mask_function(sequence_ids))
-    with base causal or bidirectional, on positions remapped per sequence (`remap_positions_for_packed_sequence`)
-    or on plain indices."""
+    with base causal or bidirectional (narrowed by a sliding window or not), on positions remapped per sequence
+    (`remap_positions_for_packed_sequence`) or on plain indices. Within a sequence the positions grow by one, so
+    a window on positions is the same window on each sequence's tokens."""
     leaves = _and_leaves(fn)
     if leaves is None:
         return None
     ids = [f for f in leaves if _made_by(f, "packed_sequence_mask_function")]
-    bases = [_cells(f).get("mask_function") if _made_by(f, "remap_positions_for_packed_sequence") else f
-             for f in leaves if f not in ids]
-    kinds = {mu.causal_mask_function: CAUSAL, getattr(mu, "bidirectional_mask_function", None): FULL}
-    if len(ids) != 1 or len(bases) != 1 or bases[0] not in kinds:
+    if len(ids) != 1:
+        return None
+    bases = []
+    for f in leaves:
+        if f in ids:
+            continue
+        if _made_by(f, "remap_positions_for_packed_sequence"):
+            f = _cells(f).get("mask_function")
+        sub = _and_leaves(f) if callable(f) else None
+        bases.extend(sub if sub is not None else [f])
+    plain = _windowed(bases, mu) if bases else None
+    if plain is None:
         return None
     segments = _cells(ids[0]).get("packed_sequence_mask")
     if not isinstance(segments, torch.Tensor) or segments.dim() != 2:
         return None
-    return MaskSpec(kinds[bases[0]], segments=segments, derived=True)
+    kind, band = plain  # a side that reaches past the row's length hides nothing within any of its sequences
+    window = _hidden_sides(kind, band, seqlen, seqlen, 0, 0)
+    return MaskSpec(kind, segments=segments, derived=True, window=window)
 
 
 def _evaluate(fn, batch_size, q_length, kv_length, q_offset, kv_offset, use_vmap, device):
-    """(CAUSAL or FULL, None) if fn equals one of them at every (batch, query, key) of the call, else
-    (None, (batch, query, key, value)) at a position where it differs from both."""
+    """(kind, window, None): fn equals causal or full attention (window None), or one of them narrowed to the
+    window of keys around each query it shows (flash-attn's (left, right) on positions, -1: unbounded), at every
+    (batch, query, key) of the call. Else (None, None, (batch, query, key, value)) at a position where it
+    differs from causal attention. One pass over the grid; a second one checks a window."""
     device = torch.device("cpu") if device is None else torch.device(device)
     batch = torch.arange(batch_size, device=device)
     head = torch.arange(1, device=device)
     kv = torch.arange(kv_length, device=device) + kv_offset
     rows = max(1, _CHUNK_ELEMENTS // max(1, batch_size * kv_length))
+
+    def chunks():
+        for start in range(0, q_length, rows):
+            q = torch.arange(start, min(start + rows, q_length), device=device) + q_offset
+            got = _call(fn, batch, head, q, kv, use_vmap).reshape(-1, 1, q.numel(), kv_length)
+            yield q, got.to(torch.bool).expand(batch_size, 1, q.numel(), kv_length), kv[None, :] - q[:, None]
+
     causal_ok = full_ok = True
-    for start in range(0, q_length, rows):
-        q = torch.arange(start, min(start + rows, q_length), device=device) + q_offset
-        got = _call(fn, batch, head, q, kv, use_vmap).reshape(-1, 1, q.numel(), kv_length)
-        got = got.to(torch.bool).expand(batch_size, 1, q.numel(), kv_length)
-        causal = kv[None, :] <= q[:, None]  # (q, kv) causal_mask_function on absolute positions
+    witness, lowest, highest = None, None, None  # the visible keys' offsets from their query: kv - q
+    for q, got, offset in chunks():
+        causal = offset <= 0  # (q, kv) causal_mask_function on absolute positions
         causal_ok = causal_ok and bool(torch.equal(got, causal.expand_as(got)))
         full_ok = full_ok and bool(got.all())
-        if not (causal_ok or full_ok):
+        if witness is None and not causal_ok:
             b, _, i, j = (int(x) for x in torch.nonzero(got != causal.expand_as(got))[0])
-            return None, (b, int(q[i]), int(kv[j]), bool(got[b, 0, i, j]))
-    return (CAUSAL if causal_ok else FULL), None
+            witness = (b, int(q[i]), int(kv[j]), bool(got[b, 0, i, j]))
+        seen = got.any(0)[0]  # (q, kv): visible in some batch row
+        if bool(seen.any()):
+            lo, hi = int(offset[seen].min()), int(offset[seen].max())
+            lowest, highest = lo if lowest is None else min(lowest, lo), hi if highest is None else max(highest, hi)
+    if causal_ok or full_ok:
+        return (CAUSAL if causal_ok else FULL), None, None
+    if lowest is None or lowest > 0 or highest < 0:  # no band of keys around each query's own position
+        return None, None, witness
+    for _, got, offset in chunks():  # is it exactly the band [lowest, highest] around every query?
+        band = (offset >= lowest) & (offset <= highest)
+        if not bool(torch.equal(got, band.expand_as(got))):
+            return None, None, witness
+    kind = CAUSAL if highest == 0 else FULL
+    window = _hidden_sides(kind, (-lowest, highest), q_length, kv_length, q_offset, kv_offset)
+    return kind, window, None
 
 
 def _call(fn, batch, head, q, kv, use_vmap: bool) -> torch.Tensor:

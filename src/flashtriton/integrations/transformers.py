@@ -8,24 +8,32 @@
 `register()` adds the attention function `flashtriton_attention_forward` to transformers' `AttentionInterface`
 and the mask function `flashtriton_mask` to its `AttentionMaskInterface`. transformers hands the mask function
 each layer type's pattern as a function of (query, key) positions; `hf_masks.analyse` decides whether it is
-causal or full attention (with padding and packed sequences) and refuses everything else. Then:
+causal or full attention (with padding and packed sequences), narrowed or not to a sliding window, and refuses
+everything else. Then:
 
 - no padding: `flash_attn_func` on the (B, S, H, D) views, causal bottom-right aligned, so prefill and
   decoding with a KV cache (queries are the last tokens of the keys) are both exact;
 - padding (left or right): `flash_attn_varlen_func` on each row's real keys. Causal attention keeps each
   row's real queries (padded query positions return 0); non-causal attention (encoders, cross-attention to a
-  padded encoder) keeps every query;
+  padded encoder) keeps every query, or with a window (ModernBERT's local attention) the real ones;
 - packed sequences (position ids that restart, in any row, as transformers detects them; or explicit
   `cu_seq_lens_q/k` kwargs, as `DataCollatorWithFlattening` makes): varlen over the packed sequences;
+- sliding windows as flash-attn's `window_size`, around each query's own position (per sequence in varlen):
+  the window the mask function describes (`hf_masks`: transformers' `sliding_window_overlay(w)`, key k
+  visible to query q iff q - w < k <= q, is (w - 1, 0); `sliding_window_bidirectional_overlay(w)`, |q - k| <=
+  w, is (w, w)), or without a mask verdict the layer's `sliding_window` kwarg as transformers' own
+  flash-attention path passes it: (w - 1, w - 1), causal making the right side 0. A window that hides no key
+  of the call is not passed (the plain kernels run);
+- `softcap` (Gemma 2's attn_logit_softcapping): flash-attn's softcap, softcap · tanh(scaled scores / softcap)
+  before the mask, as eager does;
 - GQA/MQA natively (no repeat of the kv heads); fp16, bf16 and fp32 (exact fp32 dots).
 
 Refused with a NotImplementedError (or, for a model class, a ValueError when it is built) rather than a wrong
-answer, each message saying what to load instead: masks that are neither causal nor full over the keys (a
-sliding window shorter than the keys, chunked attention, prefix-LM or image-token bidirectional overlays;
-while the keys fit in the window it changes nothing and attention runs), logit softcapping (Gemma 2), dropout
-> 0 in training, attention sinks (`s_aux`, gpt-oss), position biases, 4-D custom attention masks, models
-transformers marks `_supports_flash_attn = False`, and models that switch to their own flash-attn classes
-(GPT-Neo, Falcon, Bark).
+answer, each message saying what to load instead: masks that are neither causal nor full over the keys nor a
+window of them (chunked attention, prefix-LM or image-token bidirectional overlays), a window over padded rows
+whose real tokens are not contiguous, dropout > 0 in training, attention sinks (`s_aux`, gpt-oss), position
+biases, 4-D custom attention masks, models transformers marks `_supports_flash_attn = False`, and models that
+switch to their own flash-attn classes (GPT-Neo, Falcon, Bark).
 
 transformers treats every implementation whose name contains "flash" as a flash-attention flavour: it preloads
 its functions when a model is created (`register()` teaches that loader the name "flashtriton", which would
@@ -54,6 +62,7 @@ _registered = False
 _KIND = "_flashtriton_kind"  # attribute of a returned key mask: the analysed kind (hf_masks.CAUSAL / FULL)
 _DENSE = "_flashtriton_dense"  # attribute of a returned key mask: no key is padded
 _REFUSAL = "_flashtriton_refusal"  # attribute of a returned int8 marker: why the kernels cannot run that mask
+_WINDOW = "_flashtriton_window"  # attribute of a returned mask: the window it describes (hf_masks.MaskSpec.window)
 
 
 def flashtriton_attention_forward(
@@ -74,13 +83,14 @@ def flashtriton_attention_forward(
     query (B, Hq, Sq, D); key, value (B, Hkv, Sk, D) (with a cache: all the keys so far);
     attention_mask: what `flashtriton_mask` made — None, a (B, Sk') bool key mask (True = real token),
     (B, 1, 1, S) int32 sequence ids of packed rows (negative: -1 - id), or a (B, 1, 1, Sk) int8 refusal.
+    sliding_window: the layer's window (transformers' convention: w keys up to and including the query's own, so
+    flash-attn's (w - 1, w - 1)); used when the mask carries no verdict of its own. softcap: flash-attn's.
     Returns (attn_output (B, Sq, Hq, D), None): attention weights are never formed.
     """
     marker = attention_mask if _is_marker(attention_mask) else None
     if marker is not None and marker.dtype == torch.int8:  # flashtriton_mask's refusal
         raise _refusal_for(module, getattr(marker, _REFUSAL, None))
-    _check_supported(module, query, key, dropout, sliding_window, softcap, None if marker is not None else
-                     attention_mask, kwargs)
+    _check_supported(module, query, key, dropout, None if marker is not None else attention_mask, kwargs)
     if kwargs.get("output_attentions", False):
         _warn_once("flashtriton does not return attention weights (output_attentions=True gives None).")
     if is_causal is None:
@@ -96,29 +106,35 @@ def flashtriton_attention_forward(
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
 
+    softcap = float(softcap) if softcap else 0.0
     if attention_mask is not None:
         kind = getattr(attention_mask, _KIND, None)  # the mask function's verdict beats the layer's default
         if kind is not None:
             causal = kind == hf_masks.CAUSAL
+        if hasattr(attention_mask, _WINDOW):  # so does its window (the one eager and sdpa apply)
+            window = getattr(attention_mask, _WINDOW)
+        else:
+            window = _layer_window(sliding_window, causal)
         if marker is not None:  # packed rows: per-token sequence ids
-            _check_window(sliding_window, k.shape[1])
-            return _segments_attention(q, k, v, -1 - marker[:, 0, 0], scaling, causal), None
+            window = _hiding(window, causal, k.shape[1], k.shape[1])
+            return _segments_attention(q, k, v, -1 - marker[:, 0, 0], scaling, causal, window, softcap), None
         if k.shape[1] > attention_mask.shape[-1]:  # a static cache larger than what was written so far
             k, v = k[:, : attention_mask.shape[-1]], v[:, : attention_mask.shape[-1]]
-        _check_window(sliding_window, k.shape[1])
+        window = _hiding(window, causal, seqlen_q, k.shape[1])
         if not getattr(attention_mask, _DENSE, False):
-            return _padded_attention(q, k, v, attention_mask.bool(), scaling, causal), None
+            return _padded_attention(q, k, v, attention_mask.bool(), scaling, causal, window, softcap, module), None
     else:
-        _check_window(sliding_window, k.shape[1])
-        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        if cu_q is not None and cu_k is not None:  # padding-free batch with its boundaries given
-            return _packed_attention(q, k, v, cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"),
-                                     scaling, causal), None
-        segments = _segments_from_positions(kwargs.get("position_ids"), batch, seqlen_q, k.shape[1])
-        if segments is not None:
-            return _segments_attention(q, k, v, segments, scaling, causal), None
+        window = _hiding(_layer_window(sliding_window, causal), causal, seqlen_q, k.shape[1])
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:  # padding-free batch with its boundaries given
+        return _packed_attention(q, k, v, cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"),
+                                 scaling, causal, window, softcap), None
+    segments = _segments_from_positions(kwargs.get("position_ids"), batch, seqlen_q, k.shape[1])
+    if segments is not None:
+        return _segments_attention(q, k, v, segments, scaling, causal, window, softcap), None
 
-    out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal)  # bottom-right: right for a KV cache
+    out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal,  # bottom-right: right for a KV cache
+                          window_size=window or (-1, -1), softcap=softcap)
     return out, None
 
 
@@ -138,9 +154,11 @@ def flashtriton_mask(
     Returns None (no key is padded; the layer's own causal flag holds), the 2-D key mask sliced to the keys
     (as transformers' flash-attention mask does), or for packed rows their sequence ids as (B, 1, 1, S)
     int32 `-1 - id`. A causal call whose last keys lie after the last query (a static cache's unwritten slots) gets a
-    key mask that ends at the last query. When the verdict came from analysing a composed mask function, the
-    A returned mask carries the verdict, causal or full (`_flashtriton_kind`: the layer's own flag only
-    decides when no mask exists, as in sdpa), and a mask with no padded key says so (`_flashtriton_dense`).
+    key mask that ends at the last query. When the verdict came from analysing a composed mask function, or the
+    mask narrows attention to a window, a mask is returned even without padding. A returned mask carries the
+    verdict, causal or full (`_flashtriton_kind`: the layer's own flag only decides when no mask exists, as in
+    sdpa), the window it describes (`_flashtriton_window`: flash-attn's (left, right), or None when it hides no
+    key of the call), and a mask with no padded key says so (`_flashtriton_dense`).
     transformers passes everything by keyword (before q_length / q_offset existed, a cache_position).
 
     transformers builds every layer type's mask, used or not (Qwen2-MoE builds a sliding-window mask of width
@@ -189,6 +207,7 @@ def _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask
             raise NotImplementedError("flashtriton does not support padding inside packed sequences")
         ids = (-1 - spec.segments.expand(batch_size, -1)).to(torch.int32)[:, None, None, :]
         setattr(ids, _KIND, spec.kind)
+        setattr(ids, _WINDOW, spec.window)
         return ids
     keys = attention_mask[:, -kv_length:] if attention_mask is not None else None
     if spec.kind == hf_masks.CAUSAL:
@@ -200,14 +219,19 @@ def _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask
         if visible < kv_length and (keys is None or keys.shape[-1] > visible):
             keys = (keys if keys is not None else torch.ones(batch_size, kv_length, dtype=torch.bool,
                                                              device=kwargs.get("device")))[:, :visible]
+    elif spec.window is not None and q_offset + q_length != kv_offset + kv_length:
+        raise NotImplementedError(
+            f"flashtriton runs a window around each query with the queries as the last keys; this call has "
+            f"{q_length} queries from position {q_offset} and {kv_length} keys from position {kv_offset}")
     dense = keys is None or bool(keys.all())
-    if dense and not spec.derived and (keys is None or keys.shape[-1] == kv_length):
+    if dense and not spec.derived and spec.window is None and (keys is None or keys.shape[-1] == kv_length):
         return None
     if keys is None:
         keys = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
     keys = keys.bool()[:, :]  # a tensor object of our own, to carry the verdict
     setattr(keys, _DENSE, dense)
     setattr(keys, _KIND, spec.kind)  # what sdpa and eager obey once a mask exists, whatever the layer's flag
+    setattr(keys, _WINDOW, spec.window)  # and the window they apply, whatever the layer's sliding_window
     return keys
 
 
@@ -378,7 +402,7 @@ _DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pd
                    "attn_dropout", "attention_probs_dropout")
 
 
-def _check_supported(module, query, key, dropout, sliding_window, softcap, attention_mask, kwargs) -> None:
+def _check_supported(module, query, key, dropout, attention_mask, kwargs) -> None:
     where = f" ({type(module).__name__})" if module is not None else ""
     advice = _advice_for(_model_class(module))
     if dropout and float(dropout) > 0.0:
@@ -391,9 +415,6 @@ def _check_supported(module, query, key, dropout, sliding_window, softcap, atten
             f"flashtriton attention{where} does not support attention dropout yet (dropout={dropout}, in training "
             f"mode). Run the model in eval mode, {how} to train without attention dropout, or {advice[0].lower()}"
             f"{advice[1:]}")
-    if softcap is not None and float(softcap) != 0.0:
-        raise NotImplementedError(
-            f"flashtriton attention{where} does not support logit softcapping yet (softcap={softcap}). {advice}")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"flashtriton attention{where} does not support attention sinks (s_aux) yet. "
                                   f"{advice}")
@@ -409,34 +430,72 @@ def _check_supported(module, query, key, dropout, sliding_window, softcap, atten
                          f"{tuple(query.shape)} and {tuple(key.shape)}")
 
 
-def _check_window(sliding_window: Optional[int], seqlen_k: int) -> None:
-    """A window at least as long as the keys changes nothing; a shorter one is not supported."""
-    if sliding_window is not None and seqlen_k > sliding_window:
+def _layer_window(sliding_window: Optional[int], causal: bool) -> Optional[tuple[int, int]]:
+    """The window of a layer's `sliding_window` kwarg as transformers' flash-attention path passes it
+    (`_process_flash_attention_kwargs`: window_size = (w - 1, w - 1), w keys up to and including the query's own
+    when causal, which makes the right side 0), or None."""
+    if sliding_window is None:
+        return None
+    w = int(sliding_window)
+    if w < 1:
+        raise NotImplementedError(f"flashtriton cannot run a sliding window of {w} keys (sliding_window={w})")
+    return (w - 1, 0 if causal else w - 1)
+
+
+def _hiding(window: Optional[tuple[int, int]], causal: bool, seqlen_q: int,
+            seqlen_k: int) -> Optional[tuple[int, int]]:
+    """`window` with each side that hides no key of a (seqlen_q, seqlen_k) call (bottom-right aligned; every
+    sequence of a varlen call is at most that long) set to -1; None when neither side hides one, so that the
+    plain kernels run."""
+    if window is None:
+        return None
+    left, right = window
+    if left >= seqlen_k - 1:  # the last query sees back to the first key
+        left = -1
+    if causal or right >= seqlen_q - 1:  # the first query sees up to the last key
+        right = -1 if not causal else 0
+    return None if left == -1 and (causal or right == -1) else (left, right)
+
+
+def _check_contiguous(mask: torch.Tensor, module) -> None:
+    """A window counts positions; after unpadding it counts real tokens. They agree when each row's real tokens
+    are one run (left or right padding), not when padding sits between them."""
+    runs = (mask & ~torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)).sum(-1)
+    if bool((runs > 1).any()):
+        where = f" ({type(module).__name__})" if module is not None else ""
         raise NotImplementedError(
-            f"flashtriton does not support sliding-window attention yet: this layer has sliding_window="
-            f"{sliding_window} and {seqlen_k} keys. Load the model with attn_implementation='eager' (or 'sdpa' "
-            "where the model supports it), or keep sequences within the window."
-        )
+            f"flashtriton attention{where} runs a sliding window over padded rows only when each row's real tokens "
+            f"are contiguous (left or right padding); this mask has padding between them. "
+            f"{_advice_for(_model_class(module))}")
 
 
-def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, window=None, softcap: float = 0.0,
+                      module=None) -> torch.Tensor:
     """Unpad, run varlen, pad back. q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); mask (B, Sk) bool, True = token.
 
     The mask describes the keys. Without a causal mask (encoders, cross-attention) every query is kept and
     attends to its row's real keys: a decoder query never loses its keys because the encoder was padded.
-    With one, the queries are the last Sq positions of the keys (prefill: all of them; with a KV cache: the
-    new tokens), so each sequence's query tokens are its last q_len real tokens and bottom-right causal
-    alignment per sequence is exact; padded query positions return 0. With one query per sequence
+    With a window around each query (self-attention: Sq = Sk) the queries are the real tokens, as the keys.
+    With a causal mask, the queries are the last Sq positions of the keys (prefill: all of them; with a KV
+    cache: the new tokens), so each sequence's query tokens are its last q_len real tokens and bottom-right
+    causal alignment per sequence is exact; padded query positions return 0. With one query per sequence
     (decoding) it is kept even where the mask marks it as padding (right-padded decoding), as transformers'
-    flash-attention does.
+    flash-attention does. A window needs each row's real tokens contiguous (`_check_contiguous`).
     """
     batch, seqlen_q = q.shape[:2]
+    if window is not None:
+        _check_contiguous(mask, module)
+        if not causal and seqlen_q != mask.shape[1]:
+            raise NotImplementedError(f"flashtriton runs a non-causal window over padded keys only for "
+                                      f"self-attention (as many queries as keys); got {seqlen_q} queries and "
+                                      f"{mask.shape[1]} keys")
+    variant = dict(window_size=window or (-1, -1), softcap=softcap)
     k_idx, cu_k, max_k = _unpad_indices(mask)
-    if not causal:
+    if not causal and window is None:
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
         out = flash_attn_varlen_func(
             q.reshape(-1, *q.shape[2:]), _gather(k, k_idx), _gather(v, k_idx), cu_q, cu_k, seqlen_q, max_k,
-            softmax_scale=scale, causal=False,
+            softmax_scale=scale, causal=False, **variant,
         )
         return out.view(batch, seqlen_q, *out.shape[1:])
     if seqlen_q == mask.shape[1]:
@@ -449,12 +508,13 @@ def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool) -
         q_idx, cu_q, max_q = _unpad_indices(mask[:, -seqlen_q:])
     out = flash_attn_varlen_func(
         _gather(q, q_idx), _gather(k, k_idx), _gather(v, k_idx), cu_q, cu_k, max_q, max_k,
-        softmax_scale=scale, causal=causal,
+        softmax_scale=scale, causal=causal, **variant,
     )
     return _scatter(out, q_idx, batch, seqlen_q)
 
 
-def _segments_attention(q, k, v, segments: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _segments_attention(q, k, v, segments: torch.Tensor, scale: float, causal: bool, window=None,
+                        softcap: float = 0.0) -> torch.Tensor:
     """Packed rows: q (B, S, Hq, D), k, v (B, S, Hkv, D); segments (B, S) sequence ids, equal within one
     sequence. A sequence starts at every row's first token and wherever the id changes; each attends only
     to itself."""
@@ -464,18 +524,20 @@ def _segments_attention(q, k, v, segments: torch.Tensor, scale: float, causal: b
     starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
     cu = torch.cat([torch.nonzero(starts.reshape(-1)).flatten(),
                     torch.tensor([batch * seqlen], device=q.device)]).to(torch.int32)
-    return _packed_attention(q, k, v, cu, cu, None, None, scale, causal)
+    return _packed_attention(q, k, v, cu, cu, None, None, scale, causal, window, softcap)
 
 
-def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: bool) -> torch.Tensor:
+def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: bool, window=None,
+                      softcap: float = 0.0) -> torch.Tensor:
     """Packed sequences: q (B, S, Hq, D), k, v (B, S, Hkv, D), taken as B·S tokens back to back with
-    boundaries cu_q / cu_k (int32, over the flattened tokens)."""
+    boundaries cu_q / cu_k (int32, over the flattened tokens); a window applies within each sequence."""
     cu_q, cu_k = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)
     max_q = int((cu_q[1:] - cu_q[:-1]).max()) if max_q is None else int(max_q)
     max_k = int((cu_k[1:] - cu_k[:-1]).max()) if max_k is None else int(max_k)
     out = flash_attn_varlen_func(
         q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
-        cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+        cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, window_size=window or (-1, -1),
+        softcap=softcap,
     )
     return out.view(q.shape[0], -1, *out.shape[1:])
 
