@@ -62,6 +62,11 @@ def main(out_dir: str) -> None:
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                               IS_CAUSAL=causal, CAUSAL_BOTTOM_RIGHT=True, IS_VARLEN=varlen, UPCAST_DOT=False,
                               DOT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n)
+            # no window, no softcap: the flags off and their scalars None, as the launchers pass them
+            constexprs.update({n: v for n, v in dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
+                                                     HAS_SINKS=False, window_left=None, window_right=None, softcap=None,
+                                                     ALIBI=None, stride_alibi_b=None, SINKS=None).items()
+                               if n in fn.arg_names})
             sig, attrs = signature(fn, constexprs)
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))

@@ -268,3 +268,29 @@ def test_kvcache_opcheck(paged, appends):
     args = [q, k_cache, v_cache, k if appends else None, v if appends else None, seqlens, None, block_table, 0.25,
             True, 2, 32, 1 if appends else 0]
     torch.library.opcheck(torch.ops.flashtriton.kvcache.default, args)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_every_variant_field_compiles_with_its_gradients(varlen):
+    """Window, softcap, ALiBi and a learnable sink together: one graph, the eager values and gradients (dsink
+    included)."""
+    torch._dynamo.reset()
+    q, k, v, cu_q, cu_k = _varlen_inputs(requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEVICE)
+    sink = torch.tensor([0.3, -1.0, 1.5, 0.0], device=DEVICE, requires_grad=True)
+    extra = dict(causal=True, window_size=(3, 0), softcap=4.0, alibi_slopes=slopes, learnable_sink=sink)
+
+    def fn(q, k, v, sink):
+        if varlen:
+            return flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, **{**extra, "learnable_sink": sink})
+        return flashtriton.flash_attn_func(q[None], k[None], v[None], **{**extra, "learnable_sink": sink})
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    results = []
+    for f in (fn, torch.compile(fn, backend=counter, fullgraph=True)):
+        out = f(q, k, v, sink)
+        results.append((out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v, sink))))
+    assert counter.frame_count == 1
+    assert results[0][-1].abs().sum() > 0  # the sink has a gradient
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

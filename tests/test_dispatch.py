@@ -76,14 +76,19 @@ def test_candidates_follow_the_table_and_the_switch():
     with dispatch.force("tma"):
         assert dispatch.candidates("fwd", half, 128, 9) == ["tma_fwd", "portable_fwd"]
         assert dispatch.candidates("bwd", half, 128, 9) == ["portable_bwd"]
-    assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"softcap"})) == []
+    # a field only the portable kernels declare: the call falls to them
+    assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"softcap"})) == ["portable_fwd"]
+    assert dispatch.candidates("bwd", half, 128, 9, fields=frozenset({"causal", "window_size"})) == ["portable_bwd"]
+    assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"learnable_sink"})) == ["portable_fwd"]
+    assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"dropout_p"})) == []
 
 
 def test_a_field_no_kernel_declares_is_refused_by_name():
     assert dispatch.unsupported_fields(Variant(causal=True).fields()) == []
-    assert dispatch.unsupported_fields(Variant(softcap=5.0, window=(3, 3)).fields()) == ["softcap", "window_size"]
-    with pytest.raises(NotImplementedError, match="softcap"):
-        Variant(softcap=5.0).require_supported()
+    assert dispatch.unsupported_fields(Variant(softcap=5.0, window=(3, 3)).fields()) == []
+    assert dispatch.unsupported_fields(Variant(dropout_p=0.1, alibi_slopes=torch.ones(2)).fields()) == ["dropout_p"]
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        Variant(dropout_p=0.5).require_supported()
 
 
 def test_the_tma_gate_reads_the_table():

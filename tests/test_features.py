@@ -9,6 +9,7 @@ portable kernels exist: the other levels are skipped there. A new variant adds i
 """
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -26,6 +27,16 @@ VARIANTS = {
     "full": Variant(),
     "causal": Variant(causal=True),
     "causal_top_left": Variant(causal=True, bottom_right=False),
+    "window": Variant(window=(7, 3)),
+    "window_left": Variant(window=(12, -1)),
+    "causal_window": Variant(causal=True, window=(11, 0)),
+    "softcap": Variant(softcap=2.0),
+    "causal_window_softcap": Variant(causal=True, window=(20, 0), softcap=5.0),
+    "alibi": Variant(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+    "causal_alibi_window_softcap": Variant(causal=True, window=(9, 0), softcap=4.0,
+                                           alibi_slopes=torch.tensor([0.3, 0.2, 0.1, 0.05])),
+    "sinks": Variant(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+    "causal_window_sinks": Variant(causal=True, window=(16, 0), sinks=torch.tensor([1.5, 0.25, -0.5, 3.0])),
 }
 KERNELS = ["portable", "tma", "gluon"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -64,10 +75,31 @@ def _recorded_launches():
         knobs.runtime.launch_enter_hook.remove(hook)
 
 
-def _torch_same_dtype(q, k, v, mask):
-    """torch SDPA in the inputs' dtype under the dense mask, (B, S, H, D); rows without a key give 0, as ours."""
+def _torch_same_dtype(q, k, v, variant, sinks=None):
+    """torch SDPA in the inputs' dtype under the variant's dense mask, (B, S, H, D); softcap as an additive bias
+    softcap·tanh(s / softcap) - s of the scaled scores s (differentiable: the gradients include it), ALiBi as its
+    bias; rows without a key give 0, as ours."""
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=q.shape[2] != k.shape[2])
+    sq, sk = q.shape[1], k.shape[1]
+    mask = variant.dense_mask(sq, sk, device=q.device)
+    bias = mask
+    if variant.softcap or variant.alibi_slopes is not None:
+        bias = torch.zeros(sq, sk, dtype=q.dtype, device=q.device)
+    if variant.softcap:
+        group = q.shape[2] // k.shape[2]
+        scores = qh @ kh.repeat_interleave(group, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+        bias = bias + (variant.softcap * torch.tanh(scores / variant.softcap) - scores)
+    if variant.alibi_slopes is not None:
+        distance = (torch.arange(sq)[:, None] + variant.diagonal(sq, sk) - torch.arange(sk)[None, :]).abs()
+        bias = bias - (variant.alibi_slopes.cpu()[:, None, None] * distance).to(q.device, q.dtype)
+    if bias is not mask:
+        bias = bias.masked_fill(~mask, float("-inf"))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, enable_gqa=q.shape[2] != k.shape[2])
+    if sinks is not None:  # the sink's share of each row's softmax leaves the output: out · sigmoid(lse - sink)
+        group = q.shape[2] // k.shape[2]
+        scores = qh @ kh.repeat_interleave(group, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+        lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")).float(), -1)
+        out = out * torch.sigmoid(lse - sinks.float()[:, None]).to(q.dtype)[..., None]
     return torch.nan_to_num(out.transpose(1, 2), nan=0.0)
 
 
@@ -80,21 +112,38 @@ def _run(shape, variant, kernel, dtype):
     q, k, v, dout = (torch.randn(s, generator=gen).to(DEVICE, dtype) for s in
                      ((batch, sq, hq, d), (batch, sk, hkv, d), (batch, sk, hkv, d), (batch, sq, hq, d)))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
+    if variant.alibi_slopes is not None:  # one slope per query head of the shape
+        variant = dataclasses.replace(variant, alibi_slopes=variant.alibi_slopes[:hq].to(DEVICE))
+    sinks = None
+    if variant.sinks is not None:  # one logit per query head, with a gradient (flash-attn keeps it fp32)
+        sinks = variant.sinks[:hq].to(DEVICE).requires_grad_()
+        variant = dataclasses.replace(variant, sinks=sinks.detach())
     with dispatch.force(kernel), _recorded_launches() as ran:
-        out = flashtriton.flash_attn_func(q, k, v, causal=variant.causal) if variant.bottom_right else \
+        slopes = variant.alibi_slopes
+        out = flashtriton.flash_attn_func(q, k, v, causal=variant.causal, window_size=variant.window,
+                                          softcap=variant.softcap, alibi_slopes=slopes,
+                                          learnable_sink=sinks) if variant.bottom_right else \
             flashtriton.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
                                                      is_causal=variant.causal,
                                                      enable_gqa=hq != hkv).transpose(1, 2)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-    mask = variant.dense_mask(sq, sk, device=DEVICE)
+        grads = torch.autograd.grad(out, (q, k, v) + ((sinks,) if sinks is not None else ()), dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    leaves64 = (q64, k64, v64)
+    if sinks is not None:
+        s64 = sinks.detach().double().requires_grad_()
+        variant = dataclasses.replace(variant, sinks=s64)
+        leaves64 += (s64,)
     exact = attention_reference(q64, k64, v64, variant=variant)
-    exact_grads = torch.autograd.grad(exact, (q64, k64, v64), dout.double())
+    exact_grads = torch.autograd.grad(exact, leaves64, dout.double())
     qt, kt, vt = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    same = _torch_same_dtype(qt, kt, vt, mask)
-    same_grads = [torch.nan_to_num(g, nan=0.0) for g in torch.autograd.grad(same, (qt, kt, vt), dout)]
+    leaves = (qt, kt, vt)
+    if sinks is not None:
+        st = sinks.detach().clone().requires_grad_()
+        leaves += (st,)
+    same = _torch_same_dtype(qt, kt, vt, variant, None if sinks is None else st)
+    same_grads = [torch.nan_to_num(g, nan=0.0) for g in torch.autograd.grad(same, leaves, dout)]
     assert_close_to_exact(out, same, exact, dtype, "out")
-    for name, ours, theirs, ex in zip("qkv", grads, same_grads, exact_grads):
+    for name, ours, theirs, ex in zip(("q", "k", "v", "sink"), grads, same_grads, exact_grads):
         assert_close_to_exact(ours, theirs, ex, dtype, f"d{name}")
     above = [n for level in dispatch.LEVELS[dispatch.LEVELS.index(kernel) + 1:] for n in ran
              if n in LEVEL_KERNELS[level]]
@@ -116,6 +165,8 @@ def test_variant_by_kernel(name, kernel, dtype, shape):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_variant_by_kernel_at_standard_shapes(name, kernel, dtype, shape):
     """At the standard shapes the forced level's own forward kernel runs (the Gluon rules name them)."""
-    ran = _run(shape, VARIANTS[name], kernel, dtype)
-    if shape[1] == shape[2]:
+    variant = VARIANTS[name]
+    ran = _run(shape, variant, kernel, dtype)
+    own = {"gluon": "gluon_fwd", "tma": "tma_fwd", "portable": "portable_fwd"}[kernel]
+    if shape[1] == shape[2] and dispatch.supports(own, dtype, shape[-1], _capability(), fields=variant.fields()):
         assert LEVEL_KERNELS[kernel][0] in ran, f"forced {kernel}: {ran}"

@@ -14,15 +14,41 @@ def qkv(device, b=1, s=8, h=2, d=16, dtype=torch.float16):
     return tuple(torch.randn(b, s, h, d, device=device, dtype=dtype) for _ in range(3))
 
 
-@pytest.mark.parametrize("name,value", [("dropout_p", 0.1), ("window_size", (4, 0)), ("softcap", 30.0)])
+@pytest.mark.parametrize("name,value", [("dropout_p", 0.1)])
 def test_unbuilt_features_raise_not_implemented(name, value, device):
     with pytest.raises(NotImplementedError, match=name):
         flashtriton.flash_attn_func(*qkv(device), **{name: value})
 
 
-def test_alibi_slopes_raise_not_implemented(device):
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        flashtriton.flash_attn_func(*qkv(device), alibi_slopes=torch.ones(2, device=device))
+@pytest.mark.parametrize("window,error", [((-2, 0), ValueError), ((1.5, 0), TypeError), ((True, 0), TypeError),
+                                          (3, TypeError), ((1, 2, 3), TypeError), (torch.tensor([1, 1]), TypeError)])
+def test_a_bad_window_is_refused_by_name(window, error, device):
+    for call in (lambda: flashtriton.flash_attn_func(*qkv(device), window_size=window),
+                 lambda: flashtriton.flash_attn_varlen_func(*(t[0] for t in qkv(device)), *_cu(device), 8, 8,
+                                                            window_size=window)):
+        with pytest.raises(error, match="window_size"):
+            call()
+
+
+@pytest.mark.parametrize("softcap,error", [(-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+                                           ("30", TypeError), (True, TypeError)])
+def test_a_bad_softcap_is_refused_by_name(softcap, error, device):
+    with pytest.raises(error, match="softcap"):
+        flashtriton.flash_attn_func(*qkv(device), softcap=softcap)
+
+
+def _cu(device):
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    return cu, cu
+
+
+@pytest.mark.parametrize("slopes,error", [(lambda d: torch.ones(2, device=d, dtype=torch.float16), TypeError),
+                                          (lambda d: torch.ones(3, device=d), ValueError),
+                                          (lambda d: torch.ones(2, 2, device=d), ValueError),
+                                          (lambda d: [0.5, 0.25], TypeError)])
+def test_bad_alibi_slopes_are_refused_by_name(slopes, error, device):
+    with pytest.raises(error, match="alibi_slopes"):
+        flashtriton.flash_attn_func(*qkv(device), alibi_slopes=slopes(device))
 
 
 def test_window_size_given_as_list_of_defaults_is_fine(device):

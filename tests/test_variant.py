@@ -28,10 +28,6 @@ def _definition(variant: Variant, sq: int, sk: int, d: int) -> torch.Tensor:
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("bottom_right", [True, False])
 def test_dense_mask_and_counts_match_the_definition(sq, sk, causal, window, bottom_right):
-    if causal and window[1] > 0:
-        with pytest.raises(ValueError, match="right side"):
-            Variant(causal=True, window=window)
-        return
     variant = Variant(causal=causal, window=window, bottom_right=bottom_right)
     d = sk - sq if bottom_right else 0
     expected = _definition(variant, sq, sk, d)
@@ -67,9 +63,8 @@ def test_causal_mask_is_the_variants():
 def test_fields_not_run_yet_are_refused_by_name():
     assert Variant(causal=True).unsupported() == []
     assert Variant(causal=True, window=(-1, 0)).unsupported() == []
-    cases = {"window_size": Variant(window=(4, 4)), "softcap": Variant(softcap=30.0),
-             "dropout_p": Variant(dropout_p=0.1), "alibi_slopes": Variant(alibi_slopes=torch.ones(4)),
-             "learnable_sink": Variant(sinks=torch.zeros(4))}
+    assert Variant(window=(4, 4), softcap=30.0, alibi_slopes=torch.ones(4), sinks=torch.zeros(4)).unsupported() == []
+    cases = {"dropout_p": Variant(dropout_p=0.1)}
     for name, variant in cases.items():
         with pytest.raises(NotImplementedError, match=name):
             variant.require_supported()
@@ -79,6 +74,25 @@ def test_fields_not_run_yet_are_refused_by_name():
     for bad in ((-2, 0), (1.5, 0), (True, 0)):
         with pytest.raises(ValueError, match="window_size"):
             Variant(window=bad)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            Variant(softcap=bad)
+
+
+def test_causal_makes_the_right_side_zero():
+    """flash-attn's rule: with causal=True the window's right side is 0 whatever it says."""
+    assert torch.equal(Variant(causal=True, window=(3, 5)).dense_mask(6, 9),
+                       Variant(causal=True, window=(3, 0)).dense_mask(6, 9))
+    assert Variant(causal=True, window=(-1, 4)).fields() == {"causal"}
+
+
+def test_reference_soft_caps_the_scaled_scores():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, n, 2, 8, generator=gen, dtype=torch.float64) for n in (4, 6, 6))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * 0.5
+    capped = 3.0 * torch.tanh(scores / 3.0)
+    expected = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(capped, -1), v)
+    assert torch.allclose(attention_reference(q, k, v, 0.5, variant=Variant(softcap=3.0)), expected)
 
 
 def test_reference_with_a_variant_is_the_reference_with_flags():

@@ -27,11 +27,10 @@ def _positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]
     return (-q, -scale) if scale < 0 else (q, scale)
 
 
-def _unsupported_flash_args(dropout_p, window_size, softcap, alibi_slopes) -> None:
+def _variant_args(dropout_p, window_size, softcap) -> tuple[tuple[int, int], float]:
+    """(window_size, softcap), checked; NotImplementedError for the features not built."""
     V.not_implemented("dropout_p", dropout_p, 0.0)
-    V.not_implemented("window_size", window_size, (-1, -1))
-    V.not_implemented("softcap", softcap, 0.0)
-    V.not_implemented("alibi_slopes", alibi_slopes, None)
+    return V.check_window(window_size), V.check_softcap(softcap)
 
 
 def flash_attn_func(
@@ -46,6 +45,7 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Exact attention, flash-attn's `flash_attn_func`.
 
@@ -70,14 +70,24 @@ def flash_attn_func(
         return_attn_probs: also return the log-sum-exp (the probabilities are never formed: None). The lse is
             differentiable (d lse_i / d s_ij = softmax_ij, what ring attention's merge of partial results needs);
             a row that sees no key has lse -inf, a constant: q, k, v get no gradient from it.
-        dropout_p, window_size, softcap, alibi_slopes: not supported yet; any non-default value raises
-            NotImplementedError (window_size (-1, -1) may be a list, softcap None means 0.0: no softcap).
+        window_size: (left, right): query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (-1:
+            unbounded on that side; with causal the right side is 0). A row that sees no key returns 0.
+        softcap: > 0 caps the scaled scores: softcap * tanh(scores / softcap) (0 or None: off).
+        alibi_slopes: fp32 (nheads,) or (batch, nheads): adds -slope * |i + Sk - Sq - j| to the scores (after
+            softcap). window_size, softcap and alibi_slopes run on the portable kernels (the Hopper kernels do not
+            take them yet).
+        learnable_sink: (nheads,), fp32 or the inputs' dtype: one extra logit per query head, unscaled, in the
+            softmax's denominator only (gpt-oss' attention sinks; FlashAttention-4's name); the returned lse
+            includes it, and it gets a gradient.
+        dropout_p: not supported yet; any non-zero value raises NotImplementedError.
     Returns:
         out: (batch, seqlen_q, nheads, headdim)
         and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q) fp32 natural log, None)
     """
-    _unsupported_flash_args(dropout_p, window_size, softcap, alibi_slopes)
+    window_size, softcap = _variant_args(dropout_p, window_size, softcap)
     V.check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen, nheads, headdim)")
+    alibi_slopes = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    learnable_sink = V.check_sink(learnable_sink, q.shape[2], q.dtype, q.device)
     V.check_same("batch sizes of q, k, v", q=q.shape[0], k=k.shape[0], v=v.shape[0])
     V.check_same("sequence lengths of k and v", k=k.shape[1], v=v.shape[1])
     V.check_heads_and_dims(q.shape[2], k.shape[2], q.shape[3], v.shape[3], v.shape[2])
@@ -87,7 +97,8 @@ def flash_attn_func(
     V.check_int32_offsets(("q", "k", "v"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
     V.check_grid(q.shape[0], q.shape[2])
     q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
-    out, lse = attention(q, k, v, scale, bool(causal), True, None, None, q.shape[1], k.shape[1])
+    out, lse = attention(q, k, v, scale, bool(causal), True, None, None, q.shape[1], k.shape[1], window_size, softcap,
+                         alibi_slopes, learnable_sink)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -108,6 +119,7 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Exact attention over a batch of sequences of different lengths packed without padding.
 
@@ -126,7 +138,7 @@ def flash_attn_varlen_func(
         out: (total_q, nheads, headdim)
         and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32, differentiable, None)
     """
-    _unsupported_flash_args(dropout_p, window_size, softcap, alibi_slopes)
+    window_size, softcap = _variant_args(dropout_p, window_size, softcap)
     V.not_implemented("block_table", block_table, None)
     V.check_tensors(("q", "k", "v"), (q, k, v), 3, "(total_tokens, nheads, headdim)")
     V.check_same("total key tokens of k and v", k=k.shape[0], v=v.shape[0])
@@ -134,6 +146,8 @@ def flash_attn_varlen_func(
     V.check_same("head dims of q and k", q=q.shape[2], k=k.shape[2])
     V.check_scale("softmax_scale", softmax_scale, allow_negative=True)
     batch = V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", None, q.device)
+    alibi_slopes = V.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    learnable_sink = V.check_sink(learnable_sink, q.shape[1], q.dtype, q.device)
     V.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", batch, q.device)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # kernels index them densely
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
@@ -142,7 +156,8 @@ def flash_attn_varlen_func(
     if q.shape[1] * q.shape[0] >= V.INT32_LIMIT:
         raise NotImplementedError(f"nheads x total_q = {q.shape[1] * q.shape[0]} must be below 2**31 (32-bit offsets)")
     q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
-    out, lse = attention(q, k, v, scale, bool(causal), True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = attention(q, k, v, scale, bool(causal), True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         window_size, softcap, alibi_slopes, learnable_sink)
     return (out, lse, None) if return_attn_probs else out
 
 

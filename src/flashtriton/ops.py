@@ -27,25 +27,30 @@ from .validation import check_cu_seqlens_values, plain_tensors
 
 @on_inputs_device
 def _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-                  max_seqlen_q, max_seqlen_k):
+                  max_seqlen_q, max_seqlen_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                  learnable_sink=None):
+    variant = dict(window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                   learnable_sink=learnable_sink)
     if cu_seqlens_q is not None:
         covers_q, _ = check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                               max_seqlen_k)
         out, lse = attention_forward(
             q, k, v, softmax_scale, causal, causal_bottom_right,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **variant,
         )
         if not covers_q:  # tokens outside every sequence: define them as 0 / -inf rather than leave garbage
             covered = _covered_rows(cu_seqlens_q, q.shape[0])
             out[~covered] = 0
             lse[:, ~covered] = float("-inf")
         return out, lse
-    return attention_forward(q, k, v, softmax_scale, causal, causal_bottom_right)
+    return attention_forward(q, k, v, softmax_scale, causal, causal_bottom_right, **variant)
 
 
 @on_inputs_device
 def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
-                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=None):
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=None, window_left=-1, window_right=-1, softcap=0.0,
+                   alibi_slopes=None, learnable_sink=None):
+    """(dq, dk, dv, dsink): dsink of learnable_sink's shape and dtype, or an empty tensor without sinks."""
     from .kernels.backward import attention_backward
 
     if dout.stride(-1) != 1:
@@ -54,10 +59,13 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom
     if cu_seqlens_q is not None:  # gradients of tokens outside every sequence must be 0: zero-fill only then
         covers_all = all(check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                                  max_seqlen_k))
-    return attention_backward(
+    grads = attention_backward(
         dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, zero_fill=not covers_all, dlse=dlse,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+        learnable_sink=learnable_sink,
     )
+    return grads if learnable_sink is not None else (*grads, q.new_empty(0))
 
 
 @torch.library.custom_op("flashtriton::fwd", mutates_args=())
@@ -72,14 +80,21 @@ def attention_fwd_op(
     cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out like q; lse fp32 (B, Hq, Sq) dense or (Hq, total_q) varlen."""
+    """out like q; lse fp32 (B, Hq, Sq) dense or (Hq, total_q) varlen. window_left / right, softcap and
+    alibi_slopes: flash-attn's window_size, softcap and alibi_slopes (-1, -1, 0.0, None: off)."""
     return _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-                         max_seqlen_q, max_seqlen_k)
+                         max_seqlen_q, max_seqlen_k, window_left, window_right, softcap, alibi_slopes, learnable_sink)
 
 
 @attention_fwd_op.register_fake
-def _(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None):
     out = q.new_empty(q.shape)  # the kernels allocate contiguous outputs, whatever the inputs' strides
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -104,24 +119,37 @@ def attention_bwd_op(
     max_seqlen_q: int,
     max_seqlen_k: int,
     dlse: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) shaped like (q, k, v); dk/dv summed over each GQA group. dlse: the gradient of lse (shaped
-    like it), or None when lse is not differentiated."""
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink) shaped like (q, k, v, learnable_sink); dk/dv summed over each GQA group; dsink empty
+    without sinks. dlse: the gradient of lse (shaped like it), or None when lse is not differentiated."""
     return _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
-                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse)
+                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse, window_left, window_right, softcap,
+                          alibi_slopes, learnable_sink)
 
 
 @attention_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k, dlse=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      max_seqlen_q, max_seqlen_k, dlse=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+      learnable_sink=None):
+    dsink = q.new_empty(0) if learnable_sink is None else learnable_sink.new_empty(learnable_sink.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = inputs
+    (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+     *variant) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    alibi = variant[3] if len(variant) > 3 else None
+    sink = variant[4] if len(variant) > 4 else None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, sink)
     ctx.args = (softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k)
+    ctx.variant = tuple(variant[:3])  # (window_left, window_right, softcap), or () where the op's defaults hold
+    ctx.n_variant = len(variant)  # the inputs after max_seqlen_k, which get no gradient
     # Outputs nothing differentiates arrive as None (no zeros allocated): lse, in most calls, costs nothing then.
     ctx.set_materialize_grads(False)
 
@@ -142,19 +170,25 @@ def _gradients(ctx, dout, dlse, backward_fn):
     backward; torch.compile traces the backward with it off) they run without recording, and their results
     come back behind autograd's error node: differentiating them raises DOUBLE_BACKWARD_ERROR instead of
     silently adding nothing for the second-order term."""
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, sink = ctx.saved_tensors
     softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k = ctx.args
     if dout is None:  # only lse is differentiated
         dout = torch.zeros_like(out)
     args = (dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k, dlse)
+            max_seqlen_q, max_seqlen_k, dlse, *ctx.variant, *((alibi, sink) if ctx.n_variant > 3 else ()))
+    # The inputs after q, k, v have no gradient, but the sink (the last of them, where given).
+    nones = (None,) * (7 + min(ctx.n_variant, 4))
+    with_sink = ctx.n_variant > 4
     if not torch.is_grad_enabled():
-        dq, dk, dv = backward_fn(*args)
-        return dq, dk, dv, None, None, None, None, None, None, None
-    with torch.no_grad():
-        dq, dk, dv = backward_fn(*args)
-    dq, dk, dv = _not_differentiable((dq, dk, dv), tuple(t for t in (dout, dlse, q, k, v) if t is not None))
-    return dq, dk, dv, None, None, None, None, None, None, None
+        grads = backward_fn(*args)
+    else:
+        with torch.no_grad():
+            grads = backward_fn(*args)
+        grads = _not_differentiable(tuple(grads), tuple(t for t in (dout, dlse, q, k, v, sink) if t is not None))
+    dq, dk, dv, dsink = grads
+    if not with_sink:
+        return dq, dk, dv, *nones
+    return dq, dk, dv, *nones, (dsink if sink is not None else None)
 
 
 def _not_differentiable(grads: tuple, inputs: tuple) -> tuple:
@@ -180,9 +214,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-                max_seqlen_q, max_seqlen_k):
+                max_seqlen_q, max_seqlen_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                learnable_sink=None):
         inputs = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                  max_seqlen_k)
+                  max_seqlen_k, window_left, window_right, softcap, alibi_slopes, learnable_sink)
         output = _forward_impl(*inputs)
         _setup_context(ctx, inputs, output)
         return output
@@ -192,18 +227,24 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, dout, dlse, _backward_impl)
 
 
-_ATTENTION_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+_ATTENTION_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "learnable_sink")
 
 
 def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: bool, cu_seqlens_q=None,
-              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
-    """(out, lse) with autograd, through the registered op when tracing, directly otherwise."""
+              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, window_size=(-1, -1),
+              softcap: float = 0.0, alibi_slopes=None, learnable_sink=None):
+    """(out, lse) with autograd, through the registered op when tracing, directly otherwise. window_size and
+    softcap are flash-attn's (validated: two ints >= -1, a float >= 0)."""
     args = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k)
+    if tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None or learnable_sink is not None:
+        args += (int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, learnable_sink)
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-            or not plain_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, names=_ATTENTION_TENSORS)):
+            or not plain_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
+                                 names=_ATTENTION_TENSORS)):
         return attention_fwd_op(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (learnable_sink is not None and learnable_sink.requires_grad)):
         return _EagerAttention.apply(*args)
     return _forward_impl(*args)
 

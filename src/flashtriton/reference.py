@@ -52,10 +52,23 @@ def attention_reference(
     kh = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, D)
     vh = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, Dv)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # (B, Hq, Sq, Sk)
+    if variant.softcap:
+        scores = variant.softcap * torch.tanh(scores / variant.softcap)
+    if variant.alibi_slopes is not None:  # -slope · |i + d - j|, slopes (Hq,) or (B, Hq)
+        slopes = variant.alibi_slopes.to(device=q.device, dtype=dtype)
+        slopes = slopes.expand(batch, heads_q) if slopes.dim() == 2 else slopes[None].expand(batch, heads_q)
+        d = variant.diagonal(seqlen_q, seqlen_k) if diagonal is None else diagonal
+        rows = torch.arange(seqlen_q, device=q.device)[:, None] + d
+        distance = (rows - torch.arange(seqlen_k, device=q.device)[None, :]).abs().to(dtype)
+        scores = scores - slopes[:, :, None, None] * distance
     if variant.masks:
         allowed = variant.dense_mask(seqlen_q, seqlen_k, diagonal, device=q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, Sq), -inf on rows that see no key
+    if variant.sinks is not None:  # one unscaled logit per query head, in the denominator only
+        sink = variant.sinks.to(device=q.device, dtype=dtype)[None, :, None, None].expand(batch, heads_q, seqlen_q, 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, Sq), -inf on rows that see no key
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - safe_lse[..., None])  # exp(-inf) = 0 on masked entries
     out = torch.matmul(probs, vh).transpose(1, 2)  # (B, Sq, Hq, Dv)

@@ -117,6 +117,64 @@ def check_scale(name: str, scale, allow_negative: bool = False) -> None:
                          f"the unscaled scores), got {scale}")
 
 
+def check_window(window_size) -> tuple[int, int]:
+    """flash-attn's window_size: two ints >= -1 (a tuple or list; -1 = unbounded on that side) -> a tuple."""
+    if isinstance(window_size, torch.Tensor) or not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a tuple of two ints (left, right), -1 for unbounded, got {window_size!r}")
+    for side in window_size:
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+            raise TypeError(f"window_size must hold two ints, got {window_size!r}")
+        if side < -1:
+            raise ValueError(f"window_size sides must be >= -1 (-1 = unbounded), got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_softcap(softcap) -> float:
+    """flash-attn's softcap: a finite real number >= 0 (0 or None: off) -> a float."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, torch.Tensor) or isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (float), got {type(softcap).__name__}")
+    if not 0 <= softcap < math.inf:  # (comparisons, not math.isfinite: torch.compile traces them)
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
+    return float(softcap)
+
+
+def check_alibi(alibi_slopes, batch: int, heads: int, device) -> torch.Tensor | None:
+    """flash-attn's alibi_slopes: None, or an fp32 tensor (nheads,) or (batch, nheads) on the inputs' device ->
+    the tensor with a contiguous last dim."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32 (flash-attn's dtype), got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({heads},) or (batch, nheads) = ({batch}, {heads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on the inputs' device ({device}), got {alibi_slopes.device}")
+    check_not_transformed(("alibi_slopes",), (alibi_slopes,))
+    return alibi_slopes if alibi_slopes.stride(-1) == 1 else alibi_slopes.contiguous()
+
+
+def check_sink(learnable_sink, heads: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """learnable_sink (FlashAttention-4's name): None, or a (nheads,) tensor, fp32 or the inputs' dtype, on their
+    device -> the tensor, contiguous."""
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor or None, got {type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in (torch.float32, dtype):
+        raise TypeError(f"learnable_sink must be float32 or the inputs' dtype {dtype}, got {learnable_sink.dtype}")
+    if tuple(learnable_sink.shape) != (heads,):
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({heads},), got {tuple(learnable_sink.shape)}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink must be on the inputs' device ({device}), got {learnable_sink.device}")
+    check_not_transformed(("learnable_sink",), (learnable_sink,))
+    return learnable_sink.contiguous()
+
+
 INT32_LIMIT = 2**31
 
 

@@ -27,11 +27,11 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings, load_tile, sequence_bounds, tma_ok
+from .common import dot_settings, load_tile, sequence_bounds, tma_ok
 from . import dispatch
 from .host import cdiv, padded_head_dim
 from .launch import launch
-from .variant import Variant, diagonal, key_blocks, query_blocks, visible
+from .variant import Variant, alibi_bias, diagonal, key_blocks, query_blocks, softcap_scores_and_grad, visible
 
 try:  # Hopper's Gluon dK/dV kernel (triton >= 3.6 ships Gluon's Hopper API)
     from . import backward_gluon_launch
@@ -123,6 +123,8 @@ def _attn_bwd_dkdv_tile(
     start_m, end_m, group_size, seqlen_q, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
+    HAS_ALIBI: tl.constexpr = False, slopes=None,  # the group's first query head's ALiBi slope (a pointer)
 ):
     """Add the contribution of query rows [start_m, end_m) of each of the group's `group_size` query heads
     to the resident key tile's dK, dV. One flat loop over (head, row tile): a nested loop over heads costs
@@ -146,12 +148,21 @@ def _attn_bwd_dkdv_tile(
             q = q.to(tl.float32)
             do = do.to(tl.float32)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) fp32
-        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-        if MASKED and IS_CAUSAL:
-            p_t = tl.where(visible(True, rows[None, :], offs_n[:, None], diag, IS_CAUSAL), p_t, 0.0)
+        if HAS_SOFTCAP:
+            s_t, cap_grad = softcap_scores_and_grad(qk_t, qk_scale, softcap)
+        else:
+            s_t = qk_t * qk_scale
+        if HAS_ALIBI:  # query head g's slope, in base 2
+            s_t = s_t + alibi_bias(rows[None, :], offs_n[:, None], diag, tl.load(slopes + g) * 1.4426950408889634)
+        p_t = tl.math.exp2(s_t - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        if MASKED and (IS_CAUSAL or HAS_WINDOW):
+            p_t = tl.where(visible(True, rows[None, :], offs_n[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
+                           p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            ds_t = ds_t * cap_grad
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
     return dk, dv
 
@@ -160,7 +171,9 @@ def _attn_bwd_dkdv_tile(
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     CU_SEQLENS_Q, CU_SEQLENS_K,
-    softmax_scale, qk_scale,  # qk_scale = softmax_scale * log2(e)
+    softmax_scale, qk_scale,  # qk_scale = softmax_scale * log2(e); with HAS_SOFTCAP softmax_scale / softcap
+    window_left, window_right, softcap,  # the variant's scalars (`Variant.scalars`), None where unused
+    ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride, None without ALiBi
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -172,8 +185,8 @@ def _attn_bwd_dkdv(
     SEQLEN_Q, SEQLEN_K,
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,  # power-of-two buckets, autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # grid (key tiles, kv heads, batch)
@@ -204,9 +217,10 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query rows this key tile sees: masked [lo, mid), unmasked [mid, full), masked [full, seqlen_q).
-    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
-    lo, mid, full = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    # Query rows this key tile sees: masked [lo, mid), unmasked [mid, full), masked [full, q_end).
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
+    lo, mid, full, q_end = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, BLOCK_N, HAS_WINDOW, window_left,
+                                        window_right)
 
     # Pointers at the group's first query head; the tile loops step over heads and rows.
     q_head = Q + batch_q + (off_hk * GROUP_SIZE) * stride_qh
@@ -215,14 +229,16 @@ def _attn_bwd_dkdv(
     delta_head = DELTA + batch_l + (off_hk * GROUP_SIZE) * stride_lh
     q_offs = offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, BLOCK_D)
     do_offs = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, BLOCK_D)
-    for stage in tl.static_range(3):  # masked [lo, mid), unmasked [mid, full), masked [full, seqlen_q)
+    for stage in tl.static_range(3):  # masked [lo, mid), unmasked [mid, full), masked [full, q_end)
         start = lo if stage == 0 else (mid if stage == 1 else full)
-        end = mid if stage == 0 else (full if stage == 1 else seqlen_q)
+        end = mid if stage == 0 else (full if stage == 1 else q_end)
         dk, dv = _attn_bwd_dkdv_tile(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qh, stride_dom, stride_doh, stride_lh, q_offs, do_offs, offs_n, offs_m, offs_d,
             start, end, GROUP_SIZE, seqlen_q, diag, qk_scale,
             stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST_DOT, DOT_PRECISION,
+            HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI,
+            ALIBI + off_b * stride_alibi_b + off_hk * GROUP_SIZE if HAS_ALIBI else None,
         )
 
     n_mask = offs_n[:, None] < seqlen_k
@@ -242,6 +258,8 @@ def _attn_bwd_dq_tile(
     start_n, end_n, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
+    HAS_ALIBI: tl.constexpr = False, slope=0.0,
 ):
     """Add the contribution of keys [start_n, end_n) to the resident query tile's dQ."""
     k_ptrs += start_n * stride_kn
@@ -254,11 +272,20 @@ def _attn_bwd_dq_tile(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        p = tl.math.exp2(qk * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
+        if HAS_SOFTCAP:
+            s, cap_grad = softcap_scores_and_grad(qk, qk_scale, softcap)
+        else:
+            s = qk * qk_scale
+        if HAS_ALIBI:
+            s = s + alibi_bias(offs_m[:, None], cols[None, :], diag, slope)
+        p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
         if MASKED:
-            p = tl.where(visible(cols[None, :] < seqlen_k, offs_m[:, None], cols[None, :], diag, IS_CAUSAL), p, 0.0)
+            p = tl.where(visible(cols[None, :] < seqlen_k, offs_m[:, None], cols[None, :], diag, IS_CAUSAL,
+                                 HAS_WINDOW, left, right), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * cap_grad
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -270,6 +297,8 @@ def _attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
     CU_SEQLENS_Q, CU_SEQLENS_K,
     softmax_scale, qk_scale,
+    window_left, window_right, softcap,
+    ALIBI, stride_alibi_b,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -280,8 +309,8 @@ def _attn_bwd_dq(
     SEQLEN_Q, SEQLEN_K,
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # grid (query tiles, heads, batch)
@@ -316,18 +345,29 @@ def _attn_bwd_dq(
         do = do.to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
-    lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
+    slope = tl.load(ALIBI + off_b * stride_alibi_b + off_h) * 1.4426950408889634 if HAS_ALIBI else 0.0  # base 2
+    first, start, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N, HAS_WINDOW, window_left,
+                                      window_right)
 
+    if HAS_WINDOW:  # the window's left edge: masked
+        dq = _attn_bwd_dq_tile(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+            first, start, seqlen_k, diag, qk_scale,
+            True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+            HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
+        )
     dq = _attn_bwd_dq_tile(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-        0, lo, seqlen_k, diag, qk_scale,
+        start, lo, seqlen_k, diag, qk_scale,
         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
     )
     dq = _attn_bwd_dq_tile(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
         lo, hi, seqlen_k, diag, qk_scale,
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
     )
 
     dq_ptrs = DQ + batch_dq + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
@@ -408,6 +448,10 @@ def attention_backward(
     config: dict | None = None,
     zero_fill: bool = True,
     dlse: torch.Tensor | None = None,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs (what `attention_forward` took and returned).
 
@@ -435,12 +479,17 @@ def attention_backward(
         batch, seqlen_q, heads_q, _ = q.shape
         seqlen_k, heads_kv = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
+        if learnable_sink is not None:  # every row's softmax is the sink alone: dsink = sum of dlse
+            dsink = torch.zeros_like(learnable_sink) if dlse is None else \
+                dlse.sum(dim=1 if varlen else (0, 2)).to(learnable_sink.dtype)
+            return dq.zero_(), dk.zero_(), dv.zero_(), dsink
         return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
     gluon_config = None
-    variant = Variant.of(causal, causal_bottom_right)
+    variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None,
+                         learnable_sink is not None)
     if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
-            and tma_ok(q, k, v, dout, dq, dk, dv)
-            and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields())):  # (no broadcast, stride-0, dimension among them)
+            and tma_ok(q, k, v, dout, dq, dk, dv)  # (no broadcast, stride-0, dimension among them)
+            and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields())):
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
         gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)
@@ -472,11 +521,12 @@ def attention_backward(
     q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s = strides
     block_d = padded_head_dim(head_dim)
     upcast, precision = dot_settings(q.dtype)
-    common = (softmax_scale, softmax_scale * LOG2E, *q_s, *k_s, *v_s, *do_s)
+    alibi = (alibi_slopes, None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0))
+    common = (softmax_scale, *variant.scalars(softmax_scale), *alibi, *q_s, *k_s, *v_s, *do_s)
     tail = (seqlen_q, seqlen_k, configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        **variant.constexprs, IS_VARLEN=varlen,
+        **variant.constexprs, **variant.score_constexprs, IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
     if config is None and INTERPRET:
@@ -505,4 +555,15 @@ def attention_backward(
         _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
     else:
         launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"]})
+    if learnable_sink is not None:
+        return dq, dk, dv, sink_grad(lse, delta, learnable_sink, varlen)
     return dq, dk, dv
+
+
+def sink_grad(lse, delta, sink, varlen: bool) -> torch.Tensor:
+    """dsink_h = -Σ_{b,i} P_sink(b, h, i) · delta(b, h, i), P_sink = exp(sink_h - lse), delta = rowsum(dO ∘ O) -
+    dlse (the preprocess'), lse and delta (B, Hq, Sq) or (Hq, total_q); a torch reduction, the same bits every run.
+    Rows outside every sequence (lse -inf) add nothing."""
+    logits = sink.float()[:, None] if varlen else sink.float()[None, :, None]
+    p_sink = torch.where(torch.isinf(lse), 0.0, torch.exp(logits - lse))
+    return (-(p_sink * delta).sum(dim=1 if varlen else (0, 2))).to(sink.dtype)

@@ -13,7 +13,7 @@ import triton.language as tl
 from .._env import INTERPRET
 from . import dispatch
 from .host import capability
-from .variant import visible
+from .variant import alibi_bias, softcap_scores, visible
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them the TMA paths are never taken
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -66,12 +66,22 @@ def load_tile(ptrs, rows, n_rows, offs_d, MASK_ROWS: tl.constexpr, HEAD_DIM: tl.
 def softmax_step(
     acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
+    HAS_ALIBI: tl.constexpr = False, slope=0.0,
 ):
     """Fold one K/V tile into the running (acc, l_i, m_i): qk (BLOCK_M, BLOCK_N) are the raw scores Q Kᵀ of
     keys `cols` for query rows `offs_m`, v (BLOCK_N, BLOCK_D) their values. MASKED tiles hide keys past seqlen_k
-    and the pairs the variant hides (`variant.visible`, diagonal `diag`)."""
+    and the pairs the variant hides (`variant.visible`, diagonal `diag`); HAS_SOFTCAP caps the scores first
+    (`variant.softcap_scores`), HAS_ALIBI then adds the row's bias (`variant.alibi_bias`)."""
+    if HAS_SOFTCAP:
+        qk = softcap_scores(qk, qk_scale, softcap)
+        qk_scale = 1.0
+    if HAS_ALIBI:
+        qk = qk * qk_scale + alibi_bias(offs_m[:, None], cols[None, :], diag, slope)
+        qk_scale = 1.0
     if MASKED:
-        keep = visible(cols[None, :] < seqlen_k, offs_m[:, None], cols[None, :], diag, IS_CAUSAL)
+        keep = visible(cols[None, :] < seqlen_k, offs_m[:, None], cols[None, :], diag, IS_CAUSAL, HAS_WINDOW, left,
+                       right)
         qk = tl.where(keep, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.

@@ -29,6 +29,8 @@ CHOICES = ("auto", "gluon", "tma", "portable")
 SCHEDULES = ("auto", "split", "stream")
 HALF = (torch.float16, torch.bfloat16)
 ANY_HEAD_DIM = tuple(range(1, 257))
+# The portable kernels' variant fields.
+SCORES = frozenset({"causal", "window_size", "softcap", "alibi_slopes", "learnable_sink"})
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,9 @@ class Kernel:
 KERNELS = (
     Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, (64, 128)),
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128)),
-    Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd"),
+    Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", fields=SCORES),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF, (64, 128)),
-    Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq"),
+    Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=SCORES),
     Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True),
     Kernel("decode_split", "decode", "portable", "decode._decode_split", varlen=False, paged=True),
 )

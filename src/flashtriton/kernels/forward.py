@@ -29,7 +29,7 @@ from .common import (LOG2E, dot_settings, load_tile, sequence_bounds, sm_count, 
 from . import dispatch
 from .host import capability, cdiv, padded_head_dim
 from .launch import hooks_installed, launch, launch_and_keep
-from .variant import Variant, diagonal, key_blocks
+from .variant import Variant, add_sink, diagonal, key_blocks
 
 try:  # Hopper's Gluon forward (triton >= 3.6 ships Gluon's Hopper API)
     from . import forward_gluon_launch
@@ -45,6 +45,8 @@ def _attn_fwd_tile(
     start_n, end_n, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
+    HAS_ALIBI: tl.constexpr = False, slope=0.0,
 ):
     """Fold K/V tiles [start_n, end_n) into the running (acc, l_i, m_i) of one Q tile."""
     k_ptrs += start_n * stride_kn
@@ -57,7 +59,8 @@ def _attn_fwd_tile(
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, diag, qk_scale,
-                                      MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION)
+                                      MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION, HAS_WINDOW, left, right,
+                                      HAS_SOFTCAP, softcap, HAS_ALIBI, slope)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
@@ -67,7 +70,10 @@ def _attn_fwd_tile(
 def _attn_fwd(
     Q, K, V, O, LSE,
     CU_SEQLENS_Q, CU_SEQLENS_K,
-    qk_scale,  # softmax_scale * log2(e)
+    qk_scale,  # softmax_scale * log2(e); with HAS_SOFTCAP softmax_scale / softcap
+    window_left, window_right, softcap,  # the variant's scalars (`Variant.scalars`), None where unused
+    ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride (0 for (Hq,)), None without ALiBi
+    SINKS,  # (Hq,) one logit per query head (learnable_sink), None without sinks
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -77,9 +83,9 @@ def _attn_fwd(
     SEQLEN_Q, SEQLEN_K,  # dense: the lengths; varlen: unused (read from cu_seqlens)
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,  # power-of-two buckets, autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)  # grid (query tiles, heads, batch): each axis within CUDA's limits
@@ -114,20 +120,33 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
-    lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
+    first, start, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N, HAS_WINDOW, window_left,
+                                      window_right)
+    slope = tl.load(ALIBI + off_b * stride_alibi_b + off_h) * 1.4426950408889634 if HAS_ALIBI else 0.0  # base 2
 
+    if HAS_WINDOW:  # the window's left edge: masked
+        acc, l_i, m_i = _attn_fwd_tile(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+            first, start, seqlen_k, diag, qk_scale,
+            True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+            HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
+        )
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-        0, lo, seqlen_k, diag, qk_scale,
+        start, lo, seqlen_k, diag, qk_scale,
         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
     )
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
         lo, hi, seqlen_k, diag, qk_scale,
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
     )
 
+    if HAS_SINKS:
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(SINKS + off_h).to(tl.float32) * 1.4426950408889634)
     out, lse = softmax_finish(acc, l_i, m_i)
 
     row_ok = offs_m < seqlen_q
@@ -210,7 +229,7 @@ def _attn_fwd_tma(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
-    lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    _, _, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
                                        0, lo, seqlen_k, diag, qk_scale, False, IS_CAUSAL, IS_VARLEN,
                                        HEAD_DIM, BLOCK_N, UPCAST_DOT)
@@ -340,6 +359,10 @@ def launch_forward(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     config: dict | None = None,
+    window_size: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Launch the forward kernel on validated inputs (the public API checks them).
 
@@ -357,7 +380,8 @@ def launch_forward(
     """
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
-    variant = Variant.of(causal, causal_bottom_right)
+    variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None,
+                         learnable_sink is not None)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if varlen:
         batch = cu_seqlens_q.numel() - 1
@@ -409,14 +433,16 @@ def launch_forward(
         l_strides = (lse.stride(0), lse.stride(1))
     upcast, precision = dot_settings(q.dtype)
     args = (
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *variant.scalars(softmax_scale),
+        alibi_slopes, None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0),
+        learnable_sink,
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
         heads_q // heads_kv, seqlen_q, seqlen_k,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
     )
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-        **variant.constexprs, IS_VARLEN=varlen,
+        **variant.constexprs, **variant.score_constexprs, HAS_SINKS=learnable_sink is not None, IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
 

@@ -84,7 +84,7 @@ def item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_BOT
     """An item's (diag, n_tiles, has_rows) in its sequence: items past a varlen sequence's last row have
     no rows."""
     diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
-    lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    _, _, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
     n_tiles = gl.cdiv(hi, BLOCK_N)
     return diag, n_tiles, start_m * BLOCK_M < seqlen_q
 

@@ -19,12 +19,18 @@ declare the fields they run (`dispatch.KERNELS`); `require_supported` refuses by
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+
+LOG2E = 1.4426950408889634
+WINDOW_UNBOUNDED = 1 << 30  # a window side without bound, as the kernels take it (indices stay within int32)
+ALIBI_GIVEN = torch.empty(0)  # `Variant.of`'s stand-in for slopes or sinks that the launcher passes to the kernels
 
 
 @dataclass(frozen=True)
@@ -41,24 +47,48 @@ class Variant:
         left, right = self.window
         if not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in (left, right)):
             raise ValueError(f"window_size must be two ints >= -1 (-1 = unbounded), got {self.window!r}")
-        if self.causal and right > 0:
-            raise ValueError(f"window_size={self.window!r} with causal=True: the right side must be 0 or -1")
+        if not (isinstance(self.softcap, (int, float)) and math.isfinite(self.softcap) and self.softcap >= 0):
+            raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {self.softcap!r}")
 
     @staticmethod
-    @functools.lru_cache(maxsize=None)
-    def of(causal: bool, bottom_right: bool = True) -> "Variant":
-        """The variant of the launchers' flags (flash-attn's `causal`, `causal_bottom_right`): one shared instance
-        per pair, so that a launch pays a dictionary lookup for it."""
-        return Variant(causal=bool(causal), bottom_right=bool(bottom_right))
+    @functools.lru_cache(maxsize=4096)
+    def of(causal: bool, bottom_right: bool = True, window: tuple = (-1, -1), softcap: float = 0.0,
+           alibi: bool = False, sinks: bool = False) -> "Variant":
+        """The variant of the launchers' arguments (flash-attn's `causal`, `causal_bottom_right`, `window_size`,
+        `softcap`; `alibi` / `sinks`: whether slopes / sinks are given, the launchers pass the tensors to the
+        kernels themselves):
+        one shared instance each, so that a launch pays a dictionary lookup for it."""
+        return Variant(causal=bool(causal), bottom_right=bool(bottom_right), window=tuple(window),
+                       softcap=float(softcap), alibi_slopes=ALIBI_GIVEN if alibi else None,
+                       sinks=ALIBI_GIVEN if sinks else None)
 
     @functools.cached_property
     def constexprs(self) -> dict:
         """The constexprs every attention kernel (Triton and Gluon) takes for this variant; do not modify."""
         return {"IS_CAUSAL": self.causal, "CAUSAL_BOTTOM_RIGHT": self.bottom_right}
 
+    @functools.cached_property
+    def score_constexprs(self) -> dict:
+        """The constexprs of the kernels that declare windows and softcap (the portable ones); do not modify."""
+        return {"HAS_WINDOW": "window_size" in self.fields(), "HAS_SOFTCAP": bool(self.softcap),
+                "HAS_ALIBI": self.alibi_slopes is not None}
+
+    def scalars(self, softmax_scale: float) -> tuple:
+        """(qk_scale, window_left, window_right, softcap) as those kernels take them: qk_scale = softmax_scale ·
+        log2(e), or softmax_scale / softcap with the cap (then softcap · log2(e), `softcap_scores`); the window's
+        sides with an unbounded one as WINDOW_UNBOUNDED (causal: right 0); None for what is off."""
+        left = right = cap = None
+        if "window_size" in self.fields():
+            left = WINDOW_UNBOUNDED if self.left < 0 else self.left
+            right = WINDOW_UNBOUNDED if self.right < 0 else self.right
+        if self.softcap:
+            return softmax_scale / self.softcap, left, right, self.softcap * LOG2E
+        return softmax_scale * LOG2E, left, right, cap
+
     @property
     def right(self) -> int:
-        """Keys visible to the right of the diagonal; -1 = unbounded."""
+        """Keys visible to the right of the diagonal; -1 = unbounded. Causal makes it 0, whatever the window says
+        (flash-attn's rule)."""
         return 0 if self.causal else self.window[1]
 
     @property
@@ -126,13 +156,13 @@ class Variant:
 
     def fields(self) -> frozenset:
         """The fields set, by their public argument names: what a kernel must declare to run this variant
-        (`dispatch.Kernel.fields`). A window that only restates causal ((-1, 0) or (-1, -1)) is causal."""
+        (`dispatch.Kernel.fields`). A window that only restates causal (left -1) is causal."""
         return self._fields
 
     @functools.cached_property
     def _fields(self) -> frozenset:
         names = {"causal"} if self.causal else set()
-        if self.window != (-1, -1) and not (self.causal and self.window == (-1, 0)):
+        if self.window != (-1, -1) and not (self.causal and self.window[0] == -1):
             names.add("window_size")
         if self.softcap:
             names.add("softcap")
@@ -161,24 +191,29 @@ class Variant:
 # --------------------------------------------------------------------------------------------------------------
 # Device side: the only mask code in any kernel. Plain `@triton.jit` helpers, which the Gluon kernels call too
 # (a jit function called from a Gluon kernel compiles in Gluon mode): they take index tensors and scalars and
-# make none, so they need no layout. The variant's constexprs are IS_CAUSAL and CAUSAL_BOTTOM_RIGHT; `diag` is
-# the diagonal d above (query row i meets key i + d).
+# make none, so they need no layout. The variant's constexprs are IS_CAUSAL, CAUSAL_BOTTOM_RIGHT and HAS_WINDOW;
+# `diag` is the diagonal d above (query row i meets key i + d); with HAS_WINDOW, `left` / `right` are the window's
+# sides (`Variant.window_scalars`: an unbounded side is WINDOW_UNBOUNDED; causal is right = 0). The window
+# arguments default to off, so that a kernel without windows calls the helpers as before.
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
-def diagonal(seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr):
+def diagonal(seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr,
+             HAS_WINDOW: tl.constexpr = False):
     """d of a (seqlen_q, seqlen_k) sequence pair: Sk - Sq bottom-right, 0 top-left (and unused without a mask);
     always a tensor, so that it can be carried through loops and warp-specialized partitions."""
-    if IS_CAUSAL and CAUSAL_BOTTOM_RIGHT:
+    if (IS_CAUSAL or HAS_WINDOW) and CAUSAL_BOTTOM_RIGHT:  # (HAS_WINDOW: or any bias measured from the diagonal)
         return seqlen_k - seqlen_q
     else:
         return seqlen_k * 0  # a zero of seqlen_k's kind (a tensor where it is one); folds to a constant
 
 
 @triton.jit
-def visible(keep, q_idx, k_idx, diag, IS_CAUSAL: tl.constexpr):
+def visible(keep, q_idx, k_idx, diag, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr = False, left=0, right=0):
     """`keep` (a bool tile, or True) and the element mask: query q_idx sees key k_idx. q_idx and k_idx broadcast
     against each other ((M, 1) and (1, N), or transposed for key-major tiles)."""
-    if IS_CAUSAL:
+    if HAS_WINDOW:
+        keep = keep & (k_idx >= q_idx + diag - left) & (k_idx <= q_idx + diag + right)
+    elif IS_CAUSAL:
         keep = keep & (k_idx <= q_idx + diag)
     return keep
 
@@ -233,11 +268,22 @@ def key_end_before(row_end, diag, IS_CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def key_blocks(start_m, seqlen_k, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys the query tile `start_m` (rows [start_m * BLOCK_M, + BLOCK_M)) visits: (lo, hi). Keys [0, lo) are
-    visible to every row of the tile and inside the sequence, so they need no mask; keys [lo, hi) are masked
-    (they straddle the diagonal or the end of the keys); keys from hi on are never visited. lo is a multiple
-    of BLOCK_N."""
+def key_blocks(start_m, seqlen_k, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_WINDOW: tl.constexpr = False, left=0, right=0):
+    """Keys the query tile `start_m` (rows [start_m * BLOCK_M, + BLOCK_M)) visits: (first, start, lo, hi), the
+    first three multiples of BLOCK_N. Keys [start, lo) are visible to every row of the tile and inside the
+    sequence, so they need no mask; keys [first, start) (a window's left edge) and [lo, hi) (the diagonal or the
+    right edge, the end of the keys) are masked; keys before first and from hi on are never visited. Without a
+    window first = start = 0."""
+    if HAS_WINDOW:
+        row0 = start_m * BLOCK_M
+        hi = tl.maximum(tl.minimum(seqlen_k, row0 + BLOCK_M + diag + right), 0)
+        first = tl.minimum(tl.maximum(row0 + diag - left, 0) // BLOCK_N * BLOCK_N, hi)
+        start = tl.minimum(tl.cdiv(tl.maximum(row0 + BLOCK_M - 1 + diag - left, 0), BLOCK_N) * BLOCK_N, hi)
+        start = tl.maximum(start, first)
+        lo = tl.minimum(tl.maximum(row0 + diag + right + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
+        lo = tl.maximum(tl.minimum(lo, hi), start)
+        return first, start, lo, hi
     if IS_CAUSAL:
         hi = tl.minimum(seqlen_k, key_end_before((start_m + 1) * BLOCK_M, diag, IS_CAUSAL))
         lo = tl.minimum(key_end(start_m * BLOCK_M, diag, IS_CAUSAL), seqlen_k)
@@ -246,7 +292,7 @@ def key_blocks(start_m, seqlen_k, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.con
         lo = seqlen_k
     hi = tl.maximum(hi, 0)
     lo = tl.minimum(tl.maximum(lo, 0) // BLOCK_N * BLOCK_N, hi)
-    return lo, hi
+    return 0, 0, lo, hi
 
 
 @triton.jit
@@ -259,11 +305,23 @@ def query_first(start_n, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def query_blocks(start_n, seqlen_q, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query rows the key tile [start_n, start_n + BLOCK_N) visits: (lo, mid, full), multiples of BLOCK_M. Rows
-    [lo, mid) are masked (they straddle the diagonal), [mid, full) see every key of the tile and lie inside the
-    sequence (no mask), [full, seqlen_q) may reach past the end of the queries (masked); rows before lo see none
-    of the tile's keys."""
+def query_blocks(start_n, seqlen_q, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr = False, left=0, right=0):
+    """Query rows the key tile [start_n, start_n + BLOCK_N) visits: (lo, mid, full, end), the first three
+    multiples of BLOCK_M. Rows [lo, mid) are masked (they straddle the diagonal, or a window's right edge),
+    [mid, full) see every key of the tile and lie inside the sequence (no mask), [full, end) are masked (a window's
+    left edge, the end of the queries); rows before lo and from end on see none of the tile's keys. Without a window
+    end = seqlen_q."""
+    if HAS_WINDOW:
+        lo = tl.maximum(start_n - diag - right, 0) // BLOCK_M * BLOCK_M
+        end = tl.maximum(tl.minimum(seqlen_q, start_n + BLOCK_N - diag + left), 0)
+        lo = tl.minimum(lo, end)
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag - right, 0), BLOCK_M) * BLOCK_M
+        full = tl.minimum(seqlen_q // BLOCK_M * BLOCK_M, tl.maximum(start_n - diag + left + 1, 0) // BLOCK_M * BLOCK_M)
+        mid = tl.maximum(tl.minimum(mid, full), lo)
+        full = tl.maximum(full, mid)
+        end = tl.maximum(end, full)
+        return lo, mid, full, end
     if IS_CAUSAL:
         lo = query_first(start_n, diag, IS_CAUSAL, BLOCK_M)
         mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
@@ -273,4 +331,52 @@ def query_blocks(start_n, seqlen_q, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.c
     full = seqlen_q // BLOCK_M * BLOCK_M
     mid = tl.maximum(tl.minimum(mid, full), lo)
     full = tl.maximum(full, mid)
-    return lo, mid, full
+    return lo, mid, full, seqlen_q
+
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32 to a few ulp (libdevice's is not in the interpreter): Eigen's rational approximation, x P(x²) /
+    Q(x²) on |x| <= 7.9 (tanh is ±1 in fp32 beyond)."""
+    x = tl.minimum(tl.maximum(x, -7.90531110763549805), 7.90531110763549805)
+    x2 = x * x
+    p = x2 * -2.76076847742355e-16 + 2.00018790482477e-13
+    p = p * x2 + -8.60467152213735e-11
+    p = p * x2 + 5.12229709037114e-08
+    p = p * x2 + 1.48572235717979e-05
+    p = p * x2 + 6.37261928875436e-04
+    p = p * x2 + 4.89352455891786e-03
+    q = x2 * 1.19825839466702e-06 + 1.18534705686654e-04
+    q = q * x2 + 2.26843463243900e-03
+    q = q * x2 + 4.89352518554385e-03
+    return x * p / q
+
+
+@triton.jit
+def softcap_scores(qk, qk_scale, softcap):
+    """Soft-capped scores in base 2, from raw Q Kᵀ: softcap · tanh(qk · qk_scale), with the launcher passing
+    qk_scale = softmax_scale / cap and softcap = cap · log2(e) (`Variant.scalars`)."""
+    return softcap * tanh(qk * qk_scale)
+
+
+@triton.jit
+def softcap_scores_and_grad(qk, qk_scale, softcap):
+    """(`softcap_scores`, d(capped score) / d(scaled score) = 1 - tanh²) for the backward, which multiplies dS by
+    the latter (the softmax scale is applied to dQ and dK at the end, as without softcap)."""
+    t = tanh(qk * qk_scale)
+    return softcap * t, 1.0 - t * t
+
+
+@triton.jit
+def alibi_bias(q_idx, k_idx, diag, slope):
+    """ALiBi's bias in base 2, -slope · |i + d - j| (the launcher passes slope · log2(e)); q_idx, k_idx broadcast."""
+    return -slope * tl.abs(q_idx + diag - k_idx).to(tl.float32)
+
+
+@triton.jit
+def add_sink(acc, l_i, m_i, sink):
+    """Fold an attention sink (one logit per head, in base 2, counted in the denominator only) into a finished
+    row's (acc, l_i, m_i): a row that saw no key keeps out 0 and gets lse = the sink."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.math.exp2(m_i - m_new)  # 0 for a row that saw no key (m_i = -inf)
+    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink - m_new), m_new
