@@ -112,3 +112,11 @@ def test_attention_flops_counts_a_windows_visible_pairs():
     assert pairs == sum(min(i, 127) + 1 for i in range(1024))
     assert attention_flops(2, 3, 1024, 64, variant=window, mode="bwd") == 2.5 * 4.0 * 2 * 3 * pairs * 64
     assert attention_flops(2, 3, 1024, 64, variant=Variant(causal=True)) == attention_flops(2, 3, 1024, 64, True)
+
+
+def test_alibi_and_sinks_are_part_of_a_variants_identity():
+    """Launch plans are cached per variant: a call with ALiBi or sinks must never match one without them (the
+    tensors' values are left out of equality, their presence is not)."""
+    plain, alibi, sinks = Variant.of(True), Variant.of(True, alibi=True), Variant.of(True, sinks=True)
+    assert len({plain, alibi, sinks}) == 3 and plain != alibi != sinks
+    assert Variant(alibi_slopes=torch.ones(2)) == Variant(alibi_slopes=torch.zeros(2))  # values: the kernels' args

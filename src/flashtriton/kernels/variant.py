@@ -42,8 +42,14 @@ class Variant:
     dropout_p: float = 0.0
     alibi_slopes: Optional[torch.Tensor] = field(default=None, compare=False)  # (H,) or (B, H) fp32
     sinks: Optional[torch.Tensor] = field(default=None, compare=False)  # (H,) one extra logit per head
+    # Whether the two tensors are given: part of equality and the hash (the tensors' values are not), so that
+    # launch plans cached per variant never serve a call with ALiBi or sinks a plan made without them.
+    has_alibi: bool = field(default=False, init=False)
+    has_sinks: bool = field(default=False, init=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "has_alibi", self.alibi_slopes is not None)
+        object.__setattr__(self, "has_sinks", self.sinks is not None)
         left, right = self.window
         if not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in (left, right)):
             raise ValueError(f"window_size must be two ints >= -1 (-1 = unbounded), got {self.window!r}")
