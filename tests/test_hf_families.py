@@ -297,7 +297,7 @@ class Case:
     tokens: bool = False  # compare generated tokens exactly (else logits within ATOL)
     must_run: bool = False  # nothing flashtriton lacks is involved: a refusal fails too
     # the kernel variants the run must launch, all of them and no other ("window": a window that hides keys,
-    # "softcap"); None: not checked
+    # "softcap", "sink": attention sinks); None: not checked
     variants: Optional[tuple] = None
 
 
@@ -380,8 +380,15 @@ CASES: dict[str, Case] = {
     "gemma3_multimodal_images": may_refuse("gemma3_multimodal", _gemma3_images),
     "gemma3_multimodal_text_only": may_refuse("gemma3_multimodal", lambda: _text(**_PADDED)),
     "paligemma_prefix_lm": may_refuse("paligemma", _paligemma_prefix),
-    "gpt_oss_window_shorter": may_refuse("gpt_oss", lambda: _text()),
-    "gpt_oss_window_longer": may_refuse("gpt_oss_window64", lambda: _text()),  # sinks
+    # attention sinks (s_aux: flash-attn's learnable_sink) on every layer, a window on alternate ones; no packed
+    # case: gpt-oss builds its masks without the position ids, so eager attends across packed documents
+    "gpt_oss_window_shorter": runs("gpt_oss", lambda: _text(), variants=("sink", "window")),
+    "gpt_oss_window_shorter_left_padded": runs("gpt_oss", lambda: _text(**_PADDED), variants=("sink", "window")),
+    "gpt_oss_window_shorter_chunked_prefill": runs("gpt_oss", lambda: _text(**_PADDED), run=_chunked_prefill(10),
+                                                   variants=("sink", "window")),
+    "gpt_oss_window_shorter_generate": runs("gpt_oss", lambda: _text(**_PROMPTS), run=_generate(), tokens=True,
+                                            variants=("sink", "window")),
+    "gpt_oss_window_longer": runs("gpt_oss_window64", lambda: _text(**_PADDED, left=False), variants=("sink",)),
     "gpt_neo_window_shorter": may_refuse("gpt_neo_window8", lambda: _text()),
     "gpt_neo_window_longer": may_refuse("gpt_neo_window64", lambda: _text(**_PADDED)),
     "falcon": may_refuse("falcon", lambda: _text(**_PADDED)),
@@ -414,7 +421,7 @@ class Spy:
     """What one model run called: flashtriton's kernels, transformers' attention/mask entries, torch's sdpa."""
 
     kernels: int = 0  # flashtriton kernel launches (dense/varlen forward, decode)
-    variants: set = field(default_factory=set)  # the variants those launches ran: "window", "softcap"
+    variants: set = field(default_factory=set)  # the variants those launches ran: "window", "softcap", "sink"
     sdpa: int = 0  # torch.nn.functional.scaled_dot_product_attention calls
     attention_calls: list = field(default_factory=list)  # kwargs seen by the "flashtriton" attention entry
     mask_calls: list = field(default_factory=list)  # kwargs seen by the "flashtriton" mask entry
@@ -443,6 +450,10 @@ def _spy():
                 spy.variants.add("window")
             if kwargs.get("softcap"):
                 spy.variants.add("softcap")
+            if kwargs.get("learnable_sink") is not None:
+                spy.variants.add("sink")
+            if kwargs.get("alibi_slopes") is not None:
+                spy.variants.add("alibi")
             return fn(*args, **kwargs)
 
         return wrapper

@@ -229,8 +229,8 @@ def test_unsupported_features_raise(device):
     q = torch.randn(1, 4, 5, 16, device=device)
     k = torch.randn(1, 2, 5, 16, device=device)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        ft_hf.flashtriton_attention_forward(module, q, k, k, None, s_aux=torch.zeros(4, device=device))
+    with pytest.raises(NotImplementedError, match="one logit per query head"):
+        ft_hf.flashtriton_attention_forward(module, q, k, k, None, s_aux=torch.zeros(1, 4, device=device))
     with pytest.raises(NotImplementedError, match="position biases"):
         ft_hf.flashtriton_attention_forward(module, q, k, k, None, position_bias=torch.zeros(1, 4, 5, 5))
     with pytest.raises(NotImplementedError, match="dropout"):
@@ -455,21 +455,66 @@ def test_models_flashtriton_cannot_run_are_refused_when_built():
                                          attn_implementation="flashtriton")
 
 
-def test_hub_kernel_swap_keeps_flashtriton(device):
-    """gpt-oss lists hub kernels for any flash-named implementation; flashtriton stays and refuses its sinks."""
+def _gpt_oss_pair(device, **overrides):
+    """(flashtriton, eager) tiny gpt-oss models with the same weights, sinks of a size that matters (N(0, 1)
+    rather than the init's N(0, 0.02)), or None where this transformers' gpt-oss refuses every name but its hub
+    kernel (5.0)."""
     from transformers import GptOssConfig
 
-    config = GptOssConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=8, vocab_size=64, num_local_experts=2,
-                          num_experts_per_tok=1)
+    tiny = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, vocab_size=TINY["vocab_size"], num_local_experts=2, num_experts_per_tok=1, sliding_window=3,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # no YaRN for a few positions
+    config = GptOssConfig(**{**tiny, **overrides})
+    torch.manual_seed(0)
     try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="flashtriton").to(device).eval()
-    except ValueError as refused:  # transformers 5.0's gpt-oss refuses every name but its hub kernel
+        ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="flashtriton")
+    except ValueError as refused:
         assert "flashtriton" in str(refused)
+        return None
+    with torch.no_grad():
+        for layer in ours.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads))
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    ref.load_state_dict(ours.state_dict())
+    return ours.to(device).eval(), ref.to(device).eval()
+
+
+def test_hub_kernel_swap_keeps_flashtriton_and_runs_sinks(device):
+    """gpt-oss lists hub kernels for any flash-named implementation; flashtriton stays and runs its sinks
+    (learnable_sink) with its sliding window, padded, equal to eager."""
+    pair = _gpt_oss_pair(device)
+    if pair is None:
         return
-    assert model.config._attn_implementation == "flashtriton"
-    with pytest.raises(NotImplementedError, match="attention sinks"), torch.no_grad():
-        model(input_ids=torch.tensor([[3, 4, 5, 6]], device=device))
+    ours, ref = pair
+    assert ours.config._attn_implementation == "flashtriton"
+    ids, mask = _batch(device, lengths=(7, 4), seqlen=7)
+    with torch.no_grad():
+        got, expected = (m(input_ids=ids, attention_mask=mask).logits for m in (ours, ref))
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not HAS_BACKWARD, reason="flashtriton's backward kernel is not in this tree yet")
+def test_training_step_sink_gradients_match_eager(device):
+    """A gpt-oss training step (sinks on every layer, a window of 3 on the first, left padding): every
+    parameter's gradient, the sinks' (flashtriton's dsink) among them, is eager's."""
+    pair = _gpt_oss_pair(device)
+    if pair is None:
+        return
+    ids, mask = _batch(device, lengths=(7, 4), seqlen=7)
+    grads = []
+    for model in pair:
+        model.train()
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    sinks = [n for n in grads[0] if n.endswith("self_attn.sinks")]
+    assert len(sinks) == 2 and all(grads[0][n].abs().max() > 1e-3 for n in sinks)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_refusal_advice_works():
@@ -486,5 +531,6 @@ def test_refusal_advice_works():
     gemma = Gemma2Attention(Gemma2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8),
                             layer_idx=0)
     with pytest.raises(NotImplementedError, match="attn_implementation='eager' instead") as err:
-        ft_hf.flashtriton_attention_forward(gemma, q, q, q, None, softcap=50.0, s_aux=torch.zeros(4))
+        ft_hf.flashtriton_attention_forward(gemma, q, q, q, None, softcap=50.0,
+                                            position_bias=torch.zeros(1, 4, 5, 5))
     assert "sdpa" not in str(err.value)

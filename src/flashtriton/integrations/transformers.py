@@ -26,13 +26,18 @@ everything else. Then:
   of the call is not passed (the plain kernels run);
 - `softcap` (Gemma 2's attn_logit_softcapping): flash-attn's softcap, softcap · tanh(scaled scores / softcap)
   before the mask, as eager does;
+- attention sinks (`s_aux`: gpt-oss' `sinks`, one logit per query head that eager appends to the scores before
+  the softmax and drops after) as flash-attn / FlashAttention-4's `learnable_sink`, with or without a window, in
+  every path above; their gradient flows back to the model's parameter;
 - GQA/MQA natively (no repeat of the kv heads); fp16, bf16 and fp32 (exact fp32 dots).
 
 Refused with a NotImplementedError (or, for a model class, a ValueError when it is built) rather than a wrong
 answer, each message saying what to load instead: masks that are neither causal nor full over the keys nor a
 window of them (chunked attention, prefix-LM or image-token bidirectional overlays), a window over padded rows
-whose real tokens are not contiguous, dropout > 0 in training, attention sinks (`s_aux`, gpt-oss), position
-biases, 4-D custom attention masks, models transformers marks `_supports_flash_attn = False`, and models that
+whose real tokens are not contiguous, dropout > 0 in training, sinks that are not one logit per query head,
+position biases (T5-style `position_bias`; no model of transformers 5.x passes ALiBi slopes through the
+attention interface: BLOOM and MPT add theirs in their own attention code, Falcon's flash path is its own
+class), 4-D custom attention masks, models transformers marks `_supports_flash_attn = False`, and models that
 switch to their own flash-attn classes (GPT-Neo, Falcon, Bark).
 
 transformers treats every implementation whose name contains "flash" as a flash-attention flavour: it preloads
@@ -76,6 +81,7 @@ def flashtriton_attention_forward(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     is_causal: Optional[bool] = None,
+    s_aux: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature.
@@ -85,6 +91,7 @@ def flashtriton_attention_forward(
     (B, 1, 1, S) int32 sequence ids of packed rows (negative: -1 - id), or a (B, 1, 1, Sk) int8 refusal.
     sliding_window: the layer's window (transformers' convention: w keys up to and including the query's own, so
     flash-attn's (w - 1, w - 1)); used when the mask carries no verdict of its own. softcap: flash-attn's.
+    s_aux: attention sinks, (Hq,), flash-attn's learnable_sink (`_sink`).
     Returns (attn_output (B, Sq, Hq, D), None): attention weights are never formed.
     """
     marker = attention_mask if _is_marker(attention_mask) else None
@@ -101,12 +108,13 @@ def flashtriton_attention_forward(
         scaling = 1.0 / math.sqrt(head_dim)
     if key.dtype != query.dtype or value.dtype != query.dtype:
         key, value = key.to(query.dtype), value.to(query.dtype)
+    sink = _sink(module, s_aux, query)
 
     q = query.transpose(1, 2)  # (B, Sq, Hq, D) views: no copy
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
 
-    softcap = float(softcap) if softcap else 0.0
+    variant = dict(softcap=float(softcap) if softcap else 0.0, sink=sink)
     if attention_mask is not None:
         kind = getattr(attention_mask, _KIND, None)  # the mask function's verdict beats the layer's default
         if kind is not None:
@@ -117,24 +125,25 @@ def flashtriton_attention_forward(
             window = _layer_window(sliding_window, causal)
         if marker is not None:  # packed rows: per-token sequence ids
             window = _hiding(window, causal, k.shape[1], k.shape[1])
-            return _segments_attention(q, k, v, -1 - marker[:, 0, 0], scaling, causal, window, softcap), None
+            return _segments_attention(q, k, v, -1 - marker[:, 0, 0], scaling, causal, window, **variant), None
         if k.shape[1] > attention_mask.shape[-1]:  # a static cache larger than what was written so far
             k, v = k[:, : attention_mask.shape[-1]], v[:, : attention_mask.shape[-1]]
         window = _hiding(window, causal, seqlen_q, k.shape[1])
         if not getattr(attention_mask, _DENSE, False):
-            return _padded_attention(q, k, v, attention_mask.bool(), scaling, causal, window, softcap, module), None
+            return _padded_attention(q, k, v, attention_mask.bool(), scaling, causal, window, module=module,
+                                     **variant), None
     else:
         window = _hiding(_layer_window(sliding_window, causal), causal, seqlen_q, k.shape[1])
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:  # padding-free batch with its boundaries given
         return _packed_attention(q, k, v, cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"),
-                                 scaling, causal, window, softcap), None
+                                 scaling, causal, window, **variant), None
     segments = _segments_from_positions(kwargs.get("position_ids"), batch, seqlen_q, k.shape[1])
     if segments is not None:
-        return _segments_attention(q, k, v, segments, scaling, causal, window, softcap), None
+        return _segments_attention(q, k, v, segments, scaling, causal, window, **variant), None
 
     out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal,  # bottom-right: right for a KV cache
-                          window_size=window or (-1, -1), softcap=softcap)
+                          window_size=window or (-1, -1), softcap=variant["softcap"], learnable_sink=sink)
     return out, None
 
 
@@ -415,9 +424,6 @@ def _check_supported(module, query, key, dropout, attention_mask, kwargs) -> Non
             f"flashtriton attention{where} does not support attention dropout yet (dropout={dropout}, in training "
             f"mode). Run the model in eval mode, {how} to train without attention dropout, or {advice[0].lower()}"
             f"{advice[1:]}")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"flashtriton attention{where} does not support attention sinks (s_aux) yet. "
-                                  f"{advice}")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError(f"flashtriton attention{where} does not support position biases yet. {advice}")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
@@ -428,6 +434,26 @@ def _check_supported(module, query, key, dropout, attention_mask, kwargs) -> Non
     if query.dim() != 4 or key.dim() != 4:
         raise ValueError(f"expected query/key of shape (batch, heads, seqlen, head_dim), got "
                          f"{tuple(query.shape)} and {tuple(key.shape)}")
+
+
+def _sink(module, s_aux, query: torch.Tensor) -> Optional[torch.Tensor]:
+    """The attention sinks as flash-attn's `learnable_sink`: (Hq,), fp32 or the query's dtype, on its device.
+
+    Every transformers model that passes `s_aux` (gpt-oss and the models built like it) adds one logit per query
+    head, unscaled, to the softmax's denominator only (eager: concatenated to the masked scores, dropped after the
+    softmax; or granite-swa's sigmoid(lse - sink) rescaling, the same thing): `learnable_sink`'s semantics. A
+    sink of another dtype is cast to fp32 (differentiably: the model's parameter gets the gradient)."""
+    if s_aux is None:
+        return None
+    heads = query.shape[1]
+    if not isinstance(s_aux, torch.Tensor) or tuple(s_aux.shape) != (heads,):
+        where = f" ({type(module).__name__})" if module is not None else ""
+        shape = tuple(s_aux.shape) if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
+        raise NotImplementedError(
+            f"flashtriton attention{where} runs attention sinks as one logit per query head ({heads},); got "
+            f"{shape}. {_advice_for(_model_class(module))}")
+    sink = s_aux if s_aux.dtype in (torch.float32, query.dtype) else s_aux.float()
+    return sink.to(query.device)
 
 
 def _layer_window(sliding_window: Optional[int], causal: bool) -> Optional[tuple[int, int]]:
@@ -470,7 +496,7 @@ def _check_contiguous(mask: torch.Tensor, module) -> None:
 
 
 def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, window=None, softcap: float = 0.0,
-                      module=None) -> torch.Tensor:
+                      sink=None, module=None) -> torch.Tensor:
     """Unpad, run varlen, pad back. q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); mask (B, Sk) bool, True = token.
 
     The mask describes the keys. Without a causal mask (encoders, cross-attention) every query is kept and
@@ -489,7 +515,7 @@ def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, w
             raise NotImplementedError(f"flashtriton runs a non-causal window over padded keys only for "
                                       f"self-attention (as many queries as keys); got {seqlen_q} queries and "
                                       f"{mask.shape[1]} keys")
-    variant = dict(window_size=window or (-1, -1), softcap=softcap)
+    variant = dict(window_size=window or (-1, -1), softcap=softcap, learnable_sink=sink)
     k_idx, cu_k, max_k = _unpad_indices(mask)
     if not causal and window is None:
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
@@ -514,7 +540,7 @@ def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, w
 
 
 def _segments_attention(q, k, v, segments: torch.Tensor, scale: float, causal: bool, window=None,
-                        softcap: float = 0.0) -> torch.Tensor:
+                        softcap: float = 0.0, sink=None) -> torch.Tensor:
     """Packed rows: q (B, S, Hq, D), k, v (B, S, Hkv, D); segments (B, S) sequence ids, equal within one
     sequence. A sequence starts at every row's first token and wherever the id changes; each attends only
     to itself."""
@@ -524,11 +550,11 @@ def _segments_attention(q, k, v, segments: torch.Tensor, scale: float, causal: b
     starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
     cu = torch.cat([torch.nonzero(starts.reshape(-1)).flatten(),
                     torch.tensor([batch * seqlen], device=q.device)]).to(torch.int32)
-    return _packed_attention(q, k, v, cu, cu, None, None, scale, causal, window, softcap)
+    return _packed_attention(q, k, v, cu, cu, None, None, scale, causal, window, softcap, sink)
 
 
 def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: bool, window=None,
-                      softcap: float = 0.0) -> torch.Tensor:
+                      softcap: float = 0.0, sink=None) -> torch.Tensor:
     """Packed sequences: q (B, S, Hq, D), k, v (B, S, Hkv, D), taken as B·S tokens back to back with
     boundaries cu_q / cu_k (int32, over the flattened tokens); a window applies within each sequence."""
     cu_q, cu_k = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)
@@ -537,7 +563,7 @@ def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: b
     out = flash_attn_varlen_func(
         q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
         cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, window_size=window or (-1, -1),
-        softcap=softcap,
+        softcap=softcap, learnable_sink=sink,
     )
     return out.view(q.shape[0], -1, *out.shape[1:])
 
