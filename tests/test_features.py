@@ -32,11 +32,13 @@ VARIANTS = {
     "causal_window": Variant(causal=True, window=(11, 0)),
     "softcap": Variant(softcap=2.0),
     "causal_window_softcap": Variant(causal=True, window=(20, 0), softcap=5.0),
-    "alibi": Variant(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+    # per-head tensors: one entry for each query head of the widest shape (the test takes the first Hq)
+    "alibi": Variant(alibi_slopes=2.0 ** -torch.arange(1.0, 9.0)),
     "causal_alibi_window_softcap": Variant(causal=True, window=(9, 0), softcap=4.0,
-                                           alibi_slopes=torch.tensor([0.3, 0.2, 0.1, 0.05])),
-    "sinks": Variant(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
-    "causal_window_sinks": Variant(causal=True, window=(16, 0), sinks=torch.tensor([1.5, 0.25, -0.5, 3.0])),
+                                           alibi_slopes=0.3 / torch.arange(1.0, 9.0)),
+    "sinks": Variant(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -2.0, 0.25, 3.0])),
+    "causal_window_sinks": Variant(causal=True, window=(16, 0),
+                                   sinks=torch.tensor([1.5, 0.25, -0.5, 3.0, 0.0, -1.0, 2.0, 0.75])),
 }
 KERNELS = ["portable", "tma", "gluon"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
