@@ -244,20 +244,27 @@ def test_unsupported_features_raise(device):
         ours(input_ids=ids)
 
 
-@pytest.mark.skipif(not HAS_BACKWARD, reason="flashtriton's backward kernel is not in this tree yet")
-@pytest.mark.parametrize("kind, overrides", [("llama", {}), ("mistral", {"sliding_window": 3})],
-                         ids=["llama", "mistral_window3"])
-def test_training_step_gradients_match_sdpa(device, kind, overrides):
-    ours, ref = _pair(kind, **overrides)
+def _training_step_grads(models, device) -> list[dict]:
+    """Each model's parameter gradients after one training step on the same padded batch (the two models
+    share weights), with the same parameters having gradients in both."""
     ids, mask = _batch(device, lengths=(7, 4), seqlen=7)
     grads = []
-    for model in (ours, ref):
+    for model in models:
         model.train()
         model.zero_grad()
         loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
+    return grads
+
+
+@pytest.mark.skipif(not HAS_BACKWARD, reason="flashtriton's backward kernel is not in this tree yet")
+@pytest.mark.parametrize("kind, overrides", [("llama", {}), ("mistral", {"sliding_window": 3})],
+                         ids=["llama", "mistral_window3"])
+def test_training_step_gradients_match_sdpa(device, kind, overrides):
+    ours, ref = _pair(kind, **overrides)
+    grads = _training_step_grads((ours, ref), device)
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-4, rtol=1e-4, msg=name)
 
@@ -502,15 +509,7 @@ def test_training_step_sink_gradients_match_eager(device):
     pair = _gpt_oss_pair(device)
     if pair is None:
         return
-    ids, mask = _batch(device, lengths=(7, 4), seqlen=7)
-    grads = []
-    for model in pair:
-        model.train()
-        model.zero_grad()
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-        loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
+    grads = _training_step_grads(pair, device)
     sinks = [n for n in grads[0] if n.endswith("self_attn.sinks")]
     assert len(sinks) == 2 and all(grads[0][n].abs().max() > 1e-3 for n in sinks)
     for name in grads[0]:
