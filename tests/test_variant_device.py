@@ -41,10 +41,13 @@ def _helpers_kernel(MASK, KEY_FIRST, KEY_START, KEY_LO, KEY_HI, Q_LO, Q_MID, Q_F
         for start_n in range(0, tl.cdiv(seqlen_k, BLOCK_N)):
             row0 = start_m * BLOCK_M
             n = start_n * BLOCK_N
-            masked = tl.where(V.tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL), 1, 0)
-            key_major = tl.where(V.key_tile_masked(n + BLOCK_N - 1, row0, diag, IS_CAUSAL), 1, 0)
+            masked = tl.where(V.tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL, HAS_WINDOW, left, right,
+                                            row0 + BLOCK_M - 1, n), 1, 0)
+            key_major = tl.where(V.key_tile_masked(n + BLOCK_N - 1, row0, diag, IS_CAUSAL, HAS_WINDOW, left, right, n,
+                                                   row0 + BLOCK_M - 1), 1, 0)
             tl.store(TILE_MASKED + start_m * 64 + start_n, tl.where(masked == key_major, masked, 9).to(tl.int8))
-            hidden = tl.where(V.tile_hidden(row0 + BLOCK_M - 1, n, diag, IS_CAUSAL), 1, 0)
+            hidden = tl.where(V.tile_hidden(row0 + BLOCK_M - 1, n, diag, IS_CAUSAL, HAS_WINDOW, left, right, row0,
+                                            n + BLOCK_N - 1), 1, 0)
             tl.store(TILE_HIDDEN + start_m * 64 + start_n, hidden.to(tl.int8))
     for start_n in range(0, tl.cdiv(seqlen_k, BLOCK_N)):
         lo, mid, full, end = V.query_blocks(start_n * BLOCK_N, seqlen_q, diag, IS_CAUSAL, BLOCK_M, BLOCK_N, HAS_WINDOW,
@@ -104,13 +107,6 @@ def test_device_helpers_match_the_dense_mask(sq, sk, causal, bottom_right, windo
         assert has_window or end == sq
         assert not dense[:lo, keys].any() and not dense[end:, keys].any(), "a row outside the visited blocks sees a key"
         assert extended[mid:full, n * block_n:(n + 1) * block_n].all(), "an unmasked query block hides a pair"
-    if has_window:
-        return  # the tile tests and key_end are for the kernels without windows (the Gluon kernels')
-    assert out["key_end"][:sq_pad] == out["key_end"][sq_pad:]  # key_end_before(row + 1) is key_end(row)
-    if causal:  # key_end: one past the last key each row sees (before clipping to the sequence)
-        for i in range(sq):
-            seen = dense[i].nonzero()
-            assert min(out["key_end"][i], sk) == (int(seen[-1]) + 1 if len(seen) else min(out["key_end"][i], sk))
     assert (masked.cpu()[masked.cpu() != -7] != 9).all(), "key_tile_masked disagrees with tile_masked"
     masked, hidden = masked.cpu().view(n_m, 64)[:, :n_n].bool(), hidden.cpu().view(n_m, 64)[:, :n_n].bool()
     for m in range(n_m):
@@ -122,3 +118,10 @@ def test_device_helpers_match_the_dense_mask(sq, sk, causal, bottom_right, windo
                     "a tile called unmasked hides a pair"
             if hidden[m, n]:
                 assert not dense[rows, keys].any(), "a tile called hidden has a visible pair"
+    if has_window:
+        return  # key_end is for the kernels without windows
+    assert out["key_end"][:sq_pad] == out["key_end"][sq_pad:]  # key_end_before(row + 1) is key_end(row)
+    if causal:  # key_end: one past the last key each row sees (before clipping to the sequence)
+        for i in range(sq):
+            seen = dense[i].nonzero()
+            assert min(out["key_end"][i], sk) == (int(seen[-1]) + 1 if len(seen) else min(out["key_end"][i], sk))

@@ -225,29 +225,39 @@ def visible(keep, q_idx, k_idx, diag, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.co
 
 
 @triton.jit
-def tile_masked(row_first, key_last, diag, IS_CAUSAL: tl.constexpr):
-    """Whether the mask hides some pair of a tile of rows from `row_first` and keys up to `key_last` (the end of
-    the keys is the caller's test)."""
-    if IS_CAUSAL:
+def tile_masked(row_first, key_last, diag, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr = False, left=0,
+                right=0, row_last=0, key_first=0):
+    """Whether the mask hides some pair of a tile of rows [row_first, row_last] and keys [key_first, key_last] (the
+    end of the keys is the caller's test). Without a window only the corner (row_first, key_last) matters."""
+    if HAS_WINDOW:
+        return (key_last > row_first + diag + right) | (key_first < row_last + diag - left)
+    elif IS_CAUSAL:
         return key_last > row_first + diag
     else:
         return False
 
 
 @triton.jit
-def key_tile_masked(key_last, row_first, diag, IS_CAUSAL: tl.constexpr):
-    """`tile_masked` seen from a key-major tile (the dK/dV kernels, whose tile rows are keys up to `key_last`,
-    against query rows from `row_first`): whether the mask hides some pair of it."""
-    if IS_CAUSAL:
+def key_tile_masked(key_last, row_first, diag, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr = False, left=0,
+                    right=0, key_first=0, row_last=0):
+    """`tile_masked` seen from a key-major tile (the dK/dV kernels, whose tile rows are keys [key_first, key_last],
+    against query rows [row_first, row_last]): whether the mask hides some pair of it."""
+    if HAS_WINDOW:
+        return (row_first + diag + right < key_last) | (row_last + diag - left > key_first)
+    elif IS_CAUSAL:
         return row_first + diag < key_last
     else:
         return False
 
 
 @triton.jit
-def tile_hidden(row_last, key_first, diag, IS_CAUSAL: tl.constexpr):
-    """Whether the mask hides every pair of a tile of rows up to `row_last` and keys from `key_first`."""
-    if IS_CAUSAL:
+def tile_hidden(row_last, key_first, diag, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr = False, left=0,
+                right=0, row_first=0, key_last=0):
+    """Whether the mask hides every pair of a tile of rows [row_first, row_last] and keys [key_first, key_last].
+    Without a window only the corner (row_last, key_first) matters."""
+    if HAS_WINDOW:
+        return (key_first > row_last + diag + right) | (key_last < row_first + diag - left)
+    elif IS_CAUSAL:
         return key_first > row_last + diag
     else:
         return False
