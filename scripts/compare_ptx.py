@@ -119,6 +119,10 @@ def tma_kernels(out: Path) -> None:
         for block_m, block_n, warps, stages in ((64, 32, 4, 3), (128, 128, 8, 3)):
             constexprs = dict(HEAD_DIM=128, IS_CAUSAL=causal, CAUSAL_BOTTOM_RIGHT=True, IS_VARLEN=varlen,
                               BLOCK_M=block_m, BLOCK_N=block_n, UPCAST_DOT=False)
+            constexprs.update({n: None for n in ("window_left", "window_right", "softcap", "ALIBI", "stride_alibi_b",
+                                                 "SINKS") if n in fn.arg_names})
+            constexprs.update({n: False for n in ("HAS_WINDOW", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINKS")
+                               if n in fn.arg_names})
             if "WARP_SPECIALIZE" in fn.arg_names:
                 constexprs["WARP_SPECIALIZE"] = False
 

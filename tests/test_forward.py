@@ -1,5 +1,6 @@
 """Forward pass: flashtriton against float64, judged relative to torch's own error in the same dtype."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 import flashtriton
 from flashtriton.kernels.forward import _launch_forward_tma, attention_forward
+from flashtriton.kernels.variant import Variant
 from flashtriton.reference import attention_reference, sdpa_reference
 
 from accuracy import assert_close_to_exact, torch_attention
@@ -157,6 +159,38 @@ def test_tma_kernel(seqlen_q, seqlen_k, heads_q, heads_kv, causal, bottom_right,
         assert torch.equal(torch.isfinite(lse), seen), "lse must be -inf exactly on rows that see no key"
         torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=1e-3, rtol=1e-3)
         assert torch.all(out[~seen.transpose(1, 2)] == 0)
+
+
+TMA_VARIANTS = [Variant(window=(7, 3)), Variant(causal=True, window=(20, 0), softcap=5.0),
+                Variant(alibi_slopes=0.3 / torch.arange(1.0, 3.0)),
+                Variant(causal=True, window=(16, 0), sinks=torch.tensor([1.5, -0.5]))]
+
+
+@pytest.mark.parametrize("variant", TMA_VARIANTS, ids=lambda v: "-".join(sorted(v.fields())))
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(37, 91), (91, 37)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tma_kernel_variants(variant, seqlen_q, seqlen_k, dtype, device):
+    """The TMA kernel with windows (masked left edge, unmasked interior, masked right edge), softcap, ALiBi and
+    sinks against float64, judged against torch's error in the same dtype."""
+    if device == "cuda" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("TMA descriptors: Hopper (sm_90) only")
+    from test_features import _torch_same_dtype
+
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 2, 1, 64, dtype, device)
+    slopes = None if variant.alibi_slopes is None else variant.alibi_slopes.to(device)
+    sinks = None if variant.sinks is None else variant.sinks.to(device)
+    variant = dataclasses.replace(variant, alibi_slopes=slopes, sinks=sinks)
+    exact, exact_lse = attention_reference(q, k, v, variant=variant, return_lse=True)
+    same_dtype = _torch_same_dtype(q, k, v, variant, sinks)
+    out = torch.empty_like(q)
+    lse = torch.full((1, 2, seqlen_q), float("nan"), dtype=torch.float32, device=device)
+    config = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    _launch_forward_tma(q, k, v, out, lse, 64 ** -0.5, variant.causal, True, config, variant=variant,
+                        alibi_slopes=slopes, learnable_sink=sinks)
+    assert_close_to_exact(out, same_dtype, exact, dtype)
+    seen = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "lse must be -inf exactly on rows that see no key"
+    torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(40, 40), (20, 60), (60, 20)])

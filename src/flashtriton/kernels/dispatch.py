@@ -50,12 +50,12 @@ class Kernel:
 
 KERNELS = (
     Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, (64, 128)),
-    Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128)),
+    Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
     Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", fields=SCORES),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF, (64, 128)),
     Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=SCORES),
-    Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True),
-    Kernel("decode_split", "decode", "portable", "decode._decode_split", varlen=False, paged=True),
+    Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True, fields=SCORES),
+    Kernel("decode_split", "decode", "portable", "decode._decode_split", varlen=False, paged=True, fields=SCORES),
 )
 BY_NAME = {k.name: k for k in KERNELS}
 

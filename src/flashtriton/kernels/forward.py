@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import configs
 from .._env import INTERPRET
-from .common import (LOG2E, dot_settings, load_tile, sequence_bounds, sm_count, softmax_finish, softmax_step,
+from .common import (dot_settings, load_tile, sequence_bounds, sm_count, softmax_finish, softmax_step,
                      tma_descriptor, tma_layout_ok, tma_ok, tma_tile)
 from . import dispatch
 from .host import capability, cdiv, padded_head_dim
@@ -175,6 +175,8 @@ def _attn_fwd_tile_tma(
     offs_m, offs_n, start_n, end_n, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
+    HAS_ALIBI: tl.constexpr = False, slope=0.0,
 ):
     """`_attn_fwd_tile` with K/V tiles loaded by TMA."""
     for n in range(start_n, end_n, BLOCK_N):
@@ -187,16 +189,20 @@ def _attn_fwd_tile_tma(
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, diag, qk_scale,
-                                      MASKED, IS_CAUSAL, UPCAST_DOT, "tf32")
+                                      MASKED, IS_CAUSAL, UPCAST_DOT, "tf32", HAS_WINDOW, left, right,
+                                      HAS_SOFTCAP, softcap, HAS_ALIBI, slope)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _attn_fwd_tma(
     desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
-    qk_scale, stride_om, stride_oh, stride_lb, stride_lh, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
+    qk_scale, window_left, window_right, softcap, ALIBI, stride_alibi_b, SINKS,  # as `_attn_fwd` takes them
+    stride_om, stride_oh, stride_lb, stride_lh, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """`_attn_fwd` for fp16/bf16 inputs on Hopper, with Q, K, V (and dense O) moved by TMA. Grid (query tiles,
     heads, batch). Dense: query rows past the end load as zeros and are not stored (TMA clips the store).
@@ -228,14 +234,25 @@ def _attn_fwd_tma(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
-    _, _, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
+    first, start, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N, HAS_WINDOW, window_left,
+                                      window_right)
+    slope = tl.load(ALIBI + off_b * stride_alibi_b + off_h) * 1.4426950408889634 if HAS_ALIBI else 0.0  # base 2
+    if HAS_WINDOW:  # the window's left edge: masked
+        acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
+                                           first, start, seqlen_k, diag, qk_scale, True, IS_CAUSAL, IS_VARLEN,
+                                           HEAD_DIM, BLOCK_N, UPCAST_DOT, HAS_WINDOW, window_left, window_right,
+                                           HAS_SOFTCAP, softcap, HAS_ALIBI, slope)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
-                                       0, lo, seqlen_k, diag, qk_scale, False, IS_CAUSAL, IS_VARLEN,
-                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
+                                       start, lo, seqlen_k, diag, qk_scale, False, IS_CAUSAL, IS_VARLEN,
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT, HAS_WINDOW, window_left, window_right,
+                                       HAS_SOFTCAP, softcap, HAS_ALIBI, slope)
     acc, l_i, m_i = _attn_fwd_tile_tma(acc, l_i, m_i, q, desc_k, desc_v, off_b, off_hk, k_start, offs_m, offs_n,
                                        lo, hi, seqlen_k, diag, qk_scale, True, IS_CAUSAL, IS_VARLEN,
-                                       HEAD_DIM, BLOCK_N, UPCAST_DOT)
+                                       HEAD_DIM, BLOCK_N, UPCAST_DOT, HAS_WINDOW, window_left, window_right,
+                                       HAS_SOFTCAP, softcap, HAS_ALIBI, slope)
+    if HAS_SINKS:
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(SINKS + off_h).to(tl.float32) * 1.4426950408889634)
 
     out, lse = softmax_finish(acc, l_i, m_i)
     row_ok = offs_m < seqlen_q
@@ -248,10 +265,25 @@ def _attn_fwd_tma(
         desc_o.store([off_b, start_m * BLOCK_M, off_h, 0], out.to(desc_o.dtype).reshape(1, BLOCK_M, 1, HEAD_DIM))
 
 
+def variant_args(variant: Variant, softmax_scale: float, alibi_slopes=None, learnable_sink=None) -> tuple:
+    """The variant's runtime arguments as every forward kernel takes them after its cu_seqlens: (qk_scale,
+    window_left, window_right, softcap, ALIBI, stride_alibi_b, SINKS), None for what is off (a constexpr: the
+    kernel compiles without it)."""
+    alibi_stride = None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+    return (*variant.scalars(softmax_scale), alibi_slopes, alibi_stride, learnable_sink)
+
+
+def variant_meta(variant: Variant) -> dict:
+    """The variant's constexprs as every forward kernel takes them."""
+    return {**variant.constexprs, **variant.score_constexprs, "HAS_SINKS": variant.has_sinks}
+
+
 def _tma_launch_parts(q_shape, k_shape, dtype, out_strides, lse_strides, causal, causal_bottom_right, config,
-                      batch=None, max_seqlen_q=None, max_seqlen_k=None):
-    """(grid, scalar arguments after qk_scale, constexprs and options) of a TMA forward launch. Dense:
-    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), lse (B, Hq, Sq); varlen (batch given): (total, H, D), lse (Hq, total)."""
+                      batch=None, max_seqlen_q=None, max_seqlen_k=None, variant: Variant | None = None):
+    """(grid, scalar arguments after the variant's, constexprs and options) of a TMA forward launch. Dense:
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), lse (B, Hq, Sq); varlen (batch given): (total, H, D), lse (Hq, total).
+    `variant` (default: causal or not) overrides causal and causal_bottom_right."""
+    variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     varlen = batch is not None
     heads_q, heads_kv = q_shape[-2], k_shape[-2]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
@@ -262,8 +294,7 @@ def _tma_launch_parts(q_shape, k_shape, dtype, out_strides, lse_strides, causal,
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         stride_lb, stride_lh = lse_strides[0], lse_strides[1]
     ints = (out_strides[-3], out_strides[-2], stride_lb, stride_lh, heads_q // heads_kv, seqlen_q, seqlen_k)
-    meta = dict(HEAD_DIM=q_shape[-1], **Variant.of(causal, causal_bottom_right).constexprs,
-                IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(dtype)[0],
+    meta = dict(HEAD_DIM=q_shape[-1], **variant_meta(variant), IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(dtype)[0],
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
     if config.get("maxnreg"):  # a register cap, so that more programs fit on an SM
         meta["maxnreg"] = config["maxnreg"]
@@ -271,20 +302,25 @@ def _tma_launch_parts(q_shape, k_shape, dtype, out_strides, lse_strides, causal,
 
 
 def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config,
-                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        variant: Variant | None = None, alibi_slopes=None, learnable_sink=None):
     """The TMA forward on tensors that passed `tma_ok`."""
     varlen = cu_seqlens_q is not None
+    variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     grid, ints, meta = _tma_launch_parts(q.shape, k.shape, q.dtype, out.stride(), lse.stride(), causal,
                                          causal_bottom_right, config, cu_seqlens_q.numel() - 1 if varlen else None,
-                                         max_seqlen_q, max_seqlen_k)
-    launch(_attn_fwd_tma, grid, _tma_args(q, k, v, out, lse, softmax_scale, config["BLOCK_M"], config["BLOCK_N"],
-                                          varlen, cu_seqlens_q, cu_seqlens_k, ints), meta)
+                                         max_seqlen_q, max_seqlen_k, variant)
+    launch(_attn_fwd_tma, grid, _tma_args(q, k, v, out, lse, config["BLOCK_M"], config["BLOCK_N"], varlen,
+                                          cu_seqlens_q, cu_seqlens_k,
+                                          variant_args(variant, softmax_scale, alibi_slopes, learnable_sink), ints),
+           meta)
 
 
-def _tma_args(q, k, v, out, lse, softmax_scale, block_m, block_n, varlen, cu_seqlens_q, cu_seqlens_k, ints) -> tuple:
-    """The TMA forward's runtime arguments: descriptors of q, k, v, out, then the pointers and scalars."""
+def _tma_args(q, k, v, out, lse, block_m, block_n, varlen, cu_seqlens_q, cu_seqlens_k, scalars, ints) -> tuple:
+    """The TMA forward's runtime arguments: descriptors of q, k, v, out, then the pointers, the variant's arguments
+    (`variant_args`) and `ints`."""
     return (tma_descriptor(q, block_m, varlen), tma_descriptor(k, block_n, varlen), tma_descriptor(v, block_n, varlen),
-            tma_descriptor(out, block_m, varlen), out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E, *ints)
+            tma_descriptor(out, block_m, varlen), out, lse, cu_seqlens_q, cu_seqlens_k, *scalars, *ints)
 
 
 class _DenseTmaPlan:
@@ -324,17 +360,18 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
         return _DenseTmaPlan(forward_gluon_launch.KERNEL, grid, ints, meta, None, gluon_config["BLOCK_N"], True)
     config = configs.default_fwd_tma_config(head_dim, seqlen_q, k_shape[1], causal)
     grid, ints, meta = _tma_launch_parts(q_shape, k_shape, dtype, out_strides, (heads_q * seqlen_q, seqlen_q), causal,
-                                         causal_bottom_right, config)
+                                         causal_bottom_right, config, variant=variant)
     return _DenseTmaPlan(_attn_fwd_tma, grid, ints, meta, config["BLOCK_M"], config["BLOCK_N"])
 
 
-def _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale) -> None:
+def _launch_dense_tma(plan, q, k, v, out, lse, scalars) -> None:
+    """`plan` on this call's tensors; `scalars`: the variant's arguments (`variant_args`)."""
     if plan.gluon:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.meta["DYNAMIC"] else None
-        args = forward_gluon_launch.launch_args(q, k, v, out, lse, softmax_scale, plan.block_n, plan.ints, None, None,
+        args = forward_gluon_launch.launch_args(q, k, v, out, lse, scalars, plan.block_n, plan.ints, None, None,
                                                 counter)
     else:
-        args = _tma_args(q, k, v, out, lse, softmax_scale, plan.block_m, plan.block_n, False, None, None, plan.ints)
+        args = _tma_args(q, k, v, out, lse, plan.block_m, plan.block_n, False, None, None, scalars, plan.ints)
     if plan.relaunch is not None and not hooks_installed():
         plan.relaunch(plan.grid, args)
     else:
@@ -403,7 +440,8 @@ def launch_forward(
                                dispatch.allows("tma"),
                                dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0)
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
-            _launch_dense_tma(plan, q, k, v, out, lse, softmax_scale)
+            _launch_dense_tma(plan, q, k, v, out, lse,
+                              variant_args(variant, softmax_scale, alibi_slopes, learnable_sink))
             return out, lse, None
     if (config is None and varlen and tma_ok(q, k, v, out)
             and dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, False, variant.fields())):
@@ -422,7 +460,8 @@ def launch_forward(
             return out, lse, None
         tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
         _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config,
-                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant, alibi_slopes,
+                            learnable_sink)
         return out, lse, None
 
     if varlen:  # a zero batch stride, so that one kernel signature serves both layouts
@@ -433,16 +472,14 @@ def launch_forward(
         l_strides = (lse.stride(0), lse.stride(1))
     upcast, precision = dot_settings(q.dtype)
     args = (
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *variant.scalars(softmax_scale),
-        alibi_slopes, None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0),
-        learnable_sink,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *variant_args(variant, softmax_scale, alibi_slopes, learnable_sink),
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
         heads_q // heads_kv, seqlen_q, seqlen_k,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
     )
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-        **variant.constexprs, **variant.score_constexprs, HAS_SINKS=learnable_sink is not None, IS_VARLEN=varlen,
+        **variant_meta(variant), IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
 
