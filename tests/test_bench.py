@@ -1,5 +1,6 @@
-"""`flashtriton bench`: sweep generation, FLOP and padding accounting, tables, row schema, and a smoke run of
-every suite on the CPU (flashtriton through the interpreter; CUDA-only providers reported as skipped)."""
+"""`flashtriton bench`: sweep generation, FLOP and padding accounting, tables, row schema, the variants suite's
+cases and bars, and a smoke run of every suite on the CPU (flashtriton through the interpreter; CUDA-only providers
+reported as skipped)."""
 
 import argparse
 import csv
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 import flashtriton
-from flashtriton.tools import bench, bench_core as C, bench_providers as P, bench_report as R, bench_suites as S
+from flashtriton.kernels.variant import Variant
+from flashtriton.tools import bench, bench_core as C, bench_measure as M, bench_providers as P, bench_report as R
+from flashtriton.tools import bench_suites as S, bench_variants as V
 from flashtriton.reference import attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -383,3 +386,170 @@ def test_main_on_the_cpu_says_its_timings_are_not_gpu_performance(tmp_path, caps
     assert bench.main(parse_raw(argv)) == 0
     captured = capsys.readouterr()
     assert "Triton interpreter on CPU, not GPU performance" in captured.out + captured.err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the variants suite
+# ----------------------------------------------------------------------------------------------------------
+def test_variants_suite_cases_are_the_issues():
+    args = parse(["--suite", "variants"])
+    cases = {c.name: c for c in args.variant_cases}
+    assert args.variant_dtypes == ["bf16"] and args.variant_modes == ["fwd", "bwd", "fwd_bwd"] and args.rounds == 2
+    for w in (1024, 4096):
+        c = cases[f"window{w} T=16384 D=128"]
+        assert c.shape == (1, 16, 16384, 128) and c.window == (w - 1, 0) and c.flex is None
+    for name, shape in (("T=4096 D=128", (4, 16, 4096, 128)), ("T=8192 D=256", (2, 8, 8192, 256))):
+        assert cases[f"softcap50 {name}"].shape == shape and cases[f"softcap50 {name}"].softcap == 50.0
+        assert cases[f"alibi {name}"].shape == shape and cases[f"alibi {name}"].alibi
+    for D in (64, 128):
+        sinks, windowed = cases[f"sinks T=4096 D={D}"], cases[f"sinks+window128 T=4096 D={D}"]
+        assert sinks.sinks and sinks.base == "causal" and sinks.flex == V.NO_SINKS
+        assert windowed.sinks and windowed.window == (127, 0) and windowed.base == "window128"
+        assert cases[f"window128 T=4096 D={D}"].window == (127, 0)
+    assert all(name in cases for bar in R.BARS for name in bar.cases)  # every bar judges a case that runs
+    assert len(cases) == len(args.variant_cases)  # names identify cases (the bars and tables look them up)
+    some = parse(["--suite", "variants", "--variants", "sinks+window128,softcap50", "--modes", "fwd", "--rounds", "3"])
+    assert sorted({c.variant for c in some.variant_cases}) == ["sinks+window128", "softcap50", "window128"]
+    assert some.variant_modes == ["fwd"] and some.rounds == 3
+    assert parse(["--suite", "variants", "--dtypes", "fp16"]).variant_dtypes == ["fp16"]
+    for bad in (["--variants", "dropout"], ["--rounds", "0"]):
+        with pytest.raises(ValueError):
+            parse(["--suite", "variants", *bad])
+    tiny = [c.shrunk() for c in V.CASES]
+    assert all(t.name == c.name and t.B == 1 and t.H == 2 and t.T <= 128 for t, c in zip(tiny, V.CASES))
+    assert len({t.shape for t in tiny}) == len({c.shape for c in V.CASES})  # shapes stay apart when shrunk
+
+
+def test_window_flops_are_the_visible_area():
+    """The suite counts a window's FLOPs over its visible pairs: T keys rows each see min(i + 1, w) keys."""
+    B, H, T, D, w = 1, 16, 16384, 128, 1024
+    pairs = w * T - w * (w - 1) // 2
+    assert Variant(causal=True, window=(w - 1, 0)).visible_flops(B, H, T, T, D, "fwd") == 4 * B * H * D * pairs
+    assert Variant(causal=True).visible_flops(B, H, T, T, D, "bwd") == 2.5 * 4 * B * H * D * T * (T + 1) // 2
+
+
+def _variant_row(case, provider, mode, ms, variant=None, pairs=None, dtype="bf16"):
+    env = dict.fromkeys(("gpu", "torch", "triton", "cudnn", "flashtriton", "git_sha", "date"), "NVIDIA H200")
+    size = case.split(" ", 1)[1]
+    label = variant or case.split(" ", 1)[0]
+    flops = 1e12 * (pairs or 1)
+    return C.make_row(env, op=R.VARIANT_OP, suite="variants", mode=mode, provider=provider, B=1, H=16, H_kv=16, T=4096,
+                      T_k=4096, D=128, causal=1, dtype=dtype, variant=label, ms_p50=ms, tflops=C.tflops(flops, ms),
+                      status="ok" if ms else "skipped",
+                      extra=dict(case=case, size=size, base=None if provider != "flashtriton" else (
+                          "window128" if label == "sinks+window128" else "causal"), visible_pairs=pairs or 1))
+
+
+def test_bars_judge_a_result_table():
+    rows = [
+        _variant_row("window1024 T=16384 D=128", "flashtriton", "fwd", 1.0, pairs=3),
+        _variant_row("window1024 T=16384 D=128", "flex", "fwd", 1.35, pairs=3),  # ours 1.35x: PASS (>= 1.3)
+        _variant_row("window1024 T=16384 D=128", "flashtriton", "bwd", 1.0, pairs=3),
+        _variant_row("window1024 T=16384 D=128", "flex", "bwd", 1.1, pairs=3),  # 1.1x: FAIL (< 1.2)
+        _variant_row("causal T=4096 D=128", "flashtriton_dense", "fwd", 1.0, variant="causal"),
+        _variant_row("causal T=4096 D=128", "flashtriton_dense", "bwd", 1.0, variant="causal"),
+        _variant_row("softcap50 T=4096 D=128", "flashtriton", "fwd", 1.05),  # +5 %: PASS
+        _variant_row("softcap50 T=4096 D=128", "flashtriton", "bwd", 1.15),  # +15 %: FAIL
+        _variant_row("softcap50 T=4096 D=128", "flex", "fwd", 2.2),  # ours 2.10x Flex: PASS
+        _variant_row("softcap50 T=4096 D=128", "flex", "bwd", None),  # skipped: n/a
+        _variant_row("window128 T=4096 D=128", "flashtriton", "fwd", 0.5, pairs=2),
+        _variant_row("sinks+window128 T=4096 D=128", "flashtriton", "fwd", 0.51, pairs=2),  # +2 % of window128: PASS
+    ]
+    got = {(v["bar"], v["case"], v["mode"]): v for v in R.evaluate_bars(rows)}
+    verdict = lambda bar, case, mode: got[(bar, case, mode)]["verdict"]  # noqa: E731
+    window_fwd, window_bwd, softcap, softcap_flex, sinks = (b.text for b in (R.BARS[0], R.BARS[1], R.BARS[2],
+                                                                             R.BARS[4], R.BARS[5]))
+    assert verdict(window_fwd, "window1024 T=16384 D=128", "fwd") == "PASS"
+    assert got[(window_fwd, "window1024 T=16384 D=128", "fwd")]["value"] == pytest.approx(1.35)
+    assert verdict(window_bwd, "window1024 T=16384 D=128", "bwd") == "FAIL"
+    assert (window_fwd, "window4096 T=16384 D=128", "fwd") not in got  # a case the run left out
+    assert verdict(softcap, "softcap50 T=4096 D=128", "fwd") == "PASS"
+    assert got[(softcap, "softcap50 T=4096 D=128", "bwd")]["value"] == pytest.approx(0.15)
+    assert verdict(softcap, "softcap50 T=4096 D=128", "bwd") == "FAIL"
+    assert verdict(softcap_flex, "softcap50 T=4096 D=128", "fwd") == "PASS"
+    assert verdict(softcap_flex, "softcap50 T=4096 D=128", "bwd") == "n/a"
+    assert got[(sinks, "sinks+window128 T=4096 D=128", "fwd")]["value"] == pytest.approx(0.02)
+    assert verdict(sinks, "sinks+window128 T=4096 D=128", "fwd") == "PASS"
+    # a window's cost against the dense call is not defined (a different area); its speed ratio is
+    d = R.variant_ratios(rows)[("window1024 T=16384 D=128", "fwd", "bf16")]
+    assert d["cost"] is None and d["vs_flex"] == pytest.approx(1.35)
+    table = R.bars_table(rows)
+    assert "4 PASS, 2 FAIL, 2 n/a" in table and "+15.0 %" in table and "1.35x" in table and "NOTE" not in table
+    assert "cost" in R.variants_table(rows) and "(vs window128)" in R.variants_table(rows)
+
+
+def _tiny_variant_args(variants, modes="fwd,bwd"):
+    args = parse(["--suite", "variants", "--variants", variants, "--modes", modes, *TINY])
+    args.variant_cases = [c.shrunk() for c in args.variant_cases]  # parse() resolves the GPU sizes
+    return args
+
+
+def test_variants_suite_checks_kernels_then_times():
+    args = _tiny_variant_args("sinks+window128")
+    args.variant_cases = [c for c in args.variant_cases if c.D == 16]  # the D=64 case, shrunk
+    rows = V.run_variants(args, C.environment())
+    by = {(r["provider"], r["variant"], r["mode"]): r for r in rows}
+    assert len(rows) == (2 * 2 + 2) * 2  # (ours, flex) x 2 variants and (dense, cudnn), x 2 modes
+    for key in [("flashtriton", v, m) for v in ("window128", "sinks+window128") for m in ("fwd", "bwd")] + [
+            ("flashtriton_dense", "causal", "fwd"), ("flashtriton_dense", "causal", "bwd")]:
+        r = by[key]
+        assert r["status"] == "ok" and r["check_passed"], r
+        assert r["extra"]["kernels"] and "_attn_fwd" in r["extra"]["kernels"] or CUDA
+        assert r["tflops"] == pytest.approx(Variant(causal=True, window=tuple(r["extra"]["window"])).visible_flops(
+            1, 2, r["T"], r["T"], r["D"], r["mode"]) / r["ms_p50"] / 1e9)
+    bwd_kernels = set(by[("flashtriton", "sinks+window128", "bwd")]["extra"]["kernels"])
+    assert bwd_kernels >= {"_attn_bwd_dkdv", "_attn_bwd_dq"} or CUDA
+    assert by[("flex", "sinks+window128", "fwd")]["status"] == "skipped"
+    ours, ref = by[("flashtriton", "sinks+window128", "fwd")], by[("flashtriton", "window128", "fwd")]
+    assert ours["extra"]["cost"] == pytest.approx(ours["ms_p50"] / ref["ms_p50"] - 1)
+    dense = by[("flashtriton_dense", "causal", "fwd")]
+    assert ours["extra"]["vs_dense"] == pytest.approx(ours["tflops"] / dense["tflops"])
+    if not CUDA:
+        assert by[("sdpa_cudnn", "causal", "fwd")]["status"] == "skipped"
+
+
+def test_variants_suite_fails_a_wrong_variant_and_a_call_without_our_kernel(monkeypatch):
+    real = V.prepare
+
+    def dropped_window(provider, case, *a):  # stands in for a kernel that ignores the window
+        return real(provider, None if provider == "flashtriton" else case, *a)
+
+    monkeypatch.setattr(V, "prepare", dropped_window)
+    args = _tiny_variant_args("window1024", modes="fwd")
+    rows = {r["provider"]: r for r in V.run_variants(args, C.environment())}
+    assert rows["flashtriton"]["status"] == "check_failed" and rows["flashtriton"]["tflops"] is None
+    assert rows["flashtriton_dense"]["status"] == "ok"
+    monkeypatch.setattr(V, "prepare", real)
+    monkeypatch.setattr(V, "launched_kernels", lambda fn: (fn(), ["some_other_kernel"])[1])
+    rows = {r["provider"]: r for r in V.run_variants(args, C.environment())}
+    for name in ("flashtriton", "flashtriton_dense"):
+        assert rows[name]["status"] == "error" and "no flashtriton fwd kernel" in rows[name]["error"]
+    assert V._kernel_problem("flashtriton", None, ["fwd"]) is None  # the profiler could not tell: not an error
+    assert V._kernel_problem("flex", ["triton_tem_fused_0"], ["fwd"]) is None
+
+
+def test_launched_kernels_names_flashtriton_kernels():
+    q, k, v = (torch.randn(1, 32, 2, 16, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    names = M.launched_kernels(lambda: flashtriton.flash_attn_func(q, k, v, causal=True))
+    assert names is None or P.flashtriton_kernels("fwd") & set(names), names
+
+
+def test_variants_suite_end_to_end_on_the_cpu(tmp_path, capsys):
+    if CUDA:
+        pytest.skip("CPU-only behaviour (the GPU sizes take minutes)")
+    argv = ["--suite", "variants", "--variants", "window1024", "--modes", "fwd", "--out", str(tmp_path), *TINY]
+    assert bench.main(parse_raw(argv)) == 0
+    out = capsys.readouterr().out
+    assert "Triton interpreter on CPU, not GPU performance" in out
+    assert out.rstrip().splitlines()[-1].startswith("wrote ")
+    assert out.index("ours/dense") < out.index("issue 25's bars")  # the bars table comes last
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert {(r["provider"], r["variant"], r["status"]) for r in rows} == {
+        ("flashtriton", "window1024", "ok"), ("flex", "window1024", "skipped"),
+        ("flashtriton_dense", "causal", "ok"), ("sdpa_cudnn", "causal", "skipped")}
+    assert all(list(r) == C.ROW_FIELDS and r["gpu"] and r["torch"] and r["triton"] and r["git_sha"] for r in rows)
+    summary = json.loads((tmp_path / "variants_bars.json").read_text())
+    assert summary["environment"]["gpu"].startswith("cpu") and summary["environment"]["git_sha"]
+    assert {b["bar"] for b in summary["bars"]} == {"window, forward: ours >= 1.3x Flex",
+                                                   "window, backward: ours >= 1.2x Flex"}
+    assert "issue 25's bars" in (tmp_path / "variants.md").read_text()

@@ -3,6 +3,7 @@
     flashtriton bench                                   # the standard sweep: fwd+bwd, fp16, D 64/128, causal 0/1
     flashtriton bench --modes fwd --dtypes bf16 --head-dims 128,256 --out benchmarks/DATE-h200 --append
     flashtriton bench --suite varlen | decode | all     # serving features (varlen packing, KV-cache decode)
+    flashtriton bench --suite variants --out DIR        # window / softcap / ALiBi / sinks beside Flex, dense, cuDNN
     python -m flashtriton.tools.bench --quick           # a small subset
 
 Each provider is checked on every shape before it is timed (output and, for bwd, gradients against float32
@@ -25,17 +26,19 @@ from . import bench_core as C
 from . import bench_providers as P
 from .bench_measure import emit, measure_rows, report_problems
 
-SUITES = ("standard", "varlen", "decode", "all")
+SUITES = ("standard", "varlen", "decode", "variants", "all")
 STANDARD_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `flashtriton bench` (also `python -m flashtriton.tools.bench`)."""
     a = parser.add_argument
-    a("--suite", choices=SUITES, default="standard", help="standard sweep, varlen packing, KV-cache decode, or all")
+    a("--suite", choices=SUITES, default="standard",
+      help="standard sweep, varlen packing, KV-cache decode, variants (window, softcap, ALiBi, sinks), or all")
     a("--providers", default=None, help=f"comma list from {','.join(P.PROVIDERS)} (default: all but seed)")
-    a("--modes", default=None, help="comma list of fwd,bwd,fwd_bwd (default fwd,bwd; decode is always fwd)")
-    a("--dtypes", default=None, help="comma list of fp16,bf16,fp32 (default fp16)")
+    a("--modes", default=None,
+      help="comma list of fwd,bwd,fwd_bwd (default fwd,bwd; variants fwd,bwd,fwd_bwd; decode is always fwd)")
+    a("--dtypes", default=None, help="comma list of fp16,bf16,fp32 (default fp16; variants bf16)")
     a("--causal", default=None, help="comma list of 0,1 (default 0,1)")
     a("--head-dims", default=None, help="standard sweep head dims (default 64,128,256; quick 128)")
     a("--seqlens", default=None, help="standard sweep T values (default 512,...,16384; 1k style allowed)")
@@ -60,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--decode-heads", default="32,8", help="decode: query heads, kv heads (default 32,8)")
     a("--decode-head-dim", type=int, default=128, help="decode: head dim (default 128)")
     a("--max-cache-gib", type=float, default=40.0, help="decode: skip caches (K+V) larger than this (GiB)")
+    a("--variants", default=None,
+      help="variants suite: comma list of window1024,window4096,softcap50,alibi,sinks,window128,sinks+window128 "
+           "(default all; a variant's cost reference comes with it)")
+    a("--rounds", type=int, default=None,
+      help="variants suite: interleaved timing rounds, each starting one provider later (default 2; interpreter 1)")
     a("--seed", type=int, default=0, help="random seed of inputs and varlen lengths")
     a("--out", default=None, metavar="DIR", help="write bench.json, bench.csv and PNG plots to DIR")
     a("--append", action="store_true", help="with --out: merge into DIR's existing bench.json (same key: replaced)")
@@ -109,6 +117,9 @@ def resolve(args: argparse.Namespace, interpreter: bool = False) -> argparse.Nam
     args.decode_seqlen_list = C.parse_int_list(
         args.decode_seqlens or ("256" if small else "4k,32k" if quick else "1k,4k,16k,32k,64k,128k"), "--decode-seqlens")
     args.decode_hq, args.decode_hkv = C.parse_int_list(args.decode_heads)
+    from . import bench_variants as V
+
+    V.resolve(args, interpreter)
     return args
 
 
@@ -172,6 +183,7 @@ def main(args: argparse.Namespace) -> int:
 
     from . import bench_report as R
     from . import bench_suites as S
+    from . import bench_variants as V
 
     try:
         args = resolve(args, interpreter=INTERPRET)
@@ -185,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"# WARNING: {R.CPU_NOTE}: no CUDA GPU, so flashtriton's timings below are of its kernels run by "
               "Triton's interpreter on the host and torch's are on the CPU; they check that the bench runs and "
               "say nothing about speed on a GPU", flush=True)
-    suites = ("standard", "varlen", "decode") if args.suite == "all" else (args.suite,)
+    suites = ("standard", "varlen", "decode", "variants") if args.suite == "all" else (args.suite,)
     results = R.Results(args.out, args.append)
     try:
         if torch.cuda.is_available():
@@ -203,9 +215,16 @@ def main(args: argparse.Namespace) -> int:
         if "decode" in suites:
             S.run_decode(args, env, S.ceiling_gbps(results.rows), results)
             print("\n" + R.decode_table(results.rows), flush=True)
+        if "variants" in suites:
+            if V.interpreter_note():
+                print(V.interpreter_note(), file=sys.stderr)
+            V.run_variants(args, env, results)
+            print("\n" + R.variants_table(results.rows), flush=True)
+            print("\n" + R.bars_table(results.rows), flush=True)  # last: the issue's bars on this run
     finally:
         if args.out and results.rows:
             paths, all_rows = results.write()
+            paths += R.write_variants_summary(results.rows, args.out)
             if not args.no_plots:
                 paths += R.write_plots(all_rows, args.out)
             print("\nwrote " + ", ".join(paths), flush=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.variant import Variant
 from ..reference import attention_flops, attention_reference
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -29,12 +30,14 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 RTOL = {torch.float16: 2e-2, torch.bfloat16: 8e-2, torch.float32: 1e-4}
 
 ROW_FIELDS = [
-    "op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "causal", "dtype",
+    "op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "causal", "dtype", "variant",
     "ms_p20", "ms_p50", "ms_p80", "tflops", "gbps", "status", "check_passed", "max_err", "rel_err", "error",
     "extra", "gpu", "torch", "triton", "cudnn", "flashtriton", "git_sha", "date",
 ]
-# What identifies a measurement (rows with the same key replace each other when results are appended).
-ROW_KEY = ("op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "causal", "dtype")
+# What identifies a measurement (rows with the same key replace each other when results are appended). `variant`
+# names the score change of the variants suite (window1024, softcap50, ...; None elsewhere): two variants of one
+# shape are two measurements.
+ROW_KEY = ("op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "causal", "dtype", "variant")
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,8 @@ def compare(got: dict, ref: dict, dtype: torch.dtype) -> tuple[bool, float, floa
     return rel_err <= RTOL[dtype], max_err, rel_err
 
 
-def reference_slices(q, k, v, dout, causal: bool, heads: int, with_grad: bool, batch_index: int = 0) -> dict:
+def reference_slices(q, k, v, dout, causal: bool, heads: int, with_grad: bool, batch_index: int = 0,
+                     variant: Variant | None = None) -> dict:
     """float32 attention (and gradients) on batch `batch_index`, the first `heads` query heads.
 
     q: (B, T, H, D), k, v: (B, T, Hkv, D), dout like q, flash-attn's layout. With GQA the slice keeps the
@@ -246,7 +250,8 @@ def reference_slices(q, k, v, dout, causal: bool, heads: int, with_grad: bool, b
     gradients alike; computing it one head at a time keeps the T x T float32 scores at 1 GiB for T = 16k.
     Returns {"out": (1, T, heads', D)} and with_grad also "dq", "dk", "dv" for the same slices, where heads'
     is `heads` rounded up to whole GQA groups (so that dk, dv sum over all their query heads);
-    `slice_like` cuts a provider's full tensors the same way.
+    `slice_like` cuts a provider's full tensors the same way. `variant` (for all H query heads; it replaces
+    `causal`): the mask and score changes, its ALiBi slopes and sinks cut to the same heads.
     """
     group = q.shape[2] // k.shape[2]
     kv_heads = min(k.shape[2], -(-max(1, heads) // group))  # whole GQA groups, so dk and dv are exact
@@ -258,7 +263,8 @@ def reference_slices(q, k, v, dout, causal: bool, heads: int, with_grad: bool, b
         ks = k[batch_index:batch_index + 1, :, kh:kh + 1].float().detach().requires_grad_(with_grad)
         vs = v[batch_index:batch_index + 1, :, kh:kh + 1].float().detach().requires_grad_(with_grad)
         with torch.set_grad_enabled(with_grad):
-            out = attention_reference(qs, ks, vs, causal=causal, dtype=torch.float32)
+            out = attention_reference(qs, ks, vs, causal=causal, dtype=torch.float32,
+                                      variant=None if variant is None else head_variant(variant, hs, batch_index))
             if with_grad:
                 out.backward(dout[batch_index:batch_index + 1, :, hs].float())
         outs.append(out.detach())
@@ -271,6 +277,17 @@ def reference_slices(q, k, v, dout, causal: bool, heads: int, with_grad: bool, b
     if with_grad:
         ref.update(dq=torch.cat(dqs, dim=2), dk=torch.cat(dks, dim=2), dv=torch.cat(dvs, dim=2))
     return ref
+
+
+def head_variant(variant: Variant, heads: slice, batch_index: int = 0) -> Variant:
+    """`variant` for query heads `heads` of batch `batch_index` alone: its slopes ((H,) or (B, H)) and sinks (H,)
+    cut to them."""
+    slopes, sinks = variant.alibi_slopes, variant.sinks
+    if slopes is not None:
+        slopes = slopes[batch_index:batch_index + 1, heads] if slopes.dim() == 2 else slopes[heads]
+    return Variant(causal=variant.causal, window=variant.window, bottom_right=variant.bottom_right,
+                   softcap=variant.softcap, dropout_p=variant.dropout_p, alibi_slopes=slopes,
+                   sinks=None if sinks is None else sinks[heads])
 
 
 def slice_like(got: dict, ref: dict, batch_index: int = 0) -> dict:

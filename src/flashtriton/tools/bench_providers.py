@@ -167,9 +167,10 @@ def _causal_mask_mod(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def flex_callable(seqlen_q: int, seqlen_k: int, causal: bool, device):
-    """(compiled flex_attention, BlockMask or None). Raises the compile limit (every shape recompiles) and
-    turns donated buffers off: backward timing calls backward(retain_graph=True), which they forbid."""
+def flex_callable(seqlen_q: int, seqlen_k: int, causal: bool, device, mask_mod=None):
+    """(compiled flex_attention, BlockMask or None): the causal mask, or `mask_mod` when given (a variant's,
+    `Variant.mask_mod`). Raises the compile limit (every shape recompiles) and turns donated buffers off: backward
+    timing calls backward(retain_graph=True), which they forbid."""
     global _FLEX
     if _FLEX is None:
         import torch._dynamo
@@ -190,11 +191,19 @@ def flex_callable(seqlen_q: int, seqlen_k: int, causal: bool, device):
             pass
         _FLEX = torch.compile(flex_attention, dynamic=False)
     block_mask = None
-    if causal:
+    if causal or mask_mod is not None:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        block_mask = create_block_mask(_causal_mask_mod, None, None, seqlen_q, seqlen_k, device=device)
+        block_mask = create_block_mask(mask_mod or _causal_mask_mod, None, None, seqlen_q, seqlen_k, device=device)
     return _FLEX, block_mask
+
+
+def flashtriton_kernels(op: str) -> frozenset:
+    """The function names of flashtriton's kernels for `op` (fwd, bwd, decode), from the dispatch table: what the
+    launched-kernel check (`bench_measure.launched_kernels`) looks for."""
+    from ..kernels.dispatch import KERNELS
+
+    return frozenset(part.strip().rsplit(".", 1)[-1] for k in KERNELS if k.op == op for part in k.where.split("/"))
 
 
 def load_seed_kernel():

@@ -1,4 +1,5 @@
-"""What `flashtriton bench` prints and writes: markdown tables, bench.json / bench.csv (long format), plots.
+"""What `flashtriton bench` prints and writes: markdown tables, bench.json / bench.csv (long format), plots; for the
+variants suite its ratios, issue 25's bars judged on them, variants.md and variants_bars.json.
 
 Merging runs made separately (on the GPU each call writes its own directory), on any machine:
 
@@ -12,6 +13,7 @@ import json
 import math
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from .bench_core import MODES, ROW_FIELDS, ROW_KEY
 from .bench_providers import PROVIDERS
@@ -166,6 +168,172 @@ def ceilings_text(rows) -> str:
         elif r["op"] in ("copy", "read", "matmul"):
             parts.append(f"{r['op']} {r.get('dtype') or ''}: {r['error']}")
     return "ceilings: " + "; ".join(parts) if parts else ""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the variants suite (`bench_variants`): ratios, issue 25's bars, tables, summary files
+# ----------------------------------------------------------------------------------------------------------
+VARIANT_OP = "attention_variant"
+VARIANT_DENSE = "causal"  # the variant label of the dense causal rows (flashtriton_dense, sdpa_cudnn)
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One of issue 25's Done-when bars: `measure` (vs_flex: ours / Flex TFLOP/s, at least `limit`; cost: the
+    variant's time over its base's, minus 1, at most `limit`) on each case and mode."""
+
+    text: str
+    cases: tuple
+    modes: tuple
+    measure: str
+    limit: float
+
+
+_WINDOWS = ("window1024 T=16384 D=128", "window4096 T=16384 D=128")
+_SOFTCAP = ("softcap50 T=4096 D=128", "softcap50 T=8192 D=256")
+_ALIBI = ("alibi T=4096 D=128", "alibi T=8192 D=256")
+_SINKS = ("sinks T=4096 D=64", "sinks+window128 T=4096 D=64", "sinks T=4096 D=128", "sinks+window128 T=4096 D=128")
+BARS = (
+    Bar("window, forward: ours >= 1.3x Flex", _WINDOWS, ("fwd",), "vs_flex", 1.3),
+    Bar("window, backward: ours >= 1.2x Flex", _WINDOWS, ("bwd",), "vs_flex", 1.2),
+    Bar("softcap costs <= 10 %", _SOFTCAP, ("fwd", "bwd"), "cost", 0.10),
+    Bar("ALiBi costs <= 10 %", _ALIBI, ("fwd", "bwd"), "cost", 0.10),
+    Bar("softcap at D=128: ours >= 2x Flex", _SOFTCAP[:1], ("fwd", "bwd"), "vs_flex", 2.0),
+    Bar("sinks cost <= 3 %", _SINKS, ("fwd", "bwd"), "cost", 0.03),
+)
+
+
+def _speed(r, field):
+    return r[field] if r is not None and r["status"] == "ok" and r[field] else None
+
+
+def variant_ratios(rows) -> dict:
+    """{(case name, mode, dtype): vs_flex, vs_dense, vs_cudnn (TFLOP/s ratios), cost (time over base's, minus 1;
+    None unless both see the same area), base} for every flashtriton variant row."""
+    rows = [r for r in rows if r["op"] == VARIANT_OP]
+    index = {(r["extra"].get("case"), r["provider"], r["mode"], r["dtype"]): r for r in rows}
+    out = {}
+    for r in rows:
+        if r["provider"] != "flashtriton":
+            continue
+        case, size, mode, dt = r["extra"].get("case"), r["extra"].get("size"), r["mode"], r["dtype"]
+        base_name = r["extra"].get("base") or VARIANT_DENSE
+        dense = index.get((f"{VARIANT_DENSE} {size}", "flashtriton_dense", mode, dt))
+        base = dense if base_name == VARIANT_DENSE else index.get((f"{base_name} {size}", "flashtriton", mode, dt))
+        ours, base_ms = _speed(r, "tflops"), _speed(base, "ms_p50")
+        same_area = base is not None and base["extra"].get("visible_pairs") == r["extra"].get("visible_pairs")
+
+        def ratio(other):
+            s = _speed(other, "tflops")
+            return ours / s if ours and s else None
+
+        out[(case, mode, dt)] = dict(
+            vs_flex=ratio(index.get((case, "flex", mode, dt))), vs_dense=ratio(dense),
+            vs_cudnn=ratio(index.get((f"{VARIANT_DENSE} {size}", "sdpa_cudnn", mode, dt))),
+            cost=r["ms_p50"] / base_ms - 1 if same_area and _speed(r, "ms_p50") and base_ms else None,
+            base=base_name)
+    return out
+
+
+def evaluate_bars(rows, bars=BARS) -> list[dict]:
+    """Each bar on each of its cases and modes, per dtype measured: {bar, case, mode, dtype, measure, value, limit,
+    verdict}; verdict PASS, FAIL, or n/a (the mode not measured, or a provider skipped or failed). Cases the run did
+    not include (no flashtriton row in that dtype: `--variants`) are left out."""
+    values = variant_ratios(rows)
+    ran = {(r["extra"].get("case"), r["dtype"]) for r in rows
+           if r["op"] == VARIANT_OP and r["provider"] == "flashtriton"}
+    out = []
+    for dt in sorted({d for _, d in ran}):
+        for bar in bars:
+            for case in bar.cases:
+                if (case, dt) not in ran:
+                    continue
+                for mode in bar.modes:
+                    value = (values.get((case, mode, dt)) or {}).get(bar.measure)
+                    if value is None:
+                        verdict = "n/a"
+                    elif bar.measure == "cost":
+                        verdict = "PASS" if value <= bar.limit else "FAIL"
+                    else:
+                        verdict = "PASS" if value >= bar.limit else "FAIL"
+                    out.append(dict(bar=bar.text, case=case, mode=mode, dtype=dt, measure=bar.measure, value=value,
+                                    limit=bar.limit, verdict=verdict))
+    return out
+
+
+def _fmt_value(measure, value) -> str:
+    if value is None:
+        return ""
+    return f"{100 * value:+.1f} %" if measure == "cost" else f"{value:.2f}x"
+
+
+def variants_table(rows) -> str:
+    """TFLOP/s (visible area) of each variant and mode: flashtriton, Flex, flashtriton's dense causal call and cuDNN's
+    on the same shape; ours/Flex, ours/dense, ours/cuDNN, the variant's cost; the kernels each call launched."""
+    rows = [r for r in rows if r["op"] == VARIANT_OP]
+    if not rows:
+        return "(no variant rows)"
+    values = variant_ratios(rows)
+    index = {(r["extra"].get("case"), r["provider"], r["mode"], r["dtype"]): r for r in rows}
+    body = []
+    for r in rows:
+        if r["provider"] != "flashtriton":
+            continue
+        case, size, mode, dt = r["extra"].get("case"), r["extra"].get("size"), r["mode"], r["dtype"]
+        dense = f"{VARIANT_DENSE} {size}"
+        cells = [index.get((case, "flashtriton", mode, dt)), index.get((case, "flex", mode, dt)),
+                 index.get((dense, "flashtriton_dense", mode, dt)), index.get((dense, "sdpa_cudnn", mode, dt))]
+        d = values.get((case, mode, dt), {})
+        cost = _fmt_value("cost", d.get("cost"))
+        if cost and d.get("base") != VARIANT_DENSE:
+            cost += f" (vs {d.get('base')})"
+        body.append([dt, r["variant"], r["B"], r["H"], r["T"], r["D"], mode]
+                    + [_cell(c, lambda c: _num(c["tflops"])) if c else "" for c in cells]
+                    + [_ratio(d.get("vs_flex"), 1), _ratio(d.get("vs_dense"), 1), _ratio(d.get("vs_cudnn"), 1),
+                       cost])
+    header = ["dtype", "variant", "B", "H", "T", "D", "mode", "flashtriton", "flex", "flashtriton_dense", "sdpa_cudnn",
+              "ours/flex", "ours/dense", "ours/cudnn", "cost"]
+    kernels: OrderedDict = OrderedDict()
+    for r in rows:
+        if r["extra"].get("kernels"):
+            kernels.setdefault(", ".join(r["extra"]["kernels"]), set()).add(f"{r['provider']} {r['variant']}")
+    kernel_lines = "\n".join(f"- {', '.join(sorted(who))}: {names}" for names, who in kernels.items())
+    notes = _notes(rows)
+    return (_cpu_banner(rows)
+            + "variants: TFLOP/s over the visible area (Variant.visible_flops; bwd 2.5x, fwd_bwd 3.5x fwd), median of "
+              "the rounds' do_bench medians; flashtriton_dense and sdpa_cudnn run the dense causal call of the same "
+              "shape; cost = time / the same call without the variant - 1\n"
+            + _markdown(header, body) + ("\n\nkernels launched by one call:\n" + kernel_lines if kernel_lines else "")
+            + ("\n\n" + notes if notes else ""))
+
+
+def bars_table(rows) -> str:
+    """Issue 25's Done-when bars on this run: one line per bar, case and mode."""
+    verdicts = evaluate_bars(rows)
+    body = [[v["bar"], v["case"], v["mode"], v["dtype"], _fmt_value(v["measure"], v["value"]),
+             ("<= " if v["measure"] == "cost" else ">= ") + _fmt_value(v["measure"], v["limit"]), v["verdict"]]
+            for v in verdicts]
+    passed = sum(v["verdict"] == "PASS" for v in verdicts)
+    failed = sum(v["verdict"] == "FAIL" for v in verdicts)
+    return (_cpu_banner([r for r in rows if r["op"] == VARIANT_OP])
+            + f"issue 25's bars: {passed} PASS, {failed} FAIL, {len(verdicts) - passed - failed} n/a\n"
+            + _markdown(["bar", "case", "mode", "dtype", "measured", "limit", "verdict"], body))
+
+
+def write_variants_summary(rows, out_dir: str) -> list[str]:
+    """variants.md (both tables) and variants_bars.json (the verdicts, with the run's GPU, torch, triton, git sha)."""
+    rows = [r for r in rows if r["op"] == VARIANT_OP]
+    if not rows:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    md, js = os.path.join(out_dir, "variants.md"), os.path.join(out_dir, "variants_bars.json")
+    with open(md, "w") as f:
+        f.write(variants_table(rows) + "\n\n" + bars_table(rows) + "\n")
+    env = {k: rows[0].get(k) for k in ("gpu", "torch", "triton", "cudnn", "flashtriton", "git_sha", "date")}
+    with open(js, "w") as f:
+        json.dump(dict(environment=env, bars=_clean(evaluate_bars(rows))), f, indent=1)
+        f.write("\n")
+    return [md, js]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -331,6 +499,8 @@ def merge(dest: str, sources, plots: bool = True) -> list[str]:
         if any(r["op"] == {standard_table: "attention", varlen_table: "attention_varlen",
                            decode_table: "decode"}[table] for r in all_rows):
             print(table(all_rows) + "\n")
+    if any(r["op"] == VARIANT_OP for r in all_rows):
+        print(variants_table(all_rows) + "\n\n" + bars_table(all_rows) + "\n")
     text = ceilings_text(all_rows)
     if text:
         print(text)
