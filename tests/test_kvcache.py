@@ -430,9 +430,19 @@ def _on_device(kwargs):
 
 _h = torch.float16
 BAD = [
-    ("window", NotImplementedError, "window_size", _inputs(window_size=(8, 0))),
-    ("softcap", NotImplementedError, "softcap", _inputs(softcap=30.0)),
-    ("alibi", NotImplementedError, "alibi_slopes", _inputs(alibi_slopes=torch.ones(4))),
+    ("window side", ValueError, "window_size sides must be >= -1", _inputs(window_size=(8, -2))),
+    ("window type", TypeError, "window_size must be a tuple of two ints", _inputs(window_size=8)),
+    ("window float", TypeError, "window_size must hold two ints", _inputs(window_size=(8.0, 0))),
+    ("softcap negative", ValueError, "softcap must be a finite number >= 0", _inputs(softcap=-1.0)),
+    ("softcap inf", ValueError, "softcap must be a finite number >= 0", _inputs(softcap=float("inf"))),
+    ("softcap tensor", TypeError, "softcap must be a real number", _inputs(softcap=torch.tensor(3.0))),
+    ("alibi dtype", TypeError, "alibi_slopes must be float32", _inputs(alibi_slopes=torch.ones(4, dtype=_h))),
+    ("alibi shape", ValueError, r"alibi_slopes must have shape \(nheads,\)", _inputs(alibi_slopes=torch.ones(3))),
+    ("alibi type", TypeError, "alibi_slopes must be a torch.Tensor", _inputs(alibi_slopes=[1.0] * 4)),
+    ("sink shape", ValueError, r"learnable_sink must have shape \(nheads,\)", _inputs(learnable_sink=torch.ones(2))),
+    ("sink dtype", TypeError, "learnable_sink must be float32 or the inputs' dtype",
+     _inputs(learnable_sink=torch.ones(4, dtype=torch.bfloat16))),
+    ("sink type", TypeError, "learnable_sink must be a torch.Tensor", _inputs(learnable_sink=0.5)),
     ("q 3d", ValueError, "q must have 4 dims", _inputs(q=torch.randn(2, 4, 32, dtype=_h))),
     ("q not tensor", TypeError, "q must be a torch.Tensor", _inputs(q=[1.0])),
     ("dtype int", TypeError, "float16, bfloat16 or float32", _inputs(q=torch.ones(2, 1, 4, 32, dtype=torch.int32))),
@@ -796,9 +806,11 @@ FLASH_ATTN_PARAMETERS = [  # flash-attn 2.8's flash_attn_with_kvcache, in order,
 
 
 def test_signature_is_flash_attns():
+    """flash-attn 2.x's parameters in its order, then FlashAttention-4's learnable_sink, keyword-only."""
     params = inspect.signature(flash_attn_with_kvcache).parameters
-    assert [(n, p.default) for n, p in params.items()] == FLASH_ATTN_PARAMETERS
-    assert all(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params.values())
+    assert [(n, p.default) for n, p in params.items()] == FLASH_ATTN_PARAMETERS + [("learnable_sink", None)]
+    assert params["learnable_sink"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for n, p in params.items() if n != "learnable_sink")
 
 
 def test_positional_arguments_bind_like_flash_attn(device):
@@ -986,8 +998,8 @@ def test_checks_still_run_after_a_call_of_the_same_shape_passed():
             flash_attn_with_kvcache(q, k_cache, k_cache, k_new, k_new.clone(), cache_seqlens=5)
         with pytest.raises(TypeError, match="share one dtype"):
             flash_attn_with_kvcache(q.float(), k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5)
-        with pytest.raises(NotImplementedError, match="window_size"):
-            flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5, window_size=(8, 0))
+        with pytest.raises(ValueError, match="window_size"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5, window_size=(8, -3))
         with pytest.raises(ValueError, match="num_splits"):
             flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new.clone(), cache_seqlens=5, num_splits=500)
     with pytest.raises(NotImplementedError, match="inference-only"):

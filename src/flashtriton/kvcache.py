@@ -1,4 +1,5 @@
-"""KV-cache decoding: flash-attn's `flash_attn_with_kvcache` (contiguous or paged cache, split-KV).
+"""KV-cache decoding: flash-attn's `flash_attn_with_kvcache` (contiguous or paged cache, split-KV; sliding
+windows, softcap, ALiBi and attention sinks).
 
 Inference only: there is no backward. See `flash_attn_with_kvcache` for the arguments and
 `flashtriton.kernels.decode` / `decode_launch` for the kernels and their launcher. Eager calls run the checked arguments straight to the kernels
@@ -102,9 +103,12 @@ def flash_attn_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Attention of a few new queries against a KV cache, appending new keys/values first (flash-attn's API,
-    with flash-attn 2.x's parameters in its order: positional calls bind as there).
+    with flash-attn 2.x's parameters in its order: positional calls bind as there; learnable_sink, which
+    flash-attn 2.x lacks, is keyword-only, FlashAttention-4's name).
 
     If k and v are not None, k_cache and v_cache are updated *in place* with them, at positions
     cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b, and attention then covers the updated
@@ -172,42 +176,59 @@ def flash_attn_with_kvcache(
             alike (one sync per call; skipped while a CUDA graph is captured).
         softmax_scale: float. The scaling of QK^T before the softmax. Default 1 / sqrt(headdim).
         causal: bool. Whether to apply the bottom-right causal mask drawn above.
-        window_size, softcap, alibi_slopes: not supported yet; any non-default value raises
-            NotImplementedError.
+        window_size: (left, right). Sliding-window attention: query i sees key j iff
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (seqlen_k of each sequence,
+            after the append); -1 is unbounded on that side; with causal=True the right side is 0. Only the
+            window's keys are read from the cache (its tiles and pages), so a step costs the window, not the
+            cache. A row whose window holds no key returns 0 (lse -inf).
+        softcap: float > 0 caps the scores: softcap * tanh(scores / softcap), before the mask and ALiBi
+            (0 or None: off).
+        alibi_slopes: fp32 (nheads,) or (batch_size, nheads): adds -slope * |i + seqlen_k - seqlen_q - j| to the
+            scores (after softcap).
         rotary_interleaved: bool. The rotary embedding's layout; accepted for flash-attn's signature, it has no
             effect without rotary_cos / rotary_sin.
         num_splits: int. If > 1, split each sequence's keys into this many chunks (at most 128). If 1, no
             split. If 0 (default), chosen from the shape and the GPU's SM count (or the stream schedule above).
         return_softmax_lse: bool. Whether to also return the log-sum-exp of the attention scores.
+        learnable_sink [keyword-only]: (nheads,), fp32 or q's dtype: one extra logit per query head, unscaled,
+            counted in the softmax's denominator only (gpt-oss' attention sinks); the returned lse includes it
+            (a row that sees no key then has lse = the sink and out 0).
 
     Dtypes: q, k_cache, v_cache, k, v all fp16, all bf16 or all fp32 (fp32 accumulation); headdim 1..256.
 
     Return:
         out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
         softmax_lse [optional, if return_softmax_lse=True]: (batch_size, nheads, seqlen_q) fp32, the natural
-            log-sum-exp of each row of QK^T · softmax_scale (-inf for a row that sees no key).
+            log-sum-exp of each row of the scores (QK^T · softmax_scale, capped and biased as asked; the sink
+            included; -inf for a row that sees no key and has no sink).
     """
     # Under torch.compile / export (or any dispatch mode, or tensor subclasses) the call becomes the registered
     # op `flashtriton::kvcache` (it mutates the caches: an opaque node in the graph, no graph break).
     tracing = (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-               or not V.plain_tensors(q, k_cache, v_cache, k, v, cache_batch_idx, block_table)
+               or not V.plain_tensors(q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes,
+                                      learnable_sink)
                or (isinstance(cache_seqlens, torch.Tensor) and type(cache_seqlens) is not torch.Tensor))
     # Every check's outcome depends only on the call's signature (shapes, strides, dtypes, devices, options):
     # a signature that passed once skips them (decoding repeats one call shape at every step).
     # The values of the device tensors are checked where the work runs (`_decode_step`), not here.
     signature = None if tracing else _signature(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_softmax_lse)
+        block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_softmax_lse,
+        learnable_sink)
     checked = _CHECKED.get(signature) if signature is not None else None
     if checked is None:
         checked = _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                               cache_leftpad, block_table, softmax_scale, window_size, softcap, alibi_slopes,
-                              num_splits, tracing)
+                              num_splits, tracing, learnable_sink)
         if signature is not None:
             if len(_CHECKED) >= _CHECKED_LIMIT:
                 _CHECKED.clear()
             _CHECKED[signature] = checked
-    seqlen_new, capacity, max_cached = checked
+    seqlen_new, capacity, max_cached, (window_left, window_right), softcap = checked
+    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:  # the kernels read the slopes of a row in a row
+        alibi_slopes = alibi_slopes.contiguous()
+    if learnable_sink is not None and learnable_sink.stride(0) != 1:
+        learnable_sink = learnable_sink.contiguous()
     batch, _, _, head_dim = q.shape
     device = q.device
 
@@ -219,21 +240,25 @@ def flash_attn_with_kvcache(
     if scale < 0:  # the kernels keep a running maximum of the scaled scores: softmax(s·qk) = softmax(|s|·(-q)k)
         q, scale = -q, -scale
     max_seqlen_k = max_cached + seqlen_new if batch else 0
+    variant = (window_left, window_right, softcap, alibi_slopes, learnable_sink)
     if tracing:
         out, lse = kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
-                              bool(causal), num_splits, max_seqlen_k, seqlen_new)
+                              bool(causal), num_splits, max_seqlen_k, seqlen_new, *variant)
         return (out, lse) if return_softmax_lse else out
     out, lse = _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
-                            bool(causal), num_splits, max_seqlen_k, seqlen_new, bool(return_softmax_lse))
+                            bool(causal), num_splits, max_seqlen_k, seqlen_new, bool(return_softmax_lse), *variant)
     return (out, lse) if return_softmax_lse else out
 
 
 @on_inputs_device
 def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-                 num_splits, max_seqlen_k, seqlen_new, return_lse):
+                 num_splits, max_seqlen_k, seqlen_new, return_lse, window_left=-1, window_right=-1, softcap=0.0,
+                 alibi_slopes=None, learnable_sink=None):
     """Append k, v (if any) into the caches in place, then attend: the checked call's work, (out, lse or None).
     With CHECK_VALUES the values of cache_seqlens, cache_batch_idx and block_table are checked first, on the
-    host (eager calls and the op alike; not while a CUDA graph is captured): a bad one raises, nothing written."""
+    host (eager calls and the op alike; not while a CUDA graph is captured): a bad one raises, nothing written.
+    window_left / window_right, softcap, alibi_slopes, learnable_sink: the checked variant (-1, -1, 0.0, None,
+    None: off)."""
     if CHECK_VALUES and q.shape[0] and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         page_size = k_cache.shape[1]
         capacity = block_table.shape[1] * page_size if block_table is not None else page_size
@@ -251,6 +276,8 @@ def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bloc
     return decode_attention(
         q, k_cache, v_cache, cache_seqlens, max_seqlen_k, softmax_scale, causal, cache_batch_idx=cache_batch_idx,
         block_table=block_table, num_splits=num_splits, seqlen_new=seqlen_new, return_lse=return_lse,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -259,19 +286,23 @@ def kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
     v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor], softmax_scale: float, causal: bool, num_splits: int, max_seqlen_k: int,
-    seqlen_new: int,
+    seqlen_new: int, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, learnable_sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_attn_with_kvcache` on checked arguments as an operator (what torch.compile and export see):
-    cache_seqlens an int32 tensor, softmax_scale resolved; returns (out, lse) and updates the caches in place."""
+    cache_seqlens an int32 tensor, softmax_scale resolved, window_size as its two sides; returns (out, lse) and
+    updates the caches in place."""
     if k is not None and k_cache.data_ptr() == v_cache.data_ptr():  # the one check tracing cannot make
         raise ValueError("k_cache and v_cache are the same memory: appending k and v would overwrite each other")
     return _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-                        causal, num_splits, max_seqlen_k, seqlen_new, True)
+                        causal, num_splits, max_seqlen_k, seqlen_new, True, window_left, window_right, softcap,
+                        alibi_slopes, learnable_sink)
 
 
 @kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, num_splits,
-      max_seqlen_k, seqlen_new):
+      max_seqlen_k, seqlen_new, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+      learnable_sink=None):
     batch, seqlen_q, heads_q, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
@@ -281,6 +312,8 @@ class _Checked(NamedTuple):
     seqlen_new: int  # keys appended by the call
     capacity: int  # keys the cache holds per sequence
     max_cached: int  # an upper bound of cache_seqlens (sizes the split heuristic)
+    window_size: tuple[int, int]  # (left, right), checked (-1: unbounded)
+    softcap: float  # 0.0: off
 
 
 _CHECKED: dict = {}  # signature -> _Checked, for signatures whose checks passed
@@ -293,11 +326,11 @@ def _tensor_signature(t):
 
 def _signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-               return_softmax_lse):
+               return_softmax_lse, learnable_sink=None):
     """A hashable key that fixes the outcome of every check in `_check_call`, or None for calls that must take
     the checks every time (arguments of unusual types, unsupported options: they raise there). The caller has
     made sure the tensor arguments are plain tensors or None (not tracing)."""
-    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table)
+    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes, learnable_sink)
     if q is None or k_cache is None or v_cache is None:
         return None
     if type(cache_seqlens) is torch.Tensor:
@@ -306,28 +339,30 @@ def _signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         seqlens = cache_seqlens
     else:
         return None
-    if not (type(window_size) is tuple and window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
+    if not (type(window_size) in (tuple, list) and len(window_size) == 2 and all(type(w) is int for w in window_size)
+            and (softcap is None or type(softcap) in (float, int))
+            and all(t is None or type(t) is torch.Tensor for t in (alibi_slopes, learnable_sink))
             and rotary_cos is None and rotary_sin is None and cache_leftpad is None and type(num_splits) is int
             and (softmax_scale is None or type(softmax_scale) in (float, int))):
         return None
     return (
         tuple(None if t is None else _tensor_signature(t) for t in tensors), seqlens, softmax_scale, bool(causal),
-        num_splits, bool(return_softmax_lse), torch.is_grad_enabled(),
+        tuple(window_size), softcap, num_splits, bool(return_softmax_lse), torch.is_grad_enabled(),
         k is not None and k_cache.data_ptr() == v_cache.data_ptr(),  # the shared-memory check
     )
 
 
 def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, softmax_scale, window_size, softcap, alibi_slopes, num_splits, tracing=False) -> _Checked:
+                block_table, softmax_scale, window_size, softcap, alibi_slopes, num_splits, tracing=False,
+                learnable_sink=None) -> _Checked:
     """Every check of flash_attn_with_kvcache's arguments (a clear error for each bad one) but those of the
     device tensors' values (`_decode_step` with CHECK_VALUES, else the kernels). While tracing, the addresses
     are unknown: the op checks that k_cache and v_cache are not one memory when it runs."""
     V.not_implemented("rotary_cos", rotary_cos, None)
     V.not_implemented("rotary_sin", rotary_sin, None)
     V.not_implemented("cache_leftpad", cache_leftpad, None)
-    V.not_implemented("window_size", window_size, (-1, -1))
-    V.not_implemented("softcap", softcap, 0.0)
-    V.not_implemented("alibi_slopes", alibi_slopes, None)
+    window_size = V.check_window(window_size)
+    softcap = V.check_softcap(softcap)
 
     if (k is None) != (v is None):
         raise ValueError(f"k and v must be given together, got k={'None' if k is None else 'a tensor'}, "
@@ -337,6 +372,8 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     V.check_tensors(names, tensors, 4, "(q, k, v: (batch, seqlen, nheads, headdim); caches: " + _CACHE_LAYOUT + ")")
     device = q.device
     batch, seqlen_q, heads_q, head_dim = q.shape
+    V.check_alibi(alibi_slopes, batch, heads_q, device)
+    V.check_sink(learnable_sink, heads_q, q.dtype, device)
     if tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     heads_kv = k_cache.shape[2]
@@ -408,5 +445,6 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     if batch and max_cached + seqlen_new > capacity:
         raise _cache_too_small(str(max_cached), max_cached, seqlen_new, capacity, block_table)
 
-    _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
-    return _Checked(seqlen_new, capacity, max_cached)
+    _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, alibi_slopes=alibi_slopes,
+                   learnable_sink=learnable_sink)
+    return _Checked(seqlen_new, capacity, max_cached, window_size, softcap)

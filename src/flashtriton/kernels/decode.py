@@ -24,13 +24,21 @@ Paged cache: `block_table[b, j // PAGE_SIZE]` is the page that holds key j of se
 `j % PAGE_SIZE` of the page. Pages may be smaller or larger than BLOCK_N: each key row's page is looked up.
 
 Causal is bottom-right: query i of Sq sees key j iff j <= i + Sk_b - Sq (Sk_b = the sequence's key count).
+The variants (`variant.Variant`: a window around that diagonal, softcap, ALiBi, attention sinks) use the device
+helpers of `variant` like every kernel. A unit's keys are the band its query rows see (`_unit_keys`, from
+`variant.key_blocks`): both schedules cut that band, not the whole sequence, so a sliding window reads only the
+window's tiles and pages. The mask and ALiBi are evaluated relative to the unit's first diagonal key (`base`), so
+that no index sum can wrap for caches near the int32 limit. A sink joins each row once, in its final result
+(`_with_sink`): after the merge when a unit is split.
 Offsets into the cache are int64. Key positions are int32: the host keeps CAPACITY (keys per sequence) below
 `decode_launch.MAX_CAPACITY`, and a length read from CACHE_SEQLENS is tested as `cached > CAPACITY - SEQLEN_NEW`
 (never by forming cached + SEQLEN_NEW, which wraps for lengths near 2**31) before any position is derived from it.
 
 Bad values (`_unit_inputs`, `_append_kv`): a sequence whose length is out of range, whose cache row is not a row of
 the cache, or one of whose used pages (block-table entries for its keys 0 .. cached + SEQLEN_NEW - 1, the new ones
-included) is not a page of the cache appends nothing at all and gets NaN in every output row and lse.
+included) is not a page of the cache appends nothing at all and gets NaN in every output row and lse. Pages of keys
+a unit does not read (outside its band: a window, or causal rows of an early M tile) are checked by a scan of the
+block-table row (`_check_unread_pages`), so that every unit of such a sequence is poisoned too.
 """
 
 from __future__ import annotations
@@ -39,19 +47,23 @@ import triton
 import triton.language as tl
 
 from .common import softmax_finish, softmax_step
-from .variant import diagonal, key_end
+from .variant import add_sink, diagonal, key_blocks
+
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
 def _decode_tile(
     acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, num_pages,
     stride_kp, stride_kn, stride_vp, stride_vn,
-    offs_d, diag_key, start_n, end_n, seqlen_k, qk_scale,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    offs_d, rows, base, start_n, end_n, seqlen_k, qk_scale, window_left, window_right, softcap, slope,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Fold key tiles [start_n, end_n) into the running (acc, l_i, m_i) of the stacked query tile.
+    """Fold key tiles [start_n, end_n) into the running (acc, l_i, m_i) of the stacked query tile. `rows` are the
+    rows' diagonal keys less `base` (`_unit_keys`): the mask and ALiBi see key j as j - base.
     Paged: a page index outside [0, num_pages) is read as page 0 and counted in n_bad (the caller poisons
     the result), so a bad block table never makes the kernel read outside the cache."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -95,9 +107,10 @@ def _decode_tile(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        # Row r's diagonal is diag_key[r]: the shared step's mask with diagonal 0.
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, diag_key, seqlen_k, 0, qk_scale,
-                                     MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION)
+        # Each row's own diagonal is in `rows`: the shared step's mask and bias with diagonal 0.
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols - base, rows, seqlen_k - base, 0, qk_scale,
+                                     MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION, HAS_WINDOW, window_left,
+                                     window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope)
     return acc, l_i, m_i, n_bad
 
 
@@ -157,56 +170,101 @@ def _unit_inputs(
 
 
 @triton.jit
-def _attend_keys(
-    q, q_idx, n_bad, K_base, V_base, BT_row, start, end, seqlen_k, pid_m, qk_scale,
-    stride_kb, stride_kn, stride_vb, stride_vn, SEQLEN_Q, NUM_CACHE_ROWS,
-    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, UNREAD_PAGES: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """(out, lse, n_bad) of the unit's stacked rows over its keys [start, end) (start a multiple of BLOCK_N,
-    end <= seqlen_k): whole tiles without a mask, then the masked rest. Rows (or ranges) without a visible key
-    get out 0, lse -inf. UNREAD_PAGES (paged, causal, several M tiles): the pages of keys in the range that no
-    row of the tile sees are checked too (see below)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    range_end = tl.maximum(end, start)
-    # Keys [start, lo) are visible to every row of the tile and inside the sequence: no mask there.
-    if IS_CAUSAL:
-        num_rows = SEQLEN_Q * GROUP_SIZE
-        diag = diagonal(SEQLEN_Q, seqlen_k, IS_CAUSAL, True)  # the cache's new rows are its last
-        diag_key = q_idx + diag  # (BLOCK_M,) each row's diagonal: the tiles test keys against it, diagonal 0
-        first_row_q = (pid_m * BLOCK_M) // GROUP_SIZE
-        last_row_q = (tl.minimum((pid_m + 1) * BLOCK_M, num_rows) - 1) // GROUP_SIZE
-        end = tl.minimum(end, key_end(last_row_q, diag, IS_CAUSAL))
-        lo = key_end(first_row_q, diag, IS_CAUSAL)
-    else:
-        diag_key = q_idx  # unused
-        lo = seqlen_k
-    end = tl.maximum(end, start)
-    lo = tl.minimum(tl.maximum(lo, start), end)
-    lo = start + (lo - start) // BLOCK_N * BLOCK_N
+def _unit_keys(seqlen_k, pid_m, window_left, window_right, SEQLEN_Q, GROUP_SIZE: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr, QUERY_ROWS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The band of keys M tile pid_m's rows see, as `variant.key_blocks` gives it for a tile of QUERY_ROWS query
+    rows from the tile's first query row on (an upper bound of the rows its BLOCK_M stacked rows hold):
+    (first, start, lo, hi, base, first_row). Keys [first, start) and [lo, hi) need the mask, [start, lo) do not;
+    first, start and lo are multiples of BLOCK_N. base is the first query row's diagonal key, first_row that row.
+    The bounds are formed in int64 (a window side may be as large as the cache), then fit in int32."""
+    first_row = (pid_m * BLOCK_M) // GROUP_SIZE
+    base = first_row + diagonal(SEQLEN_Q, seqlen_k, IS_CAUSAL, True, HAS_WINDOW or HAS_ALIBI)
+    first, start, lo, hi = key_blocks(0, seqlen_k, base.to(tl.int64), IS_CAUSAL, QUERY_ROWS, BLOCK_N, HAS_WINDOW,
+                                      window_left, window_right)
+    zero = seqlen_k * 0  # the bounds as tensors of seqlen_k's kind (key_blocks gives 0 for an unbounded start)
+    return ((first + zero).to(tl.int32), (start + zero).to(tl.int32), (lo + zero).to(tl.int32),
+            (hi + zero).to(tl.int32), base, first_row)
 
+
+@triton.jit
+def _attend_keys(
+    q, rows, base, n_bad, K_base, V_base, BT_row, piece_start, piece_end, first, start, lo, hi, check_unread,
+    seqlen_k, qk_scale, window_left, window_right, softcap, slope,
+    stride_kb, stride_kn, stride_vb, stride_vn, NUM_CACHE_ROWS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    UNREAD_PAGES: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """(out, lse, n_bad) of the unit's stacked rows over the keys of its band (`_unit_keys`: first, start, lo, hi)
+    that fall in this program's piece [piece_start, piece_end) (piece_start a multiple of BLOCK_N): the masked
+    left edge, the unmasked middle, the masked right edge. Rows (or pieces) without a visible key get out 0,
+    lse -inf. UNREAD_PAGES (paged, and a band that may not cover the sequence): with `check_unread` (the piece
+    holding the band's first tile), the pages of the sequence's keys outside the band are checked too."""
+    offs_d = tl.arange(0, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i, n_bad = _decode_tile(
+    if HAS_WINDOW:  # the window's left edge
+        acc, l_i, m_i, n_bad = _decode_tile(
+            acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb,
+            stride_vn, offs_d, rows, base, tl.maximum(piece_start, first), tl.minimum(piece_end, start), seqlen_k,
+            qk_scale, window_left, window_right, softcap, slope,
+            True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+            UPCAST_DOT, DOT_PRECISION,
+        )
+    acc, l_i, m_i, n_bad = _decode_tile(  # keys every row sees, inside the sequence: no mask
         acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
-        offs_d, diag_key, start, lo, seqlen_k, qk_scale,
-        False, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        offs_d, rows, base, tl.maximum(piece_start, start), tl.minimum(piece_end, lo), seqlen_k,
+        qk_scale, window_left, window_right, softcap, slope,
+        False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+        UPCAST_DOT, DOT_PRECISION,
     )
-    acc, l_i, m_i, n_bad = _decode_tile(
+    acc, l_i, m_i, n_bad = _decode_tile(  # the diagonal or the window's right edge, and the end of the keys
         acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
-        offs_d, diag_key, lo, end, seqlen_k, qk_scale,
-        True, IS_CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        offs_d, rows, base, tl.maximum(piece_start, lo), tl.minimum(piece_end, hi), seqlen_k,
+        qk_scale, window_left, window_right, softcap, slope,
+        True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+        UPCAST_DOT, DOT_PRECISION,
     )
     if UNREAD_PAGES:
-        # Keys [end, range_end) are masked for every row of this tile, so they are not read; their pages are
-        # checked all the same: a bad page anywhere in the sequence poisons every tile of it. (The last M tile's
-        # last row sees every key: with one M tile the range is always empty, and the code is left out.)
-        first_page = tl.where(end > start, tl.cdiv(end, PAGE_SIZE), start // PAGE_SIZE)
-        n_bad = _count_bad_pages(BT_row, first_page, tl.cdiv(range_end, PAGE_SIZE), NUM_CACHE_ROWS, n_bad)
-    out, lse = softmax_finish(acc, l_i, m_i)  # rows (or whole ranges) that saw no key: out 0, lse -inf
+        n_bad = _check_unread_pages(BT_row, first, hi, seqlen_k, check_unread, NUM_CACHE_ROWS, n_bad, PAGE_SIZE)
+    out, lse = softmax_finish(acc, l_i, m_i)  # rows (or whole pieces) that saw no key: out 0, lse -inf
     return out, lse, n_bad
+
+
+@triton.jit
+def _check_unread_pages(BT_row, first, hi, seqlen_k, check, num_pages, n_bad, PAGE_SIZE: tl.constexpr):
+    """n_bad plus the bad block-table entries among the pages of the sequence's keys [0, seqlen_k) that a band of
+    keys [first, hi) does not read (those wholly before `first` or after `hi`; every page when the band is
+    empty): a bad page anywhere in the sequence poisons every unit of it, also those that skip its keys. Only
+    where `check` (one piece per unit): nothing is read otherwise."""
+    read = first < hi
+    before = tl.where(check, tl.where(read, first // PAGE_SIZE, 0), 0)
+    after = tl.where(read, tl.cdiv(hi, PAGE_SIZE), 0)
+    end = tl.where(check, tl.cdiv(seqlen_k, PAGE_SIZE), 0)
+    n_bad = _count_bad_pages(BT_row, 0, before, num_pages, n_bad)
+    return _count_bad_pages(BT_row, after, end, num_pages, n_bad)
+
+
+@triton.jit
+def _row_slopes(ALIBI, off_b, stride_alibi_b, off_h, HAS_ALIBI: tl.constexpr):
+    """Each stacked row's ALiBi slope in base 2, (BLOCK_M, 1) to broadcast against a score tile; 0.0 without."""
+    if HAS_ALIBI:
+        return (tl.load(ALIBI + off_b.to(tl.int64) * stride_alibi_b + off_h) * LOG2E)[:, None]
+    else:
+        return 0.0
+
+
+@triton.jit
+def _with_sink(out, lse, SINKS, off_h, BLOCK_M: tl.constexpr):
+    """A unit's finished rows (out, lse) with each row's head's sink folded in (`variant.add_sink`, base 2): the
+    normalized out stands for acc with l = 1 and m = lse · log2(e). A row that saw no key gets out 0 and lse =
+    the sink; NaN (bad values) stays NaN."""
+    sink = tl.load(SINKS + off_h).to(tl.float32) * LOG2E
+    acc, l_i, m_i = add_sink(out, tl.full([BLOCK_M], 1.0, tl.float32), lse * LOG2E, sink)
+    return softmax_finish(acc, l_i, m_i)
 
 
 # Block-table entries checked per load by `_count_bad_pages`.
@@ -226,9 +284,13 @@ def _count_bad_pages(BT_row, first_page, end_page, num_pages, n_bad):
 
 
 @triton.jit
-def _store_result(O, LSE, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh, stride_lb,
-                  stride_lm, stride_lh, STORE_LSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The unit's final rows: out (BLOCK_M, BLOCK_D) into O in its dtype, lse into LSE (if STORE_LSE)."""
+def _store_result(O, LSE, SINKS, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh, stride_lb,
+                  stride_lm, stride_lh, HAS_SINKS: tl.constexpr, STORE_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The unit's final rows, with the sinks folded in (HAS_SINKS, `_with_sink`): out (BLOCK_M, BLOCK_D) into O in
+    its dtype, lse into LSE (if STORE_LSE)."""
+    if HAS_SINKS:
+        out, lse = _with_sink(out, lse, SINKS, off_h, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_off = q_idx.to(tl.int64)
     if STORE_LSE:
@@ -250,7 +312,12 @@ def _decode_split(
     CACHE_SEQLENS,  # int32 (B,): keys already in the cache before this call's append
     BATCH_IDX,  # int32 (B,): cache row of each sequence (contiguous cache, HAS_BATCH_IDX)
     BLOCK_TABLE,  # int32 (B, max_pages) (PAGED)
-    qk_scale,  # softmax_scale * log2(e)
+    ALIBI,  # fp32 (Hq,) or (B, Hq) ALiBi slopes (HAS_ALIBI)
+    SINKS,  # (Hq,) one logit per query head, fp32 or q's dtype (HAS_SINKS)
+    qk_scale,  # softmax_scale * log2(e); with HAS_SOFTCAP softmax_scale / softcap (`Variant.scalars`)
+    window_left, window_right,  # HAS_WINDOW: the window's sides, at most the cache's capacity / Sq (exact there)
+    softcap,  # HAS_SOFTCAP: softcap * log2(e)
+    stride_alibi_b,  # ALiBi slopes' batch stride (0 for (Hq,))
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh,  # kb: batch row (contiguous) or page (paged)
     stride_vb, stride_vn, stride_vh,
@@ -264,16 +331,20 @@ def _decode_split(
     TUNE_SEQLEN_K,  # power-of-two bucket of keys per split: autotune key only
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    UNREAD_PAGES: tl.constexpr,  # paged, causal, several M tiles: check the pages of keys a tile does not see
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    UNREAD_PAGES: tl.constexpr,  # paged, with a band that may not cover the sequence: check the pages outside it
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1
     STORE_LSE: tl.constexpr,
     SPLITS_P2: tl.constexpr,  # next power of two >= NUM_SPLITS (the merge's lse tile)
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUERY_ROWS: tl.constexpr,  # query rows an M tile's stacked rows span at most (`_unit_keys`)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (B·Hkv, NUM_SPLITS, M tiles): program (b·hk, split, m) attends unit (b, hk, m) over its split's
-    keys; with several splits the last one to finish merges them (see the module docstring)."""
+    share of the unit's band of keys; with several splits the last one to finish merges them (see the module
+    docstring)."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -284,15 +355,20 @@ def _decode_split(
         stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
         SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
         GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, UPCAST_DOT, BLOCK_M)
-    # This split's keys: whole BLOCK_N tiles, the same number per split, [start, end).
-    blocks_per_split = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), NUM_SPLITS)
-    start = split * blocks_per_split * BLOCK_N
-    end = tl.minimum(start + blocks_per_split * BLOCK_N, seqlen_k)
+    first, start, lo, hi, base, first_row = _unit_keys(
+        seqlen_k, pid_m, window_left, window_right, SEQLEN_Q, GROUP_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
+        QUERY_ROWS, BLOCK_M, BLOCK_N)
+    # This split's keys: whole BLOCK_N tiles of the band, the same number per split.
+    blocks_per_split = tl.cdiv(tl.cdiv(hi - first, BLOCK_N), NUM_SPLITS)
+    piece_start = first + split * blocks_per_split * BLOCK_N
+    piece_end = tl.minimum(piece_start + blocks_per_split * BLOCK_N, hi)
     out, lse, n_bad = _attend_keys(
-        q, q_idx, n_bad, K_base, V_base, BT_row, start, end, seqlen_k, pid_m, qk_scale,
-        stride_kb, stride_kn, stride_vb, stride_vn, SEQLEN_Q, NUM_CACHE_ROWS,
-        GROUP_SIZE, HEAD_DIM, BLOCK_D, IS_CAUSAL, PAGED, PAGE_SIZE, UNREAD_PAGES, UPCAST_DOT, DOT_PRECISION,
-        BLOCK_M, BLOCK_N)
+        q, q_idx - first_row, base, n_bad, K_base, V_base, BT_row, piece_start, piece_end, first, start, lo, hi,
+        split == 0, seqlen_k, qk_scale, window_left, window_right, softcap,
+        _row_slopes(ALIBI, off_b, stride_alibi_b, off_h, HAS_ALIBI),
+        stride_kb, stride_kn, stride_vb, stride_vn, NUM_CACHE_ROWS,
+        HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, UNREAD_PAGES,
+        UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
 
     # Invalid values: out NaN; lse NaN, or +inf in a partial result so that the merge gives NaN for both.
     poison = n_bad > 0
@@ -312,8 +388,8 @@ def _decode_split(
         lse = tl.where(poison, float("nan"), lse)
         is_last = True
     if is_last:
-        _store_result(O, LSE, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh, stride_lb,
-                      stride_lm, stride_lh, STORE_LSE, HEAD_DIM, BLOCK_D)
+        _store_result(O, LSE, SINKS, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh,
+                      stride_lb, stride_lm, stride_lh, HAS_SINKS, STORE_LSE, HEAD_DIM, BLOCK_D, BLOCK_M)
 
 
 @triton.jit
@@ -322,8 +398,8 @@ def _decode_stream(
     O, LSE,  # (B, Sq, Hq, D) q's dtype; (B, Hq, Sq) fp32 (written if STORE_LSE)
     PART,  # fp32 (programs, 2, BLOCK_M, BLOCK_D + PART_PAD): each program's first and last partial unit
     TICKETS,  # int32 (B·Hkv·M tiles,), zero before the launch and after it
-    CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE,  # as in _decode_split
-    qk_scale,  # softmax_scale * log2(e)
+    CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, ALIBI, SINKS,  # as in _decode_split
+    qk_scale, window_left, window_right, softcap, stride_alibi_b,  # as in _decode_split
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -331,15 +407,20 @@ def _decode_stream(
     stride_lb, stride_lm, stride_lh,
     stride_btb,
     NUM_HEADS_KV, SEQLEN_Q, BATCH, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
+    BAND_TILES,  # an upper bound of the key tiles of any unit's band (`_unit_keys`): the window's, or more
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     UNREAD_PAGES: tl.constexpr,  # as in _decode_split
     STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr,  # next power of two >= BATCH
+    QUERY_ROWS: tl.constexpr,  # as in _decode_split
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (programs, 1, 1): the key tiles of every unit (b, hk, m), laid end to end in that order (each unit
-    cdiv(keys of sequence b, BLOCK_N) tiles, at least one), are cut into one equal range per program, so that
+    """Grid (programs, 1, 1): the key tiles of every unit (b, hk, m), laid end to end in that order (each unit of
+    sequence b min(cdiv(its keys, BLOCK_N), BAND_TILES) tiles, at least one; unit m reads those of its band from the
+    band's first tile on, `_unit_keys`), are cut into one equal range per program, so that
     every program reads the same number of tiles whatever the lengths (the split grid gives every sequence the same
     number of programs, which are as unequal as the lengths). A program attends each unit its range touches:
     a unit wholly inside the range is written out; a unit shared with other programs leaves a partial result
@@ -355,7 +436,7 @@ def _decode_stream(
     cached = tl.load(CACHE_SEQLENS + offs_b, mask=in_batch, other=0)
     len_ok = (cached >= 0) & (cached <= CAPACITY - SEQLEN_NEW)  # no sum that could wrap (module docstring)
     keys = tl.where(len_ok, tl.where(len_ok, cached, 0) + SEQLEN_NEW, 0)  # bad lengths: one tile, read nothing
-    unit_tiles = tl.where(in_batch, tl.maximum(tl.cdiv(keys, BLOCK_N), 1), 0)  # (BLOCK_B,) tiles of each unit
+    unit_tiles = tl.where(in_batch, tl.maximum(tl.minimum(tl.cdiv(keys, BLOCK_N), BAND_TILES), 1), 0)  # (BLOCK_B,)
     seq_tiles = unit_tiles.to(tl.int64) * units_per_seq
     seq_end = tl.cumsum(seq_tiles, 0)  # (BLOCK_B,) global tile after each sequence's units
     total = tl.sum(seq_tiles, 0)
@@ -379,13 +460,19 @@ def _decode_stream(
             stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
             SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
             GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, UPCAST_DOT, BLOCK_M)
-        start = (cur - unit_start).to(tl.int32) * BLOCK_N
-        end = tl.minimum((piece_end - unit_start).to(tl.int32) * BLOCK_N, seqlen_k)
+        k_first, k_start, k_lo, k_hi, base, first_row = _unit_keys(
+            seqlen_k, pid_m, window_left, window_right, SEQLEN_Q, GROUP_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
+            QUERY_ROWS, BLOCK_M, BLOCK_N)
+        # This program's tiles of the unit, from the band's first tile on (tiles past the band hold no keys).
+        piece_start = tl.minimum((cur - unit_start).to(tl.int32) * BLOCK_N, k_hi - k_first) + k_first
+        piece_stop = tl.minimum((piece_end - unit_start).to(tl.int32) * BLOCK_N, k_hi - k_first) + k_first
         out, lse, n_bad = _attend_keys(
-            q, q_idx, n_bad, K_base, V_base, BT_row, start, end, seqlen_k, pid_m, qk_scale,
-            stride_kb, stride_kn, stride_vb, stride_vn, SEQLEN_Q, NUM_CACHE_ROWS,
-            GROUP_SIZE, HEAD_DIM, BLOCK_D, IS_CAUSAL, PAGED, PAGE_SIZE, UNREAD_PAGES, UPCAST_DOT, DOT_PRECISION,
-            BLOCK_M, BLOCK_N)
+            q, q_idx - first_row, base, n_bad, K_base, V_base, BT_row, piece_start, piece_stop, k_first, k_start,
+            k_lo, k_hi, cur == unit_start, seqlen_k, qk_scale, window_left, window_right, softcap,
+            _row_slopes(ALIBI, off_b, stride_alibi_b, off_h, HAS_ALIBI),
+            stride_kb, stride_kn, stride_vb, stride_vn, NUM_CACHE_ROWS,
+            HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, UNREAD_PAGES,
+            UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
         poison = n_bad > 0
         out = tl.where(poison, float("nan"), out)
         # The programs holding the unit's first and last tiles (program p holds [p·total // programs, ...)).
@@ -407,8 +494,8 @@ def _decode_stream(
                                            row_ok, BLOCK_M, BLOCK_D)
                 tl.atomic_xchg(TICKETS + tile, 0)
         if is_last:
-            _store_result(O, LSE, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh,
-                          stride_lb, stride_lm, stride_lh, STORE_LSE, HEAD_DIM, BLOCK_D)
+            _store_result(O, LSE, SINKS, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh,
+                          stride_lb, stride_lm, stride_lh, HAS_SINKS, STORE_LSE, HEAD_DIM, BLOCK_D, BLOCK_M)
         cur = piece_end
 
 

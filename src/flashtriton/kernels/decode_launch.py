@@ -16,11 +16,12 @@ import triton
 
 from .. import configs
 from .._env import INTERPRET
-from .common import LOG2E, dot_settings, sm_count
+from .common import dot_settings, sm_count
 from . import dispatch
 from .decode import PART_PAD, _append_kv, _decode_split, _decode_stream
 from .host import cdiv, next_power_of_2, padded_head_dim
 from .launch import hooks_installed, launch, launch_and_keep
+from .variant import Variant
 
 
 def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
@@ -159,6 +160,25 @@ def decode_block_m(rows: int) -> int:
     return min(max(16, next_power_of_2(max(rows, 1))), 64)
 
 
+def query_rows(block_m: int, group: int, seqlen_q: int) -> int:
+    """The most query rows that one M tile of `block_m` stacked rows (query i · group + head g) spans: the tile
+    height `decode._unit_keys` gives `variant.key_blocks`."""
+    rows = block_m // group if block_m % group == 0 else (block_m - 1) // group + 2
+    return max(1, min(rows, seqlen_q))
+
+
+def band_bounds(variant: Variant, seqlen_q: int, capacity: int, q_rows: int) -> tuple[int, int, int]:
+    """(window_left, window_right, band_keys): the window's sides as the decode kernels take them, and the most
+    keys one unit's band spans. An unbounded side, or one longer than it can reach, becomes the longest that
+    changes nothing: left = capacity (no key is further back), right = Sq (the last query row's diagonal is the
+    last key). Without a window both are 0 and the band is the whole cache."""
+    if "window_size" not in variant.fields():
+        return 0, 0, capacity
+    left = capacity if variant.left < 0 else min(variant.left, capacity)
+    right = seqlen_q if variant.right < 0 else min(variant.right, seqlen_q)
+    return left, right, min(capacity, q_rows + left + right)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -173,6 +193,10 @@ def decode_attention(
     config: dict | None = None,
     seqlen_new: int = 0,
     return_lse: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the decode kernels on validated inputs (`flashtriton.kvcache` checks them and appends new keys).
 
@@ -185,6 +209,9 @@ def decode_attention(
     num_splits: 0 chooses, 1 no split, n > 1 n chunks. `config` forces {"BLOCK_N", "num_warps", "num_stages"}.
     Returns out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) fp32 (natural log), or None for lse when
     `return_lse` is False (then it is neither allocated nor written: every allocation costs host time).
+    window_size, softcap, alibi_slopes (fp32 (Hq,) or (B, Hq), last dim contiguous), learnable_sink ((Hq,),
+    contiguous): flash-attn's variants (`variant.Variant`), bottom-right aligned per sequence; the kernels read
+    only the keys of the window (and its pages).
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     device = q.device
@@ -196,12 +223,14 @@ def decode_attention(
     paged = block_table is not None
     if config is None and INTERPRET:
         config = configs.DECODE_INTERPRETER_CONFIG
+    variant = Variant.of(causal, True, window_size, softcap, alibi_slopes is not None, learnable_sink is not None)
     plan = _decode_plan(
         tuple(q.shape), q.stride(), tuple(k_cache.shape), k_cache.stride(), v_cache.stride(), q.dtype,
         block_table.shape[1] if paged else 0, block_table.stride(0) if paged else 0, cache_batch_idx is not None,
-        bool(causal), max_seqlen_k, num_splits, seqlen_new, return_lse,
+        variant, max_seqlen_k, num_splits, seqlen_new, return_lse,
         None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device),
         device, dispatch.decode_schedule(),
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
     )
     dummy = cache_seqlens  # stands in for absent pointers
     if plan.part_rows:
@@ -210,8 +239,10 @@ def decode_attention(
     else:
         part = tickets = dummy  # unused
     tensors = (q, k_cache, v_cache, out, lse if return_lse else dummy, part, tickets, cache_seqlens,
-               cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy)
-    scale = softmax_scale * LOG2E
+               cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
+               alibi_slopes if alibi_slopes is not None else dummy,
+               learnable_sink if learnable_sink is not None else dummy)
+    scale = variant.scalars(softmax_scale)[0]
     if plan.autotune:
         _decode_split_tuned[plan.grid](*tensors, scale, *plan.ints, **plan.meta)
         return out, lse
@@ -229,6 +260,14 @@ def decode_attention(
     return out, lse
 
 
+def _require_declared(name: str, variant: Variant) -> None:
+    """NotImplementedError naming the first variant field that decode kernel `name` does not declare
+    (`dispatch.KERNELS`)."""
+    missing = sorted(variant.fields() - dispatch.BY_NAME[name].fields)
+    if missing:
+        raise NotImplementedError(f"{missing[0]} is not supported by flashtriton's decode kernel ({name}) yet")
+
+
 class _Plan:
     """A decode launch, fixed by shapes, strides, dtypes, device and options."""
 
@@ -239,7 +278,7 @@ class _Plan:
         self.stream = stream  # `_decode_stream` (else `_decode_split`)
         self.part_rows, self.part_width = part_rows, part_width  # split-KV workspace (rows 0 without splits)
         self.tickets = tickets  # ticket counters the launch uses
-        self.ints = ints  # the kernel's scalar arguments after qk_scale
+        self.ints = ints  # the kernel's scalar arguments after qk_scale (the variant's first)
         self.meta = meta  # constexprs and options (the config too unless autotuned)
         self.autotune = autotune
         self.relaunch = None  # the compiled kernel, once launched with 16-byte aligned pointers
@@ -247,12 +286,14 @@ class _Plan:
 
 @functools.lru_cache(maxsize=1024)  # decoding repeats a few shapes: their launch plans are computed once
 def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, max_pages, stride_btb,
-                 has_batch_idx, causal, max_seqlen_k, num_splits, seqlen_new, return_lse, config, autotune,
-                 num_sms, device, schedule="auto") -> _Plan:
-    """Everything of a decode launch that depends only on shapes, strides and options. `schedule`
+                 has_batch_idx, variant, max_seqlen_k, num_splits, seqlen_new, return_lse, config, autotune,
+                 num_sms, device, schedule="auto", stride_alibi_b=0) -> _Plan:
+    """Everything of a decode launch that depends only on shapes, strides and options. `variant`: the call's
+    `variant.Variant` (causal or not, the window, softcap, whether ALiBi slopes and sinks are given). `schedule`
     (`dispatch.decode_schedule()`: FLASHTRITON_KERNEL=<kernel>,split|stream): with num_splits = 0 and a known
     config, "auto" takes the stream schedule where
-    `stream_programs` says it pays, "stream" wherever it can, "split" never."""
+    `stream_programs` says it pays, "stream" wherever it can, "split" never. The split count, the stream's program
+    count and the config follow the keys a unit reads (a window's band, not the whole cache)."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_kv = cache_shape[2]
     group = heads_q // heads_kv
@@ -262,36 +303,47 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     m_tiles = cdiv(rows, block_m)
     units = batch * heads_kv * m_tiles
     block_d = padded_head_dim(head_dim)
+    capacity = max_pages * cache_shape[1] if paged else cache_shape[1]
+    q_rows = query_rows(block_m, group, seqlen_q)
+    left, right, band_keys = band_bounds(variant, seqlen_q, capacity, q_rows)
+    read_keys = min(max_seqlen_k, band_keys)  # the most keys one unit reads
     config = dict(config) if config is not None else None
     if config is None and not autotune:
-        config = configs.default_decode_config(block_d, dtype.itemsize, units, num_sms, max_seqlen_k)
-    capacity = max_pages * cache_shape[1] if paged else cache_shape[1]
+        config = configs.default_decode_config(block_d, dtype.itemsize, units, num_sms, read_keys)
     out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
     lse_strides = (heads_q * seqlen_q, 1, seqlen_q) if return_lse else (0, 0, 0)  # (B, Hq, Sq): b, row, head
     strides = (*q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb)
+    _, _, _, cap = variant.scalars(1.0)
+    scalars = (left, right, cap or 0.0, stride_alibi_b)  # after qk_scale: window sides, softcap, ALiBi's stride
+    windowed = "window_size" in variant.fields()
     common = dict(  # the constexprs both kernels take
-        GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal, PAGED=paged,
+        GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=variant.causal,
+        **variant.score_constexprs, HAS_SINKS=variant.has_sinks, PAGED=paged,
         PAGE_SIZE=cache_shape[1] if paged else 1, HAS_BATCH_IDX=has_batch_idx, STORE_LSE=return_lse,
-        UNREAD_PAGES=paged and causal and m_tiles > 1,
-        UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], BLOCK_M=block_m,
+        UNREAD_PAGES=paged and (windowed or (variant.causal and m_tiles > 1)),  # bands short of the sequence
+        UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], QUERY_ROWS=q_rows, BLOCK_M=block_m,
     )
     if num_splits == 0:
         per_sm = configs.decode_programs_per_sm(config, block_d, block_m, dtype.itemsize)
         block_n = config["BLOCK_N"] if config else 128
-        num_splits = _choose_num_splits(units, max_seqlen_k, num_sms, block_n, per_sm)
+        num_splits = _choose_num_splits(units, read_keys, num_sms, block_n, per_sm)
         programs = 0
         if config is not None and schedule != "split" and batch <= configs.DECODE_STREAM_MAX_BATCH:
-            programs = stream_programs(units, max_seqlen_k, num_sms, block_n, per_sm, batch,
+            programs = stream_programs(units, read_keys, num_sms, block_n, per_sm, batch,
                                        force=schedule == "stream")
         if programs:
-            ints = (*strides, heads_kv, seqlen_q, batch, seqlen_new, capacity, cache_shape[0])
+            _require_declared("decode_stream", variant)
+            # A band's tiles: its keys, and one more where its first key is not at a tile's start.
+            band_tiles = cdiv(band_keys, block_n) + 1
+            ints = (*scalars, *strides, heads_kv, seqlen_q, batch, seqlen_new, capacity, cache_shape[0], band_tiles)
             meta = dict(common, BLOCK_B=next_power_of_2(batch), **config)
             return _Plan((programs, 1, 1), programs * 2 * block_m, block_d + PART_PAD.value, units, ints, meta, False,
                          stream=True)
+    _require_declared("decode_split", variant)
     num_splits = max(1, int(num_splits))
     split_kv = num_splits > 1
-    ints = (*strides, heads_kv, seqlen_q, num_splits, seqlen_new, capacity, cache_shape[0],
-            configs.seqlen_bucket(cdiv(max(max_seqlen_k, 1), num_splits)))
+    ints = (*scalars, *strides, heads_kv, seqlen_q, num_splits, seqlen_new, capacity, cache_shape[0],
+            configs.seqlen_bucket(cdiv(max(read_keys, 1), num_splits)))
     meta = dict(common, SPLIT_KV=split_kv, SPLITS_P2=next_power_of_2(num_splits) if split_kv else 1)
     if config is not None:
         meta.update(config)
