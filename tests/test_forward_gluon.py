@@ -356,3 +356,100 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
                 _, d, causal, varlen, keys, _, spill, _ = line.split()
                 key = (int(d), causal == "True", varlen == "True", int(keys))
                 assert int(spill) <= SPILL_BUDGET.get(key, 0), f"{line}: more spills than {SPILL_BUDGET.get(key, 0)} bytes"
+
+
+VARIANT_CONFIGS = ["default", "64-key tiles, 4 stages", "causal items one at a time", "three consumers", "overlap",
+                   "overlap, three consumers", "overlap, dynamic schedule"]
+GLUON_VARIANTS = {  # (causal, window, softcap, ALiBi, sinks)
+    "causal window": (True, (200, 0), 0.0, False, False),
+    "window both sides": (False, (130, 70), 0.0, False, False),
+    "window left only": (False, (300, -1), 0.0, False, False),
+    "softcap": (True, (-1, -1), 20.0, False, False),
+    "alibi": (False, (-1, -1), 0.0, True, False),
+    "sinks": (True, (-1, -1), 0.0, False, True),
+    "all": (True, (150, 0), 15.0, True, True),
+}
+
+
+@hopper_only
+@pytest.mark.parametrize("variant_name", list(GLUON_VARIANTS))
+@pytest.mark.parametrize("name", VARIANT_CONFIGS)
+@pytest.mark.parametrize("shape", [(2, 1000, 1000, 8, 2), (1, 333, 700, 4, 4), (1, 700, 333, 4, 2)])
+def test_gluon_kernel_variants(variant_name, name, shape, device):
+    """Windows (the producer loads only the band's tiles, from its first), softcap, ALiBi and sinks through every
+    consumer schedule, against float64 and judged against torch's error in the same dtype; lse -inf (or the sink)
+    exactly on rows that see no key."""
+    from test_features import _torch_same_dtype
+
+    causal, window, softcap, alibi, sinks = GLUON_VARIANTS[variant_name]
+    batch, sq, sk, hq, hkv = shape
+    q, k, v = make_qkv(batch, sq, sk, hq, hkv, 128, torch.bfloat16, device, seed=sq + sk)
+    slopes = (0.5 ** torch.arange(1.0, hq + 1)).to(device) if alibi else None
+    sink = torch.linspace(-2.0, 3.0, hq).to(device) if sinks else None
+    variant = Variant(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, hq, sq), float("nan"), dtype=torch.float32, device=device)
+    G.launch_forward_gluon(q, k, v, out, lse, 128 ** -0.5, causal, True, CONFIGS[name], variant=variant.of(
+        causal, True, window, softcap, alibi, sinks), alibi_slopes=slopes, learnable_sink=sink)
+    exact, exact_lse = attention_reference(q, k, v, variant=variant, return_lse=True)
+    assert_close_to_exact(out, _torch_same_dtype(q, k, v, variant, sink), exact, torch.bfloat16,
+                          f"{name}, {variant_name}")
+    seen = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse), seen), f"{name}, {variant_name}: lse -inf exactly where no key is seen"
+    torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=2e-3, rtol=2e-3)
+
+
+@hopper_only
+@pytest.mark.parametrize("variant_name", ["causal window", "window both sides", "all"])
+@pytest.mark.parametrize("name", ["varlen dispatch", "varlen, static schedule", "varlen dispatch, overlap"])
+def test_gluon_kernel_varlen_variants(variant_name, name, device):
+    """Packed sequences with a window (per sequence, bottom-right), softcap, ALiBi and sinks: each sequence against
+    float64; the tile past a sequence's last key holds the next sequence's rows, which the mask must hide."""
+    from test_features import _torch_same_dtype
+    from test_varlen import pack
+
+    causal, window, softcap, alibi, sinks = GLUON_VARIANTS[variant_name]
+    gen = torch.Generator().manual_seed(3)
+    lengths_q, lengths_k = [130, 1, 0, 457, 64, 5], [100, 300, 7, 657, 1, 0]
+    q, cu_q = pack(lengths_q, 4, 128, torch.bfloat16, device, gen)
+    k, cu_k = pack(lengths_k, 2, 128, torch.bfloat16, device, gen)
+    v, _ = pack(lengths_k, 2, 128, torch.bfloat16, device, gen)
+    slopes = (0.5 ** torch.arange(1.0, 5.0)).to(device) if alibi else None
+    sink = torch.linspace(-2.0, 3.0, 4).to(device) if sinks else None
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((4, q.shape[0]), float("nan"), dtype=torch.float32, device=device)
+    G.launch_forward_gluon(q, k, v, out, lse, 128 ** -0.5, causal, True, CONFIGS[name], cu_q, cu_k, max(lengths_q),
+                           max(lengths_k), Variant.of(causal, True, window, softcap, alibi, sinks), slopes, sink)
+    variant = Variant(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        if lq == 0:
+            continue
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        qb, kb, vb = q[None, sq], k[None, sk], v[None, sk]
+        exact, exact_lse = attention_reference(qb, kb, vb, variant=variant, return_lse=True)
+        seen = torch.isfinite(exact_lse[0])
+        assert torch.equal(torch.isfinite(lse[:, sq]), seen), f"{name}: sequence {b}"
+        if lk == 0:
+            assert torch.all(out[sq] == 0), f"{name}: sequence {b}"
+            continue
+        assert_close_to_exact(out[None, sq], _torch_same_dtype(qb, kb, vb, variant, sink), exact, torch.bfloat16,
+                              f"{name}: sequence {b}")
+        torch.testing.assert_close(lse[:, sq][seen].double(), exact_lse[0][seen], atol=2e-3, rtol=2e-3)
+
+
+def test_gluon_variant_builds_compile_for_sm90():
+    """The variant builds (window, softcap, ALiBi, sinks) compile offline through the flat (OVERLAP, short keys) and
+    item-by-item (long keys) schedules and the varlen one (in a fresh process, as above)."""
+    script = (
+        "from flashtriton import configs\n"
+        "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
+        "from flashtriton.kernels.variant import Variant\n"
+        "for causal, window, varlen, keys in ((True, (100, 0), False, 1024), (False, (64, 64), False, 16384),\n"
+        "                                     (True, (100, 0), True, 4096)):\n"
+        "    variant = Variant.of(causal, True, window, 15.0, True, True)\n"
+        "    config = (configs.gluon_varlen_config if varlen else configs.gluon_fwd_config)(128, keys, keys, causal)\n"
+        "    compiled = compile_for_sm90(128, causal, config, varlen=varlen, variant=variant)\n"
+        "    assert 'wgmma.mma_async' in compiled.asm['ptx']\n"
+        "    print('compiled', causal, window, varlen, keys)\n"
+    )
+    assert compile_in_fresh_process(script).count("compiled") == 3

@@ -49,7 +49,7 @@ class Kernel:
 
 
 KERNELS = (
-    Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, (64, 128)),
+    Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, (64, 128), fields=SCORES),
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
     Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", fields=SCORES),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF, (64, 128)),

@@ -265,19 +265,6 @@ def _attn_fwd_tma(
         desc_o.store([off_b, start_m * BLOCK_M, off_h, 0], out.to(desc_o.dtype).reshape(1, BLOCK_M, 1, HEAD_DIM))
 
 
-def variant_args(variant: Variant, softmax_scale: float, alibi_slopes=None, learnable_sink=None) -> tuple:
-    """The variant's runtime arguments as every forward kernel takes them after its cu_seqlens: (qk_scale,
-    window_left, window_right, softcap, ALIBI, stride_alibi_b, SINKS), None for what is off (a constexpr: the
-    kernel compiles without it)."""
-    alibi_stride = None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
-    return (*variant.scalars(softmax_scale), alibi_slopes, alibi_stride, learnable_sink)
-
-
-def variant_meta(variant: Variant) -> dict:
-    """The variant's constexprs as every forward kernel takes them."""
-    return {**variant.constexprs, **variant.score_constexprs, "HAS_SINKS": variant.has_sinks}
-
-
 def _tma_launch_parts(q_shape, k_shape, dtype, out_strides, lse_strides, causal, causal_bottom_right, config,
                       batch=None, max_seqlen_q=None, max_seqlen_k=None, variant: Variant | None = None):
     """(grid, scalar arguments after the variant's, constexprs and options) of a TMA forward launch. Dense:
@@ -294,7 +281,8 @@ def _tma_launch_parts(q_shape, k_shape, dtype, out_strides, lse_strides, causal,
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         stride_lb, stride_lh = lse_strides[0], lse_strides[1]
     ints = (out_strides[-3], out_strides[-2], stride_lb, stride_lh, heads_q // heads_kv, seqlen_q, seqlen_k)
-    meta = dict(HEAD_DIM=q_shape[-1], **variant_meta(variant), IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, UPCAST_DOT=dot_settings(dtype)[0],
+    meta = dict(HEAD_DIM=q_shape[-1], **variant.forward_constexprs, IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn,
+                UPCAST_DOT=dot_settings(dtype)[0],
                 num_warps=config["num_warps"], num_stages=config["num_stages"])
     if config.get("maxnreg"):  # a register cap, so that more programs fit on an SM
         meta["maxnreg"] = config["maxnreg"]
@@ -312,13 +300,13 @@ def _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_
                                          max_seqlen_q, max_seqlen_k, variant)
     launch(_attn_fwd_tma, grid, _tma_args(q, k, v, out, lse, config["BLOCK_M"], config["BLOCK_N"], varlen,
                                           cu_seqlens_q, cu_seqlens_k,
-                                          variant_args(variant, softmax_scale, alibi_slopes, learnable_sink), ints),
+                                          variant.forward_args(softmax_scale, alibi_slopes, learnable_sink), ints),
            meta)
 
 
 def _tma_args(q, k, v, out, lse, block_m, block_n, varlen, cu_seqlens_q, cu_seqlens_k, scalars, ints) -> tuple:
     """The TMA forward's runtime arguments: descriptors of q, k, v, out, then the pointers, the variant's arguments
-    (`variant_args`) and `ints`."""
+    (`Variant.forward_args`) and `ints`."""
     return (tma_descriptor(q, block_m, varlen), tma_descriptor(k, block_n, varlen), tma_descriptor(v, block_n, varlen),
             tma_descriptor(out, block_m, varlen), out, lse, cu_seqlens_q, cu_seqlens_k, *scalars, *ints)
 
@@ -356,7 +344,7 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
     gluon_config = configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal) if use_gluon else None
     if gluon_config is not None:
         grid, ints, meta = forward_gluon_launch.launch_parts(q_shape, k_shape, causal, causal_bottom_right,
-                                                             gluon_config, sm_count(device.index))
+                                                             gluon_config, sm_count(device.index), variant=variant)
         return _DenseTmaPlan(forward_gluon_launch.KERNEL, grid, ints, meta, None, gluon_config["BLOCK_N"], True)
     config = configs.default_fwd_tma_config(head_dim, seqlen_q, k_shape[1], causal)
     grid, ints, meta = _tma_launch_parts(q_shape, k_shape, dtype, out_strides, (heads_q * seqlen_q, seqlen_q), causal,
@@ -365,7 +353,7 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
 
 
 def _launch_dense_tma(plan, q, k, v, out, lse, scalars) -> None:
-    """`plan` on this call's tensors; `scalars`: the variant's arguments (`variant_args`)."""
+    """`plan` on this call's tensors; `scalars`: the variant's arguments (`Variant.forward_args`)."""
     if plan.gluon:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.meta["DYNAMIC"] else None
         args = forward_gluon_launch.launch_args(q, k, v, out, lse, scalars, plan.block_n, plan.ints, None, None,
@@ -441,7 +429,7 @@ def launch_forward(
                                dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0)
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
             _launch_dense_tma(plan, q, k, v, out, lse,
-                              variant_args(variant, softmax_scale, alibi_slopes, learnable_sink))
+                              variant.forward_args(softmax_scale, alibi_slopes, learnable_sink))
             return out, lse, None
     if (config is None and varlen and tma_ok(q, k, v, out)
             and dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, False, variant.fields())):
@@ -456,7 +444,7 @@ def launch_forward(
         if gluon_config is not None:
             forward_gluon_launch.launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
                                                       gluon_config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                      max_seqlen_k)
+                                                      max_seqlen_k, variant, alibi_slopes, learnable_sink)
             return out, lse, None
         tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
         _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config,
@@ -472,14 +460,15 @@ def launch_forward(
         l_strides = (lse.stride(0), lse.stride(1))
     upcast, precision = dot_settings(q.dtype)
     args = (
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *variant_args(variant, softmax_scale, alibi_slopes, learnable_sink),
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        *variant.forward_args(softmax_scale, alibi_slopes, learnable_sink),
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
         heads_q // heads_kv, seqlen_q, seqlen_k,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
     )
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-        **variant_meta(variant), IS_VARLEN=varlen,
+        **variant.forward_constexprs, IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
 

@@ -33,12 +33,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward_gluon_items import ITEM_FIELDS, item_bounds, num_items, read_item, work, work_ahead
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_SINKS, SC_SOFTCAP, SC_WINDOW, item_bounds,
+                                  num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
 from .gluon_common import wgmma_layout
-from .variant import key_end, tile_masked, visible
+from .variant import alibi_bias, key_end, softcap_scores, tile_masked, visible
 
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
+NONE = gl.constexpr(0)  # what stands for a variant argument that is off
 
 
 @gluon.jit
@@ -49,14 +51,37 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale,
-                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False):
+def _slope(scores, off_b, off_h, SCORES: gl.constexpr):
+    """An item's ALiBi slope in base 2 (0 without ALiBi); `scores` = (softcap, ALIBI, stride_alibi_b, SINKS)."""
+    if SCORES & SC_ALIBI:
+        return gl.load(scores[1] + off_b * scores[2] + off_h) * 1.4426950408889634
+    else:
+        return 0.0
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, scores, slope,
+                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False,
+                  SCORES: gl.constexpr = 0):
     """Fold raw scores s (ROWS, BLOCK_N) of keys [n, n + BLOCK_N) into (m_i, l_i): (p, alpha, m_new, l_new).
-    Only tiles that reach past the keys or, causal, past the first row's diagonal pay for the mask. COMPACT: one
-    compare per score against the row's last visible key, for `_consume_flat` (which says why only there)."""
-    need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL)
+    Only tiles that reach past the keys or past the band (the first row's diagonal, a window's edges) pay for the
+    mask. COMPACT: one compare per score against the row's last visible key, for `_consume_flat` (which says why
+    only there), without a window. With softcap or ALiBi the scores are changed (`variant.softcap_scores`, then
+    `variant.alibi_bias` with the item's `slope`) and scaled before the mask; `scores` = (softcap, ...)."""
+    HAS_WINDOW: gl.constexpr = (SCORES & SC_WINDOW) != 0
+    SCALED: gl.constexpr = (SCORES & (SC_SOFTCAP | SC_ALIBI)) != 0
+    if SCALED:  # s in base 2, scaled
+        if SCORES & SC_SOFTCAP:
+            s = softcap_scores(s, qk_scale, scores[0])
+        else:
+            s = s * qk_scale
+        if SCORES & SC_ALIBI:
+            keys = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = s + alibi_bias(rows[:, None], keys[None, :], diag, slope)
+    need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL, HAS_WINDOW, window[0],
+                                                       window[1], row0 + (ROWS - 1), n)
     if need_mask:
-        if COMPACT:
+        if COMPACT and not HAS_WINDOW:
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # in the tile
             if IS_CAUSAL:
                 keep = cols[None, :] < (gl.minimum(key_end(rows, diag, IS_CAUSAL), seqlen_k) - n)[:, None]
@@ -64,35 +89,42 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale,
                 keep = cols[None, :] < seqlen_k - n
         else:
             cols = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = visible(cols[None, :] < seqlen_k, rows[:, None], cols[None, :], diag, IS_CAUSAL)
+            keep = visible(cols[None, :] < seqlen_k, rows[:, None], cols[None, :], diag, IS_CAUSAL, HAS_WINDOW,
+                           window[0], window[1])
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - m_safe[:, None])
+    if SCALED:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def _first_softmax(s, row0, seqlen_k, diag, qk_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BLOCK_N: gl.constexpr, dtype: gl.constexpr):
-    """An item's first tile of scores s (ROWS, BLOCK_N) from a fresh softmax state: (p_op, m_i, l_i), p_op the
-    P operand of its P V."""
+def _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, IS_CAUSAL: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, dtype: gl.constexpr, SCORES: gl.constexpr = 0):
+    """An item's first tile of scores s (ROWS, BLOCK_N), of keys from `first`, from a fresh softmax state:
+    (p_op, m_i, l_i), p_op the P operand of its P V."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(HEAD_DIM), k_width=2)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, row0, rows, seqlen_k, diag, qk_scale, IS_CAUSAL,
-                                       BLOCK_N, s_layout)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first, row0, rows, seqlen_k, diag, qk_scale, window, scores,
+                                       slope, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
     return gl.convert_layout(p.to(dtype), p_layout), m_i, l_i
 
 
 @gluon.jit
-def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, seqlen_k, diag, qk_scale, IS_CAUSAL: gl.constexpr,
-                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_scale, window, scores, slope,
+                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                SCORES: gl.constexpr = 0):
     """Tile c of the ring, an item's first: its scores and softmax (its P V goes out with the next tile's
     scores): (p_op, m_i, l_i)."""
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, wgmma_layout(BLOCK_N))
@@ -102,14 +134,16 @@ def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, seqlen_k, diag, qk_scale, 
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(stage), count=1)
-    p_op, m_i, l_i = _first_softmax(s, row0, seqlen_k, diag, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, q.dtype)
+    p_op, m_i, l_i = _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, IS_CAUSAL,
+                                    HEAD_DIM, BLOCK_N, q.dtype, SCORES)
     return p_op, m_i, l_i
 
 
 @gluon.jit
 def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
-                seqlen_k, diag, qk_scale, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+                first, seqlen_k, diag, qk_scale, window, scores, slope, IS_CAUSAL: gl.constexpr,
+                IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                SCORES: gl.constexpr = 0):
     """Tiles c + 1 .. c + n_tiles - 1 of an item whose first tile (c) left (p_op, m_i, l_i): per tile j, S_j and
     P_{j-1} V_{j-1} as asynchronous wgmmas, S_j's softmax while the second runs (FlashAttention-3's
     intra-warpgroup overlap). Returns (acc, p_op, m_i, l_i): acc holds P V of all but the last tile,
@@ -132,8 +166,8 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
         acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, rows, seqlen_k, diag, qk_scale,
-                                           IS_CAUSAL, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first + j * BLOCK_N, row0, rows, seqlen_k, diag, qk_scale,
+                                           window, scores, slope, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -154,16 +188,16 @@ def _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c, IS_VARLEN: gl.cons
 
 
 @gluon.jit
-def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0, seqlen_k, diag,
-            qk_scale, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_BUFFERS: gl.constexpr):
-    """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1):
-    (acc, m_i, l_i, next tile)."""
-    p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, row0, seqlen_k, diag, qk_scale, IS_CAUSAL, HEAD_DIM,
-                                 BLOCK_N, NUM_BUFFERS)
+def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0, first, seqlen_k, diag,
+            qk_scale, window, scores, slope, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
+    """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1), keys from
+    `first`: (acc, m_i, l_i, next tile)."""
+    p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_scale, window,
+                                 scores, slope, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, SCORES)
     acc, p_op, m_i, l_i = _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty,
-                                      c, n_tiles, row0, seqlen_k, diag, qk_scale, IS_CAUSAL, IS_VARLEN, HEAD_DIM,
-                                      BLOCK_N, NUM_BUFFERS)
+                                      c, n_tiles, row0, first, seqlen_k, diag, qk_scale, window, scores, slope,
+                                      IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, SCORES)
     acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c + n_tiles - 1, IS_VARLEN, HEAD_DIM, BLOCK_N,
                    NUM_BUFFERS)
     return acc, m_i, l_i, c + n_tiles
@@ -171,17 +205,27 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n
 
 @gluon.jit
 def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
-                stride_lb, stride_lh, WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                BLOCK_N: gl.constexpr, COMPACT: gl.constexpr = False):
+                stride_lb, stride_lh, scores, WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                BLOCK_N: gl.constexpr, COMPACT: gl.constexpr = False, SCORES: gl.constexpr = 0):
     """out = acc / l, lse = m + log(l) of one warpgroup's 64 rows (rows that saw no key: out 0, lse -inf). Dense:
     through o_bufs[WG] and a TMA store (the caller has waited for the previous one to leave); varlen: masked
     stores. COMPACT: one reciprocal per row, then multiplies (acc / l is 64 full-range divisions per thread, ~4
-    instructions each), for `_consume_flat`, whose loop holds the store."""
+    instructions each), for `_consume_flat`, whose loop holds the store. SINKS: the head's sink (`scores[3]`) joins
+    the denominator first, as `variant.add_sink` does (rows that saw no key: out 0, lse = the sink)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    if SCORES & SC_SINKS:
+        sink = gl.load(scores[3] + off_h).to(gl.float32) * 1.4426950408889634  # base 2
+        m_new = gl.maximum(m_i, sink)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)  # 0 for a row that saw no key
+        l_i = l_i * alpha + gl.exp2(sink - m_safe)
+        m_i = m_new
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    if COMPACT:
+    if SCORES & SC_SINKS:
+        out = (acc * gl.convert_layout(alpha / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
+    elif COMPACT:
         out = (acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
     else:
         out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
@@ -203,13 +247,14 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
 
 
 @gluon.jit
-def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles,
+def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles,
                   WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr):
+                  BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr,
+                  SCORES: gl.constexpr = 0):
     """One item's rows of this warpgroup, its Q landed in slot qs: attend, release the slot, store out and lse.
     Returns the ring's next tile."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, desc_o, O, LSE,
-     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
@@ -217,43 +262,46 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
     q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
     if n_tiles > 0:
         acc, m_i, l_i, c = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
-                                   seqlen_k, diag, qk_scale, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS)
-    else:  # causal with Sq > Sk: rows that see no key
+                                   first, seqlen_k, diag, qk_scale, items[7], scores,
+                                   _slope(scores, off_b, off_h, SCORES), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N,
+                                   NUM_BUFFERS, SCORES)
+    else:  # rows that see no key (causal with Sq > Sk, a window past the keys)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.arrive(q_empty.index(qs), count=1)
     _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
-                stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N)
+                stride_lb, stride_lh, scores, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, False, SCORES)
     return c
 
 
 @gluon.jit
-def _following_item(qi, slots, q_ready, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-                    BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
+def _following_item(qi, slots, q_ready, window, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+                    BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                    SCORES: gl.constexpr = 0):
     """OVERLAP: the item the producer posted in Q slot qi (once its Q has landed): (valid, off_b, off_h, start_m,
-    q_start, seqlen_q, seqlen_k, diag, n_tiles); not valid after the program's last item. The producer
+    q_start, seqlen_q, seqlen_k, diag, first, n_tiles); not valid after the program's last item. The producer
     works out the schedule (and skips items without rows) so that the consumers' path between items is short."""
     qs = qi % Q_BUFFERS
     mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
     off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = read_item(slots.index(qs))
-    diag, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                               ROWS * N_CONSUMERS, BLOCK_N)
-    return off_b >= 0, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles
+    diag, first, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, window, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
+                                                 ROWS * N_CONSUMERS, BLOCK_N, SCORES)
+    return off_b >= 0, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles
 
 
 @gluon.jit
 def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
                     IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr,
-                    Q_BUFFERS: gl.constexpr):
+                    Q_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
     """The first item from Q slot qi on whose rows see a key: (qi, valid, off_b, off_h, start_m, q_start, seqlen_q,
-    seqlen_k, diag, n_tiles). Items before it (causal with Sq > Sk: rows that see no key) get out 0 and
-    lse -inf here, and their Q slots back."""
+    seqlen_k, diag, first, n_tiles). Items before it (rows that see no key: causal with Sq > Sk, a window past
+    the keys) get out 0 and lse -inf (or the sink) here, and their Q slots back."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, desc_o, O, LSE,
-     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _following_item(
-        qi, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
+    valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _following_item(
+        qi, slots, q_ready, items[7], IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS, SCORES)
     while valid & (n_tiles == 0):
         if not IS_VARLEN:
             tma.store_wait(0)  # the previous output has left o_smem
@@ -261,30 +309,30 @@ def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
                     gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout)),
                     gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout)), o_bufs, desc_o, O, LSE, off_b, off_h,
                     start_m * ROWS * N_CONSUMERS + WG * ROWS, q_start, seqlen_q, stride_om, stride_oh, stride_lb,
-                    stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True)
+                    stride_lh, scores, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
         mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
         qi += 1
-        valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _following_item(
-            qi, slots, q_ready, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
-    return qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles
+        valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _following_item(
+            qi, slots, q_ready, items[7], IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_N, N_CONSUMERS, Q_BUFFERS, SCORES)
+    return qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles
 
 
 @gluon.jit
 def _item_after(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
                 IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr,
-                Q_BUFFERS: gl.constexpr):
+                Q_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
     """The item in Q slot qi has had its last S: give its slot back, then `_item_with_keys` from slot qi + 1."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, desc_o, O, LSE,
-     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
     mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
     return _item_with_keys(qi + 1, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N,
-                           N_CONSUMERS, Q_BUFFERS)
+                           N_CONSUMERS, Q_BUFFERS, SCORES)
 
 
 @gluon.jit
 def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
                   IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                  N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
+                  N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
     """OVERLAP: one loop over the K/V tiles of all this program's items. Each step issues S of the next tile (the
     current item's, or the next item's first) with P V of the tile before (whichever item that belongs to), then
     runs the softmax of S while P V runs. When S was an item's first tile, the item before is complete once its P V
@@ -298,15 +346,17 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     TFLOP/s at causal T=512), and the longer ones in `_consume_in_turn`, whose schedule the compact ones slow by 2-5 %
     (explore16/ab/ab_flat3.txt)."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, desc_o, O, LSE,
-     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
     # The S side: the item in Q slot qi, tile j of its n_tiles; the output side (o_*): the item accumulated in acc.
-    qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _item_with_keys(
-        gl.to_tensor(0), shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
+    qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _item_with_keys(
+        gl.to_tensor(0), shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS,
+        SCORES)
+    slope = _slope(scores, off_b, off_h, SCORES)
     c = gl.to_tensor(0)  # K/V tiles consumed, over all items
     j = gl.to_tensor(0)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -320,13 +370,15 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     o_seqlen_q = seqlen_q
     if valid:  # the program's first S, with no P V beside it
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
-        p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, o_row0, seqlen_k, diag, qk_scale, IS_CAUSAL,
-                                     HEAD_DIM, BLOCK_N, NUM_BUFFERS)
+        p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, o_row0, first, seqlen_k, diag, qk_scale,
+                                     items[7], scores, slope, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, SCORES)
         c = 1
         j = 1
         if n_tiles == 1:
-            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _item_after(
-                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
+            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _item_after(
+                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS,
+                SCORES)
+            slope = _slope(scores, off_b, off_h, SCORES)
             j = 0
     while valid:
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
@@ -341,18 +393,19 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S done; the P V before it may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
-        first = j == 0
-        m_in = gl.where(first, float("-inf"), m_i)
-        l_in = gl.where(first, 0.0, l_i)
-        p, alpha, m_new, l_new = _softmax_tile(s, m_in, l_in, j * BLOCK_N, row0, rows, seqlen_k, diag,
-                                               qk_scale, IS_CAUSAL, BLOCK_N, s_layout, True)
+        starts = j == 0  # S is an item's first tile
+        m_in = gl.where(starts, float("-inf"), m_i)
+        l_in = gl.where(starts, 0.0, l_i)
+        p, alpha, m_new, l_new = _softmax_tile(s, m_in, l_in, first + j * BLOCK_N, row0, rows, seqlen_k, diag,
+                                               qk_scale, items[7], scores, slope, IS_CAUSAL, BLOCK_N, s_layout, True,
+                                               SCORES)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
-        if first:  # the output side's item is complete
+        if starts:  # the output side's item is complete
             if not IS_VARLEN:
                 tma.store_wait(0)  # the previous output has left o_smem
             _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, o_b, o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
-                        stride_oh, stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True)
+                        stride_oh, stride_lb, stride_lh, scores, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
             o_b = off_b
             o_h = off_h
@@ -367,15 +420,17 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         c += 1
         j += 1
         if j == n_tiles:  # the item's last S is done: its Q slot may take the next Q
-            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles = _item_after(
-                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS)
+            qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _item_after(
+                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS,
+                SCORES)
+            slope = _slope(scores, off_b, off_h, SCORES)
             j = 0
     if c > 0:  # the last item's last P V, alone
         acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c - 1, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS)
         if not IS_VARLEN:
             tma.store_wait(0)
         _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, o_b, o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
-                    stride_oh, stride_lb, stride_lh, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True)
+                    stride_oh, stride_lb, stride_lh, scores, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
     if not IS_VARLEN:
         tma.store_wait(0)  # the last item's output has left o_smem
 
@@ -384,29 +439,29 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
 def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
               N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr,
-              OVERLAP: gl.constexpr):
+              OVERLAP: gl.constexpr, SCORES: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
     kernel's `consumer_args`): item by item (`_consume_in_turn`) or, OVERLAP, with each item's end overlapped
     with the next one's start (`_consume_flat`)."""
     if OVERLAP:
         _consume_flat(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
-                      Q_BUFFERS)
+                      Q_BUFFERS, SCORES)
     else:
         _consume_in_turn(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC)
+                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, SCORES)
 
 
 @gluon.jit
 def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
                      IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                      N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
-                     DYNAMIC: gl.constexpr):
+                     DYNAMIC: gl.constexpr, SCORES: gl.constexpr = 0):
     """This warpgroup's rows of each item in turn. The output leaves through o_smem and a TMA store (dense: rows
     past the sequence are clipped) or, varlen, through masked stores (a TMA store over the packed tensor would
     write the next sequence's rows). DYNAMIC: the items the producer posts in the Q slots, until one says there
     are no more."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, desc_o, O, LSE,
-     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots) = shared
+     items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0  # K/V tiles consumed, over all items
     qi = 0  # items with rows
@@ -420,48 +475,58 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
             if more:
                 if not IS_VARLEN:
                     tma.store_wait(0)  # the previous item's output has left o_smem
-                diag, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL,
-                                                               CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
-                c = _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles,
-                                  WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, N_CONSUMERS)
+                diag, first, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, items[7], IS_CAUSAL,
+                                                             CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N, SCORES)
+                c = _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first,
+                                  n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
+                                  SCORES)
             qi += 1
     else:
         ahead = work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
         for i in range(0, n_items):
             off_b, off_h, start_m, seq, bounds, ahead = work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                                              CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
+                                                              CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                              SCORES)
             q_start, seqlen_q, k_start, seqlen_k = seq
-            diag, n_tiles, has_rows = bounds
+            diag, first, n_tiles, has_rows = bounds
             if has_rows:
                 if not IS_VARLEN:
                     tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
                 qs = qi % Q_BUFFERS
                 mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
-                c = _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, n_tiles,
-                                  WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, N_CONSUMERS)
+                c = _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first,
+                                  n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
+                                  SCORES)
                 qi += 1
     if not IS_VARLEN:
         tma.store_wait(0)  # the last item's output has left o_smem
 
 
 @gluon.jit(do_not_specialize=["stride_om", "stride_oh", "stride_lb", "stride_lh", "HEADS", "BATCH", "GROUP_SIZE",
-                              "SEQLEN_Q", "SEQLEN_K"])
+                              "SEQLEN_Q", "SEQLEN_K", "window_left", "window_right", "stride_alibi_b"])
 def _attn_fwd_gluon(
-    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale, stride_om, stride_oh, stride_lb,
-    stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
+    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
+    qk_scale, window_left, window_right, softcap, ALIBI, stride_alibi_b, SINKS,  # as `forward._attn_fwd` takes them
+    stride_om, stride_oh, stride_lb, stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, N_CONSUMERS: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr,
+    HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False, HAS_ALIBI: gl.constexpr = False,
+    HAS_SINKS: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
-    num_warps=4: the producer; the N_CONSUMERS (2 or 3) consumer warpgroups are worker partitions."""
+    num_warps=4: the producer; the N_CONSUMERS (2 or 3) consumer warpgroups are worker partitions. The variant's
+    arguments and flags are `forward._attn_fwd`'s (None where off); the partitions take the flags as one bit set,
+    SCORES (`forward_gluon_items.SC_WINDOW` ...)."""
     gl.static_assert((N_CONSUMERS == 2) | (N_CONSUMERS == 3), "2 or 3 consumers")
     gl.static_assert(not (DYNAMIC and IS_CAUSAL and CAUSAL_PAIRS), "DYNAMIC: items one at a time")
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     n_m = gl.cdiv(SEQLEN_Q, BLOCK_M)
     n_bh = HEADS * BATCH
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
+    SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
+                            + SC_SINKS * HAS_SINKS)
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
@@ -511,29 +576,33 @@ def _attn_fwd_gluon(
     stride_oh = gl.to_tensor(stride_oh)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k)  # what `work` hands out
+    # The variant's arguments, constants where off (the kernel then compiles without them).
+    window = (gl.to_tensor(window_left), gl.to_tensor(window_right)) if HAS_WINDOW else (NONE, NONE)
+    scores = (gl.to_tensor(softcap) if HAS_SOFTCAP else NONE, ALIBI if HAS_ALIBI else NONE,
+              gl.to_tensor(stride_alibi_b) if HAS_ALIBI else NONE, SINKS if HAS_SINKS else NONE)
+    items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, window)  # what `work` hands out
     producer_args = (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
                      k_empty, v_empty, items, n_items, group_size, slots, COUNTER)
     consumer_args = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
-                     desc_o, O, LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots)
+                     desc_o, O, LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores)
     # One list per consumer count (a kernel cannot hold a function in a variable, nor grow a list in a loop).
     if N_CONSUMERS == 3:
         gl.warp_specialize([
             (producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
-                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP)),
+                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP, SCORES)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
+                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
+                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
             (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
+                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
-                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP)),
+                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP, SCORES)),
             (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
+                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
             (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
-                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP)),
+                         N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

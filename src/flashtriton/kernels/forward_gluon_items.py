@@ -15,6 +15,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .gluon_common import sequence
 from .variant import diagonal, key_blocks
 
+# The score changes a Gluon forward compiles in, as one constexpr bit set (SCORES) that its partitions pass on:
+# the kernel's HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS. 0: plain attention, the kernel without them.
+SC_WINDOW, SC_SOFTCAP, SC_ALIBI, SC_SINKS = (gl.constexpr(1), gl.constexpr(2), gl.constexpr(4),
+                                             gl.constexpr(8))
 L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the unpaired causal schedule keeps in use (L2: 50-60 MB)
 
 
@@ -79,23 +83,27 @@ def num_items(n_m, n_bh, PAIRS: gl.constexpr):
 
 
 @gluon.jit
-def item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """An item's (diag, n_tiles, has_rows) in its sequence: items past a varlen sequence's last row have
-    no rows."""
-    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
-    _, _, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-    return diag, n_tiles, start_m * BLOCK_M < seqlen_q
+def item_bounds(start_m, seqlen_q, seqlen_k, window, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SCORES: gl.constexpr = 0):
+    """An item's (diag, first, n_tiles, has_rows) in its sequence: its keys are the n_tiles tiles from key `first`
+    (a window's first tile; 0 without one); items past a varlen sequence's last row have no rows. `window`:
+    (left, right) as `Variant.scalars` gives them, read under SCORES' WINDOW bit only."""
+    HAS_WINDOW: gl.constexpr = (SCORES & SC_WINDOW) != 0
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, (SCORES & (SC_WINDOW | SC_ALIBI)) != 0)
+    first, _, _, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N, HAS_WINDOW, window[0],
+                                 window[1])
+    n_tiles = gl.cdiv(hi - first, BLOCK_N)
+    return diag, first, n_tiles, start_m * BLOCK_M < seqlen_q
 
 
 @gluon.jit
 def work_ahead(i, items, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, IS_VARLEN: gl.constexpr,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """Varlen: item i and its sequence's bounds, (off_b, off_h, start_m, (q_start, seqlen_q, k_start, seqlen_k));
-    `items` = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k). Dense: 0 (unused)."""
+    `items` = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, window). Dense: 0
+    (unused)."""
     if IS_VARLEN:
-        n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k = items
+        n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, window = items
         off_b, off_h, start_m = item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
         return off_b, off_h, start_m, sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, True)
     else:
@@ -105,12 +113,12 @@ def work_ahead(i, items, IS_CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, IS
 @gluon.jit
 def work(i, n_items, ahead, items, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
           CAUSAL_PAIRS: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr):
+          BLOCK_N: gl.constexpr, SCORES: gl.constexpr = 0):
     """This program's item i, what both partitions loop over: (off_b, off_h, start_m, (q_start, seqlen_q,
-    k_start, seqlen_k), (diag, n_tiles, has_rows), ahead). Varlen: `ahead` holds item i, fetched while
+    k_start, seqlen_k), (diag, first, n_tiles, has_rows), ahead). Varlen: `ahead` holds item i, fetched while
     item i - 1 ran (`work_ahead`), and comes back holding item i + 1 (item i again after the last), so that the
     cu_seqlens loads are not on an item's critical path."""
-    n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k = items
+    n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, window = items
     if IS_VARLEN:
         off_b, off_h, start_m, seq = ahead
         ahead = work_ahead(gl.minimum(i + 1, n_items - 1), items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM,
@@ -119,7 +127,7 @@ def work(i, n_items, ahead, items, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT:
         off_b, off_h, start_m = item(i, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, CAUSAL_PAIRS, HEAD_DIM, BLOCK_M)
         seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
-    bounds = item_bounds(start_m, seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
+    bounds = item_bounds(start_m, seqlen_q, seqlen_k, window, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N, SCORES)
     return off_b, off_h, start_m, seq, bounds, ahead
 
 

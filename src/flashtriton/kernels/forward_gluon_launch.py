@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .common import LOG2E, sm_count
+from .common import sm_count
 from .forward_gluon import ROWS, _attn_fwd_gluon
 from .gluon_common import SHARED_MEMORY_LIMIT, descriptor
 from .host import cdiv
@@ -52,11 +52,13 @@ def kernel_config(config: dict) -> dict:
 
 
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,
-                 batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
-    """(grid, int arguments after the scale, constexprs and options) of a launch. Dense (batch None):
+                 batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                 variant: Variant | None = None):
+    """(grid, int arguments after the variant's, constexprs and options) of a launch. Dense (batch None):
     q (B, Sq, Hq, D), k (B, Sk, Hkv, D), contiguous out like q and lse (B, Hq, Sq). Varlen: q (total_q, Hq, D),
     k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens, contiguous out like q
-    and lse (Hq, total_q)."""
+    and lse (Hq, total_q). `variant` (default: causal or not) overrides causal and causal_bottom_right."""
+    variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     config = kernel_config(config)
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
@@ -75,39 +77,43 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
     grid = (min(units, sms), 1, 1)
     ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
-    meta = dict(**Variant.of(causal, causal_bottom_right).constexprs, IS_VARLEN=varlen,
-                HEAD_DIM=head_dim, num_warps=4, **config)
+    meta = dict(**variant.forward_constexprs, IS_VARLEN=varlen, HEAD_DIM=head_dim, num_warps=4, **config)
     return grid, ints, meta
 
 
-def launch_args(q, k, v, out, lse, softmax_scale: float, block_n: int, ints: tuple, cu_seqlens_q=None,
+def launch_args(q, k, v, out, lse, scalars: tuple, block_n: int, ints: tuple, cu_seqlens_q=None,
                 cu_seqlens_k=None, counter=None) -> tuple:
     """The kernel's runtime arguments: the four descriptors, out, lse, cu_seqlens (varlen; else lse stands in),
-    the dynamic schedule's counter (a zeroed int32; else lse stands in), the scale, then `ints`."""
+    the dynamic schedule's counter (a zeroed int32; else lse stands in), the variant's arguments
+    (`Variant.forward_args`: the scale first), then `ints`."""
     varlen = cu_seqlens_q is not None
     rows = ROWS.value
     return (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
             descriptor(out, rows, varlen), out, lse, cu_seqlens_q if varlen else lse,
-            cu_seqlens_k if varlen else lse, lse if counter is None else counter, softmax_scale * LOG2E, *ints)
+            cu_seqlens_k if varlen else lse, lse if counter is None else counter, *scalars, *ints)
 
 
 def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config, cu_seqlens_q=None,
-                         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+                         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, variant: Variant | None = None,
+                         alibi_slopes=None, learnable_sink=None) -> None:
     """Dense q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), out like q, lse (B, Hq, Sq); or varlen q (total_q, Hq, D),
     k/v (total_k, Hkv, D), out like q, lse (Hq, total_q), cu_seqlens int32 (B + 1,). out and lse contiguous,
-    fp16/bf16, D 64 or 128, inputs that pass `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks)."""
+    fp16/bf16, D 64 or 128, inputs that pass `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks).
+    `variant` (default: causal or not) with its ALiBi slopes and sinks, as `forward.launch_forward` takes them."""
     batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
+    variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, sm_count(q.device.index),
-                                    batch, max_seqlen_q, max_seqlen_k)
+                                    batch, max_seqlen_q, max_seqlen_k, variant)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config["DYNAMIC"] else None  # one per launch
     # `launch` skips Triton's argument binding for a call shape seen before: ~0.2 ms of host time per varlen call
     # on the H200 machine's CPU, which a benchmark that idles the GPU between calls sees as GPU idle time.
-    launch(_attn_fwd_gluon, grid, launch_args(q, k, v, out, lse, softmax_scale, config["BLOCK_N"], ints,
-                                              cu_seqlens_q, cu_seqlens_k, counter), meta)
+    scalars = variant.forward_args(softmax_scale, alibi_slopes, learnable_sink)
+    launch(_attn_fwd_gluon, grid, launch_args(q, k, v, out, lse, scalars, config["BLOCK_N"], ints, cu_seqlens_q,
+                                              cu_seqlens_k, counter), meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
-                     varlen: bool = False):
+                     varlen: bool = False, variant: Variant | None = None):
     """Compile the kernel for sm_90 without a GPU (Triton's frontend and Hopper passes, then its bundled ptxas):
     compiled.asm["ptx"] / ["cubin"], compiled.metadata.shared. For tests and for looking at what a change does
     to registers and spills (`ptxas -v` on the PTX) before spending device time. Not under the interpreter."""
@@ -117,18 +123,26 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
 
     t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
     batch = 2 if varlen else None
-    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256)
+    variant = Variant.of(causal, True) if variant is None else variant
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256, variant)
+    slopes = torch.empty(4) if variant.has_alibi else None
+    sinks = torch.empty(4) if variant.has_sinks else None
+    for name, value in zip(("qk_scale", "window_left", "window_right", "softcap", "ALIBI", "stride_alibi_b", "SINKS"),
+                           variant.forward_args(1.0, slopes, sinks)):
+        if value is None:
+            meta[name] = None  # off: a constexpr
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
     descriptors = {"desc_q": descriptor(t, rows, varlen), "desc_o": descriptor(t, rows, varlen),
                    "desc_k": descriptor(t, config["BLOCK_N"], varlen), "desc_v": descriptor(t, config["BLOCK_N"], varlen)}
     pointers = {"O": "*bf16" if dtype == torch.bfloat16 else "*fp16", "LSE": "*fp32",
                 "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
-                "COUNTER": "*i32" if config["DYNAMIC"] else "*fp32"}
+                "COUNTER": "*i32" if config["DYNAMIC"] else "*fp32", "ALIBI": "*fp32", "SINKS": "*fp32"}
     names = _attn_fwd_gluon.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
-                 else pointers[name] if name in pointers else "fp32" if name == "qk_scale" else "i32"
+                 else pointers[name] if name in pointers else "fp32" if name in ("qk_scale", "softcap") else "i32"
                  for name in names}
     source = GluonASTSource(_attn_fwd_gluon, signature, constexprs=meta,
-                            attrs={(names.index(name),): [["tt.divisibility", 16]] for name in pointers})
+                            attrs={(names.index(name),): [["tt.divisibility", 16]] for name in pointers
+                                   if name not in meta})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

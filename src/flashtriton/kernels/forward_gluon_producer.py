@@ -28,10 +28,11 @@ def zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN: gl.constexpr, BLOCK_N: gl.constexpr,
-               NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, POSTED: gl.constexpr):
+def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARLEN: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              POSTED: gl.constexpr):
     """One item's loads (see `producer`): its Q into slot qi % Q_BUFFERS (POSTED: the item posted there too),
-    its n_tiles K/V tiles into the ring from tile c on. Returns (qi + 1, c + n_tiles)."""
+    its n_tiles K/V tiles from key `first` on into the ring from tile c on. Returns (qi + 1, c + n_tiles)."""
     (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
      items, n_items, group_size, slots, COUNTER) = shared
     HEAD_DIM: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 1]
@@ -51,14 +52,16 @@ def load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN: gl.
         phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
         mbarrier.wait(k_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
         mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-        tma_load(desc_k, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, k_ready.index(stage), k_bufs.index(stage))
+        tma_load(desc_k, IS_VARLEN, off_b, k_start + first + t * BLOCK_N, off_hk, k_ready.index(stage),
+                 k_bufs.index(stage))
         mbarrier.wait(v_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
         mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        tma_load(desc_v, IS_VARLEN, off_b, k_start + t * BLOCK_N, off_hk, v_ready.index(stage), v_bufs.index(stage))
+        tma_load(desc_v, IS_VARLEN, off_b, k_start + first + t * BLOCK_N, off_hk, v_ready.index(stage),
+                 v_bufs.index(stage))
         if IS_VARLEN:
-            if (t + 1) * BLOCK_N > seqlen_k:
+            if first + (t + 1) * BLOCK_N > seqlen_k:
                 mbarrier.wait(v_ready.index(stage), phase ^ 1)
-                zero_rows_from(v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - t * BLOCK_N,
+                zero_rows_from(v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - first - t * BLOCK_N,
                                 BLOCK_N, HEAD_DIM)
                 fence_async_shared()  # the generic stores, before the wgmma (async proxy) reads
             mbarrier.arrive(v_fixed.index(stage), count=1)
@@ -69,7 +72,7 @@ def load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN: gl.
 @gluon.jit
 def producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
-              CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, POSTED: gl.constexpr):
+              CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, POSTED: gl.constexpr, SCORES: gl.constexpr = 0):
     """TMA loads of this program's items: Q into slot qi % Q_BUFFERS once the consumers are done with the item
     that held it (with two slots, an item's Q lands while the one before runs); K/V tile c
     (counted over all items) into stage c % NUM_BUFFERS once they all released the tile it held (K and V have
@@ -87,27 +90,27 @@ def producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
     c = 0  # K/V tiles issued, over all items
     qi = 0  # items with rows, whose Q was loaded
     if DYNAMIC:
-        n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k = items
+        n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, window = items
         unit = gl.atomic_add(COUNTER, 1, sem="relaxed")
         while unit < n_m * n_bh:
             next_unit = gl.atomic_add(COUNTER, 1, sem="relaxed")  # in flight while this unit's loads are issued
             off_b, off_h, start_m = unit_item(unit, n_m, n_bh, heads, max_seqlen_k, IS_CAUSAL, False, HEAD_DIM)
             seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN)
-            diag, n_tiles, has_rows = item_bounds(start_m, seq[1], seq[3], IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                                       BLOCK_M, BLOCK_N)
+            diag, first, n_tiles, has_rows = item_bounds(start_m, seq[1], seq[3], window, IS_CAUSAL,
+                                                         CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N, SCORES)
             if has_rows:
-                qi, c = load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
-                                   N_CONSUMERS, Q_BUFFERS, POSTED)
+                qi, c = load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARLEN, BLOCK_N,
+                                  NUM_BUFFERS, N_CONSUMERS, Q_BUFFERS, POSTED)
             unit = next_unit
         post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)
     else:
         ahead = work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
         for i in range(0, n_items):
             off_b, off_h, start_m, seq, bounds, ahead = work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                                              CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N)
-            diag, n_tiles, has_rows = bounds
+                                                              CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N, SCORES)
+            diag, first, n_tiles, has_rows = bounds
             if has_rows:
-                qi, c = load_item(shared, qi, c, off_b, off_h, start_m, seq, n_tiles, IS_VARLEN, BLOCK_N, NUM_BUFFERS,
-                                   N_CONSUMERS, Q_BUFFERS, POSTED)
+                qi, c = load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARLEN, BLOCK_N,
+                                  NUM_BUFFERS, N_CONSUMERS, Q_BUFFERS, POSTED)
         if POSTED:
             post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)

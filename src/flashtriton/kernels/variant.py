@@ -79,6 +79,18 @@ class Variant:
         return {"HAS_WINDOW": "window_size" in self.fields(), "HAS_SOFTCAP": bool(self.softcap),
                 "HAS_ALIBI": self.alibi_slopes is not None}
 
+    @functools.cached_property
+    def forward_constexprs(self) -> dict:
+        """The variant's constexprs as the forward kernels (portable, TMA, Gluon) take them; do not modify."""
+        return {**self.constexprs, **self.score_constexprs, "HAS_SINKS": self.has_sinks}
+
+    def forward_args(self, softmax_scale: float, alibi_slopes=None, learnable_sink=None) -> tuple:
+        """The variant's runtime arguments as the forward kernels take them after their cu_seqlens: (qk_scale,
+        window_left, window_right, softcap, ALIBI, stride_alibi_b, SINKS), None for what is off (a constexpr: the
+        kernel compiles without it)."""
+        alibi_stride = None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+        return (*self.scalars(softmax_scale), alibi_slopes, alibi_stride, learnable_sink)
+
     def scalars(self, softmax_scale: float) -> tuple:
         """(qk_scale, window_left, window_right, softcap) as those kernels take them: qk_scale = softmax_scale ·
         log2(e), or softmax_scale / softcap with the cap (then softcap · log2(e), `softcap_scores`); the window's
