@@ -30,6 +30,14 @@ rows between sequences masked (never written); programs past a sequence's end re
 results leave by TMA store, a sequence's last partial block row by row (a TMA store would write the next one's rows).
 Causal: the dQ kernel's first warpgroup skips the key tile it sees nothing of (the dK/dV kernel computes its wholly
 masked tile: skipping it there cost spills and 12-15 %).
+Variants (`Variant.score_constexprs`: HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, with their scalars; None arguments where
+off, so that a kernel without them compiles as it would without the code): a window's dK/dV program streams only the
+query tiles of `variant.query_blocks` for its 128 keys, a dQ program only the key tiles of `variant.key_blocks` for its
+128 rows (and skips a warpgroup's tile of no visible pair, `tile_hidden`); tiles on the band's edges are masked
+(`key_tile_masked` / `tile_masked`, `visible`). Softcap: the capped scores and 1 − tanh², which multiplies dS
+(`softcap_scores_and_grad`; folded into P once dV has its copy); ALiBi: `alibi_bias` before exp2, the slopes (B or 1,
+Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after its Pᵀ (fewer live registers: `_consumer`). Sinks
+need nothing here: lse includes them, and their gradient is a torch reduction (`backward.sink_grad`).
 D 64 or 128, fp16/bf16; sm_90. `backward.attention_backward` launches these (`backward_gluon_launch.launch_dkdv_gluon`
 / `launch_dq_gluon`) where `configs.gluon_bwd_config` says.
 """
@@ -42,7 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .gluon_common import sequence, tma_load, tma_store, wgmma_layout
-from .variant import diagonal, key_end_before, key_tile_masked, query_first, tile_hidden, tile_masked, visible
+from .variant import (alibi_bias, diagonal, key_blocks, key_end_before, key_tile_masked, query_blocks, query_first,
+                      softcap_scores_and_grad, tile_hidden, tile_masked, visible)
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
 BLOCK_M = gl.constexpr(64)  # query rows per streamed tile
@@ -53,6 +62,23 @@ KEYS = gl.constexpr(2 * 64)  # keys per program
 def _lse_base2(lse):
     """lse in base 2 for exp2(s · qk_scale − lse); rows that see no key (−inf) get +inf, so that their P is 0."""
     return gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@gluon.jit
+def _probabilities(s, lse, q_idx, k_idx, diag, qk_scale, softcap, slope, HAS_SOFTCAP: gl.constexpr,
+                   HAS_ALIBI: gl.constexpr):
+    """(P, d(capped score) / d(scaled score)) of a tile of raw scores `s` = Q Kᵀ (or its transpose), `lse` the
+    rows' base-2 log-sum-exp broadcast against it and q_idx / k_idx its query / key indices: the variant's score
+    changes (`variant.softcap_scores_and_grad`: the second value, by which dS is multiplied, is 1 without
+    softcap; `variant.alibi_bias` with `slope` in base 2) before exp2."""
+    cap_grad = 1.0
+    if HAS_SOFTCAP:
+        s, cap_grad = softcap_scores_and_grad(s, qk_scale, softcap)
+    else:
+        s = s * qk_scale
+    if HAS_ALIBI:
+        s = s + alibi_bias(q_idx, k_idx, diag, slope)
+    return gl.exp2(s - lse), cap_grad
 
 
 @gluon.jit
@@ -116,14 +142,20 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 
 
 @gluon.jit
-def _consumer(shared, place, seq, diag, qk_scale, softmax_scale,
+def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
-    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores."""
+              NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+              HAS_ALIBI: gl.constexpr):
+    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores.
+    `variant`: (window left, right, softcap, the group's first query head's ALiBi slope pointer), None where off."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
      stride_dkn, stride_dkh, stride_dvn, stride_dvh) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
+    left, right, softcap, slopes = variant
+    # A variant's score tile takes more registers (the softcap's gradient, ALiBi's and the window's indices): its
+    # dPᵀ is issued once Pᵀ is on its way to dV, so that the dPᵀ accumulator is not live while Pᵀ is computed.
+    LATE_DP: gl.constexpr = HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -146,22 +178,37 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale,
         q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
         s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
-        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
+        if not LATE_DP:
+            dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
         lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
         if IS_VARLEN:  # rows past the sequence: the layout's gap (never written) or the next sequence's; no P there
             in_seq = m + cols < seqlen_q
             lse = gl.where(in_seq, lse, float("-inf"))
         lse = _lse_base2(lse)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
-        if key_tile_masked(first_key + ROWS - 1, m, diag, IS_CAUSAL):  # the tile reaches past some row's diagonal
-            p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL), p, 0.0)
+        slope = gl.load(slopes + g) * 1.4426950408889634 if HAS_ALIBI else None  # query head g's, in base 2
+        if LATE_DP:
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            p, cap_grad = _probabilities(s, lse[None, :], (m + cols)[None, :], keys[:, None], diag, qk_scale, softcap,
+                                         slope, HAS_SOFTCAP, HAS_ALIBI)  # Pᵀ (ROWS, BLOCK_M)
+        else:
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
+        # the tile reaches past some row's diagonal (or a window's edge); with a window, tiles none of whose rows
+        # see this warpgroup's keys are computed too (P = 0): skipping them cost spills, as causal's
+        if key_tile_masked(first_key + ROWS - 1, m, diag, IS_CAUSAL, HAS_WINDOW, left, right, first_key,
+                           m + (BLOCK_M - 1)):
+            p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
+                         p, 0.0)
         p_op = gl.convert_layout(p.to(dtype), op_layout)
+        if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
+            p = p * cap_grad
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+        if LATE_DP:
+            dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
         delta = delta_bufs.index(stage).load(col_layout)
         if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
             delta = gl.where(in_seq, delta, 0.0)
-        dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+        dp = warpgroup_mma_wait(0 if LATE_DP else 1, deps=(dp_tok, ))
         ds = p * (dp - delta[None, :])  # dSᵀ
         ds_op = gl.convert_layout(ds.to(dtype), op_layout)
         dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
@@ -183,13 +230,18 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale,
         tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["stride_dkn", "stride_dkh", "stride_dvn", "stride_dvh", "HEADS_Q", "BATCH",
-                              "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"])
+@gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dkn", "stride_dkh",
+                              "stride_dvn", "stride_dvh", "HEADS_Q", "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K",
+                              "SEQLEN_PAD"], do_not_specialize_on_alignment=["ALIBI"])
 def _attn_bwd_dkdv_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, DK, DV, CU_SEQLENS_Q,
-    CU_SEQLENS_K, WORK, softmax_scale, qk_scale, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+    CU_SEQLENS_K, WORK, softmax_scale, qk_scale,
+    window_left, window_right, softcap,  # the variant's scalars (`Variant.scalars`), None where off
+    ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride, None without ALiBi
+    stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
-    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 128), Hkv, B) (varlen: Sk the longest sequence's); varlen with WORK_TABLE: one program per
@@ -208,9 +260,14 @@ def _attn_bwd_dkdv_gluon(
         seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
                        IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
-    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
-    lo = query_first(start_n, diag, IS_CAUSAL, BLOCK_M)  # the first query tile with a row that sees key start_n
-    n_m = gl.cdiv(gl.maximum(seqlen_q - lo, 0), BLOCK_M)  # query tiles per head; 0: dK = dV = 0
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
+    if HAS_WINDOW:  # the query tiles with a row that sees one of the program's keys: [lo, q_end)
+        lo, _, _, q_end = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, KEYS, HAS_WINDOW, window_left,
+                                       window_right)
+        n_m = gl.cdiv(q_end - lo, BLOCK_M)  # query tiles per head; 0: dK = dV = 0
+    else:
+        lo = query_first(start_n, diag, IS_CAUSAL, BLOCK_M)  # the first query tile with a row that sees key start_n
+        n_m = gl.cdiv(gl.maximum(seqlen_q - lo, 0), BLOCK_M)  # query tiles per head; 0: dK = dV = 0
     if IS_VARLEN:
         if start_n >= seqlen_k:  # keys past a shorter sequence's end: nothing to do (no K/V load, no barrier)
             return
@@ -241,22 +298,26 @@ def _attn_bwd_dkdv_gluon(
                      DK, DV, gl.to_tensor(stride_dkn), gl.to_tensor(stride_dkh), gl.to_tensor(stride_dvn),
                      gl.to_tensor(stride_dvh))
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
+    # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
+    variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,
+               gl.to_tensor(softcap) if HAS_SOFTCAP else None,
+               ALIBI + off_b * stride_alibi_b + off_hk * group_size if HAS_ALIBI else None)  # the group's first head
     gl.warp_specialize([
         (_producer, (producer_args, place, seq, group_size, gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD),
                      IS_VARLEN, NUM_STAGES)),
-        (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], gl.constexpr(0), IS_CAUSAL,
-                     IS_VARLEN, HEAD_DIM, NUM_STAGES)),
-        (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], gl.constexpr(1), IS_CAUSAL,
-                     IS_VARLEN, HEAD_DIM, NUM_STAGES)),
+        (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0), IS_CAUSAL,
+                     IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)),
+        (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1), IS_CAUSAL,
+                     IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 @gluon.jit
 def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Q and dO of the program's rows once (one 64-row block per consumer), then its K/V tiles into the ring, tile j
-    into stage j % NUM_STAGES once both consumers released the tile it held."""
+    """Q and dO of the program's rows once (one 64-row block per consumer), then its K/V tiles (from key key_lo) into
+    the ring, tile j into stage j % NUM_STAGES once both consumers released the tile it held."""
     (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty) = shared
-    off_b, off_h, off_hk, start_m, n_tiles = place
+    off_b, off_h, off_hk, start_m, n_tiles, key_lo = place
     q_start, seqlen_q, k_start, seqlen_k = seq
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 3]
     mbarrier.expect(q_ready, 4 * desc_q.block_type.nbytes)
@@ -267,18 +328,22 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
         stage = j % NUM_STAGES
         mbarrier.wait(kv_empty.index(stage), ((j // NUM_STAGES) & 1) ^ 1, pred=j >= NUM_STAGES)
         mbarrier.expect(kv_ready.index(stage), 2 * desc_k.block_type.nbytes)
-        tma_load(desc_k, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), k_bufs.index(stage))
-        tma_load(desc_v, IS_VARLEN, off_b, k_start + j * BLOCK_N, off_hk, kv_ready.index(stage), v_bufs.index(stage))
+        n = key_lo + j * BLOCK_N
+        tma_load(desc_k, IS_VARLEN, off_b, k_start + n, off_hk, kv_ready.index(stage), k_bufs.index(stage))
+        tma_load(desc_v, IS_VARLEN, off_b, k_start + n, off_hk, kv_ready.index(stage), v_bufs.index(stage))
 
 
 @gluon.jit
-def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, delta_ptr,
+def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, delta_ptr, variant,
                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store."""
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                 HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. `variant`:
+    (window left, right, softcap, pointer at the head's ALiBi slope), None where off."""
     (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh) = shared
-    off_b, off_h, off_hk, start_m, n_tiles = place
+    off_b, off_h, off_hk, start_m, n_tiles, key_lo = place
     q_start, seqlen_q, k_start, seqlen_k = seq
+    left, right, softcap, slopes = variant
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -292,6 +357,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
         lse = gl.where(rows < seqlen_q, lse, float("-inf"))
         delta = gl.where(rows < seqlen_q, delta, 0.0)
     lse = _lse_base2(lse)
+    slope = gl.load(slopes) * 1.4426950408889634 if HAS_ALIBI else None  # in base 2
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
@@ -300,9 +366,10 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     for j in range(n_tiles):
         stage = j % NUM_STAGES
         mbarrier.wait(kv_ready.index(stage), (j // NUM_STAGES) & 1)
-        n = j * BLOCK_N
-        if tile_hidden(row0 + (ROWS - 1), n, diag, IS_CAUSAL):
-            # No row of this warpgroup sees a key of the tile (the first warpgroup's last tile): nothing to add.
+        n = key_lo + j * BLOCK_N
+        if tile_hidden(row0 + (ROWS - 1), n, diag, IS_CAUSAL, HAS_WINDOW, left, right, row0, n + (BLOCK_N - 1)):
+            # No row of this warpgroup sees a key of the tile (causal: the first warpgroup's last tile; a window's
+            # edges): nothing to add.
             mbarrier.arrive(kv_empty.index(stage), count=1)
         else:
             k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
@@ -310,10 +377,18 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
             s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S (ROWS, BLOCK_N)
             dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
-            p = gl.exp2(s * qk_scale - lse[:, None])
-            need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL)
+            if HAS_SOFTCAP or HAS_ALIBI:
+                p, cap_grad = _probabilities(s, lse[:, None], rows[:, None], (n + cols)[None, :], diag, qk_scale,
+                                             softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
+                if HAS_SOFTCAP:  # dS's factor folded into P (P feeds dS only): one score tile fewer stays live
+                    p = p * cap_grad
+            else:
+                p = gl.exp2(s * qk_scale - lse[:, None])
+            need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL, HAS_WINDOW,
+                                                               left, right, row0 + (ROWS - 1), n)
             if need_mask:
-                keep = visible((n + cols)[None, :] < seqlen_k, rows[:, None], (n + cols)[None, :], diag, IS_CAUSAL)
+                keep = visible((n + cols)[None, :] < seqlen_k, rows[:, None], (n + cols)[None, :], diag, IS_CAUSAL,
+                               HAS_WINDOW, left, right)
                 p = gl.where(keep, p, 0.0)
             dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
             ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
@@ -332,12 +407,17 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
         tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["stride_dqm", "stride_dqh", "HEADS_Q", "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K",
-                              "SEQLEN_PAD"])
+@gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dqm", "stride_dqh", "HEADS_Q",
+                              "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"],
+           do_not_specialize_on_alignment=["ALIBI"])
 def _attn_bwd_dq_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, WORK, softmax_scale,
-    qk_scale, stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
-    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+    qk_scale,
+    window_left, window_right, softcap,  # the variant's scalars (`Variant.scalars`), None where off
+    ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride, None without ALiBi
+    stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
+    IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
@@ -359,12 +439,16 @@ def _attn_bwd_dq_gluon(
                        IS_VARLEN)
     off_hk = off_h // GROUP_SIZE
     q_start, seqlen_q, k_start, seqlen_k = seq
-    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT)
-    if IS_CAUSAL:  # keys up to the last row's diagonal
+    diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
+    key_lo = 0
+    if HAS_WINDOW:  # the key tiles with a key that one of the program's rows sees: [key_lo, hi)
+        key_lo, _, _, hi = key_blocks(start_m // KEYS, seqlen_k, diag, IS_CAUSAL, KEYS, BLOCK_N, HAS_WINDOW,
+                                      window_left, window_right)
+    elif IS_CAUSAL:  # keys up to the last row's diagonal
         hi = gl.minimum(seqlen_k, gl.maximum(key_end_before(start_m + KEYS, diag, IS_CAUSAL), 0))
     else:
         hi = seqlen_k
-    n_tiles = gl.cdiv(hi, BLOCK_N)  # 0: rows that see no key, dQ = 0
+    n_tiles = gl.cdiv(hi - key_lo, BLOCK_N)  # 0: rows that see no key, dQ = 0
     if IS_VARLEN:
         if start_m >= seqlen_q:  # rows past a shorter sequence's end: nothing to do
             return
@@ -387,17 +471,23 @@ def _attn_bwd_dq_gluon(
         rows_base = _lse_rows(off_b, off_h, HEADS_Q, SEQLEN_PAD, q_start, True)
     else:  # lse / delta (B, Hq, Sq_pad)
         rows_base = (off_b.to(gl.int64) * HEADS_Q + off_h) * SEQLEN_PAD
-    place = (gl.to_tensor(off_b), gl.to_tensor(off_h), gl.to_tensor(off_hk), gl.to_tensor(start_m), n_tiles)
+    place = (gl.to_tensor(off_b), gl.to_tensor(off_h), gl.to_tensor(off_hk), gl.to_tensor(start_m), n_tiles, key_lo)
     producer_args = (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty)
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ,
                      gl.to_tensor(stride_dqm), gl.to_tensor(stride_dqh))
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     lse_ptr = LSE + rows_base
     delta_ptr = DELTA + rows_base
+    # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
+    variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,
+               gl.to_tensor(softcap) if HAS_SOFTCAP else None,
+               ALIBI + off_b * stride_alibi_b + off_h if HAS_ALIBI else None)
     gl.warp_specialize([
         (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
-        (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr,
-                        gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES)),
-        (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr,
-                        gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+        (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
+                        gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
+                        HAS_SOFTCAP, HAS_ALIBI)),
+        (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
+                        gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
+                        HAS_SOFTCAP, HAS_ALIBI)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

@@ -16,7 +16,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import configs
 from .backward_gluon import BLOCK_M, KEYS, ROWS, _attn_bwd_dkdv_gluon, _attn_bwd_dq_gluon
-from .common import LOG2E
 from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor
 from .host import cdiv
 from .launch import hooks_installed, launch, launch_and_keep
@@ -53,6 +52,24 @@ def padded_rows(seqlen_q: int, varlen: bool, batch: int = 0) -> int:
     return 4 * (cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
 
 
+def unpadded_rows(lse_pad: torch.Tensor, delta_pad: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int):
+    """(lse, delta) (Hq, total_q) of a varlen call, from the padded layout (Hq, `padded_rows`; sequence b at
+    `backward_gluon._lse_rows`): what `backward.sink_grad` reads. Rows outside every sequence get lse −inf and
+    delta 0 (the layout's gaps were never written). GPU ops only, no copy to the host."""
+    cu = cu_seqlens_q.long()
+    if cu.numel() == 1:  # no sequences
+        return (torch.full((lse_pad.shape[0], total_q), float("-inf"), device=cu.device),
+                torch.zeros(delta_pad.shape[0], total_q, device=cu.device))
+    tokens = torch.arange(total_q, device=cu.device)
+    b = torch.searchsorted(cu[1:], tokens, right=True).clamp(max=cu.numel() - 2)  # each token's sequence
+    start = cu[b]
+    valid = (tokens >= start) & (tokens < cu[b + 1])
+    rows = torch.where(valid, 4 * ((start + 3) // 4 + b) + tokens - start, 0)
+    lse = torch.where(valid, lse_pad[:, rows], float("-inf"))
+    delta = torch.where(valid, delta_pad[:, rows], 0.0)
+    return lse, delta
+
+
 def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2) -> int:
     """Shared memory of a kernel's tiles (barriers aside). dK/dV: K and V of 128 keys, and per stage a 64-row Q and
     dO tile with their lse and delta. dQ: Q and dO of 128 rows, and per stage a K and a V tile."""
@@ -65,10 +82,12 @@ def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_
 
 
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv",
-                 batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
+                 batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                 variant: Variant | None = None):
     """(grid, int arguments after the scales and output strides, constexprs and options) of the dK/dV or the dQ
     kernel. Dense (batch None): q (B, Sq, Hq, D), k (B, Sk, Hkv, D). Varlen: q (total_q, Hq, D),
-    k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens."""
+    k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens. `variant`: the call's
+    (window, softcap, ALiBi: `Variant.score_constexprs`); None: causal or not, nothing else."""
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
     if varlen:
@@ -84,7 +103,9 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     else:
         grid = (cdiv(seqlen_q, KEYS.value), heads_q, batch)
     ints = (heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k, pad)
-    meta = dict(**Variant.of(causal, causal_bottom_right).constexprs, IS_VARLEN=varlen,
+    if variant is None:
+        variant = Variant.of(causal, causal_bottom_right)
+    meta = dict(**variant.constexprs, **variant.score_constexprs, IS_VARLEN=varlen,
                 HEAD_DIM=head_dim, num_warps=4, WORK_TABLE=False, **config)
     return grid, ints, meta
 
@@ -170,20 +191,24 @@ class _DensePlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _dense_plan(kernel, q_shape, k_shape, dtype, device, causal, causal_bottom_right, config_items) -> _DensePlan:
-    return _DensePlan(*launch_parts(q_shape, k_shape, causal, causal_bottom_right, dict(config_items), kernel))
+def _dense_plan(kernel, q_shape, k_shape, dtype, device, causal, causal_bottom_right, config_items,
+                variant=None) -> _DensePlan:
+    """The plan of one call shape and variant (`Variant` equality: its window, softcap and whether ALiBi slopes
+    are given; the scalars and slopes themselves are arguments of each launch)."""
+    return _DensePlan(*launch_parts(q_shape, k_shape, causal, causal_bottom_right, dict(config_items), kernel,
+                                    variant=variant))
 
 
-def _launch_parts_for(kernel, q, k, causal, causal_bottom_right, config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k):
+def _launch_parts_for(kernel, q, k, variant, config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """(grid, ints, meta, WORK, plan) of a launch: dense from its `_DensePlan` (WORK a placeholder), varlen from
     `launch_parts` and `_varlen_work` (plan None)."""
+    causal, causal_bottom_right = variant.causal, variant.bottom_right
     if cu_seqlens_q is None:
-        plan = _dense_plan(kernel, tuple(q.shape), tuple(k.shape), q.dtype, q.device, bool(causal),
-                           bool(causal_bottom_right), tuple(sorted(config.items())))
+        plan = _dense_plan(kernel, tuple(q.shape), tuple(k.shape), q.dtype, q.device, causal, causal_bottom_right,
+                           tuple(sorted(config.items())), variant)
         return plan.grid, plan.ints, plan.meta, q, plan
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, kernel,
-                                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+                                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, variant)
     grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid)
     return grid, ints, meta, work, None
 
@@ -197,51 +222,74 @@ def _launch(fn, plan, grid, args, meta) -> None:
         plan.relaunch = launch_and_keep(fn, grid, args, meta)
 
 
+def _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes):
+    """(Variant, its kernel arguments from qk_scale to the ALiBi slopes' batch stride: `Variant.scalars`, then
+    the slopes (B or 1, Hq) fp32 and their batch stride; None for what is off, as the portable kernels take them)."""
+    variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None)
+    if alibi_slopes is None:
+        alibi = (None, None)
+    else:
+        alibi = (alibi_slopes, alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+    return variant, (*variant.scalars(softmax_scale), *alibi)
+
+
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
-                      config, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+                      config, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> None:
     """Dense q, dout (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D), lse_pad / delta_pad contiguous fp32
     (B, Hq, `padded_rows`); or varlen q, dout (total_q, Hq, D), k, v, dk, dv (total_k, Hkv, D), lse_pad / delta_pad
     (Hq, `padded_rows`, sequences at `backward_gluon._lse_rows`), cu_seqlens int32 (B + 1,); as
     `backward.preprocess(padded=True)` writes them. Inputs that pass `common.tma_ok`, D 64 or 128, Sq, Sk > 0; dk / dv
-    with a contiguous last dim."""
+    with a contiguous last dim. window_size, softcap, alibi_slopes ((Hq,) or (B, Hq) fp32): flash-attn's."""
     varlen = cu_seqlens_q is not None
-    grid, ints, meta, work, plan = _launch_parts_for("dkdv", q, k, causal, causal_bottom_right, config, cu_seqlens_q,
-                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes)
+    grid, ints, meta, work, plan = _launch_parts_for("dkdv", q, k, variant, config, cu_seqlens_q, cu_seqlens_k,
+                                                     max_seqlen_q, max_seqlen_k)
     rows = ROWS.value
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
     args = (descriptor(q, rows, varlen), descriptor(k, rows, varlen), descriptor(v, rows, varlen),
             descriptor(dout, rows, varlen), descriptor(dk, rows, varlen), descriptor(dv, rows, varlen),
             row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, work, softmax_scale,
-            softmax_scale * LOG2E, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
+            *scalars, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
     _launch(_attn_bwd_dkdv_gluon, plan, grid, args, meta)
 
 
 def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right, config,
-                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> None:
     """dQ (times the softmax scale) into dq (like q); the inputs as `launch_dkdv_gluon`'s."""
     varlen = cu_seqlens_q is not None
-    grid, ints, meta, work, plan = _launch_parts_for("dq", q, k, causal, causal_bottom_right, config, cu_seqlens_q,
-                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes)
+    grid, ints, meta, work, plan = _launch_parts_for("dq", q, k, variant, config, cu_seqlens_q, cu_seqlens_k,
+                                                     max_seqlen_q, max_seqlen_k)
     rows, block_n = ROWS.value, config["BLOCK_N"]
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
     args = (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
             descriptor(dout, rows, varlen), descriptor(dq, rows, varlen), lse_pad, delta_pad, dq, cu_q, cu_k, work,
-            softmax_scale, softmax_scale * LOG2E, dq.stride(-3), dq.stride(-2), *ints)
+            softmax_scale, *scalars, dq.stride(-3), dq.stride(-2), *ints)
     _launch(_attn_bwd_dq_gluon, plan, grid, args, meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
-                     kernel: str = "dkdv", varlen: bool = False, with_table: bool = True):
+                     kernel: str = "dkdv", varlen: bool = False, with_table: bool = True,
+                     window_size: tuple = (-1, -1), softcap: float = 0.0, alibi: bool = False):
     """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon_launch.compile_for_sm90`): for tests
-    and `ptxas -v`."""
+    and `ptxas -v`. window_size / softcap / alibi (whether slopes are given): the variant, as a launch passes it."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
     rows_t = torch.empty(4, 1024, dtype=torch.float32)
-    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256)
+    variant = Variant.of(causal, True, window_size, softcap, alibi)
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256,
+                              variant)
     meta["WORK_TABLE"] = varlen and with_table  # varlen: programs from the work table, or the grid
+    # the variant's arguments that are off are None (constexprs), as `_variant_args` passes them
+    _, window_left, window_right, cap = variant.scalars(1.0)
+    scalars = {"window_left": window_left, "window_right": window_right, "softcap": cap}
+    off = [name for name, value in scalars.items() if value is None] + ([] if alibi else ["ALIBI", "stride_alibi_b"])
+    meta.update(dict.fromkeys(off))
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
     fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
@@ -250,13 +298,14 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
                    for name in ("desc_q", "desc_k", "desc_v", "desc_do", "desc_dk", "desc_dv", "desc_dq")}
     descriptors.update(desc_lse=row_descriptor(rows_t), desc_delta=row_descriptor(rows_t))
     element = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DK": element, "DV": element, "DQ": element,
+    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "DK": element, "DV": element, "DQ": element,
                 "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
                 "WORK": "*i32" if varlen else "*bf16" if dtype == torch.bfloat16 else "*fp16"}
     names = fn.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
-                 else pointers[name] if name in pointers else "fp32" if name in ("softmax_scale", "qk_scale")
+                 else pointers[name] if name in pointers else "fp32" if name in ("softmax_scale", "qk_scale", "softcap")
                  else "i32" for name in names}
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers if name in names}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers
+             if name in names and name not in meta and name != "ALIBI"}  # (ALIBI: not specialized on alignment)
     source = GluonASTSource(fn, signature, constexprs=meta, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
