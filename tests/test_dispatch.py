@@ -80,7 +80,8 @@ def test_candidates_follow_the_table_and_the_switch():
     assert dispatch.candidates("fwd", half, 96, 9, fields=frozenset({"softcap"})) == ["portable_fwd"]
     assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"softcap"})) == ["gluon_fwd", "tma_fwd",
                                                                                        "portable_fwd"]
-    assert dispatch.candidates("bwd", half, 128, 9, fields=frozenset({"causal", "window_size"})) == ["portable_bwd"]
+    assert dispatch.candidates("bwd", half, 128, 9, fields=frozenset({"causal", "window_size"})) == ["gluon_bwd",
+                                                                                                 "portable_bwd"]
     assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"learnable_sink"})) == ["gluon_fwd", "tma_fwd",
                                                                                               "portable_fwd"]
     assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"dropout_p"})) == []

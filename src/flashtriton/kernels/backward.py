@@ -21,6 +21,8 @@ delta then come padded to whole tiles.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -491,7 +493,10 @@ def attention_backward(
             and tma_ok(q, k, v, dout, dq, dk, dv)  # (no broadcast, stride-0, dimension among them)
             and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields())):
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
-        fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
+        if "window_size" in variant.fields():  # the band's FLOPs (a varlen row: as many as a longest sequence's)
+            fwd_flops = rows * _visible_fwd_flops_per_row(variant, heads_q, seqlen_q, seqlen_k, head_dim)
+        else:
+            fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
         gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)
         pad = backward_gluon_launch.padded_rows(q.shape[0] if varlen else seqlen_q, varlen, batch)
         if heads_q * (1 if varlen else batch) * pad >= 2**31:  # the padded lse / delta's TMA coordinates are int32
@@ -505,11 +510,17 @@ def attention_backward(
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if gluon_config is not None:
         backward_gluon_launch.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
-                                                causal_bottom_right, gluon_config["dkdv"], *varlen_args)
+                                                causal_bottom_right, gluon_config["dkdv"], *varlen_args, window_size,
+                                                softcap, alibi_slopes)
         if gluon_config["dq"] is not None:  # (the host path of short calls: nothing below is needed)
             backward_gluon_launch.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal,
-                                                  causal_bottom_right, gluon_config["dq"], *varlen_args)
-            return dq, dk, dv
+                                                  causal_bottom_right, gluon_config["dq"], *varlen_args, window_size,
+                                                  softcap, alibi_slopes)
+            if learnable_sink is None:
+                return dq, dk, dv
+            if varlen:  # lse / delta in the padded layout, whose gaps between sequences were never written
+                lse, delta = backward_gluon_launch.unpadded_rows(lse, delta, cu_seqlens_q, q.shape[0])
+            return dq, dk, dv, sink_grad(lse, delta, learnable_sink, varlen)
 
     # The Triton kernels: dK/dV unless the Gluon kernel ran it, then dQ.
     if varlen:
@@ -558,6 +569,13 @@ def attention_backward(
     if learnable_sink is not None:
         return dq, dk, dv, sink_grad(lse, delta, learnable_sink, varlen)
     return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=1024)
+def _visible_fwd_flops_per_row(variant: Variant, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> float:
+    """Forward FLOPs per query row of a (seqlen_q, seqlen_k) call under the variant's mask, over `heads` heads
+    (`Variant.visible_flops`, whose O(Sq) count is kept per shape: it is on the Gluon backward's dispatch path)."""
+    return variant.visible_flops(1, heads, seqlen_q, seqlen_k, head_dim) / seqlen_q
 
 
 def sink_grad(lse, delta, sink, varlen: bool) -> torch.Tensor:
