@@ -60,6 +60,16 @@ def _slope(scores, off_b, off_h, SCORES: gl.constexpr):
 
 
 @gluon.jit
+def _sink(scores, off_h, SCORES: gl.constexpr):
+    """A head's sink logit in base 2 (unused without sinks), loaded when its item starts so that the epilogue does
+    not wait for it."""
+    if SCORES & SC_SINKS:
+        return gl.load(scores[3] + off_h).to(gl.float32) * 1.4426950408889634
+    else:
+        return 0.0
+
+
+@gluon.jit
 def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, scores, slope,
                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False,
                   SCORES: gl.constexpr = 0):
@@ -205,17 +215,16 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n
 
 @gluon.jit
 def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
-                stride_lb, stride_lh, scores, WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                stride_lb, stride_lh, sink, WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                 BLOCK_N: gl.constexpr, COMPACT: gl.constexpr = False, SCORES: gl.constexpr = 0):
     """out = acc / l, lse = m + log(l) of one warpgroup's 64 rows (rows that saw no key: out 0, lse -inf). Dense:
     through o_bufs[WG] and a TMA store (the caller has waited for the previous one to leave); varlen: masked
     stores. COMPACT: one reciprocal per row, then multiplies (acc / l is 64 full-range divisions per thread, ~4
-    instructions each), for `_consume_flat`, whose loop holds the store. SINKS: the head's sink (`scores[3]`) joins
+    instructions each), for `_consume_flat`, whose loop holds the store. SINKS: the head's `sink` (`_sink`) joins
     the denominator first, as `variant.add_sink` does (rows that saw no key: out 0, lse = the sink)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     if SCORES & SC_SINKS:
-        sink = gl.load(scores[3] + off_h).to(gl.float32) * 1.4426950408889634  # base 2
         m_new = gl.maximum(m_i, sink)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)  # 0 for a row that saw no key
@@ -260,6 +269,7 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
     q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
+    sink = _sink(scores, off_h, SCORES)
     if n_tiles > 0:
         acc, m_i, l_i, c = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
                                    first, seqlen_k, diag, qk_scale, items[7], scores,
@@ -271,7 +281,7 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.arrive(q_empty.index(qs), count=1)
     _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
-                stride_lb, stride_lh, scores, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, False, SCORES)
+                stride_lb, stride_lh, sink, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, False, SCORES)
     return c
 
 
@@ -309,7 +319,7 @@ def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
                     gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout)),
                     gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout)), o_bufs, desc_o, O, LSE, off_b, off_h,
                     start_m * ROWS * N_CONSUMERS + WG * ROWS, q_start, seqlen_q, stride_om, stride_oh, stride_lb,
-                    stride_lh, scores, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
+                    stride_lh, _sink(scores, off_h, SCORES), WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
         mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
         qi += 1
         valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _following_item(
@@ -357,6 +367,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         gl.to_tensor(0), shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS,
         SCORES)
     slope = _slope(scores, off_b, off_h, SCORES)
+    sink = _sink(scores, off_h, SCORES)
     c = gl.to_tensor(0)  # K/V tiles consumed, over all items
     j = gl.to_tensor(0)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -368,6 +379,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     o_row0 = start_m * BLOCK_M + WG * ROWS
     o_q_start = q_start
     o_seqlen_q = seqlen_q
+    o_sink = sink
     if valid:  # the program's first S, with no P V beside it
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
         p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, o_row0, first, seqlen_k, diag, qk_scale,
@@ -379,6 +391,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
                 qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS,
                 SCORES)
             slope = _slope(scores, off_b, off_h, SCORES)
+            sink = _sink(scores, off_h, SCORES)
             j = 0
     while valid:
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
@@ -405,13 +418,14 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
             if not IS_VARLEN:
                 tma.store_wait(0)  # the previous output has left o_smem
             _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, o_b, o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
-                        stride_oh, stride_lb, stride_lh, scores, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
+                        stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
             o_b = off_b
             o_h = off_h
             o_row0 = row0
             o_q_start = q_start
             o_seqlen_q = seqlen_q
+            o_sink = sink
         else:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         m_i = m_new
@@ -424,13 +438,14 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
                 qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS,
                 SCORES)
             slope = _slope(scores, off_b, off_h, SCORES)
+            sink = _sink(scores, off_h, SCORES)
             j = 0
     if c > 0:  # the last item's last P V, alone
         acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c - 1, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS)
         if not IS_VARLEN:
             tma.store_wait(0)
         _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, o_b, o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
-                    stride_oh, stride_lb, stride_lh, scores, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
+                    stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
     if not IS_VARLEN:
         tma.store_wait(0)  # the last item's output has left o_smem
 

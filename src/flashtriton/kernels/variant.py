@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +30,7 @@ import triton.language as tl
 
 
 LOG2E = 1.4426950408889634
+TANH_APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")  # `tanh`: PTX on a GPU
 WINDOW_UNBOUNDED = 1 << 30  # a window side without bound, as the kernels take it (indices stay within int32)
 ALIBI_GIVEN = torch.empty(0)  # `Variant.of`'s stand-in for slopes or sinks that the launcher passes to the kernels
 
@@ -364,8 +366,19 @@ def query_blocks(start_n, seqlen_q, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.c
 
 @triton.jit
 def tanh(x):
-    """tanh in fp32 to a few ulp (libdevice's is not in the interpreter): Eigen's rational approximation, x P(x²) /
-    Q(x²) on |x| <= 7.9 (tanh is ±1 in fp32 beyond)."""
+    """tanh in fp32. On a GPU the hardware's approximation (PTX tanh.approx.f32, one special-function instruction,
+    relative error below 2^-10.9: what FlashAttention's softcap uses); a rational one would cost the forward about
+    three times its softmax time. The interpreter has no PTX: there, Eigen's rational approximation to a few ulp."""
+    if TANH_APPROX:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return _tanh_rational(x)
+
+
+@triton.jit
+def _tanh_rational(x):
+    """Eigen's rational approximation of tanh, x P(x²) / Q(x²) on |x| <= 7.9 (tanh is ±1 in fp32 beyond)."""
     x = tl.minimum(tl.maximum(x, -7.90531110763549805), 7.90531110763549805)
     x2 = x * x
     p = x2 * -2.76076847742355e-16 + 2.00018790482477e-13
@@ -397,8 +410,10 @@ def softcap_scores_and_grad(qk, qk_scale, softcap):
 
 @triton.jit
 def alibi_bias(q_idx, k_idx, diag, slope):
-    """ALiBi's bias in base 2, -slope · |i + d - j| (the launcher passes slope · log2(e)); q_idx, k_idx broadcast."""
-    return -slope * tl.abs(q_idx + diag - k_idx).to(tl.float32)
+    """ALiBi's bias in base 2, -slope · |i + d - j| (the launcher passes slope · log2(e)); q_idx, k_idx broadcast
+    ((M, 1) and (1, N)). Positions are converted before they broadcast (one conversion per row and per key, then a
+    subtraction per score: integer-to-float conversion runs at a quarter of the fp32 rate), exact below 2^24."""
+    return -slope * tl.abs((q_idx + diag).to(tl.float32) - k_idx.to(tl.float32))
 
 
 @triton.jit
@@ -406,5 +421,6 @@ def add_sink(acc, l_i, m_i, sink):
     """Fold an attention sink (one logit per head, in base 2, counted in the denominator only) into a finished
     row's (acc, l_i, m_i): a row that saw no key keeps out 0 and gets lse = the sink."""
     m_new = tl.maximum(m_i, sink)
-    alpha = tl.math.exp2(m_i - m_new)  # 0 for a row that saw no key (m_i = -inf)
-    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink - m_new), m_new
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf and no key: out 0, lse -inf
+    alpha = tl.math.exp2(m_i - m_safe)  # 0 for a row that saw no key (m_i = -inf)
+    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink - m_safe), m_new
