@@ -282,6 +282,34 @@ def test_output_without_lse_equals_output_with_it(schedule):
         assert torch.equal(flash_attn_with_kvcache(**kw), out)
 
 
+@pytest.mark.parametrize("sched", ["split", "stream"])
+@pytest.mark.parametrize("causal,window", [(True, (8, 0)), (False, (8, 2**30)), (False, (6, 2))])
+def test_windows_near_the_int32_limit(causal, window, sched, schedule):
+    """A window at the end of a cache of decode_launch.MAX_CAPACITY keys (an expanded view: every key the same),
+    with sides as long as int32 allows: no key position wraps. Every visible key scores alike, so out is the one
+    value row and lse = the score + log(visible keys); ALiBi then weighs the keys by their distance."""
+    schedule(sched)
+    capacity = decode_launch.MAX_CAPACITY
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 2, 16, generator=gen).to(DEVICE)
+    k_cache = torch.randn(1, 1, 1, 16, generator=gen).to(DEVICE).expand(2, capacity, 1, 16)
+    v_cache = torch.randn(1, 1, 1, 16, generator=gen).to(DEVICE).expand(2, capacity, 1, 16)
+    seqlens = torch.tensor([capacity - 3, capacity], dtype=torch.int32, device=DEVICE)
+    slopes = torch.tensor([0.5, 0.0], device=DEVICE)
+    with torch.no_grad():
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal,
+                                           window_size=window, alibi_slopes=slopes, return_softmax_lse=True)
+    left, right = window[0], 0 if causal else min(window[1], 1)  # row i (of 2) sees right keys: 1 - i at most
+    for i in range(2):
+        offsets = torch.arange(-left, min(right, 1 - i) + 1, device=DEVICE)  # keys j - (i + Sk - Sq)
+        score = (q[:, i].float() @ k_cache[0, 0, 0].float()) / 4.0  # (B, Hq)
+        for h, slope in enumerate(slopes.tolist()):
+            torch.testing.assert_close(out[:, i, h].float(), v_cache[0, 0, 0].float().expand(2, -1), atol=2e-6,
+                                       rtol=1e-5)
+            want = score[:, h] + torch.logsumexp(-slope * offsets.abs().float(), 0)
+            torch.testing.assert_close(lse[:, h, i], want, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # bad pages: every used page is checked, also those the window skips
 # ---------------------------------------------------------------------------------------------------------

@@ -27,9 +27,10 @@ Causal is bottom-right: query i of Sq sees key j iff j <= i + Sk_b - Sq (Sk_b = 
 The variants (`variant.Variant`: a window around that diagonal, softcap, ALiBi, attention sinks) use the device
 helpers of `variant` like every kernel. A unit's keys are the band its query rows see (`_unit_keys`, from
 `variant.key_blocks`): both schedules cut that band, not the whole sequence, so a sliding window reads only the
-window's tiles and pages. The mask and ALiBi are evaluated relative to the unit's first diagonal key (`base`), so
-that no index sum can wrap for caches near the int32 limit. A sink joins each row once, in its final result
-(`_with_sink`): after the merge when a unit is split.
+window's tiles and pages. A window side is clipped to what the tile's rows can reach (the same mask for them), so
+that no index sum can wrap for caches near the int32 limit, and the tiles' masks and ALiBi see key positions
+relative to the tile's first diagonal key (`base`: small numbers, exact in fp32 whatever the cache's length). A sink
+joins each row once, in its final result (`_with_sink`): after the merge when a unit is split.
 Offsets into the cache are int64. Key positions are int32: the host keeps CAPACITY (keys per sequence) below
 `decode_launch.MAX_CAPACITY`, and a length read from CACHE_SEQLENS is tested as `cached > CAPACITY - SEQLEN_NEW`
 (never by forming cached + SEQLEN_NEW, which wraps for lengths near 2**31) before any position is derived from it.
@@ -62,9 +63,8 @@ def _decode_tile(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Fold key tiles [start_n, end_n) into the running (acc, l_i, m_i) of the stacked query tile. `rows` are the
-    rows' diagonal keys less `base` (`_unit_keys`): the mask and ALiBi see key j as j - base.
-    Paged: a page index outside [0, num_pages) is read as page 0 and counted in n_bad (the caller poisons
+    """Fold key tiles [start_n, end_n) into the running (acc, l_i, m_i) of the stacked query tile. The rows meet
+    their own diagonal at keys base + rows: the mask and ALiBi see key j as j - base (`_unit_keys`). Paged: a page index outside [0, num_pages) is read as page 0 and counted in n_bad (the caller poisons
     the result), so a bad block table never makes the kernel read outside the cache."""
     offs_n = tl.arange(0, BLOCK_N)
     for n in range(start_n, end_n, BLOCK_N):
@@ -107,7 +107,7 @@ def _decode_tile(
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        # Each row's own diagonal is in `rows`: the shared step's mask and bias with diagonal 0.
+        # Row r's diagonal is rows[r] (less base): the shared step's mask and bias with diagonal 0.
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols - base, rows, seqlen_k - base, 0, qk_scale,
                                      MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION, HAS_WINDOW, window_left,
                                      window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope)
@@ -175,16 +175,21 @@ def _unit_keys(seqlen_k, pid_m, window_left, window_right, SEQLEN_Q, GROUP_SIZE:
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The band of keys M tile pid_m's rows see, as `variant.key_blocks` gives it for a tile of QUERY_ROWS query
     rows from the tile's first query row on (an upper bound of the rows its BLOCK_M stacked rows hold):
-    (first, start, lo, hi, base, first_row). Keys [first, start) and [lo, hi) need the mask, [start, lo) do not;
-    first, start and lo are multiples of BLOCK_N. base is the first query row's diagonal key, first_row that row.
-    The bounds are formed in int64 (a window side may be as large as the cache), then fit in int32."""
+    (first, start, lo, hi, base, first_row, left, right). Keys [first, start) and [lo, hi) need the mask, [start, lo)
+    do not; first, start and lo are multiples of BLOCK_N. base is the first query row's diagonal key, first_row that
+    row. left / right: the window's sides clipped to the longest that changes nothing for these rows (the right one
+    to the sequence's last key, the left one to key 0), so that every key position formed from them stays within
+    int32."""
     first_row = (pid_m * BLOCK_M) // GROUP_SIZE
-    base = first_row + diagonal(SEQLEN_Q, seqlen_k, IS_CAUSAL, True, HAS_WINDOW or HAS_ALIBI)
-    first, start, lo, hi = key_blocks(0, seqlen_k, base.to(tl.int64), IS_CAUSAL, QUERY_ROWS, BLOCK_N, HAS_WINDOW,
-                                      window_left, window_right)
-    zero = seqlen_k * 0  # the bounds as tensors of seqlen_k's kind (key_blocks gives 0 for an unbounded start)
-    return ((first + zero).to(tl.int32), (start + zero).to(tl.int32), (lo + zero).to(tl.int32),
-            (hi + zero).to(tl.int32), base, first_row)
+    diag = diagonal(SEQLEN_Q, seqlen_k, IS_CAUSAL, True, HAS_WINDOW or HAS_ALIBI)
+    base = first_row + diag  # the first row's diagonal key
+    left = window_left
+    right = window_right
+    if HAS_WINDOW:
+        right = tl.minimum(right, SEQLEN_Q - 1 - first_row)  # row first_row + i: to key seqlen_k - 1 + i
+        left = tl.minimum(left, tl.maximum(base + QUERY_ROWS, 0))  # row first_row + i: from key i - QUERY_ROWS
+    first, start, lo, hi = key_blocks(0, seqlen_k, base, IS_CAUSAL, QUERY_ROWS, BLOCK_N, HAS_WINDOW, left, right)
+    return first, start, lo, hi, base, first_row, left, right
 
 
 @triton.jit
@@ -315,7 +320,7 @@ def _decode_split(
     ALIBI,  # fp32 (Hq,) or (B, Hq) ALiBi slopes (HAS_ALIBI)
     SINKS,  # (Hq,) one logit per query head, fp32 or q's dtype (HAS_SINKS)
     qk_scale,  # softmax_scale * log2(e); with HAS_SOFTCAP softmax_scale / softcap (`Variant.scalars`)
-    window_left, window_right,  # HAS_WINDOW: the window's sides, at most the cache's capacity / Sq (exact there)
+    window_left, window_right,  # HAS_WINDOW: the window's sides (`decode_launch.band_bounds`; causal: right 0)
     softcap,  # HAS_SOFTCAP: softcap * log2(e)
     stride_alibi_b,  # ALiBi slopes' batch stride (0 for (Hq,))
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -355,7 +360,7 @@ def _decode_split(
         stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
         SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
         GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, UPCAST_DOT, BLOCK_M)
-    first, start, lo, hi, base, first_row = _unit_keys(
+    first, start, lo, hi, base, first_row, left, right = _unit_keys(
         seqlen_k, pid_m, window_left, window_right, SEQLEN_Q, GROUP_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
         QUERY_ROWS, BLOCK_M, BLOCK_N)
     # This split's keys: whole BLOCK_N tiles of the band, the same number per split.
@@ -364,7 +369,7 @@ def _decode_split(
     piece_end = tl.minimum(piece_start + blocks_per_split * BLOCK_N, hi)
     out, lse, n_bad = _attend_keys(
         q, q_idx - first_row, base, n_bad, K_base, V_base, BT_row, piece_start, piece_end, first, start, lo, hi,
-        split == 0, seqlen_k, qk_scale, window_left, window_right, softcap,
+        split == 0, seqlen_k, qk_scale, left, right, softcap,
         _row_slopes(ALIBI, off_b, stride_alibi_b, off_h, HAS_ALIBI),
         stride_kb, stride_kn, stride_vb, stride_vn, NUM_CACHE_ROWS,
         HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, UNREAD_PAGES,
@@ -460,7 +465,7 @@ def _decode_stream(
             stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
             SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
             GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, UPCAST_DOT, BLOCK_M)
-        k_first, k_start, k_lo, k_hi, base, first_row = _unit_keys(
+        k_first, k_start, k_lo, k_hi, base, first_row, left, right = _unit_keys(
             seqlen_k, pid_m, window_left, window_right, SEQLEN_Q, GROUP_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
             QUERY_ROWS, BLOCK_M, BLOCK_N)
         # This program's tiles of the unit, from the band's first tile on (tiles past the band hold no keys).
@@ -468,7 +473,7 @@ def _decode_stream(
         piece_stop = tl.minimum((piece_end - unit_start).to(tl.int32) * BLOCK_N, k_hi - k_first) + k_first
         out, lse, n_bad = _attend_keys(
             q, q_idx - first_row, base, n_bad, K_base, V_base, BT_row, piece_start, piece_stop, k_first, k_start,
-            k_lo, k_hi, cur == unit_start, seqlen_k, qk_scale, window_left, window_right, softcap,
+            k_lo, k_hi, cur == unit_start, seqlen_k, qk_scale, left, right, softcap,
             _row_slopes(ALIBI, off_b, stride_alibi_b, off_h, HAS_ALIBI),
             stride_kb, stride_kn, stride_vb, stride_vn, NUM_CACHE_ROWS,
             HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, UNREAD_PAGES,
