@@ -172,8 +172,8 @@ def main():
           f"{'vs full':>7} {'ok':>3}")
     for r in rows:
         print(f"{r['dtype']:5} {r['page_size']:>4} {r['schedule']:6} {r['provider']:11} {r['mode']:5} "
-              f"{r['ms'] * 1e3:8.1f} {r['gbps']:6.0f} {100 * r['of_copy_bandwidth']:5.0f}% {r['speedup_vs_full']:6.2f}x "
-              f"{'yes' if r['ok'] else 'NO':>3}")
+              f"{r['ms'] * 1e3:8.1f} {r['gbps']:6.0f} {100 * r['of_copy_bandwidth']:5.0f}% "
+              f"{r['speedup_vs_full']:6.2f}x {'yes' if r['ok'] else 'NO':>3}")
 
 
 if __name__ == "__main__":

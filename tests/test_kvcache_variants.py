@@ -9,10 +9,16 @@ every variant: the split grid (1 or several splits) and the stream schedule (uni
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo.testing
 
+import flashtriton
 from flashtriton import configs, kvcache
 from flashtriton._env import INTERPRET
 from flashtriton.kernels import decode_launch, dispatch
@@ -408,6 +414,30 @@ def test_window_sizes_the_split_count_and_programs():
     assert windowed.grid == short.grid and not windowed.stream
     assert full.stream  # the whole cache: the stream schedule
     decode_launch._decode_plan.cache_clear()
+
+
+def test_variant_builds_compile_for_sm90_without_a_gpu():
+    """Both decode kernels with every variant field, paged or not, and a two-sided window, compile to sm_90 code
+    (the interpreter runs code Triton's compiler refuses, such as bounds of mixed int widths): in a fresh process
+    without the interpreter, through `decode_launch.compile_for_sm90`."""
+    script = (
+        "import torch\n"
+        "from flashtriton.kernels.decode_launch import compile_for_sm90\n"
+        "from flashtriton.kernels.variant import Variant\n"
+        "every = Variant.of(True, True, (100, 0), 30.0, True, True)\n"
+        "builds = [(every, False, False), (every, True, False), (every, False, True), (every, True, True),\n"
+        "          (Variant.of(False, True, (6, 3), 30.0), True, False)]\n"
+        "for variant, paged, stream in builds:\n"
+        "    compiled = compile_for_sm90(variant, paged, stream, seqlen_q=3, heads_q=12, heads_kv=4,\n"
+        "                                dtype=torch.bfloat16)\n"
+        "    assert 'mma' in compiled.asm['ptx']\n"
+        "    print('compiled', sorted(variant.fields()), paged, stream)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 5
 
 
 # ---------------------------------------------------------------------------------------------------------

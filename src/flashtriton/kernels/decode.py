@@ -64,7 +64,8 @@ def _decode_tile(
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold key tiles [start_n, end_n) into the running (acc, l_i, m_i) of the stacked query tile. The rows meet
-    their own diagonal at keys base + rows: the mask and ALiBi see key j as j - base (`_unit_keys`). Paged: a page index outside [0, num_pages) is read as page 0 and counted in n_bad (the caller poisons
+    their own diagonal at keys base + rows: the mask and ALiBi see key j as j - base (`_unit_keys`).
+    Paged: a page index outside [0, num_pages) is read as page 0 and counted in n_bad (the caller poisons
     the result), so a bad block table never makes the kernel read outside the cache."""
     offs_n = tl.arange(0, BLOCK_N)
     for n in range(start_n, end_n, BLOCK_N):

@@ -350,3 +350,41 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     part_rows = batch * seqlen_q * heads_q * num_splits if split_kv else 0
     return _Plan((batch * heads_kv, num_splits, m_tiles), part_rows, block_d + PART_PAD.value, units, ints, meta,
                  config is None)
+
+
+_POINTER_ARGS = {"LSE": "*fp32", "PART": "*fp32", "TICKETS": "*i32", "CACHE_SEQLENS": "*i32", "BATCH_IDX": "*i32",
+                 "BLOCK_TABLE": "*i32", "ALIBI": "*fp32"}
+
+
+def compile_for_sm90(variant: Variant, paged: bool = False, stream: bool = False, num_splits: int = 2,
+                     seqlen_q: int = 1, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,
+                     dtype: torch.dtype = torch.float16, config: dict | None = None):
+    """Compile a decode kernel for sm_90 without a GPU (Triton's frontend and Hopper passes, then its bundled
+    ptxas), with the constexprs and options a launch of this shape takes on the GPU (`_decode_plan`; a 4k-key
+    cache, paged in pages of 256): compiled.asm["ptx"]. For tests (the interpreter runs what Triton's compiler may
+    refuse) and for reading registers and spills (`ptxas -v`) before spending device time. Not under the
+    interpreter."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    batch, capacity, page_size = 4, 4096, 256
+    q_shape = (batch, seqlen_q, heads_q, head_dim)
+    cache_shape = ((batch * capacity // page_size, page_size, heads_kv, head_dim) if paged
+                   else (batch, capacity, heads_kv, head_dim))
+    cache_strides = (cache_shape[1] * heads_kv * head_dim, heads_kv * head_dim, head_dim, 1)
+    max_pages = capacity // page_size if paged else 0
+    plan = _decode_plan.__wrapped__(
+        q_shape, (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1), cache_shape, cache_strides,
+        cache_strides, dtype, max_pages, max_pages, False, variant, capacity, 0 if stream else num_splits, 0, True,
+        None if config is None else tuple(config.items()), False, 132, torch.device("cuda"),
+        "stream" if stream else "split")
+    meta = dict(plan.meta)
+    options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
+    element = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    fn = _decode_stream if stream else _decode_split
+    signature = {name: "constexpr" if name in meta else element if name in ("Q", "K", "V", "O", "SINKS")
+                 else _POINTER_ARGS.get(name, "fp32" if name in ("qk_scale", "softcap") else "i32")
+                 for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=meta, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
