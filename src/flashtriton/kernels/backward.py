@@ -151,7 +151,7 @@ def _attn_bwd_dkdv_tile(
             do = do.to(tl.float32)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) fp32
         if HAS_SOFTCAP:
-            s_t, cap_grad = softcap_scores_and_grad(qk_t, qk_scale, softcap)
+            s_t, cap_grad = softcap_scores_and_grad(qk_t, qk_scale, softcap, DOT_PRECISION != "ieee")
         else:
             s_t = qk_t * qk_scale
         if HAS_ALIBI:  # query head g's slope, in base 2
@@ -275,7 +275,7 @@ def _attn_bwd_dq_tile(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         if HAS_SOFTCAP:
-            s, cap_grad = softcap_scores_and_grad(qk, qk_scale, softcap)
+            s, cap_grad = softcap_scores_and_grad(qk, qk_scale, softcap, DOT_PRECISION != "ieee")
         else:
             s = qk * qk_scale
         if HAS_ALIBI:

@@ -73,7 +73,7 @@ def _probabilities(s, lse, q_idx, k_idx, diag, qk_scale, softcap, slope, HAS_SOF
     softcap; `variant.alibi_bias` with `slope` in base 2) before exp2."""
     cap_grad = 1.0
     if HAS_SOFTCAP:
-        s, cap_grad = softcap_scores_and_grad(s, qk_scale, softcap)
+        s, cap_grad = softcap_scores_and_grad(s, qk_scale, softcap, True)
     else:
         s = s * qk_scale
     if HAS_ALIBI:

@@ -74,7 +74,7 @@ def softmax_step(
     and the pairs the variant hides (`variant.visible`, diagonal `diag`); HAS_SOFTCAP caps the scores first
     (`variant.softcap_scores`), HAS_ALIBI then adds the row's bias (`variant.alibi_bias`)."""
     if HAS_SOFTCAP:
-        qk = softcap_scores(qk, qk_scale, softcap)
+        qk = softcap_scores(qk, qk_scale, softcap, DOT_PRECISION != "ieee")  # fp32 inputs: the exact tanh
         qk_scale = 1.0
     if HAS_ALIBI:
         qk = qk * qk_scale + alibi_bias(offs_m[:, None], cols[None, :], diag, slope)

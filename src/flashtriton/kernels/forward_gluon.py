@@ -37,7 +37,7 @@ from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_SINKS, SC_SOFTCAP, S
                                   num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
 from .gluon_common import wgmma_layout
-from .variant import alibi_bias, key_end, softcap_scores, tile_masked, visible
+from .variant import alibi_bias, key_end, softcap_scores, tanh, tile_masked, visible
 
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
 NONE = gl.constexpr(0)  # what stands for a variant argument that is off
@@ -60,6 +60,16 @@ def _slope(scores, off_b, off_h, SCORES: gl.constexpr):
 
 
 @gluon.jit
+def _alibi_rows(m_i, slope, IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, SCORES: gl.constexpr):
+    """A finished row's m with the part of its causal ALiBi bias that `_softmax_tile` leaves out, -slope · (i - row0)
+    (the output does not depend on it, lse and a sink's share do)."""
+    if (SCORES & SC_ALIBI) and IS_CAUSAL:
+        return m_i - slope * gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)).to(gl.float32)
+    else:
+        return m_i
+
+
+@gluon.jit
 def _sink(scores, off_h, SCORES: gl.constexpr):
     """A head's sink logit in base 2 (unused without sinks), loaded when its item starts so that the epilogue does
     not wait for it."""
@@ -76,17 +86,28 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
     """Fold raw scores s (ROWS, BLOCK_N) of keys [n, n + BLOCK_N) into (m_i, l_i): (p, alpha, m_new, l_new).
     Only tiles that reach past the keys or past the band (the first row's diagonal, a window's edges) pay for the
     mask. COMPACT: one compare per score against the row's last visible key, for `_consume_flat` (which says why
-    only there), without a window. With softcap or ALiBi the scores are changed (`variant.softcap_scores`, then
-    `variant.alibi_bias` with the item's `slope`) and scaled before the mask; `scores` = (softcap, ...)."""
+    only there), without a window. `scores` = (softcap, ...). The score changes cost special-function and fp32
+    instructions per score, which the softmax's overlap with the matmuls hides only in part, so they take their
+    shortest forms: softcap alone keeps t = tanh(scale · s) (`variant.tanh`) as the scores, with the cap in the
+    scale's place (the cap is > 0: it commutes with the max); ALiBi is `variant.alibi_bias` (after softcap), or,
+    causal (every visible key at or left of the diagonal), one fused multiply-add per score with the bias
+    -slope · (row0 + d - j) of the tile's first row: the rest, -slope · (i - row0), is a row's constant, which
+    the softmax ignores and `_alibi_rows` adds to m once the row is done."""
     HAS_WINDOW: gl.constexpr = (SCORES & SC_WINDOW) != 0
-    SCALED: gl.constexpr = (SCORES & (SC_SOFTCAP | SC_ALIBI)) != 0
+    FOLD_CAP: gl.constexpr = (SCORES & (SC_SOFTCAP | SC_ALIBI)) == SC_SOFTCAP
+    SCALED: gl.constexpr = (SCORES & SC_ALIBI) != 0
+    if FOLD_CAP:
+        s = tanh(s * qk_scale, True)
+        qk_scale = scores[0]
     if SCALED:  # s in base 2, scaled
         if SCORES & SC_SOFTCAP:
-            s = softcap_scores(s, qk_scale, scores[0])
+            s = softcap_scores(s, qk_scale, scores[0], True)
         else:
             s = s * qk_scale
-        if SCORES & SC_ALIBI:
-            keys = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keys = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if IS_CAUSAL:
+            s = s + (-slope * ((row0 + diag).to(gl.float32) - keys.to(gl.float32)))[None, :]
+        else:
             s = s + alibi_bias(rows[:, None], keys[None, :], diag, slope)
     need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL, HAS_WINDOW, window[0],
                                                        window[1], row0 + (ROWS - 1), n)
@@ -270,11 +291,12 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
     row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
     q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
     sink = _sink(scores, off_h, SCORES)
+    slope = _slope(scores, off_b, off_h, SCORES)
     if n_tiles > 0:
         acc, m_i, l_i, c = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
-                                   first, seqlen_k, diag, qk_scale, items[7], scores,
-                                   _slope(scores, off_b, off_h, SCORES), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N,
-                                   NUM_BUFFERS, SCORES)
+                                   first, seqlen_k, diag, qk_scale, items[7], scores, slope, IS_CAUSAL, IS_VARLEN,
+                                   HEAD_DIM, BLOCK_N, NUM_BUFFERS, SCORES)
+        m_i = _alibi_rows(m_i, slope, IS_CAUSAL, s_layout, SCORES)
     else:  # rows that see no key (causal with Sq > Sk, a window past the keys)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -380,6 +402,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     o_q_start = q_start
     o_seqlen_q = seqlen_q
     o_sink = sink
+    o_slope = slope
     if valid:  # the program's first S, with no P V beside it
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
         p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, o_row0, first, seqlen_k, diag, qk_scale,
@@ -417,7 +440,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         if starts:  # the output side's item is complete
             if not IS_VARLEN:
                 tma.store_wait(0)  # the previous output has left o_smem
-            _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, o_b, o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
+            _store_item(acc, _alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
+                        o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
                         stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
             o_b = off_b
@@ -426,6 +450,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
             o_q_start = q_start
             o_seqlen_q = seqlen_q
             o_sink = sink
+            o_slope = slope
         else:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         m_i = m_new
@@ -444,7 +469,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c - 1, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS)
         if not IS_VARLEN:
             tma.store_wait(0)
-        _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, o_b, o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
+        _store_item(acc, _alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
+                    o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
                     stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
     if not IS_VARLEN:
         tma.store_wait(0)  # the last item's output has left o_smem

@@ -30,7 +30,7 @@ import triton.language as tl
 
 
 LOG2E = 1.4426950408889634
-TANH_APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")  # `tanh`: PTX on a GPU
+TANH_APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")  # `tanh(APPROX=True)`: PTX on a GPU
 WINDOW_UNBOUNDED = 1 << 30  # a window side without bound, as the kernels take it (indices stay within int32)
 ALIBI_GIVEN = torch.empty(0)  # `Variant.of`'s stand-in for slopes or sinks that the launcher passes to the kernels
 
@@ -365,11 +365,12 @@ def query_blocks(start_n, seqlen_q, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.c
 
 
 @triton.jit
-def tanh(x):
-    """tanh in fp32. On a GPU the hardware's approximation (PTX tanh.approx.f32, one special-function instruction,
-    relative error below 2^-10.9: what FlashAttention's softcap uses); a rational one would cost the forward about
-    three times its softmax time. The interpreter has no PTX: there, Eigen's rational approximation to a few ulp."""
-    if TANH_APPROX:
+def tanh(x, APPROX: tl.constexpr = False):
+    """tanh in fp32. APPROX (kernels on fp16/bf16 inputs), on a GPU: the hardware's approximation (PTX
+    tanh.approx.f32, one special-function instruction, relative error below 2^-10.9, what FlashAttention's softcap
+    uses; the rational form costs the forward about three times its softmax time). Otherwise, and always in the
+    interpreter (which has no PTX), Eigen's rational approximation, to a few ulp: for fp32 inputs."""
+    if APPROX and TANH_APPROX:
         return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
     else:
@@ -394,17 +395,17 @@ def _tanh_rational(x):
 
 
 @triton.jit
-def softcap_scores(qk, qk_scale, softcap):
+def softcap_scores(qk, qk_scale, softcap, APPROX: tl.constexpr = False):
     """Soft-capped scores in base 2, from raw Q Kᵀ: softcap · tanh(qk · qk_scale), with the launcher passing
-    qk_scale = softmax_scale / cap and softcap = cap · log2(e) (`Variant.scalars`)."""
-    return softcap * tanh(qk * qk_scale)
+    qk_scale = softmax_scale / cap and softcap = cap · log2(e) (`Variant.scalars`); APPROX as `tanh`'s."""
+    return softcap * tanh(qk * qk_scale, APPROX)
 
 
 @triton.jit
-def softcap_scores_and_grad(qk, qk_scale, softcap):
+def softcap_scores_and_grad(qk, qk_scale, softcap, APPROX: tl.constexpr = False):
     """(`softcap_scores`, d(capped score) / d(scaled score) = 1 - tanh²) for the backward, which multiplies dS by
     the latter (the softmax scale is applied to dQ and dK at the end, as without softcap)."""
-    t = tanh(qk * qk_scale)
+    t = tanh(qk * qk_scale, APPROX)
     return softcap * t, 1.0 - t * t
 
 
