@@ -6,12 +6,14 @@
     out = flashtriton.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # packed
     out = flashtriton.flash_attn_qkvpacked_func(qkv, causal=True)       # qkv (B, S, 3, H, D), no copy
     out = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)  # decoding
+    out, lse = flashtriton.flash_attn_combine(out_partial, lse_partial)  # merge split results (FA3's)
 
 On a machine without a GPU, set TRITON_INTERPRET=1 before importing to run the kernels on CPU tensors
 through Triton's interpreter (slow; for testing).
 """
 
 from ._version import __version__
+from .combine import flash_attn_combine
 from .interface import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
 from .kvcache import flash_attn_with_kvcache
 from .packed import (
@@ -31,6 +33,7 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
+    "flash_attn_combine",
     "scaled_dot_product_attention",
     "attention_reference",
     "attention_flops",
