@@ -200,3 +200,30 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled") == 4
+
+
+def test_torch_compile_fullgraph(device):
+    """One graph: the ops flashtriton::combine (with its backward) and flashtriton::combine_out."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    out_p, lse_p, _, _ = random_case(torch.Generator().manual_seed(7), seqlen=5, seqlen_k=12, cuts=(0, 4, 12))
+    out_p, lse_p = out_p.float().to(device), lse_p.float().to(device)
+
+    def step(o, lse_s, buffer):
+        out, lse = flashtriton.flash_attn_combine(o, lse_s)
+        flashtriton.flash_attn_combine(o.detach(), lse_s.detach(), out=buffer)
+        return out, lse
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    results = {}
+    for name, fn in (("eager", step), ("compiled", compiled)):
+        leaves = [out_p.clone().requires_grad_(), lse_p.clone().requires_grad_()]
+        buffer = torch.empty(out_p.shape[1:], device=device)
+        out, lse = fn(*leaves, buffer)
+        (out.sum() + lse.sum()).backward()
+        results[name] = (out, lse, buffer, *(t.grad for t in leaves))
+    assert counter.frame_count == 1
+    for eager, compiled_result in zip(results["eager"], results["compiled"]):
+        torch.testing.assert_close(compiled_result, eager, atol=0, rtol=0)

@@ -230,6 +230,23 @@ def test_bad_layouts_raise_naming_the_argument(device):
         flashtriton.flash_attn_kvpacked_func(qkv[:, :, 0, :, :8], qkv[:, :, 1:])
 
 
+def test_torch_compile_fullgraph(device):
+    """The views and the stacked gradient trace into one graph around flashtriton's op."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(14)
+    qkv = randn(gen, 1, 9, 3, 2, 16, device=device)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda t: flashtriton.flash_attn_qkvpacked_func(t, causal=True), backend=counter,
+                             fullgraph=True)
+    eager = run(lambda t: flashtriton.flash_attn_qkvpacked_func(t, causal=True), [qkv],
+                torch.Generator().manual_seed(15))
+    traced = run(compiled, [qkv], torch.Generator().manual_seed(15))
+    assert counter.frame_count == 1
+    assert_same(traced, eager)
+
+
 @pytest.mark.gpu
 def test_forward_allocates_no_copy_of_qkv_on_the_gpu():
     """Peak memory of the packed forward: out and lse, no copy of qkv or of one of its thirds."""

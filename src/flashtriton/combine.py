@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import validation as V
 from .kernels.combine import combine_partials
@@ -36,8 +37,9 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
         (out, lse): out (batch, seqlen, nheads, headdim) of out_dtype; lse (batch, seqlen, nheads) float32, a
         transposed view of a (batch, nheads, seqlen) tensor (FA3's layout).
 
-    Accumulation is fp32, in one Triton kernel. Differentiable in out_partial and lse_partial (FA3's is not): the
-    backward is a few fp32 torch ops, d out_s = w_s * d out and d lse_s = w_s * (d out . (out_s - out) + d lse) with
+    Accumulation is fp32, in one Triton kernel; under torch.compile the ops flashtriton::combine (and
+    flashtriton::combine_out for out=). Differentiable in out_partial and lse_partial (FA3's is not): the backward
+    is a few fp32 torch ops, d out_s = w_s * d out and d lse_s = w_s * (d out . (out_s - out) + d lse) with
     w_s = exp(lse_s - lse) (0 for a split with lse -inf). With `out=` given nothing may require grad (an in-place
     result has no autograd history here): that raises.
     """
@@ -86,46 +88,93 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
         V.check_device(names, (out_partial, lse_partial))
         out_view = None
     V.check_grid(shape[0], shape[2])
-    if out_view is None and torch.is_grad_enabled() and (out_partial.requires_grad or lse_partial.requires_grad):
-        result, lse = _Combine.apply(out_partial, lse_partial, out_type)
+    # Under torch.compile / export (or any dispatch mode, or tensor subclasses) the call becomes a registered op
+    # (an opaque node, no graph break); eager calls skip the dispatcher.
+    tracing = (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+               or not V.plain_tensors(out_partial, lse_partial, out_view, names=names + ("out",)))
+    if out_view is not None:
+        lse = (combine_out_op if tracing else _combine_out)(out_partial, lse_partial, out_view)
+        return out, (lse[0] if varlen else lse)
+    if tracing:
+        result, lse = combine_op(out_partial, lse_partial, out_type)
+    elif torch.is_grad_enabled() and (out_partial.requires_grad or lse_partial.requires_grad):
+        result, lse = _EagerCombine.apply(out_partial, lse_partial, out_type)
     else:
-        result, lse = _launch(out_partial, lse_partial, out_type, out_view)
-    if varlen:
-        return (out if out is not None else result[0]), lse[0]
-    return (out if out is not None else result), lse
+        result, lse = _combine(out_partial, lse_partial, out_type)
+    return (result[0], lse[0]) if varlen else (result, lse)
 
 
-def _launch(out_partial, lse_partial, out_type, out=None):
-    batch, seqlen, heads, head_dim = out_partial.shape[1:]
-    if out is None:
-        out = out_partial.new_empty((batch, seqlen, heads, head_dim), dtype=out_type)
-    lse = out_partial.new_empty((batch, heads, seqlen)).transpose(1, 2)
+def _new_lse(out_partial: torch.Tensor) -> torch.Tensor:
+    """(batch, seqlen, nheads) fp32 over (batch, nheads, seqlen) storage, FA3's layout."""
+    batch, seqlen, heads = out_partial.shape[1:4]
+    return out_partial.new_empty((batch, heads, seqlen), dtype=torch.float32).transpose(1, 2)
+
+
+def _combine(out_partial, lse_partial, out_dtype):
+    out = out_partial.new_empty(out_partial.shape[1:], dtype=out_dtype)
+    lse = _new_lse(out_partial)
     combine_partials(out_partial, lse_partial, out, lse)
     return out, lse
 
 
-class _Combine(torch.autograd.Function):
+def _combine_out(out_partial, lse_partial, out):
+    lse = _new_lse(out_partial)
+    combine_partials(out_partial, lse_partial, out, lse)
+    return lse
+
+
+@torch.library.custom_op("flashtriton::combine", mutates_args=())
+def combine_op(out_partial: torch.Tensor, lse_partial: torch.Tensor,
+               out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of validated inputs (see flash_attn_combine)."""
+    return _combine(out_partial, lse_partial, out_dtype)
+
+
+@combine_op.register_fake
+def _(out_partial, lse_partial, out_dtype):
+    return out_partial.new_empty(out_partial.shape[1:], dtype=out_dtype), _new_lse(out_partial)
+
+
+@torch.library.custom_op("flashtriton::combine_out", mutates_args=("out",))
+def combine_out_op(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """lse, the merge written into out (validated; not differentiable)."""
+    return _combine_out(out_partial, lse_partial, out)
+
+
+@combine_out_op.register_fake
+def _(out_partial, lse_partial, out):
+    return _new_lse(out_partial)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])
+
+
+def _backward(ctx, dout, dlse):
+    """d out_s = w_s * d out, d lse_s = w_s * (d out . (out_s - out) + d lse), w_s = exp(lse_s - lse) (0 where
+    lse_s = -inf: such a split's out may hold anything), in fp32 torch ops (themselves differentiable)."""
+    out_partial, lse_partial, lse = ctx.saved_tensors
+    finite = torch.isfinite(lse_partial)
+    w = torch.where(finite, torch.exp(lse_partial - torch.where(torch.isfinite(lse), lse, 0)), 0)
+    o_parts = torch.where(finite[..., None], out_partial, 0)
+    out = (w[..., None] * o_parts).sum(0)  # fp32, whatever out_dtype rounded the returned out to
+    d_out_partial = w[..., None] * dout.float()
+    d_lse_partial = w * ((dout.float() * (o_parts - out)).sum(-1) + torch.where(torch.isfinite(lse), dlse, 0))
+    return d_out_partial, d_lse_partial, None
+
+
+combine_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerCombine(torch.autograd.Function):
+    """The op's forward and backward without the dispatcher (eager calls only)."""
+
     @staticmethod
-    def forward(ctx, out_partial, lse_partial, out_type):
-        out, lse = _launch(out_partial, lse_partial, out_type)
-        ctx.save_for_backward(out_partial, lse_partial, lse)
-        return out, lse
+    def forward(ctx, out_partial, lse_partial, out_dtype):
+        output = _combine(out_partial, lse_partial, out_dtype)
+        _setup_context(ctx, (out_partial, lse_partial, out_dtype), output)
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        out_partial, lse_partial, lse = ctx.saved_tensors
-        finite = torch.isfinite(lse_partial)
-        w = torch.where(finite, torch.exp(lse_partial - torch.where(torch.isfinite(lse), lse, 0)), 0)
-        o_parts = torch.where(finite[..., None], out_partial, 0)  # a -inf split's out may hold anything
-        out = (w[..., None] * o_parts).sum(0)  # fp32, whatever out_dtype rounded the returned out to
-        d_out_partial = d_lse_partial = None
-        if dout is not None:
-            dout = dout.float()
-            d_out_partial = w[..., None] * dout
-            d_lse_partial = w * (dout * (o_parts - out)).sum(-1)
-        if dlse is not None:
-            extra = w * torch.where(torch.isfinite(lse), dlse, 0)
-            d_lse_partial = extra if d_lse_partial is None else d_lse_partial + extra
-        if d_out_partial is None:
-            d_out_partial = torch.zeros_like(out_partial)
-        return d_out_partial, d_lse_partial, None
+        return _backward(ctx, dout, dlse)
