@@ -57,11 +57,18 @@ def main(out_dir: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     kernels = [(forward._attn_fwd, "fwd", (128, 64, 8, 3)), (backward._attn_bwd_dq, "dq", (128, 32, 8, 2)),
                (backward._attn_bwd_dkdv, "dkdv", (32, 128, 8, 2))]
-    for head_dim, causal, varlen in [(64, True, False), (128, False, False), (128, True, True), (80, True, False)]:
+    # (head dim, V's head dim, causal, varlen); V's head dim of its own (DeepSeek's MLA) last
+    cases = [(64, 64, True, False), (128, 128, False, False), (128, 128, True, True), (80, 80, True, False),
+             (192, 128, True, False)]
+    for head_dim, head_dim_v, causal, varlen in cases:
         for fn, name, (block_m, block_n, warps, stages) in kernels:
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                               IS_CAUSAL=causal, CAUSAL_BOTTOM_RIGHT=True, IS_VARLEN=varlen, UPCAST_DOT=False,
                               DOT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n)
+            if "HEAD_DIM_V" in fn.arg_names:
+                constexprs.update(HEAD_DIM_V=head_dim_v, BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)))
+            elif head_dim_v != head_dim:
+                continue
             # no window, no softcap: the flags off and their scalars None, as the launchers pass them
             constexprs.update({n: v for n, v in dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
                                                      HAS_SINKS=False, window_left=None, window_right=None, softcap=None,
@@ -70,7 +77,8 @@ def main(out_dir: str) -> None:
             sig, attrs = signature(fn, constexprs)
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-            path = out / f"{name}_d{head_dim}_causal{int(causal)}_varlen{int(varlen)}.ptx"
+            dv = "" if head_dim_v == head_dim else f"_dv{head_dim_v}"
+            path = out / f"{name}_d{head_dim}{dv}_causal{int(causal)}_varlen{int(varlen)}.ptx"
             path.write_text(code_only(compiled.asm["ptx"]))
             print(path)
     tma_kernels(out)

@@ -9,6 +9,8 @@ from flashtriton.kernels import dispatch
 from flashtriton.kernels.dispatch import Choice, parse
 from flashtriton.kernels.variant import Variant
 
+from conftest import DEVICE
+
 
 def test_the_switch_names_levels_and_a_decode_schedule():
     assert parse({}) == Choice("gluon", "auto", True)
@@ -103,3 +105,95 @@ def test_the_tma_gate_reads_the_table():
     shape = ((2, 64, 4, 128), (64 * 4 * 128, 4 * 128, 128, 1))
     assert _tma_shapes_ok(dispatch.BY_NAME["tma_fwd"].head_dims, 2, (shape,))
     assert not _tma_shapes_ok(dispatch.BY_NAME["tma_fwd"].head_dims, 2, (((2, 64, 4, 96), (1, 1, 1, 1)),))
+
+
+def test_a_separate_v_head_dim_takes_the_portable_kernels():
+    """v.shape[-1] != q.shape[-1]: only the kernels that declare `separate_v` (the portable ones) take the call."""
+    half = torch.float16
+    for capability in (0, 8, 9):
+        for varlen in (False, True):
+            assert dispatch.candidates("fwd", half, 128, capability, varlen, separate_v=True) == ["portable_fwd"]
+            assert dispatch.candidates("bwd", half, 64, capability, varlen, separate_v=True) == ["portable_bwd"]
+    assert dispatch.candidates("fwd", half, 192, 9, fields=frozenset({"causal", "softcap"}), separate_v=True) == \
+        ["portable_fwd"]
+    assert dispatch.candidates("decode", half, 128, 9, separate_v=True) == []
+    assert not dispatch.supports("gluon_fwd", half, 128, 9, separate_v=True)
+    assert not dispatch.supports("tma_fwd", half, 128, 9, True, False, frozenset(), True)
+    assert not dispatch.supports("gluon_bwd", half, 128, 9, separate_v=True)
+    with dispatch.force("portable"):
+        for op in ("fwd", "bwd"):
+            for head_dim in range(1, 257):
+                assert dispatch.candidates(op, torch.float32, head_dim, 9, separate_v=True), (op, head_dim)
+
+
+def test_the_dense_hopper_plan_refuses_a_separate_v_head_dim(monkeypatch):
+    """`_dense_tma_plan` where the layout passes (faked: no Hopper GPU here): a plan for Dv == D, None for Dv != D."""
+    from flashtriton.kernels import forward
+
+    monkeypatch.setattr(forward, "tma_layout_ok", lambda *a: True)
+    monkeypatch.setattr(forward, "capability", lambda device: (9, 0))
+    plan = forward._dense_tma_plan.__wrapped__  # (not the cache: the fakes must not outlive the test)
+    device, variant = torch.device("cuda", 0), Variant(causal=True)
+    q_shape, k_shape = (2, 256, 8, 128), (2, 256, 2, 128)
+    strides = (256 * 8 * 128, 8 * 128, 128, 1)
+    kv_strides = (256 * 2 * 128, 2 * 128, 128, 1)
+    with dispatch.force("auto"):
+        same = plan(q_shape, strides, k_shape, kv_strides, kv_strides, torch.float16, device, variant, True, False)
+        assert same is not None and same.fn is forward._attn_fwd_tma
+        v_shape, v_strides = (2, 256, 2, 64), (256 * 2 * 64, 2 * 64, 64, 1)
+        assert plan(q_shape, strides, k_shape, kv_strides, v_strides, torch.float16, device, variant, True, True,
+                    v_shape) is None
+
+
+class _HopperPathTaken(Exception):
+    pass
+
+
+def _hopper_path(*args, **kwargs):
+    raise _HopperPathTaken
+
+
+@pytest.mark.parametrize("head_dim_v", [64, 128])
+def test_the_varlen_hopper_gate_refuses_a_separate_v_head_dim(monkeypatch, head_dim_v):
+    """The varlen forward with `tma_ok` faked true: Dv == D reaches a Hopper launcher, Dv != D runs the portable
+    kernel (the interpreter here)."""
+    from flashtriton.kernels import forward
+
+    monkeypatch.setattr(forward, "tma_ok", lambda *t: True)
+    monkeypatch.setattr(forward, "_launch_forward_tma", _hopper_path)
+    if forward.forward_gluon_launch is not None:
+        monkeypatch.setattr(forward.forward_gluon_launch, "launch_forward_gluon", _hopper_path)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    q, k = (torch.randn(7, 2, 64, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    v = torch.randn(7, 2, head_dim_v, dtype=torch.float16, device=DEVICE)
+    with dispatch.force("auto"):
+        if head_dim_v == 64:
+            with pytest.raises(_HopperPathTaken):
+                forward.attention_forward(q, k, v, 0.125, True, True, cu, cu, 4, 4)
+        else:
+            out, _ = forward.attention_forward(q, k, v, 0.125, True, True, cu, cu, 4, 4)
+            assert out.shape == (7, 2, 128)
+
+
+@pytest.mark.parametrize("head_dim_v", [64, 128])
+def test_the_gluon_backward_gate_refuses_a_separate_v_head_dim(monkeypatch, head_dim_v):
+    """The backward with `tma_ok` faked true and a Gluon config for any shape: Dv == D reaches the Gluon launcher,
+    Dv != D runs the Triton kernels."""
+    from types import SimpleNamespace
+
+    from flashtriton import configs
+    from flashtriton.kernels import backward, forward
+
+    q, k = (torch.randn(1, 9, 2, 64, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    v = torch.randn(1, 9, 2, head_dim_v, dtype=torch.float16, device=DEVICE)
+    out, lse = forward.attention_forward(q, k, v, 0.125, True)
+    monkeypatch.setattr(backward, "tma_ok", lambda *t: True)
+    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: {"dkdv": {}, "dq": {}})
+    monkeypatch.setattr(backward, "backward_gluon_launch", SimpleNamespace(padded_rows=_hopper_path))
+    with dispatch.force("auto"):
+        if head_dim_v == 64:
+            with pytest.raises(_HopperPathTaken):
+                backward.attention_backward(torch.ones_like(out), q, k, v, out, lse, 0.125, True)
+        else:
+            dq, dk, dv = backward.attention_backward(torch.ones_like(out), q, k, v, out, lse, 0.125, True)
+            assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)

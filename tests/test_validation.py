@@ -78,8 +78,8 @@ def test_not_a_tensor(device):
 @pytest.mark.parametrize("which,change,match", [
     ("k", lambda t: t[:, :5], "sequence lengths of k and v"),
     ("q", lambda t: torch.cat([t, t]), "batch sizes"),
-    ("v", lambda t: t[..., :8], "head dim"),
-    ("k", lambda t: t[..., :8], "head dim"),
+    ("k", lambda t: t[..., :8], "head dims of q and k must match"),
+    ("v", lambda t: t[..., :0], "v's head dim"),  # (v may have a head dim of its own: tests/test_head_dim_v.py)
     ("v", lambda t: t[:, :, :1], "same number of heads"),
 ])
 def test_shape_mismatches(which, change, match, device):
@@ -267,6 +267,14 @@ def test_offsets_beyond_int32_are_refused(shape, stride):
 
 def test_offsets_within_int32_pass():
     validation.check_int32_offsets(("q",), (_Strided((64, 4096, 32, 128), (2**24, 4096, 128, 1)),), (4096,))
+
+
+def test_an_output_of_v_s_larger_head_dim_counts():
+    """q (1M tokens, 16 heads, D=64) spans 2**30 elements, its output of v's head dim 128 2**31."""
+    q = _Strided((1, 2**20, 16, 64), (2**30, 16 * 64, 64, 1))
+    validation.check_int32_offsets(("q",), (q,), (2**20,), 64)
+    with pytest.raises(NotImplementedError, match="32-bit offsets"):
+        validation.check_int32_offsets(("q",), (q,), (2**20,), 128)
 
 
 def test_batches_and_heads_beyond_the_launch_grid_are_refused(device):

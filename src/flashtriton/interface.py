@@ -52,9 +52,10 @@ def flash_attn_func(
     Arguments:
         q: (batch, seqlen_q, nheads, headdim)
         k: (batch, seqlen_k, nheads_k, headdim)
-        v: (batch, seqlen_k, nheads_k, headdim)
+        v: (batch, seqlen_k, nheads_k, headdim_v)
             nheads must be a multiple of nheads_k (GQA/MQA: query head h uses kv head h // (nheads // nheads_k)).
-            headdim 1..256; fp16, bf16 (fp32 accumulation) or fp32 (exact fp32 dots, much slower).
+            headdim and headdim_v 1..256 (v's, the output's, may differ from q and k's: DeepSeek's MLA has 192 and
+            128); fp16, bf16 (fp32 accumulation) or fp32 (exact fp32 dots, much slower).
             Any strides with a contiguous last dim (slices of a packed qkv tensor cost no copy).
         softmax_scale: scaling of QK^T before the softmax, any finite real number (Python or NumPy; negative
             and 0, a uniform average, too); default 1 / sqrt(headdim).
@@ -81,7 +82,7 @@ def flash_attn_func(
             includes it, and it gets a gradient.
         dropout_p: not supported yet; any non-zero value raises NotImplementedError.
     Returns:
-        out: (batch, seqlen_q, nheads, headdim)
+        out: (batch, seqlen_q, nheads, headdim_v)
         and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q) fp32 natural log, None)
     """
     window_size, softcap = _variant_args(dropout_p, window_size, softcap)
@@ -90,11 +91,11 @@ def flash_attn_func(
     learnable_sink = V.check_sink(learnable_sink, q.shape[2], q.dtype, q.device)
     V.check_same("batch sizes of q, k, v", q=q.shape[0], k=k.shape[0], v=v.shape[0])
     V.check_same("sequence lengths of k and v", k=k.shape[1], v=v.shape[1])
-    V.check_heads_and_dims(q.shape[2], k.shape[2], q.shape[3], v.shape[3], v.shape[2])
+    V.check_heads_and_dims(q.shape[2], k.shape[2], q.shape[3], v.shape[3], v.shape[2], separate_v=True)
     V.check_same("head dims of q and k", q=q.shape[3], k=k.shape[3])
     V.check_scale("softmax_scale", softmax_scale, allow_negative=True)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    V.check_int32_offsets(("q", "k", "v"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
+    V.check_int32_offsets(("q", "k", "v"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]), v.shape[-1])
     V.check_grid(q.shape[0], q.shape[2])
     q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
     out, lse = attention(q, k, v, scale, bool(causal), True, None, None, q.shape[1], k.shape[1], window_size, softcap,
@@ -125,7 +126,7 @@ def flash_attn_varlen_func(
 
     Arguments:
         q: (total_q, nheads, headdim), the batch's query tokens back to back.
-        k, v: (total_k, nheads_k, headdim).
+        k, v: (total_k, nheads_k, headdim), (total_k, nheads_k, headdim_v).
         cu_seqlens_q: (batch + 1,) int32, sequence b's queries are q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]].
         cu_seqlens_k: (batch + 1,) int32, likewise for k and v. Sequences of length 0 are allowed.
         max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence.
@@ -135,14 +136,14 @@ def flash_attn_varlen_func(
         tensor; calls with tensors that passed and were not written since (torch's version counter) skip it.
         A kernel that writes a cu_seqlens tensor behind torch's back (no version bump) must pass a new tensor.
     Returns:
-        out: (total_q, nheads, headdim)
+        out: (total_q, nheads, headdim_v)
         and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32, differentiable, None)
     """
     window_size, softcap = _variant_args(dropout_p, window_size, softcap)
     V.not_implemented("block_table", block_table, None)
     V.check_tensors(("q", "k", "v"), (q, k, v), 3, "(total_tokens, nheads, headdim)")
     V.check_same("total key tokens of k and v", k=k.shape[0], v=v.shape[0])
-    V.check_heads_and_dims(q.shape[1], k.shape[1], q.shape[2], v.shape[2], v.shape[1])
+    V.check_heads_and_dims(q.shape[1], k.shape[1], q.shape[2], v.shape[2], v.shape[1], separate_v=True)
     V.check_same("head dims of q and k", q=q.shape[2], k=k.shape[2])
     V.check_scale("softmax_scale", softmax_scale, allow_negative=True)
     batch = V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", None, q.device)
@@ -151,7 +152,7 @@ def flash_attn_varlen_func(
     V.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", batch, q.device)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # kernels index them densely
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    V.check_int32_offsets(("q", "k", "v"), (q, k, v), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
+    V.check_int32_offsets(("q", "k", "v"), (q, k, v), (max_seqlen_q, max_seqlen_k, max_seqlen_k), v.shape[-1])
     V.check_grid(batch, q.shape[1])
     if q.shape[1] * q.shape[0] >= V.INT32_LIMIT:
         raise NotImplementedError(f"nheads x total_q = {q.shape[1] * q.shape[0]} must be below 2**31 (32-bit offsets)")
@@ -173,17 +174,19 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention` on 4-D inputs.
 
-    query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) -> (B, Hq, Sq, D). As in torch, `is_causal` is aligned
-    top-left (query i sees keys j <= i), Hq != Hkv needs `enable_gqa=True` and `scale` may be any finite real. attn_mask and dropout_p are
-    not supported yet (NotImplementedError). The result is a (B, Hq, Sq, D) view of a (B, Sq, Hq, D) tensor,
-    as torch's flash backend returns it.
+    query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv). As in torch, `is_causal`
+    is aligned top-left (query i sees keys j <= i), Hq != Hkv needs `enable_gqa=True`, `scale` may be any finite
+    real and value may have a head dim of its own. attn_mask and dropout_p are not supported yet
+    (NotImplementedError). The result is a (B, Hq, Sq, Dv) view of a (B, Sq, Hq, Dv) tensor, as torch's flash
+    backend returns it.
     """
     V.not_implemented("attn_mask", attn_mask, None)
     V.not_implemented("dropout_p", dropout_p, 0.0)
     V.check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, nheads, seqlen, headdim)")
     V.check_same("batch sizes of query, key, value", query=query.shape[0], key=key.shape[0], value=value.shape[0])
     V.check_same("sequence lengths of key and value", key=key.shape[2], value=value.shape[2])
-    V.check_heads_and_dims(query.shape[1], key.shape[1], query.shape[3], value.shape[3], value.shape[1])
+    V.check_heads_and_dims(query.shape[1], key.shape[1], query.shape[3], value.shape[3], value.shape[1],
+                           separate_v=True)
     V.check_same("head dims of query and key", query=query.shape[3], key=key.shape[3])
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(
@@ -192,8 +195,8 @@ def scaled_dot_product_attention(
         )
     V.check_scale("scale", scale, allow_negative=True)
     q, k, v = (V.last_dim_contiguous(t.transpose(1, 2)) for t in (query, key, value))  # (B, S, H, D) views
-    V.check_int32_offsets(("query", "key", "value"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]))
+    V.check_int32_offsets(("query", "key", "value"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]), v.shape[-1])
     V.check_grid(q.shape[0], q.shape[2])
     q, softmax_scale = _positive_scale(q, _default_scale(scale, q.shape[-1]))
     out, _ = attention(q, k, v, softmax_scale, bool(is_causal), False, None, None, q.shape[1], k.shape[1])
-    return out.transpose(1, 2)  # (B, Hq, Sq, D)
+    return out.transpose(1, 2)  # (B, Hq, Sq, Dv)

@@ -86,7 +86,7 @@ def attention_fwd_op(
     alibi_slopes: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out like q; lse fp32 (B, Hq, Sq) dense or (Hq, total_q) varlen. window_left / right, softcap and
+    """out like q with v's head dim; lse fp32 (B, Hq, Sq) dense or (Hq, total_q) varlen. window_left / right, softcap and
     alibi_slopes: flash-attn's window_size, softcap and alibi_slopes (-1, -1, 0.0, None: off)."""
     return _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, window_left, window_right, softcap, alibi_slopes, learnable_sink)
@@ -95,7 +95,7 @@ def attention_fwd_op(
 @attention_fwd_op.register_fake
 def _(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None):
-    out = q.new_empty(q.shape)  # the kernels allocate contiguous outputs, whatever the inputs' strides
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # contiguous, whatever the inputs' strides; v's head dim
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:

@@ -79,7 +79,11 @@ def check_device(names: tuple[str, ...], tensors: tuple) -> None:
         raise ValueError(f"{names[0]} is on {device}; flashtriton runs on CUDA GPUs (or the CPU under TRITON_INTERPRET=1)")
 
 
-def check_heads_and_dims(q_heads: int, kv_heads: int, head_dim: int, v_head_dim: int, k_heads_v: int) -> None:
+def check_heads_and_dims(q_heads: int, kv_heads: int, head_dim: int, v_head_dim: int, k_heads_v: int,
+                         separate_v: bool = False) -> None:
+    """Heads (k's and v's equal, q's a multiple of them) and head dims (1..MAX_HEAD_DIM). `separate_v`: v may have a
+    head dim of its own (the output's; DeepSeek's MLA), else v's must be q and k's. (k's head dim is q's: the
+    callers check it.)"""
     if kv_heads != k_heads_v:
         raise ValueError(f"k and v must have the same number of heads, got k: {kv_heads}, v: {k_heads_v}")
     if kv_heads == 0 or q_heads % kv_heads != 0:
@@ -87,10 +91,12 @@ def check_heads_and_dims(q_heads: int, kv_heads: int, head_dim: int, v_head_dim:
             f"the number of query heads must be a multiple of the number of key/value heads (GQA/MQA), "
             f"got q: {q_heads} heads, k/v: {kv_heads} heads"
         )
-    if head_dim != v_head_dim:
+    if not separate_v and head_dim != v_head_dim:
         raise ValueError(f"q, k and v must have the same head dim, got q/k: {head_dim}, v: {v_head_dim}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if not 1 <= v_head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"v's head dim (the output's) must be between 1 and {MAX_HEAD_DIM}, got {v_head_dim}")
 
 
 def check_same(what: str, **values: int) -> None:
@@ -178,11 +184,16 @@ def check_sink(learnable_sink, heads: int, dtype: torch.dtype, device) -> torch.
 INT32_LIMIT = 2**31
 
 
-def check_int32_offsets(names: tuple[str, ...], tensors: tuple, seq_len_of: tuple[int, ...]) -> None:
+def check_int32_offsets(names: tuple[str, ...], tensors: tuple, seq_len_of: tuple[int, ...],
+                        out_head_dim: int = 0) -> None:
     """The kernels address one sequence of one batch entry with 32-bit offsets (the batch / sequence start
-    is 64-bit): rows x row stride, heads x head stride and the (S, H, D) output must stay below 2**31."""
-    for name, t, seqlen in zip(names, tensors, seq_len_of):
+    is 64-bit): rows x row stride, heads x head stride and the (S, H, D) output must stay below 2**31.
+    out_head_dim: the output's head dim (v's) where it may differ from the first tensor's (q: the output and its
+    gradient have q's rows and heads)."""
+    for i, (name, t, seqlen) in enumerate(zip(names, tensors, seq_len_of)):
         heads, head_dim = t.shape[-2], t.shape[-1]
+        if i == 0:
+            head_dim = max(head_dim, out_head_dim)
         seq_stride, head_stride = abs(t.stride(-3)), abs(t.stride(-2))
         extent = max(seqlen * seq_stride, heads * head_stride, seqlen * heads * head_dim)
         if extent >= INT32_LIMIT:

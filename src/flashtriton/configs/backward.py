@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import triton
 
-from .table import ANY, CAUSAL, H200, SM90, Table, tiles, variant_class, width
+from .table import ANY, CAUSAL, H200, SM90, Table, padded_head_dims, tiles, variant_class, width
 
 # Two tuned kernels: dK/dV (one program per BLOCK_N keys, streaming BLOCK_M query rows of every head of its GQA
 # group) and dQ (one program per BLOCK_M query rows, streaming BLOCK_N keys). The delta kernel is not tuned.
-BWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "IS_CAUSAL", "IS_VARLEN"]
+BWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "IS_VARLEN"]
 
 # Candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, input width ("16": fp16 / bf16, "32": fp32) and
 # padded head dim (64 stands for 16..64). dK/dV keeps two fp32 (BLOCK_N, D) accumulators and K, V resident, dQ one
@@ -131,7 +131,7 @@ def _config_tuple(c: triton.Config) -> tuple:
 
 
 def _prune_bwd(kernel: str, configs, named_args, kwargs):
-    head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
+    head_dim_padded = padded_head_dims(named_args, kwargs)
     allowed = set(BWD_CANDIDATES[kernel][(width(named_args["Q"].element_size()), max(64, head_dim_padded))])
     kept = [c for c in configs if _config_tuple(c) in allowed]
     # Short sequences: tiles longer than the sequence only multiply masked work.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import triton
 
-from .table import ANY, CAUSAL, FULL, H200, SM80, SM90, Table, tiles, variant_class, width
+from .table import ANY, CAUSAL, FULL, H200, SM80, SM90, Table, padded_head_dims, tiles, variant_class, width
 
-FWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "IS_CAUSAL", "IS_VARLEN"]
+FWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "IS_VARLEN"]
 
 # Autotuning candidates of the portable forward, (BLOCK_M, BLOCK_N, num_warps, num_stages): a curated space around
 # what FlashAttention-2 and Triton's tutorial use, BLOCK_M in {32, 64, 128}. Pruned per problem
@@ -174,7 +174,7 @@ def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> b
 
 
 def prune_fwd_configs(configs, named_args, **kwargs):
-    head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
+    head_dim_padded = padded_head_dims(named_args, kwargs)
     elem_bytes = named_args["Q"].element_size()
     if elem_bytes == 4:  # fp32 runs the exact (IEEE) dot: small tiles only
         kept = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64]

@@ -55,6 +55,14 @@ def tiles(block_m: int, block_n: int, num_warps: int, num_stages: int, **extra) 
     return dict({"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}, **extra)
 
 
+def padded_head_dims(named_args: dict, kwargs: dict) -> int:
+    """The wider of a kernel launch's padded head dims, BLOCK_D (Q, K) and BLOCK_DV (V, O; absent: BLOCK_D's): what
+    a config's tiles must hold."""
+    def get(name):
+        return kwargs.get(name) or named_args.get(name) or 0
+    return max(get("BLOCK_D"), get("BLOCK_DV"))
+
+
 def seqlen_bucket(seqlen: int) -> int:
     """Power-of-two bucket used in autotune keys (16 … 65536+)."""
     return min(max(16, next_power_of_2(max(int(seqlen), 1))), 1 << 16)

@@ -2,7 +2,8 @@
 
 With P = softmax(scale · Q Kᵀ) recomputed tile by tile from the forward's saved log-sum-exp (never stored):
     dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP − delta)      dQ = scale · dS K      dK = scale · dSᵀ Q
-where delta = rowsum(dO ∘ O) (FlashAttention-2 §3.2). Three kernels:
+where delta = rowsum(dO ∘ O) (FlashAttention-2 §3.2). Q and K share the head dim D (HEAD_DIM, padded to BLOCK_D);
+V, O, dO and dV have V's, Dv (HEAD_DIM_V, BLOCK_DV), which may differ. Three kernels:
   1. `_attn_bwd_preprocess`: delta, fp32, laid out like lse (minus the gradient of lse, when lse is differentiated:
      d lse_i / d s_ij = P_ij, so that term is dS = P ∘ dlse and joins delta's).
   2. `_attn_bwd_dkdv`: one program per (BLOCK_N keys, batch·kv head). It keeps K, V and the fp32 dK, dV
@@ -55,10 +56,10 @@ def _attn_bwd_preprocess(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
     PADDED: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32, minus dlse[b, h, i] with HAS_DLSE (the
-    gradient of the returned lse: d lse_i / d s_ij = P_ij, so dS = P ∘ (dP − (delta − dlse)) and the kernels
-    that read delta need no change; rows that see no key, lse -inf, keep delta: their lse is a constant and
-    their gradient 0 whatever dlse holds). Grid (query tiles, heads, batch).
+    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32 (d over O's head dim, V's: HEAD_DIM here),
+    minus dlse[b, h, i] with HAS_DLSE (the gradient of the returned lse: d lse_i / d s_ij = P_ij, so
+    dS = P ∘ (dP − (delta − dlse)) and the kernels that read delta need no change; rows that see no key, lse -inf,
+    keep delta: their lse is a constant and their gradient 0 whatever dlse holds). Grid (query tiles, heads, batch).
     PADDED=False (the Triton kernels): delta laid out like lse. PADDED (the Gluon kernels, `backward_gluon.
     _lse_rows`): delta and a copy of lse in the padded layout. Dense (B, Hq, Sq_pad), the grid covering Sq_pad:
     rows past Sq get lse -inf and delta 0. Varlen (Hq, padded_rows): sequence b at row 4 · (ceil(start / 4) + b);
@@ -120,10 +121,11 @@ def _attn_bwd_dkdv_tile(
     dk, dv, k, v,
     Q, DO, LSE, DELTA,  # scalar pointers at (batch, first query head of the group, row 0)
     stride_qm, stride_qh, stride_dom, stride_doh, stride_lh,
-    q_offs, do_offs,  # (BLOCK_M, BLOCK_D) offsets of a tile inside one head
-    offs_n, offs_m, offs_d,
+    q_offs, do_offs,  # (BLOCK_M, BLOCK_D) and (BLOCK_M, BLOCK_DV) offsets of a tile inside one head
+    offs_n, offs_m, offs_d, offs_dv,
     start_m, end_m, group_size, seqlen_q, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slopes=None,  # the group's first query head's ALiBi slope (a pointer)
@@ -142,8 +144,8 @@ def _attn_bwd_dkdv_tile(
         m64 = m.to(tl.int64)
         q = load_tile(Q + (g * stride_qh + m64 * stride_qm) + q_offs, rows, seqlen_q, offs_d,
                        MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
-        do = load_tile(DO + (g * stride_doh + m64 * stride_dom) + do_offs, rows, seqlen_q, offs_d,
-                        MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        do = load_tile(DO + (g * stride_doh + m64 * stride_dom) + do_offs, rows, seqlen_q, offs_dv,
+                        MASKED, HEAD_DIM_V, BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
         lse, delta = _load_lse_delta(LSE + (g * stride_lh + m64) + offs_m, DELTA + (g * stride_lh + m64) + offs_m,
                                      rows, seqlen_q, MASKED)  # (BLOCK_M,)
         if UPCAST_DOT:
@@ -160,7 +162,7 @@ def _attn_bwd_dkdv_tile(
         if MASKED and (IS_CAUSAL or HAS_WINDOW):
             p_t = tl.where(visible(True, rows[None, :], offs_n[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
                            p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_DV)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
@@ -186,7 +188,8 @@ def _attn_bwd_dkdv(
     GROUP_SIZE,
     SEQLEN_Q, SEQLEN_K,
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,  # power-of-two buckets, autotune key only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # Q and K's head dim, padded to BLOCK_D
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V, dO and dV's, padded to BLOCK_DV
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -208,16 +211,17 @@ def _attn_bwd_dkdv(
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key indices
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     # Keys past the end load as 0; they only touch their own dK/dV rows, which are never stored.
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
-    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, True, HEAD_DIM_V, BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
     if UPCAST_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # Query rows this key tile sees: masked [lo, mid), unmasked [mid, full), masked [full, q_end).
     diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
@@ -230,35 +234,39 @@ def _attn_bwd_dkdv(
     lse_head = LSE + batch_l + (off_hk * GROUP_SIZE) * stride_lh
     delta_head = DELTA + batch_l + (off_hk * GROUP_SIZE) * stride_lh
     q_offs = offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, BLOCK_D)
-    do_offs = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, BLOCK_D)
+    do_offs = offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod  # (BLOCK_M, BLOCK_DV)
     for stage in tl.static_range(3):  # masked [lo, mid), unmasked [mid, full), masked [full, q_end)
         start = lo if stage == 0 else (mid if stage == 1 else full)
         end = mid if stage == 0 else (full if stage == 1 else q_end)
         dk, dv = _attn_bwd_dkdv_tile(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-            stride_qm, stride_qh, stride_dom, stride_doh, stride_lh, q_offs, do_offs, offs_n, offs_m, offs_d,
+            stride_qm, stride_qh, stride_dom, stride_doh, stride_lh, q_offs, do_offs, offs_n, offs_m, offs_d, offs_dv,
             start, end, GROUP_SIZE, seqlen_q, diag, qk_scale,
-            stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST_DOT, DOT_PRECISION,
+            stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI,
             ALIBI + off_b * stride_alibi_b + off_hk * GROUP_SIZE if HAS_ALIBI else None,
         )
 
-    n_mask = offs_n[:, None] < seqlen_k
+    n_ok = offs_n[:, None] < seqlen_k
+    dk_mask, dv_mask = n_ok, n_ok
     if BLOCK_D != HEAD_DIM:
-        n_mask = n_mask & (offs_d[None, :] < HEAD_DIM)
+        dk_mask = dk_mask & (offs_d[None, :] < HEAD_DIM)
+    if BLOCK_DV != HEAD_DIM_V:
+        dv_mask = dv_mask & (offs_dv[None, :] < HEAD_DIM_V)
     dk_ptrs = DK + batch_dk + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + batch_dv + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
-    tl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=n_mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=n_mask)
+    dv_ptrs = DV + batch_dv + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd
+    tl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=dk_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=dv_mask)
 
 
 @triton.jit
 def _attn_bwd_dq_tile(
     dq, q, do, lse, delta,
     k_ptrs, v_ptrs, stride_kn, stride_vn,
-    offs_m, offs_n, offs_d,
+    offs_m, offs_n, offs_d, offs_dv,
     start_n, end_n, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slope=0.0,
@@ -269,7 +277,7 @@ def _attn_bwd_dq_tile(
     for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key indices
         k = load_tile(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_dv, MASKED, HEAD_DIM_V, BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -310,7 +318,8 @@ def _attn_bwd_dq(
     GROUP_SIZE,
     SEQLEN_Q, SEQLEN_K,
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # Q and K's head dim, padded to BLOCK_D
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V, dO and dV's, padded to BLOCK_DV
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -334,12 +343,13 @@ def _attn_bwd_dq(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     q_ptrs = Q + batch_q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    do_ptrs = DO + batch_do + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    do_ptrs = DO + batch_do + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod
     k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
-    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, True, HEAD_DIM_V, BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
     lse, delta = _load_lse_delta(LSE + batch_l + off_h * stride_lh + offs_m,
                                  DELTA + batch_l + off_h * stride_lh + offs_m, offs_m, seqlen_q, True)
     if UPCAST_DOT:
@@ -354,21 +364,21 @@ def _attn_bwd_dq(
 
     if HAS_WINDOW:  # the window's left edge: masked
         dq = _attn_bwd_dq_tile(
-            dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
             first, start, seqlen_k, diag, qk_scale,
-            True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+            True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
         )
     dq = _attn_bwd_dq_tile(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         start, lo, seqlen_k, diag, qk_scale,
-        False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        False, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
     )
     dq = _attn_bwd_dq_tile(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         lo, hi, seqlen_k, diag, qk_scale,
-        True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
     )
 
@@ -395,8 +405,8 @@ _attn_bwd_dq_tuned = triton.autotune(
 
 
 def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=False, dlse=None):
-    """(lse, delta) for the backward kernels; delta = rowsum(dO ∘ O) in fp32. out, dout (B, Sq, Hq, D) with lse
-    (B, Hq, Sq), or varlen (total_q, Hq, D) with lse (Hq, total_q) and cu_seqlens_q. Not padded: delta like lse,
+    """(lse, delta) for the backward kernels; delta = rowsum(dO ∘ O) in fp32. out, dout (B, Sq, Hq, Dv) with lse
+    (B, Hq, Sq), or varlen (total_q, Hq, Dv) with lse (Hq, total_q) and cu_seqlens_q. Not padded: delta like lse,
     lse itself. Padded (the Gluon kernels, which load whole 16-byte aligned tiles): both in
     `backward_gluon_launch.padded_rows`' layout, written by the one preprocess launch (no fill, no copy).
     dlse (shaped like lse, fp32, any strides): the gradient of lse, subtracted from delta in the same launch."""
@@ -457,8 +467,10 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs (what `attention_forward` took and returned).
 
-    Dense:  dout, q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse (B, Hq, Sq) fp32
-    Varlen: dout, q, out (total_q, Hq, D); k, v (total_k, Hkv, D); lse (Hq, total_q); cu_seqlens int32 (B + 1,)
+    Dense:  q (B, Sq, Hq, D); dout, out (B, Sq, Hq, Dv); k (B, Sk, Hkv, D); v (B, Sk, Hkv, Dv); lse (B, Hq, Sq) fp32
+    Varlen: q (total_q, Hq, D); dout, out (total_q, Hq, Dv); k (total_k, Hkv, D); v (total_k, Hkv, Dv);
+            lse (Hq, total_q); cu_seqlens int32 (B + 1,)
+    Dv (V's head dim) may differ from D: the Triton kernels run such calls (the Gluon ones declare Dv == D only).
     Returns dq like q and dk, dv like k, v (GQA: summed over each kv head's query heads). Deterministic (the
     Gluon kernels too: no atomics). Any strides with a contiguous last dim. `config` forces the Triton kernels'
     {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} for both, or {"dkdv": {...}, "dq": {...}} one each, instead of
@@ -468,7 +480,8 @@ def attention_backward(
     dlse: the gradient of lse (shaped like it, fp32), or None when lse is not differentiated (no extra work).
     """
     varlen = cu_seqlens_q is not None
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    separate_v = head_dim_v != head_dim
     alloc = torch.zeros if varlen and zero_fill else torch.empty
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
@@ -491,7 +504,7 @@ def attention_backward(
                          learnable_sink is not None)
     if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
             and tma_ok(q, k, v, dout, dq, dk, dv)  # (no broadcast, stride-0, dimension among them)
-            and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields())):
+            and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields(), separate_v)):
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         if "window_size" in variant.fields():  # the band's FLOPs (a varlen row: as many as a longest sequence's)
             fwd_flops = rows * _visible_fwd_flops_per_row(variant, heads_q, seqlen_q, seqlen_k, head_dim)
@@ -530,20 +543,20 @@ def attention_backward(
         strides = [t.stride() for t in (q, k, v, dout, dq, dk, dv)]
         l_s = (lse.stride(0), lse.stride(1))
     q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s = strides
-    block_d = padded_head_dim(head_dim)
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     upcast, precision = dot_settings(q.dtype)
     alibi = (alibi_slopes, None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0))
     common = (softmax_scale, *variant.scalars(softmax_scale), *alibi, *q_s, *k_s, *v_s, *do_s)
     tail = (seqlen_q, seqlen_k, configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
     constexprs = dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
         **variant.constexprs, **variant.score_constexprs, IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
     if config is None and INTERPRET:
         config = configs.BWD_INTERPRETER_CONFIG
     if config is None and not configs.AUTOTUNE:
-        config = configs.default_bwd_configs(block_d, q.element_size(), q.device, bool(causal))
+        config = configs.default_bwd_configs(max(block_d, block_dv), q.element_size(), q.device, bool(causal))
     if config is not None and "dkdv" not in config:
         config = {"dkdv": config, "dq": config}
 

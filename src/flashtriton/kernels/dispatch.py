@@ -2,7 +2,8 @@
 
 `KERNELS` lists every kernel family in the order the dispatch prefers them, per operation (fwd, bwd, decode).
 A kernel takes a call when the switch allows its level, it declares the call's GPU, dtype, head dim, layout
-(varlen, paged) and every variant field the call sets, and its tile rule in `configs` names the shape (a rule
+(varlen, paged), a V head dim of its own (`separate_v`: v.shape[-1] != q.shape[-1]) where the call has one, and
+every variant field the call sets, and its tile rule in `configs` names the shape (a rule
 that returns no config passes the call on to the next kernel). A variant lands in the portable kernels first,
 by adding its field to their `fields`; the Hopper kernels take it once they declare it too.
 
@@ -46,15 +47,17 @@ class Kernel:
     varlen: bool = True
     paged: bool = False
     fields: frozenset = frozenset({"causal"})  # the Variant fields it runs (`Variant.fields`)
+    separate_v: bool = False  # whether V (and O, dO, dV) may have a head dim other than Q and K's
 
 
 KERNELS = (
     Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, (64, 128), fields=SCORES),
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
-    Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", fields=SCORES),
+    Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", fields=SCORES, separate_v=True),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF, (64, 128),
            fields=SCORES),
-    Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=SCORES),
+    Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=SCORES,
+           separate_v=True),
     Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True, fields=SCORES),
     Kernel("decode_split", "decode", "portable", "decode._decode_split", varlen=False, paged=True, fields=SCORES),
 )
@@ -133,19 +136,21 @@ def force(kernel: str = "auto", decode: str = "auto", gluon_bwd: bool = True):
 
 @functools.lru_cache(maxsize=1024)
 def supports(name: str, dtype: torch.dtype, head_dim: int, capability: int, varlen: bool = False,
-             paged: bool = False, fields: frozenset = frozenset()) -> bool:
+             paged: bool = False, fields: frozenset = frozenset(), separate_v: bool = False) -> bool:
     """Whether kernel `name` declares this call (its tile rule and tensor layout are the launcher's to check);
-    `capability` is the GPU's major compute capability, 0 under the interpreter or on a CPU."""
+    `capability` is the GPU's major compute capability, 0 under the interpreter or on a CPU; `head_dim` is q and
+    k's, `separate_v` whether v's differs from it."""
     k = BY_NAME[name]
     return ((k.capability == 0 or k.capability == capability) and dtype in k.dtypes and head_dim in k.head_dims
-            and (k.varlen or not varlen) and (k.paged or not paged) and fields <= k.fields)
+            and (k.varlen or not varlen) and (k.paged or not paged) and fields <= k.fields
+            and (k.separate_v or not separate_v))
 
 
 def candidates(op: str, dtype: torch.dtype, head_dim: int, capability: int, varlen: bool = False,
-               paged: bool = False, fields: frozenset = frozenset()) -> list[str]:
+               paged: bool = False, fields: frozenset = frozenset(), separate_v: bool = False) -> list[str]:
     """The kernels that may run this call, in the order the dispatch tries them (the switch applied)."""
     return [k.name for k in KERNELS if k.op == op and allows(k.level)
-            and supports(k.name, dtype, head_dim, capability, varlen, paged, fields)]
+            and supports(k.name, dtype, head_dim, capability, varlen, paged, fields, separate_v)]
 
 
 def unsupported_fields(fields: frozenset) -> list[str]:

@@ -10,6 +10,9 @@ Causal attention is bottom-right aligned (flash-attn >= 2.1): query i sees key j
 diagonal are never visited; tiles entirely before it run without masks; only the tiles that straddle the
 diagonal or the end of the keys pay for masking.
 
+Q and K share the head dim D (HEAD_DIM, padded to BLOCK_D); V and O have V's, Dv (HEAD_DIM_V, BLOCK_DV), which may
+differ (DeepSeek's MLA: D = 192, Dv = 128).
+
 Varlen: with IS_VARLEN, sequences are packed along one token axis and `cu_seqlens_q/k` (int32, B + 1) give
 each sequence's start; program (m, b·h) handles sequence b.
 """
@@ -41,20 +44,22 @@ except ImportError:  # pragma: no cover
 def _attn_fwd_tile(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, stride_kn, stride_vn,
-    offs_m, offs_n, offs_d,
+    offs_m, offs_n, offs_d, offs_dv,
     start_n, end_n, seqlen_k, diag, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slope=0.0,
 ):
-    """Fold K/V tiles [start_n, end_n) into the running (acc, l_i, m_i) of one Q tile."""
+    """Fold K/V tiles [start_n, end_n) into the running (acc, l_i, m_i) of one Q tile; K tiles span the head dim
+    (offs_d), V tiles V's (offs_dv)."""
     k_ptrs += start_n * stride_kn
     v_ptrs += start_n * stride_vn
     for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key indices
         k = load_tile(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_dv, MASKED, HEAD_DIM_V, BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
@@ -82,7 +87,8 @@ def _attn_fwd(
     GROUP_SIZE,  # query heads per kv head
     SEQLEN_Q, SEQLEN_K,  # dense: the lengths; varlen: unused (read from cu_seqlens)
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,  # power-of-two buckets, autotune key only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # Q and K's head dim, padded to BLOCK_D
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V and O's, padded to BLOCK_DV
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -107,10 +113,11 @@ def _attn_fwd(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
 
     q_ptrs = Q + batch_q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
 
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
     if UPCAST_DOT:
@@ -118,7 +125,7 @@ def _attn_fwd(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
     first, start, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N, HAS_WINDOW, window_left,
@@ -127,21 +134,21 @@ def _attn_fwd(
 
     if HAS_WINDOW:  # the window's left edge: masked
         acc, l_i, m_i = _attn_fwd_tile(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
             first, start, seqlen_k, diag, qk_scale,
-            True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+            True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
         )
     acc, l_i, m_i = _attn_fwd_tile(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         start, lo, seqlen_k, diag, qk_scale,
-        False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        False, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
     )
     acc, l_i, m_i = _attn_fwd_tile(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         lo, hi, seqlen_k, diag, qk_scale,
-        True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
+        True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
     )
 
@@ -151,10 +158,10 @@ def _attn_fwd(
 
     row_ok = offs_m < seqlen_q
     tl.store(LSE + batch_l + off_h * stride_lh + offs_m, lse, mask=row_ok)
-    o_ptrs = O + batch_o + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_ptrs = O + batch_o + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
     o_mask = row_ok[:, None]
-    if BLOCK_D != HEAD_DIM:
-        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+    if BLOCK_DV != HEAD_DIM_V:
+        o_mask = o_mask & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
 
 
@@ -326,21 +333,25 @@ class _DenseTmaPlan:
 
 @functools.lru_cache(maxsize=1024)
 def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, device, variant: Variant,
-                    use_tma, use_gluon) -> _DenseTmaPlan | None:
+                    use_tma, use_gluon, v_shape=None) -> _DenseTmaPlan | None:
     """The plan of a dense Hopper forward, or None where the TMA kernels do not take such tensors whatever their
-    addresses (`tma_layout_ok`; the output is contiguous) or do not declare the variant (`dispatch.KERNELS`). The
-    Gluon kernel where it declares the call and `configs.gluon_fwd_config` has a config for the shape (and
-    `use_gluon`: it is on, and softmax_scale > 0), else the TMA kernel."""
+    addresses (`tma_layout_ok`; the output is contiguous) or do not declare the call (`dispatch.KERNELS`: the
+    variant, a V head dim of its own). The Gluon kernel where it declares the call and `configs.gluon_fwd_config`
+    has a config for the shape (and `use_gluon`: it is on, and softmax_scale > 0), else the TMA kernel.
+    v_shape: v's shape (default: k's)."""
     batch, seqlen_q, heads_q, head_dim = q_shape
+    v_shape = k_shape if v_shape is None else v_shape
+    separate_v = v_shape[-1] != head_dim
     causal, causal_bottom_right = variant.causal, variant.bottom_right
     out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1)
     if not use_tma or not tma_layout_ok(device, dtype, (q_shape, q_strides), (k_shape, k_strides),
-                                        (k_shape, v_strides), (q_shape, out_strides)):
+                                        (v_shape, v_strides), (q_shape, out_strides)):
         return None
     major = capability(device)[0]
-    if not dispatch.supports("tma_fwd", dtype, head_dim, major, False, False, variant.fields()):
+    if not dispatch.supports("tma_fwd", dtype, head_dim, major, False, False, variant.fields(), separate_v):
         return None
-    use_gluon = use_gluon and dispatch.supports("gluon_fwd", dtype, head_dim, major, False, False, variant.fields())
+    use_gluon = use_gluon and dispatch.supports("gluon_fwd", dtype, head_dim, major, False, False, variant.fields(),
+                                                separate_v)
     gluon_config = configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal) if use_gluon else None
     if gluon_config is not None:
         grid, ints, meta = forward_gluon_launch.launch_parts(q_shape, k_shape, causal, causal_bottom_right,
@@ -391,10 +402,11 @@ def launch_forward(
 ):
     """Launch the forward kernel on validated inputs (the public API checks them).
 
-    Dense:  q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D)  ->  out (B, Sq, Hq, D), lse (B, Hq, Sq) fp32
-    Varlen: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens int32 (B + 1,)
-                                                      ->  out (total_q, Hq, D), lse (Hq, total_q) fp32
-    Any strides with a contiguous last dim. `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
+    Dense:  q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)  ->  out (B, Sq, Hq, Dv), lse (B, Hq, Sq) fp32
+    Varlen: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), cu_seqlens int32 (B + 1,)
+                                                      ->  out (total_q, Hq, Dv), lse (Hq, total_q) fp32
+    Any strides with a contiguous last dim. Dv (V's head dim) may differ from D: the portable kernel runs such
+    calls (the Hopper kernels declare Dv == D only). `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
     "num_stages"} of the portable kernel instead of autotuning (always so under the interpreter). Without
     one, on Hopper, fp16/bf16 inputs (dense or varlen) with head dim 64 or 128 take the TMA kernel
     (`_attn_fwd_tma`; FLASHTRITON_KERNEL=portable turns it off), or where `configs.gluon_fwd_config` (dense) or
@@ -404,10 +416,11 @@ def launch_forward(
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """
     varlen = cu_seqlens_q is not None
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    separate_v = head_dim_v != head_dim
     variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None,
                          learnable_sink is not None)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((*q.shape[:-1], head_dim_v), dtype=q.dtype, device=q.device)
     if varlen:
         batch = cu_seqlens_q.numel() - 1
         total_q, heads_q = q.shape[0], q.shape[1]
@@ -426,16 +439,18 @@ def launch_forward(
         # kernel); per call only the addresses are checked (TMA needs 16-byte aligned bases).
         plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, variant,
                                dispatch.allows("tma"),
-                               dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0)
+                               dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0,
+                               v.shape)
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
             _launch_dense_tma(plan, q, k, v, out, lse,
                               variant.forward_args(softmax_scale, alibi_slopes, learnable_sink))
             return out, lse, None
     if (config is None and varlen and tma_ok(q, k, v, out)
-            and dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, False, variant.fields())):
+            and dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, False, variant.fields(), separate_v)):
         gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal))
                         if dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0
-                        and dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, False, variant.fields())
+                        and dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, False, variant.fields(),
+                                              separate_v)
                         else None)
         if gluon_config is not None and (forward_gluon_launch.work_units(seqlen_q, heads_q, batch, gluon_config,
                                                                          bool(causal))
@@ -468,6 +483,7 @@ def launch_forward(
     )
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_head_dim(head_dim_v),
         **variant.forward_constexprs, IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
@@ -478,8 +494,8 @@ def launch_forward(
     if config is None and INTERPRET:
         config = configs.FWD_INTERPRETER_CONFIG
     if config is None and not configs.AUTOTUNE:
-        config = configs.default_fwd_config(constexprs["BLOCK_D"], q.element_size(), q.device, seqlen_q, seqlen_k,
-                                            bool(causal))
+        config = configs.default_fwd_config(max(constexprs["BLOCK_D"], constexprs["BLOCK_DV"]), q.element_size(),
+                                            q.device, seqlen_q, seqlen_k, bool(causal))
     if config is None:
         _attn_fwd_tuned[grid](*args, **constexprs)
         return out, lse, None
