@@ -108,7 +108,8 @@ def test_the_tma_gate_reads_the_table():
 
 
 def test_a_separate_v_head_dim_takes_the_portable_kernels():
-    """v.shape[-1] != q.shape[-1]: only the kernels that declare `separate_v` (the portable ones) take the call."""
+    """v.shape[-1] != q.shape[-1]: only the kernels that declare `separate_v` (the portable ones, decode's) take
+    the call."""
     half = torch.float16
     for capability in (0, 8, 9):
         for varlen in (False, True):
@@ -116,12 +117,12 @@ def test_a_separate_v_head_dim_takes_the_portable_kernels():
             assert dispatch.candidates("bwd", half, 64, capability, varlen, separate_v=True) == ["portable_bwd"]
     assert dispatch.candidates("fwd", half, 192, 9, fields=frozenset({"causal", "softcap"}), separate_v=True) == \
         ["portable_fwd"]
-    assert dispatch.candidates("decode", half, 128, 9, separate_v=True) == []
+    assert dispatch.candidates("decode", half, 128, 9, separate_v=True) == ["decode_stream", "decode_split"]
     assert not dispatch.supports("gluon_fwd", half, 128, 9, separate_v=True)
     assert not dispatch.supports("tma_fwd", half, 128, 9, True, False, frozenset(), True)
     assert not dispatch.supports("gluon_bwd", half, 128, 9, separate_v=True)
     with dispatch.force("portable"):
-        for op in ("fwd", "bwd"):
+        for op in ("fwd", "bwd", "decode"):
             for head_dim in range(1, 257):
                 assert dispatch.candidates(op, torch.float32, head_dim, 9, separate_v=True), (op, head_dim)
 

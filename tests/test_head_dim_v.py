@@ -1,16 +1,21 @@
 """V with a head dim of its own (v.shape[-1] != q.shape[-1]; DeepSeek-V3's MLA has (192, 128)): out and dV have V's
 head dim, q, k and dK theirs. Forward and every gradient against float64 attention, judged relative to torch's own
-error in the same dtype (tests/accuracy.py; torch SDPA takes Dv != D too), through the dense, varlen and SDPA entry
-points, with the variants, under torch.compile, and the bad head dims refused. The Hopper kernels declare Dv == D
-only: such calls run the portable kernels (tests/test_dispatch.py holds the gates)."""
+error in the same dtype (tests/accuracy.py; torch SDPA takes Dv != D too), through the dense, varlen, SDPA and KV-cache
+entry points, with the variants, under torch.compile, and the bad head dims refused. The Hopper kernels declare
+Dv == D only: such calls run the portable kernels (tests/test_dispatch.py holds the gates)."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo.testing
 
 import flashtriton
+from flashtriton.kernels import dispatch
 from flashtriton.kernels.variant import Variant
 from flashtriton.reference import attention_reference
 
@@ -209,14 +214,126 @@ def test_bad_head_dims_are_refused(which, head_dim_v, error, match):
         flashtriton.flash_attn_varlen_func(*(tensors[n][0] for n in "qkv"), cu, cu, 4, 4)
 
 
-def test_kvcache_still_needs_one_head_dim():
-    """flash_attn_with_kvcache reads v_cache with q's head dim: a v_cache of its own is refused, not misread."""
+# flash_attn_with_kvcache: (dims, seqlen_q, causal, paged page size or None, num_splits, schedule, variant)
+KVCACHE_CASES = [
+    ((192, 128), 1, False, None, 3, "split", Variant()),
+    ((40, 24), 3, True, 16, 0, "stream", Variant(causal=True)),
+    ((24, 40), 2, True, None, 1, "split", Variant(causal=True, window=(20, 0), softcap=5.0,
+                                                  sinks=torch.tensor([0.5, -1.0, 2.0, 0.25]))),
+    ((64, 128), 1, False, 32, 2, "split", Variant(alibi_slopes=0.25 / torch.arange(1.0, 5.0))),
+]
+
+
+@pytest.mark.parametrize("dims,seqlen_q,causal,page_size,num_splits,schedule,variant", KVCACHE_CASES,
+                         ids=["mla_splits", "paged_stream_causal", "window_softcap_sinks", "paged_alibi"])
+def test_kvcache(dims, seqlen_q, causal, page_size, num_splits, schedule, variant):
+    """A v_cache of its own head dim: new k and v appended (k_cache and v_cache hold exactly the expected values),
+    then attention over each sequence's keys against float64, GQA, split, stream and paged."""
+    from test_kvcache import FLOOR, _expected_cache, _logical_cache
+
+    (d, dv), batch, heads_q, heads_kv, capacity, seqlen_new = dims, 3, 4, 2, 96, 2
+    gen = torch.Generator().manual_seed(d * 7 + dv)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, H)
+
+    block_table = None
+    if page_size:
+        pages = capacity // page_size
+        block_table = torch.randperm(batch * pages + 2, generator=gen)[:batch * pages].view(batch, pages)
+        block_table = block_table.to(DEVICE, torch.int32)
+        cache_rows, cache_len = batch * pages + 2, page_size
+    else:
+        cache_rows, cache_len = batch, capacity
+    q = randn(batch, seqlen_q, heads_q, d)
+    k_cache, v_cache = randn(cache_rows, cache_len, heads_kv, d), randn(cache_rows, cache_len, heads_kv, dv)
+    k, v = randn(batch, seqlen_new, heads_kv, d), randn(batch, seqlen_new, heads_kv, dv)
+    seqlens = [0, 41, capacity - seqlen_new]
+    expected_k = _expected_cache(k_cache, k, seqlens, block_table, None)
+    expected_v = _expected_cache(v_cache, v, seqlens, block_table, None)
+    slopes = None if variant.alibi_slopes is None else variant.alibi_slopes.to(DEVICE)
+    sinks = None if variant.sinks is None else variant.sinks.to(DEVICE)
+    with torch.no_grad(), dispatch.force("auto", schedule):
+        out, lse = flashtriton.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=DEVICE),
+            block_table=block_table, causal=causal, window_size=variant.window, softcap=variant.softcap,
+            alibi_slopes=slopes, num_splits=num_splits, return_softmax_lse=True, learnable_sink=sinks)
+    assert out.shape == (batch, seqlen_q, heads_q, dv) and lse.shape == (batch, heads_q, seqlen_q)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    keys = _logical_cache(expected_k, block_table, None, batch)
+    values = _logical_cache(expected_v, block_table, None, batch)
+    for b in range(batch):
+        n = seqlens[b] + seqlen_new
+        args = (q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n])
+        exact, exact_lse = attention_reference(*args, variant=variant, return_lse=True)
+        same = attention_reference(*args, variant=variant, dtype=H)
+        err = (out[b:b + 1].double() - exact).abs().max().item()
+        torch_err = (same.double() - exact).abs().max().item()
+        assert err <= 2 * torch_err + FLOOR[H], f"sequence {b} ({n} keys): error {err:.3g}, torch's {torch_err:.3g}"
+        torch.testing.assert_close(lse[b:b + 1].double(), exact_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_kvcache_compiles_fullgraph():
+    """The kvcache op's fake gives out V's head dim: a decode step (append, then attend; GQA) compiles to one graph,
+    with eager's output and caches."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, H)
+
+    q, k_new, v_new = randn(2, 1, 4, 24), randn(2, 1, 2, 24), randn(2, 1, 2, 8)
+    caches = (randn(2, 32, 2, 24), randn(2, 32, 2, 8))
+    seqlens = torch.tensor([5, 30], dtype=torch.int32, device=DEVICE)
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        return flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    results = []
+    with torch.no_grad():
+        for fn in (step, torch.compile(step, backend=counter, fullgraph=True)):
+            k_cache, v_cache = (c.clone() for c in caches)
+            results.append((fn(q, k_cache, v_cache, k_new, v_new, seqlens), k_cache, v_cache))
+    assert counter.frame_count == 1 and results[0][0].shape == (2, 1, 4, 8)
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_kvcache_builds_compile_for_sm90_without_a_gpu():
+    """The decode kernels with V's head dim of its own (both schedules, paged or not, every variant field) compile
+    to sm_90 code, in a fresh process without the interpreter (which runs code Triton's compiler may refuse)."""
+    script = (
+        "import torch\n"
+        "from flashtriton.kernels.decode_launch import compile_for_sm90\n"
+        "from flashtriton.kernels.variant import Variant\n"
+        "every = Variant.of(True, True, (100, 0), 30.0, True, True)\n"
+        "for paged, stream in ((False, False), (True, True)):\n"
+        "    compiled = compile_for_sm90(every, paged, stream, head_dim=192, head_dim_v=128, dtype=torch.bfloat16)\n"
+        "    assert 'mma' in compiled.asm['ptx']\n"
+        "    print('compiled', paged, stream)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 2
+
+
+def test_kvcache_shapes_are_checked():
     q = torch.randn(1, 1, 2, 32, dtype=H, device=DEVICE)
     k_cache = torch.randn(1, 8, 2, 32, dtype=H, device=DEVICE)
+    seqlens = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="v_cache must have the shape of k_cache .* but for its head dim"):
+        flashtriton.flash_attn_with_kvcache(q, k_cache, torch.randn(1, 9, 2, 16, dtype=H, device=DEVICE),
+                                            cache_seqlens=seqlens)
+    with pytest.raises(ValueError, match="v's head dim .* between 1 and 256, got 272"):
+        flashtriton.flash_attn_with_kvcache(q, k_cache, torch.randn(1, 8, 2, 272, dtype=H, device=DEVICE),
+                                            cache_seqlens=seqlens)
     v_cache = torch.randn(1, 8, 2, 16, dtype=H, device=DEVICE)
-    with pytest.raises(ValueError, match="v_cache must have the shape of k_cache"):
-        flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([8], dtype=torch.int32,
-                                                                                             device=DEVICE))
+    k_new = torch.randn(1, 1, 2, 32, dtype=H, device=DEVICE)
+    with pytest.raises(ValueError, match=r"v must have the shape of k but for its head dim, v_cache's: \(1, 1, 2, 16"):
+        flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=seqlens)
 
 
 @pytest.mark.gpu

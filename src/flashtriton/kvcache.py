@@ -148,10 +148,10 @@ def flash_attn_with_kvcache(
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) if there is no block_table,
             or (num_pages, page_size, nheads_k, headdim) if there is one (paged KV cache);
             page_size must be a multiple of 16. Last dim contiguous (it is written in place: never copied).
-        v_cache: same shape as k_cache.
+        v_cache: the shape of k_cache, or with a headdim_v of its own (the output's: DeepSeek's MLA).
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim). If not None, written into k_cache starting
             at the positions given by cache_seqlens (through block_table when paged).
-        v [optional]: (batch_size, seqlen_new, nheads_k, headdim). Like k; k and v come together.
+        v [optional]: (batch_size, seqlen_new, nheads_k, headdim_v). Like k; k and v come together.
         rotary_cos, rotary_sin: not supported yet (rotary embedding of q and k); a tensor raises
             NotImplementedError.
         cache_seqlens: int, or (batch_size,) torch.int32 tensor: the number of keys already in the cache for
@@ -194,10 +194,11 @@ def flash_attn_with_kvcache(
             counted in the softmax's denominator only (gpt-oss' attention sinks); the returned lse includes it
             (a row that sees no key then has lse = the sink and out 0).
 
-    Dtypes: q, k_cache, v_cache, k, v all fp16, all bf16 or all fp32 (fp32 accumulation); headdim 1..256.
+    Dtypes: q, k_cache, v_cache, k, v all fp16, all bf16 or all fp32 (fp32 accumulation); headdim and headdim_v
+    1..256.
 
     Return:
-        out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
+        out: (batch_size, seqlen_q, nheads, headdim_v), q's dtype.
         softmax_lse [optional, if return_softmax_lse=True]: (batch_size, nheads, seqlen_q) fp32, the natural
             log-sum-exp of each row of the scores (QK^T · softmax_scale, capped and biased as asked; the sink
             included; -inf for a row that sees no key and has no sink).
@@ -304,7 +305,8 @@ def _(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, so
       max_seqlen_k, seqlen_new, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
       learnable_sink=None):
     batch, seqlen_q, heads_q, _ = q.shape
-    return (q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
+    return (q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[-1])),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
 
 class _Checked(NamedTuple):
@@ -374,10 +376,11 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     batch, seqlen_q, heads_q, head_dim = q.shape
     V.check_alibi(alibi_slopes, batch, heads_q, device)
     V.check_sink(learnable_sink, heads_q, q.dtype, device)
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if tuple(v_cache.shape[:-1]) != tuple(k_cache.shape[:-1]):
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)} but for its head dim, got "
+                         f"{tuple(v_cache.shape)}")
     heads_kv = k_cache.shape[2]
-    V.check_heads_and_dims(heads_q, heads_kv, head_dim, v_cache.shape[3], v_cache.shape[2])
+    V.check_heads_and_dims(heads_q, heads_kv, head_dim, v_cache.shape[3], v_cache.shape[2], separate_v=True)
     V.check_same("head dims of q and k_cache", q=head_dim, k_cache=k_cache.shape[3])
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
@@ -397,8 +400,10 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         expected = (batch, seqlen_new, heads_kv, head_dim)
         if tuple(k.shape) != expected:
             raise ValueError(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = {expected}, got {tuple(k.shape)}")
-        if tuple(v.shape) != expected:
-            raise ValueError(f"v must have the shape of k {expected}, got {tuple(v.shape)}")
+        expected_v = (*expected[:3], v_cache.shape[3])
+        if tuple(v.shape) != expected_v:
+            raise ValueError(f"v must have the shape of k but for its head dim, v_cache's: {expected_v}, got "
+                             f"{tuple(v.shape)}")
 
     paged = block_table is not None
     if paged:

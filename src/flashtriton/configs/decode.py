@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import triton
 
-from .table import ANY, H200, Table, width
+from .table import ANY, H200, Table, padded_head_dims, width
 
 # The split kernel stacks the group's query heads x Sq rows into BLOCK_M (16..64, set by the launcher from the
 # shape, not tuned) and streams BLOCK_N keys an iteration: it is memory bound, so what is tuned is the width of the
 # key tile and how many tiles are in flight (num_stages). Keyed on the bucketed keys per split.
-DECODE_AUTOTUNE_KEY = ["TUNE_SEQLEN_K", "HEAD_DIM", "GROUP_SIZE", "BLOCK_M", "IS_CAUSAL", "PAGED", "PAGE_SIZE"]
+DECODE_AUTOTUNE_KEY = ["TUNE_SEQLEN_K", "HEAD_DIM", "HEAD_DIM_V", "GROUP_SIZE", "BLOCK_M", "IS_CAUSAL", "PAGED",
+                       "PAGE_SIZE"]
 
 # Autotuning candidates (BLOCK_N, num_warps, num_stages).
 DECODE_CANDIDATES = [
@@ -89,7 +90,7 @@ def decode_programs_per_sm(config: dict | None, head_dim_padded: int, block_m: i
 
 
 def prune_decode_configs(configs, named_args, **kwargs):
-    head_dim_padded = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D")
+    head_dim_padded = padded_head_dims(named_args, kwargs)
     block_m = kwargs.get("BLOCK_M") or named_args.get("BLOCK_M")
     elem_bytes = named_args["Q"].element_size()
     kept = []

@@ -20,6 +20,9 @@ cache lengths on the GPU, so that programs stay equal when the sequences' length
 each sequence the same number of programs whatever its length). A unit shared by several programs is merged as
 above by whichever finishes last.
 
+Q and K have the head dim HEAD_DIM (padded to BLOCK_D); V, O and the split-KV partials V's, HEAD_DIM_V (BLOCK_DV),
+which may differ (DeepSeek's MLA).
+
 Paged cache: `block_table[b, j // PAGE_SIZE]` is the page that holds key j of sequence b, at row
 `j % PAGE_SIZE` of the page. Pages may be smaller or larger than BLOCK_N: each key row's page is looked up.
 
@@ -47,7 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import softmax_finish, softmax_step
+from .common import load_tile, softmax_finish, softmax_step
 from .variant import add_sink, diagonal, key_blocks
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -57,11 +60,11 @@ LOG2E = tl.constexpr(1.4426950408889634)
 def _decode_tile(
     acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, num_pages,
     stride_kp, stride_kn, stride_vp, stride_vn,
-    offs_d, rows, base, start_n, end_n, seqlen_k, qk_scale, window_left, window_right, softcap, slope,
+    offs_d, offs_dv, rows, base, start_n, end_n, seqlen_k, qk_scale, window_left, window_right, softcap, slope,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold key tiles [start_n, end_n) into the running (acc, l_i, m_i) of the stacked query tile. The rows meet
     their own diagonal at keys base + rows: the mask and ALiBi see key j as j - base (`_unit_keys`).
@@ -92,19 +95,9 @@ def _decode_tile(
             k_rows = cols.to(tl.int64) * stride_kn
             v_rows = cols.to(tl.int64) * stride_vn
         k_ptrs = K_base + k_rows[:, None] + offs_d[None, :]  # (BLOCK_N, BLOCK_D), last dim contiguous
-        v_ptrs = V_base + v_rows[:, None] + offs_d[None, :]
-        if MASKED:
-            kv_mask = cols[:, None] < seqlen_k
-            if BLOCK_D != HEAD_DIM:
-                kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        v_ptrs = V_base + v_rows[:, None] + offs_dv[None, :]  # (BLOCK_N, BLOCK_DV)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_dv, MASKED, HEAD_DIM_V, BLOCK_DV)
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
@@ -198,7 +191,8 @@ def _attend_keys(
     q, rows, base, n_bad, K_base, V_base, BT_row, piece_start, piece_end, first, start, lo, hi, check_unread,
     seqlen_k, qk_scale, window_left, window_right, softcap, slope,
     stride_kb, stride_kn, stride_vb, stride_vn, NUM_CACHE_ROWS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UNREAD_PAGES: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -207,32 +201,35 @@ def _attend_keys(
     that fall in this program's piece [piece_start, piece_end) (piece_start a multiple of BLOCK_N): the masked
     left edge, the unmasked middle, the masked right edge. Rows (or pieces) without a visible key get out 0,
     lse -inf. UNREAD_PAGES (paged, and a band that may not cover the sequence): with `check_unread` (the piece
-    holding the band's first tile), the pages of the sequence's keys outside the band are checked too."""
+    holding the band's first tile), the pages of the sequence's keys outside the band are checked too. out has V's
+    head dim (BLOCK_DV)."""
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_WINDOW:  # the window's left edge
         acc, l_i, m_i, n_bad = _decode_tile(
             acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb,
-            stride_vn, offs_d, rows, base, tl.maximum(piece_start, first), tl.minimum(piece_end, start), seqlen_k,
+            stride_vn, offs_d, offs_dv, rows, base, tl.maximum(piece_start, first), tl.minimum(piece_end, start),
+            seqlen_k,
             qk_scale, window_left, window_right, softcap, slope,
-            True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
-            UPCAST_DOT, DOT_PRECISION,
+            True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+            BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         )
     acc, l_i, m_i, n_bad = _decode_tile(  # keys every row sees, inside the sequence: no mask
         acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
-        offs_d, rows, base, tl.maximum(piece_start, start), tl.minimum(piece_end, lo), seqlen_k,
+        offs_d, offs_dv, rows, base, tl.maximum(piece_start, start), tl.minimum(piece_end, lo), seqlen_k,
         qk_scale, window_left, window_right, softcap, slope,
-        False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
-        UPCAST_DOT, DOT_PRECISION,
+        False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+        BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
     acc, l_i, m_i, n_bad = _decode_tile(  # the diagonal or the window's right edge, and the end of the keys
         acc, l_i, m_i, n_bad, q, K_base, V_base, BT_row, NUM_CACHE_ROWS, stride_kb, stride_kn, stride_vb, stride_vn,
-        offs_d, rows, base, tl.maximum(piece_start, lo), tl.minimum(piece_end, hi), seqlen_k,
+        offs_d, offs_dv, rows, base, tl.maximum(piece_start, lo), tl.minimum(piece_end, hi), seqlen_k,
         qk_scale, window_left, window_right, softcap, slope,
-        True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
-        UPCAST_DOT, DOT_PRECISION,
+        True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+        BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
     )
     if UNREAD_PAGES:
         n_bad = _check_unread_pages(BT_row, first, hi, seqlen_k, check_unread, NUM_CACHE_ROWS, n_bad, PAGE_SIZE)
@@ -294,7 +291,7 @@ def _store_result(O, LSE, SINKS, off_b, q_idx, off_h, row_ok, out, lse, stride_o
                   stride_lm, stride_lh, HAS_SINKS: tl.constexpr, STORE_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """The unit's final rows, with the sinks folded in (HAS_SINKS, `_with_sink`): out (BLOCK_M, BLOCK_D) into O in
-    its dtype, lse into LSE (if STORE_LSE)."""
+    its dtype, lse into LSE (if STORE_LSE). HEAD_DIM / BLOCK_D: O's head dim (V's)."""
     if HAS_SINKS:
         out, lse = _with_sink(out, lse, SINKS, off_h, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -312,8 +309,8 @@ def _store_result(O, LSE, SINKS, off_b, q_idx, off_h, row_ok, out, lse, stride_o
 @triton.jit
 def _decode_split(
     Q, K, V,
-    O, LSE,  # (B, Sq, Hq, D) q's dtype; (B, Hq, Sq) fp32 (written if STORE_LSE)
-    PART,  # SPLIT_KV: fp32 (B, Sq, Hq, NUM_SPLITS, BLOCK_D + PART_PAD): partial out, then lse
+    O, LSE,  # (B, Sq, Hq, Dv) q's dtype; (B, Hq, Sq) fp32 (written if STORE_LSE)
+    PART,  # SPLIT_KV: fp32 (B, Sq, Hq, NUM_SPLITS, BLOCK_DV + PART_PAD): partial out, then lse
     TICKETS,  # SPLIT_KV: int32 (B·Hkv·M tiles,), zero before the launch and after it
     CACHE_SEQLENS,  # int32 (B,): keys already in the cache before this call's append
     BATCH_IDX,  # int32 (B,): cache row of each sequence (contiguous cache, HAS_BATCH_IDX)
@@ -336,7 +333,8 @@ def _decode_split(
     NUM_CACHE_ROWS,  # rows of the contiguous cache (batch_size_cache) or pages of the paged one
     TUNE_SEQLEN_K,  # power-of-two bucket of keys per split: autotune key only
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # Q and K's head dim, padded to BLOCK_D
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V and O's, padded to BLOCK_DV
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
@@ -373,8 +371,8 @@ def _decode_split(
         split == 0, seqlen_k, qk_scale, left, right, softcap,
         _row_slopes(ALIBI, off_b, stride_alibi_b, off_h, HAS_ALIBI),
         stride_kb, stride_kn, stride_vb, stride_vn, NUM_CACHE_ROWS,
-        HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, UNREAD_PAGES,
-        UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
+        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE,
+        UNREAD_PAGES, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
 
     # Invalid values: out NaN; lse NaN, or +inf in a partial result so that the merge gives NaN for both.
     poison = n_bad > 0
@@ -383,11 +381,11 @@ def _decode_split(
         lse = tl.where(poison, float("inf"), lse)
         # Partial result of split s for row (b, i, h): PART row ((b·Sq + i)·Hq + h)·NUM_SPLITS + s.
         part0 = ((off_b.to(tl.int64) * SEQLEN_Q + q_idx.to(tl.int64)) * (NUM_HEADS_KV * GROUP_SIZE) + off_h) * NUM_SPLITS
-        _store_partial(PART + (part0 + split) * (BLOCK_D + PART_PAD), out, lse, row_ok, BLOCK_D)
+        _store_partial(PART + (part0 + split) * (BLOCK_DV + PART_PAD), out, lse, row_ok, BLOCK_DV)
         tile = pid_bh * tl.num_programs(2) + pid_m
         is_last = tl.atomic_add(TICKETS + tile, 1) == NUM_SPLITS - 1
         if is_last:  # the other splits are done: merge them all, and leave the counter at zero
-            out, lse = _merge_splits(PART, part0, row_ok, tl.arange(0, BLOCK_D), NUM_SPLITS, BLOCK_M, BLOCK_D,
+            out, lse = _merge_splits(PART, part0, row_ok, tl.arange(0, BLOCK_DV), NUM_SPLITS, BLOCK_M, BLOCK_DV,
                                      SPLITS_P2)
             tl.atomic_xchg(TICKETS + tile, 0)
     else:
@@ -395,14 +393,14 @@ def _decode_split(
         is_last = True
     if is_last:
         _store_result(O, LSE, SINKS, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh,
-                      stride_lb, stride_lm, stride_lh, HAS_SINKS, STORE_LSE, HEAD_DIM, BLOCK_D, BLOCK_M)
+                      stride_lb, stride_lm, stride_lh, HAS_SINKS, STORE_LSE, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
 
 
 @triton.jit
 def _decode_stream(
     Q, K, V,
-    O, LSE,  # (B, Sq, Hq, D) q's dtype; (B, Hq, Sq) fp32 (written if STORE_LSE)
-    PART,  # fp32 (programs, 2, BLOCK_M, BLOCK_D + PART_PAD): each program's first and last partial unit
+    O, LSE,  # (B, Sq, Hq, Dv) q's dtype; (B, Hq, Sq) fp32 (written if STORE_LSE)
+    PART,  # fp32 (programs, 2, BLOCK_M, BLOCK_DV + PART_PAD): each program's first and last partial unit
     TICKETS,  # int32 (B·Hkv·M tiles,), zero before the launch and after it
     CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, ALIBI, SINKS,  # as in _decode_split
     qk_scale, window_left, window_right, softcap, stride_alibi_b,  # as in _decode_split
@@ -415,6 +413,7 @@ def _decode_stream(
     NUM_HEADS_KV, SEQLEN_Q, BATCH, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
     BAND_TILES,  # an upper bound of the key tiles of any unit's band (`_unit_keys`): the window's, or more
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # as in _decode_split
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
@@ -477,8 +476,8 @@ def _decode_stream(
             k_lo, k_hi, cur == unit_start, seqlen_k, qk_scale, left, right, softcap,
             _row_slopes(ALIBI, off_b, stride_alibi_b, off_h, HAS_ALIBI),
             stride_kb, stride_kn, stride_vb, stride_vn, NUM_CACHE_ROWS,
-            HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED, PAGE_SIZE, UNREAD_PAGES,
-            UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PAGED,
+            PAGE_SIZE, UNREAD_PAGES, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N)
         poison = n_bad > 0
         out = tl.where(poison, float("nan"), out)
         # The programs holding the unit's first and last tiles (program p holds [p·total // programs, ...)).
@@ -491,17 +490,17 @@ def _decode_stream(
             lse = tl.where(poison, float("inf"), lse)
             slot = tl.where(cur == lo, 0, 1)
             part_rows = (pid * 2 + slot) * BLOCK_M + tl.arange(0, BLOCK_M)
-            _store_partial(PART + part_rows.to(tl.int64) * (BLOCK_D + PART_PAD), out, lse, row_ok, BLOCK_D)
+            _store_partial(PART + part_rows.to(tl.int64) * (BLOCK_DV + PART_PAD), out, lse, row_ok, BLOCK_DV)
             tile = off_b * units_per_seq + unit
             is_last = tl.atomic_add(TICKETS + tile, 1) == (last_prog - first_prog).to(tl.int32)
             if is_last:
                 first_slot = tl.where(first_prog * total // programs == unit_start, 0, 1)
                 out, lse = _merge_programs(PART, first_prog, (last_prog - first_prog + 1).to(tl.int32), first_slot,
-                                           row_ok, BLOCK_M, BLOCK_D)
+                                           row_ok, BLOCK_M, BLOCK_DV)
                 tl.atomic_xchg(TICKETS + tile, 0)
         if is_last:
             _store_result(O, LSE, SINKS, off_b, q_idx, off_h, row_ok, out, lse, stride_ob, stride_om, stride_oh,
-                          stride_lb, stride_lm, stride_lh, HAS_SINKS, STORE_LSE, HEAD_DIM, BLOCK_D, BLOCK_M)
+                          stride_lb, stride_lm, stride_lh, HAS_SINKS, STORE_LSE, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
         cur = piece_end
 
 
@@ -515,8 +514,8 @@ def _store_partial(part_row, out, lse, row_ok, BLOCK_D: tl.constexpr):
     tl.debug_barrier()
 
 
-# A row of the split-KV workspace holds one split's partial result: BLOCK_D outputs, then the lse, then
-# padding that keeps rows 16-byte aligned. Row width BLOCK_D + PART_PAD (fp32).
+# A row of the split-KV workspace holds one split's partial result: BLOCK_DV outputs (V's head dim), then the lse,
+# then padding that keeps rows 16-byte aligned. Row width BLOCK_DV + PART_PAD (fp32).
 PART_PAD = tl.constexpr(4)
 # The merge keeps MERGE_TILE_ROWS // BLOCK_M partial outs' loads in flight together (BLOCK_M <= 64): with the usual
 # 16-row tile (one query token, GQA group <= 16) 8 splits' partials arrive in one round trip instead of two.
@@ -604,14 +603,14 @@ def _merge_programs(PART, first_prog, n_parts, first_slot, row_ok, BLOCK_M: tl.c
 @triton.jit
 def _append_kv(
     K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE,
-    stride_knb, stride_knm, stride_knh,  # k, v (B, S_new, Hkv, D), last dim contiguous
+    stride_knb, stride_knm, stride_knh,  # k (B, S_new, Hkv, D), v (B, S_new, Hkv, Dv), last dim contiguous
     stride_vnb, stride_vnm, stride_vnh,
     stride_kb, stride_kn, stride_kh,  # caches: kb is the batch row (contiguous) or the page (paged)
     stride_vb, stride_vn, stride_vh,
     stride_btb,
     SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Write k, v rows [t, t + BLOCK_T) of (batch b, kv head h) at cache positions CACHE_SEQLENS[b] + t ...
     Grid (B, Hkv, token tiles). A sequence whose values are out of range (its cache length, its cache row, or any
@@ -620,6 +619,7 @@ def _append_kv(
     off_h = tl.program_id(1)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,) new-token index
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     # Scalar validity folds into the number of rows to write (mixing scalar and tensor masks with `&` trips
     # triton 3.9's interpreter, which then builds int32 masks).
     cached = tl.load(CACHE_SEQLENS + off_b)
@@ -649,10 +649,11 @@ def _append_kv(
         k_dst = row.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
         v_dst = row.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
     mask = rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    v_mask = rows_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     t64 = t.to(tl.int64)
     k = tl.load(K_NEW + off_b.to(tl.int64) * stride_knb + t64[:, None] * stride_knm + off_h * stride_knh
                 + offs_d[None, :], mask=mask)
     v = tl.load(V_NEW + off_b.to(tl.int64) * stride_vnb + t64[:, None] * stride_vnm + off_h * stride_vnh
-                + offs_d[None, :], mask=mask)
+                + offs_dv[None, :], mask=v_mask)
     tl.store(K_CACHE + k_dst[:, None] + off_h * stride_kh + offs_d[None, :], k, mask=mask)
-    tl.store(V_CACHE + v_dst[:, None] + off_h * stride_vh + offs_d[None, :], v, mask=mask)
+    tl.store(V_CACHE + v_dst[:, None] + off_h * stride_vh + offs_dv[None, :], v, mask=v_mask)

@@ -25,13 +25,14 @@ from .variant import Variant
 
 
 def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
-    """Write k, v (B, S_new, Hkv, D) into the caches at cache_seqlens[b].. (through block_table when paged),
-    in place, one launch. Values out of range write nothing (see `_append_kv`)."""
+    """Write k (B, S_new, Hkv, D) and v (B, S_new, Hkv, Dv) into the caches at cache_seqlens[b].. (through
+    block_table when paged), in place, one launch. Values out of range write nothing (see `_append_kv`)."""
     batch, seqlen_new, heads_kv, head_dim = k.shape
+    head_dim_v = v.shape[-1]
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    block_d = padded_head_dim(head_dim)
-    block_t = min(next_power_of_2(seqlen_new), max(1, 4096 // block_d))
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    block_t = min(next_power_of_2(seqlen_new), max(1, 4096 // max(block_d, block_dv)))
     dummy = cache_seqlens
     launch(_append_kv, (batch, heads_kv, cdiv(seqlen_new, block_t)), (
         k, v, k_cache, v_cache, cache_seqlens,
@@ -40,8 +41,9 @@ def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
         seqlen_new, capacity, k_cache.shape[0],
-    ), dict(HEAD_DIM=head_dim, BLOCK_D=block_d, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-            HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_T=block_t, num_warps=4))
+    ), dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, PAGED=paged,
+            PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_T=block_t,
+            num_warps=4))
 
 
 _decode_split_tuned = triton.autotune(
@@ -200,14 +202,14 @@ def decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the decode kernels on validated inputs (`flashtriton.kvcache` checks them and appends new keys).
 
-    q (B, Sq, Hq, D); k_cache, v_cache (B_cache, S_cache, Hkv, D), or paged (num_pages, page_size, Hkv, D)
-    with block_table int32 (B, max_pages); cache_seqlens int32 (B,): keys in the cache before the append of
+    q (B, Sq, Hq, D); k_cache (B_cache, S_cache, Hkv, D), or paged (num_pages, page_size, Hkv, D), v_cache the same
+    with V's head dim Dv (which may differ from D), with block_table int32 (B, max_pages); cache_seqlens int32 (B,): keys in the cache before the append of
     `seqlen_new` keys (already written): sequence b attends to cache_seqlens[b] + seqlen_new keys;
     max_seqlen_k: an upper bound of those (a Python int: sizes the split heuristic and the autotune key).
     Out-of-range values (cache lengths, cache rows, pages) give that sequence NaN, never an out-of-bounds read;
     cache_batch_idx int32 (B,) or None (contiguous cache only). Caches must have a contiguous last dim.
     num_splits: 0 chooses, 1 no split, n > 1 n chunks. `config` forces {"BLOCK_N", "num_warps", "num_stages"}.
-    Returns out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) fp32 (natural log), or None for lse when
+    Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32 (natural log), or None for lse when
     `return_lse` is False (then it is neither allocated nor written: every allocation costs host time).
     window_size, softcap, alibi_slopes (fp32 (Hq,) or (B, Hq), last dim contiguous), learnable_sink ((Hq,),
     contiguous): flash-attn's variants (`variant.Variant`), bottom-right aligned per sequence; the kernels read
@@ -215,7 +217,7 @@ def decode_attention(
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     device = q.device
-    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    out = torch.empty((batch, seqlen_q, heads_q, v_cache.shape[-1]), dtype=q.dtype, device=device)
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=device) if return_lse else None
     if out.numel() == 0:
         return out, lse.fill_(float("-inf")) if return_lse else None
@@ -230,7 +232,7 @@ def decode_attention(
         variant, max_seqlen_k, num_splits, seqlen_new, return_lse,
         None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device),
         device, dispatch.decode_schedule(),
-        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, v_cache.shape[-1],
     )
     dummy = cache_seqlens  # stands in for absent pointers
     if plan.part_rows:
@@ -287,13 +289,14 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)  # decoding repeats a few shapes: their launch plans are computed once
 def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, max_pages, stride_btb,
                  has_batch_idx, variant, max_seqlen_k, num_splits, seqlen_new, return_lse, config, autotune,
-                 num_sms, device, schedule="auto", stride_alibi_b=0) -> _Plan:
+                 num_sms, device, schedule="auto", stride_alibi_b=0, head_dim_v=0) -> _Plan:
     """Everything of a decode launch that depends only on shapes, strides and options. `variant`: the call's
     `variant.Variant` (causal or not, the window, softcap, whether ALiBi slopes and sinks are given). `schedule`
     (`dispatch.decode_schedule()`: FLASHTRITON_KERNEL=<kernel>,split|stream): with num_splits = 0 and a known
     config, "auto" takes the stream schedule where
     `stream_programs` says it pays, "stream" wherever it can, "split" never. The split count, the stream's program
-    count and the config follow the keys a unit reads (a window's band, not the whole cache)."""
+    count and the config follow the keys a unit reads (a window's band, not the whole cache). `cache_shape` is
+    k_cache's; head_dim_v: v_cache's head dim (0: k's)."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_kv = cache_shape[2]
     group = heads_q // heads_kv
@@ -302,29 +305,32 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     block_m = decode_block_m(rows)
     m_tiles = cdiv(rows, block_m)
     units = batch * heads_kv * m_tiles
-    block_d = padded_head_dim(head_dim)
+    head_dim_v = head_dim_v or head_dim
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    block_wide = max(block_d, block_dv)  # what a config's tiles must hold
     capacity = max_pages * cache_shape[1] if paged else cache_shape[1]
     q_rows = query_rows(block_m, group, seqlen_q)
     left, right, band_keys = band_bounds(variant, seqlen_q, capacity, q_rows)
     read_keys = min(max_seqlen_k, band_keys)  # the most keys one unit reads
     config = dict(config) if config is not None else None
     if config is None and not autotune:
-        config = configs.default_decode_config(block_d, dtype.itemsize, units, num_sms, read_keys)
-    out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)
+        config = configs.default_decode_config(block_wide, dtype.itemsize, units, num_sms, read_keys)
+    out_strides = (seqlen_q * heads_q * head_dim_v, heads_q * head_dim_v, head_dim_v)
     lse_strides = (heads_q * seqlen_q, 1, seqlen_q) if return_lse else (0, 0, 0)  # (B, Hq, Sq): b, row, head
     strides = (*q_strides, *k_strides[:3], *v_strides[:3], *out_strides, *lse_strides, stride_btb)
     _, _, _, cap = variant.scalars(1.0)
     scalars = (left, right, cap or 0.0, stride_alibi_b)  # after qk_scale: window sides, softcap, ALiBi's stride
     windowed = "window_size" in variant.fields()
     common = dict(  # the constexprs both kernels take
-        GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=variant.causal,
+        GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
+        IS_CAUSAL=variant.causal,
         **variant.score_constexprs, HAS_SINKS=variant.has_sinks, PAGED=paged,
         PAGE_SIZE=cache_shape[1] if paged else 1, HAS_BATCH_IDX=has_batch_idx, STORE_LSE=return_lse,
         UNREAD_PAGES=paged and (windowed or (variant.causal and m_tiles > 1)),  # bands short of the sequence
         UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], QUERY_ROWS=q_rows, BLOCK_M=block_m,
     )
     if num_splits == 0:
-        per_sm = configs.decode_programs_per_sm(config, block_d, block_m, dtype.itemsize)
+        per_sm = configs.decode_programs_per_sm(config, block_wide, block_m, dtype.itemsize)
         block_n = config["BLOCK_N"] if config else 128
         num_splits = _choose_num_splits(units, read_keys, num_sms, block_n, per_sm)
         programs = 0
@@ -337,8 +343,8 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
             band_tiles = cdiv(band_keys, block_n) + 1
             ints = (*scalars, *strides, heads_kv, seqlen_q, batch, seqlen_new, capacity, cache_shape[0], band_tiles)
             meta = dict(common, BLOCK_B=next_power_of_2(batch), **config)
-            return _Plan((programs, 1, 1), programs * 2 * block_m, block_d + PART_PAD.value, units, ints, meta, False,
-                         stream=True)
+            return _Plan((programs, 1, 1), programs * 2 * block_m, block_dv + PART_PAD.value, units, ints, meta,
+                         False, stream=True)
     _require_declared("decode_split", variant)
     num_splits = max(1, int(num_splits))
     split_kv = num_splits > 1
@@ -348,7 +354,7 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     if config is not None:
         meta.update(config)
     part_rows = batch * seqlen_q * heads_q * num_splits if split_kv else 0
-    return _Plan((batch * heads_kv, num_splits, m_tiles), part_rows, block_d + PART_PAD.value, units, ints, meta,
+    return _Plan((batch * heads_kv, num_splits, m_tiles), part_rows, block_dv + PART_PAD.value, units, ints, meta,
                  config is None)
 
 
@@ -358,7 +364,7 @@ _POINTER_ARGS = {"LSE": "*fp32", "PART": "*fp32", "TICKETS": "*i32", "CACHE_SEQL
 
 def compile_for_sm90(variant: Variant, paged: bool = False, stream: bool = False, num_splits: int = 2,
                      seqlen_q: int = 1, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,
-                     dtype: torch.dtype = torch.float16, config: dict | None = None):
+                     dtype: torch.dtype = torch.float16, config: dict | None = None, head_dim_v: int = 0):
     """Compile a decode kernel for sm_90 without a GPU (Triton's frontend and Hopper passes, then its bundled
     ptxas), with the constexprs and options a launch of this shape takes on the GPU (`_decode_plan`; a 4k-key
     cache, paged in pages of 256): compiled.asm["ptx"]. For tests (the interpreter runs what Triton's compiler may
@@ -372,12 +378,14 @@ def compile_for_sm90(variant: Variant, paged: bool = False, stream: bool = False
     cache_shape = ((batch * capacity // page_size, page_size, heads_kv, head_dim) if paged
                    else (batch, capacity, heads_kv, head_dim))
     cache_strides = (cache_shape[1] * heads_kv * head_dim, heads_kv * head_dim, head_dim, 1)
+    dv = head_dim_v or head_dim
+    v_strides = (cache_shape[1] * heads_kv * dv, heads_kv * dv, dv, 1)
     max_pages = capacity // page_size if paged else 0
     plan = _decode_plan.__wrapped__(
         q_shape, (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1), cache_shape, cache_strides,
-        cache_strides, dtype, max_pages, max_pages, False, variant, capacity, 0 if stream else num_splits, 0, True,
+        v_strides, dtype, max_pages, max_pages, False, variant, capacity, 0 if stream else num_splits, 0, True,
         None if config is None else tuple(config.items()), False, 132, torch.device("cuda"),
-        "stream" if stream else "split")
+        "stream" if stream else "split", 0, head_dim_v)
     meta = dict(plan.meta)
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     element = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]

@@ -58,8 +58,10 @@ KERNELS = (
            fields=SCORES),
     Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=SCORES,
            separate_v=True),
-    Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True, fields=SCORES),
-    Kernel("decode_split", "decode", "portable", "decode._decode_split", varlen=False, paged=True, fields=SCORES),
+    Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True, fields=SCORES,
+           separate_v=True),
+    Kernel("decode_split", "decode", "portable", "decode._decode_split", varlen=False, paged=True, fields=SCORES,
+           separate_v=True),
 )
 BY_NAME = {k.name: k for k in KERNELS}
 
