@@ -229,9 +229,20 @@ KVCACHE_CASES = [
 def test_kvcache(dims, seqlen_q, causal, page_size, num_splits, schedule, variant):
     """A v_cache of its own head dim: new k and v appended (k_cache and v_cache hold exactly the expected values),
     then attention over each sequence's keys against float64, GQA, split, stream and paged."""
+    _kvcache_case(dims, seqlen_q, causal, page_size, num_splits, schedule, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims,capacity,page_size", [((192, 128), 32768, None), ((128, 64), 8192, 256)], ids=str)
+def test_kvcache_standard_shapes(dims, capacity, page_size):
+    """Long caches: the split count and schedule as the dispatch picks them (the stream schedule at 32k keys)."""
+    _kvcache_case(dims, 1, True, page_size, 0, "auto", Variant(causal=True), batch=4, heads_q=16, capacity=capacity)
+
+
+def _kvcache_case(dims, seqlen_q, causal, page_size, num_splits, schedule, variant, batch=3, heads_q=4, capacity=96):
     from test_kvcache import FLOOR, _expected_cache, _logical_cache
 
-    (d, dv), batch, heads_q, heads_kv, capacity, seqlen_new = dims, 3, 4, 2, 96, 2
+    (d, dv), heads_kv, seqlen_new = dims, 2, 2
     gen = torch.Generator().manual_seed(d * 7 + dv)
 
     def randn(*shape):
@@ -248,7 +259,7 @@ def test_kvcache(dims, seqlen_q, causal, page_size, num_splits, schedule, varian
     q = randn(batch, seqlen_q, heads_q, d)
     k_cache, v_cache = randn(cache_rows, cache_len, heads_kv, d), randn(cache_rows, cache_len, heads_kv, dv)
     k, v = randn(batch, seqlen_new, heads_kv, d), randn(batch, seqlen_new, heads_kv, dv)
-    seqlens = [0, 41, capacity - seqlen_new]
+    seqlens = [0, 41, capacity - seqlen_new] + [capacity // 2] * (batch - 3)
     expected_k = _expected_cache(k_cache, k, seqlens, block_table, None)
     expected_v = _expected_cache(v_cache, v, seqlens, block_table, None)
     slopes = None if variant.alibi_slopes is None else variant.alibi_slopes.to(DEVICE)
