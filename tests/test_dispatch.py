@@ -86,15 +86,17 @@ def test_candidates_follow_the_table_and_the_switch():
                                                                                                  "portable_bwd"]
     assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"learnable_sink"})) == ["gluon_fwd", "tma_fwd",
                                                                                               "portable_fwd"]
-    assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"dropout_p"})) == []
+    # dropout: the portable forward and backward only
+    assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"dropout_p"})) == ["portable_fwd"]
+    assert dispatch.candidates("bwd", half, 128, 9, fields=frozenset({"causal", "dropout_p"})) == ["portable_bwd"]
+    assert dispatch.candidates("decode", half, 128, 9, fields=frozenset({"dropout_p"})) == []
 
 
 def test_a_field_no_kernel_declares_is_refused_by_name():
     assert dispatch.unsupported_fields(Variant(causal=True).fields()) == []
     assert dispatch.unsupported_fields(Variant(softcap=5.0, window=(3, 3)).fields()) == []
-    assert dispatch.unsupported_fields(Variant(dropout_p=0.1, alibi_slopes=torch.ones(2)).fields()) == ["dropout_p"]
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        Variant(dropout_p=0.5).require_supported()
+    assert dispatch.unsupported_fields(Variant(dropout_p=0.1, alibi_slopes=torch.ones(2)).fields()) == []
+    assert dispatch.unsupported_fields(frozenset({"causal", "attn_mask"})) == ["attn_mask"]
 
 
 def test_the_tma_gate_reads_the_table():

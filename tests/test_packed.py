@@ -181,22 +181,29 @@ def test_views_reach_the_kernels_without_a_copy(device, monkeypatch):
     assert qkv.grad.shape == qkv.shape and qkv.grad.is_contiguous()
 
 
-def test_dropout_raises_as_the_unpacked_call(device):
+def test_dropout_passes_through(device):
+    """Under one torch.manual_seed the packed calls draw the unpacked call's (seed, offset): the same mask, bitwise
+    the same output; a bad dropout_p is refused with the unpacked call's message."""
     gen = torch.Generator().manual_seed(11)
     qkv = randn(gen, 1, 8, 3, 2, 16, device=device)
-    with pytest.raises(NotImplementedError) as unpacked:
-        flashtriton.flash_attn_func(*qkv.unbind(2), dropout_p=0.1)
+    torch.manual_seed(5)
+    unpacked = flashtriton.flash_attn_func(*qkv.unbind(2), dropout_p=0.1)
+    with pytest.raises(ValueError) as bad_unpacked:
+        flashtriton.flash_attn_func(*qkv.unbind(2), dropout_p=1.5)
+    cu = cu_seqlens([8], device)
     calls = [
-        lambda: flashtriton.flash_attn_qkvpacked_func(qkv, 0.1),
-        lambda: flashtriton.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], dropout_p=0.1),
-        lambda: flashtriton.flash_attn_varlen_qkvpacked_func(qkv[0], cu_seqlens([8], device), 8, 0.1),
-        lambda: flashtriton.flash_attn_varlen_kvpacked_func(qkv[0, :, 0], qkv[0, :, 1:], cu_seqlens([8], device),
-                                                            cu_seqlens([8], device), 8, 8, dropout_p=0.1),
+        lambda p: flashtriton.flash_attn_qkvpacked_func(qkv, p),
+        lambda p: flashtriton.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], dropout_p=p),
+        lambda p: flashtriton.flash_attn_varlen_qkvpacked_func(qkv[0], cu, 8, p)[None],
+        lambda p: flashtriton.flash_attn_varlen_kvpacked_func(qkv[0, :, 0], qkv[0, :, 1:], cu, cu, 8, 8,
+                                                              dropout_p=p)[None],
     ]
     for call in calls:
-        with pytest.raises(NotImplementedError) as packed:
-            call()
-        assert str(packed.value) == str(unpacked.value)
+        torch.manual_seed(5)
+        assert torch.equal(call(0.1), unpacked)
+        with pytest.raises(ValueError) as bad:
+            call(1.5)
+        assert str(bad.value) == str(bad_unpacked.value)
 
 
 def test_bad_layouts_raise_naming_the_argument(device):

@@ -14,10 +14,24 @@ def qkv(device, b=1, s=8, h=2, d=16, dtype=torch.float16):
     return tuple(torch.randn(b, s, h, d, device=device, dtype=dtype) for _ in range(3))
 
 
-@pytest.mark.parametrize("name,value", [("dropout_p", 0.1)])
+@pytest.mark.parametrize("name,value", [("block_table", torch.zeros(1, 1, dtype=torch.int32))])
 def test_unbuilt_features_raise_not_implemented(name, value, device):
     with pytest.raises(NotImplementedError, match=name):
-        flashtriton.flash_attn_func(*qkv(device), **{name: value})
+        flashtriton.flash_attn_varlen_func(*(t[0] for t in qkv(device)), *_cu(device), 8, 8,
+                                           **{name: value.to(device)})
+
+
+@pytest.mark.parametrize("dropout_p,error", [(1.0, ValueError), (-0.1, ValueError), (float("nan"), ValueError),
+                                             (2, ValueError), ("0.1", TypeError), (True, TypeError), (None, TypeError),
+                                             (torch.tensor(0.1), TypeError)])
+def test_a_bad_dropout_p_is_refused_by_name(dropout_p, error, device):
+    q, k, v = qkv(device)
+    for call in (lambda: flashtriton.flash_attn_func(q, k, v, dropout_p=dropout_p),
+                 lambda: flashtriton.flash_attn_varlen_func(q[0], k[0], v[0], *_cu(device), 8, 8, dropout_p=dropout_p),
+                 lambda: flashtriton.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                                  dropout_p=dropout_p)):
+        with pytest.raises(error, match="dropout_p"):
+            call()
 
 
 @pytest.mark.parametrize("window,error", [((-2, 0), ValueError), ((1.5, 0), TypeError), ((True, 0), TypeError),
@@ -55,12 +69,10 @@ def test_window_size_given_as_list_of_defaults_is_fine(device):
     flashtriton.flash_attn_func(*qkv(device), window_size=[-1, -1])
 
 
-def test_sdpa_attn_mask_and_dropout_raise(device):
+def test_sdpa_attn_mask_raises(device):
     q, k, v = (t.transpose(1, 2) for t in qkv(device))
     with pytest.raises(NotImplementedError, match="attn_mask"):
         flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=device))
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flashtriton.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
 
 
 def test_wrong_number_of_dims(device):

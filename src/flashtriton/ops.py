@@ -28,9 +28,9 @@ from .validation import check_cu_seqlens_values, plain_tensors
 @on_inputs_device
 def _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
                   max_seqlen_q, max_seqlen_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                  learnable_sink=None):
+                  learnable_sink=None, dropout_p=0.0, rng_state=None):
     variant = dict(window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-                   learnable_sink=learnable_sink)
+                   learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state)
     if cu_seqlens_q is not None:
         covers_q, _ = check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                               max_seqlen_k)
@@ -49,7 +49,7 @@ def _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlen
 @on_inputs_device
 def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=None, window_left=-1, window_right=-1, softcap=0.0,
-                   alibi_slopes=None, learnable_sink=None):
+                   alibi_slopes=None, learnable_sink=None, dropout_p=0.0, rng_state=None):
     """(dq, dk, dv, dsink): dsink of learnable_sink's shape and dtype, or an empty tensor without sinks."""
     from .kernels.backward import attention_backward
 
@@ -63,7 +63,7 @@ def _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom
         dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, zero_fill=not covers_all, dlse=dlse,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-        learnable_sink=learnable_sink,
+        learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state,
     )
     return grads if learnable_sink is not None else (*grads, q.new_empty(0))
 
@@ -85,16 +85,22 @@ def attention_fwd_op(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out like q with v's head dim; lse fp32 (B, Hq, Sq) dense or (Hq, total_q) varlen. window_left / right, softcap and
-    alibi_slopes: flash-attn's window_size, softcap and alibi_slopes (-1, -1, 0.0, None: off)."""
+    alibi_slopes: flash-attn's window_size, softcap and alibi_slopes (-1, -1, 0.0, None: off). dropout_p > 0 with
+    rng_state, the int64 (seed, offset) tensor `draw_dropout_state` drew outside the op: the op is a pure function
+    of its inputs (the same rng_state, the same mask), which torch.compile may trace and the backward replays."""
     return _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-                         max_seqlen_q, max_seqlen_k, window_left, window_right, softcap, alibi_slopes, learnable_sink)
+                         max_seqlen_q, max_seqlen_k, window_left, window_right, softcap, alibi_slopes, learnable_sink,
+                         dropout_p, rng_state)
 
 
 @attention_fwd_op.register_fake
 def _(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None):
+      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None, dropout_p=0.0,
+      rng_state=None):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # contiguous, whatever the inputs' strides; v's head dim
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -124,18 +130,21 @@ def attention_bwd_op(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink) shaped like (q, k, v, learnable_sink); dk/dv summed over each GQA group; dsink empty
-    without sinks. dlse: the gradient of lse (shaped like it), or None when lse is not differentiated."""
+    without sinks. dlse: the gradient of lse (shaped like it), or None when lse is not differentiated. dropout_p,
+    rng_state: the forward's (the kernels regenerate its keep-mask)."""
     return _backward_impl(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse, window_left, window_right, softcap,
-                          alibi_slopes, learnable_sink)
+                          alibi_slopes, learnable_sink, dropout_p, rng_state)
 
 
 @attention_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, dlse=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-      learnable_sink=None):
+      learnable_sink=None, dropout_p=0.0, rng_state=None):
     dsink = q.new_empty(0) if learnable_sink is None else learnable_sink.new_empty(learnable_sink.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
 
@@ -146,9 +155,11 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     alibi = variant[3] if len(variant) > 3 else None
     sink = variant[4] if len(variant) > 4 else None
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, sink)
+    rng_state = variant[6] if len(variant) > 6 else None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, sink, rng_state)
     ctx.args = (softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k)
     ctx.variant = tuple(variant[:3])  # (window_left, window_right, softcap), or () where the op's defaults hold
+    ctx.dropout_p = variant[5] if len(variant) > 5 else 0.0
     ctx.n_variant = len(variant)  # the inputs after max_seqlen_k, which get no gradient
     # Outputs nothing differentiates arrive as None (no zeros allocated): lse, in most calls, costs nothing then.
     ctx.set_materialize_grads(False)
@@ -170,15 +181,17 @@ def _gradients(ctx, dout, dlse, backward_fn):
     backward; torch.compile traces the backward with it off) they run without recording, and their results
     come back behind autograd's error node: differentiating them raises DOUBLE_BACKWARD_ERROR instead of
     silently adding nothing for the second-order term."""
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, sink = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, sink, rng_state = ctx.saved_tensors
     softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k = ctx.args
     if dout is None:  # only lse is differentiated
         dout = torch.zeros_like(out)
     args = (dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k, dlse, *ctx.variant, *((alibi, sink) if ctx.n_variant > 3 else ()))
-    # The inputs after q, k, v have no gradient, but the sink (the last of them, where given).
+            max_seqlen_q, max_seqlen_k, dlse, *ctx.variant, *((alibi, sink) if ctx.n_variant > 3 else ()),
+            *((ctx.dropout_p, rng_state) if ctx.n_variant > 5 else ()))
+    # The inputs after q, k, v have no gradient, but the sink (the fifth after max_seqlen_k, where given).
     nones = (None,) * (7 + min(ctx.n_variant, 4))
     with_sink = ctx.n_variant > 4
+    after_sink = (None,) * max(ctx.n_variant - 5, 0)  # dropout_p, rng_state
     if not torch.is_grad_enabled():
         grads = backward_fn(*args)
     else:
@@ -188,7 +201,7 @@ def _gradients(ctx, dout, dlse, backward_fn):
     dq, dk, dv, dsink = grads
     if not with_sink:
         return dq, dk, dv, *nones
-    return dq, dk, dv, *nones, (dsink if sink is not None else None)
+    return dq, dk, dv, *nones, (dsink if sink is not None else None), *after_sink
 
 
 def _not_differentiable(grads: tuple, inputs: tuple) -> tuple:
@@ -215,9 +228,10 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                learnable_sink=None):
+                learnable_sink=None, dropout_p=0.0, rng_state=None):
         inputs = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                  max_seqlen_k, window_left, window_right, softcap, alibi_slopes, learnable_sink)
+                  max_seqlen_k, window_left, window_right, softcap, alibi_slopes, learnable_sink, dropout_p,
+                  rng_state)
         output = _forward_impl(*inputs)
         _setup_context(ctx, inputs, output)
         return output
@@ -229,16 +243,35 @@ class _EagerAttention(torch.autograd.Function):
 
 _ATTENTION_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "learnable_sink")
 
+# While `flashtriton.testing.record_dropout` is active: the rng_state tensors of the dropout calls, in order.
+DROPOUT_RECORD: Optional[list] = None
+
+
+def draw_dropout_state(device) -> torch.Tensor:
+    """A dropout call's (seed, offset): two int64 drawn from torch's default generator of `device` (the CPU's
+    under the interpreter, else the GPU's, asynchronously), so that `torch.manual_seed` reproduces a run and two
+    calls draw different masks. A torch op outside the custom op: torch.compile traces it into the graph (its
+    own random numbers there, seeded by torch.manual_seed too), and a CUDA graph captures it as torch's other
+    random ops (the generator advances on each replay)."""
+    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device)
+
 
 def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: bool, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, window_size=(-1, -1),
-              softcap: float = 0.0, alibi_slopes=None, learnable_sink=None):
-    """(out, lse) with autograd, through the registered op when tracing, directly otherwise. window_size and
-    softcap are flash-attn's (validated: two ints >= -1, a float >= 0)."""
+              softcap: float = 0.0, alibi_slopes=None, learnable_sink=None, dropout_p: float = 0.0):
+    """(out, lse) with autograd, through the registered op when tracing, directly otherwise. window_size,
+    softcap and dropout_p are flash-attn's (validated: two ints >= -1, a float >= 0, a float in [0, 1)); a call
+    with dropout draws its (seed, offset) here (`draw_dropout_state`)."""
     args = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k)
-    if tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None or learnable_sink is not None:
+    if (tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None or learnable_sink is not None
+            or dropout_p):
         args += (int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, learnable_sink)
+    if dropout_p:
+        rng_state = draw_dropout_state(q.device)
+        if DROPOUT_RECORD is not None:
+            DROPOUT_RECORD.append(rng_state)
+        args += (float(dropout_p), rng_state)
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
             or not plain_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
                                  names=_ATTENTION_TENSORS)):

@@ -33,6 +33,8 @@ def attention_reference(
     return_lse: bool = False,
     variant: Variant | None = None,
     diagonal: int | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float | None = None,
 ):
     """Exact attention in `dtype` (float64 by default) for (B, S, H, D) inputs, flash-attn's layout.
 
@@ -41,9 +43,14 @@ def attention_reference(
     Variant(causal, bottom_right=bottom_right)), at `diagonal` (q_start - k_start) when given. Returns out
     (B, Sq, Hq, D) in `dtype` and, when asked, the natural-log log-sum-exp (B, Hq, Sq). A query row that sees
     no key gives out 0 and lse -inf. Differentiable.
+    dropout_mask: bool, broadcastable to (B, Hq, Sq, Sk) (`flashtriton.testing.dropout_mask`), True where a
+    probability is kept: out = (P ∘ mask / (1 - p)) V with p = dropout_p (default: the variant's), lse the undropped
+    softmax's.
     """
     variant = Variant(causal=causal, bottom_right=bottom_right) if variant is None else variant
     variant.require_supported()  # the reference grows each score change with the kernels
+    if variant.dropout_p and dropout_mask is None:
+        raise ValueError("a variant with dropout_p > 0 needs the call's dropout_mask (flashtriton.testing.dropout_mask)")
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
@@ -71,6 +78,9 @@ def attention_reference(
         lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, Sq), -inf on rows that see no key
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - safe_lse[..., None])  # exp(-inf) = 0 on masked entries
+    if dropout_mask is not None:
+        p = variant.dropout_p if dropout_p is None else dropout_p
+        probs = probs * dropout_mask.to(device=q.device, dtype=dtype) / (1.0 - p)
     out = torch.matmul(probs, vh).transpose(1, 2)  # (B, Sq, Hq, Dv)
     return (out, lse) if return_lse else out
 

@@ -146,6 +146,17 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
+def check_dropout(dropout_p, name: str = "dropout_p") -> float:
+    """Attention dropout's probability: a real number in [0, 1) (Python or NumPy; not a bool, not a tensor; 0: off)
+    -> a float."""
+    if isinstance(dropout_p, torch.Tensor) or isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{name} must be a real number (float) in [0, 1), got {type(dropout_p).__name__}")
+    if not 0 <= dropout_p < 1:  # (comparisons: NaN fails them too)
+        raise ValueError(f"{name} must be in [0, 1) (the probability of dropping an attention weight; 0: off), "
+                         f"got {dropout_p}")
+    return float(dropout_p)
+
+
 def check_alibi(alibi_slopes, batch: int, heads: int, device) -> torch.Tensor | None:
     """flash-attn's alibi_slopes: None, or an fp32 tensor (nheads,) or (batch, nheads) on the inputs' device ->
     the tensor with a contiguous last dim."""

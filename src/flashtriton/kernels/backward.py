@@ -34,7 +34,8 @@ from .common import dot_settings, load_tile, sequence_bounds, tma_ok
 from . import dispatch
 from .host import cdiv, padded_head_dim
 from .launch import launch
-from .variant import Variant, alibi_bias, diagonal, key_blocks, query_blocks, softcap_scores_and_grad, visible
+from .variant import (Variant, alibi_bias, diagonal, dropout_keep, dropout_state, key_blocks, query_blocks,
+                      softcap_scores_and_grad, visible)
 
 try:  # Hopper's Gluon dK/dV kernel (triton >= 3.6 ships Gluon's Hopper API)
     from . import backward_gluon_launch
@@ -129,10 +130,13 @@ def _attn_bwd_dkdv_tile(
     BLOCK_M: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slopes=None,  # the group's first query head's ALiBi slope (a pointer)
+    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0, dropout_scale=1.0,
 ):
     """Add the contribution of query rows [start_m, end_m) of each of the group's `group_size` query heads
     to the resident key tile's dK, dV. One flat loop over (head, row tile): a nested loop over heads costs
-    the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed."""
+    the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed.
+    HAS_DROPOUT: `bh` is the group's first query head's batch · Hq + head, and with keep-mask Z (`variant.
+    dropout_keep`, the forward's bits) dV = (P ∘ Z / (1 - p))ᵀ dO and dS = P ∘ (dP ∘ Z / (1 - p) - delta)."""
     n_tiles = tl.cdiv(end_m - start_m, BLOCK_M)
     # max(.., 1): an empty stage must not divide by zero, even in the addresses the software pipeline
     # computes ahead of the loop (seen on the H200 as an illegal memory access).
@@ -162,8 +166,15 @@ def _attn_bwd_dkdv_tile(
         if MASKED and (IS_CAUSAL or HAS_WINDOW):
             p_t = tl.where(visible(True, rows[None, :], offs_n[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
                            p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_DV)
+        if HAS_DROPOUT:
+            keep_t = dropout_keep(seed, offset, bh + g, rows[None, :], offs_n[:, None], dropout_threshold)
+            dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv,
+                        input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_DV)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_DV)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        if HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * cap_grad
@@ -178,6 +189,7 @@ def _attn_bwd_dkdv(
     softmax_scale, qk_scale,  # qk_scale = softmax_scale * log2(e); with HAS_SOFTCAP softmax_scale / softcap
     window_left, window_right, softcap,  # the variant's scalars (`Variant.scalars`), None where unused
     ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride, None without ALiBi
+    DROPOUT_RNG, dropout_threshold, dropout_scale,  # `Variant.dropout_args`, None without dropout
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -192,7 +204,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V, dO and dV's, padded to BLOCK_DV
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)  # grid (key tiles, kv heads, batch)
     off_hk = tl.program_id(1)
@@ -235,6 +247,11 @@ def _attn_bwd_dkdv(
     delta_head = DELTA + batch_l + (off_hk * GROUP_SIZE) * stride_lh
     q_offs = offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, BLOCK_D)
     do_offs = offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod  # (BLOCK_M, BLOCK_DV)
+    if HAS_DROPOUT:
+        seed, offset = dropout_state(DROPOUT_RNG)
+        bh = off_b * (tl.num_programs(1) * GROUP_SIZE) + off_hk * GROUP_SIZE  # the group's first query head
+    else:
+        seed, offset, bh = 0, 0, 0
     for stage in tl.static_range(3):  # masked [lo, mid), unmasked [mid, full), masked [full, q_end)
         start = lo if stage == 0 else (mid if stage == 1 else full)
         end = mid if stage == 0 else (full if stage == 1 else q_end)
@@ -245,6 +262,7 @@ def _attn_bwd_dkdv(
             stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI,
             ALIBI + off_b * stride_alibi_b + off_hk * GROUP_SIZE if HAS_ALIBI else None,
+            HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale,
         )
 
     n_ok = offs_n[:, None] < seqlen_k
@@ -270,8 +288,10 @@ def _attn_bwd_dq_tile(
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slope=0.0,
+    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0, dropout_scale=1.0,
 ):
-    """Add the contribution of keys [start_n, end_n) to the resident query tile's dQ."""
+    """Add the contribution of keys [start_n, end_n) to the resident query tile's dQ (HAS_DROPOUT: dS = P ∘
+    (dP ∘ Z / (1 - p) - delta) with the forward's keep-mask Z, `variant.dropout_keep` of `bh`)."""
     k_ptrs += start_n * stride_kn
     v_ptrs += start_n * stride_vn
     for n in range(start_n, end_n, BLOCK_N):
@@ -293,6 +313,9 @@ def _attn_bwd_dq_tile(
             p = tl.where(visible(cols[None, :] < seqlen_k, offs_m[:, None], cols[None, :], diag, IS_CAUSAL,
                                  HAS_WINDOW, left, right), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        if HAS_DROPOUT:
+            dp = tl.where(dropout_keep(seed, offset, bh, offs_m[:, None], cols[None, :], dropout_threshold),
+                          dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * cap_grad
@@ -309,6 +332,7 @@ def _attn_bwd_dq(
     softmax_scale, qk_scale,
     window_left, window_right, softcap,
     ALIBI, stride_alibi_b,
+    DROPOUT_RNG, dropout_threshold, dropout_scale,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -322,7 +346,7 @@ def _attn_bwd_dq(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V, dO and dV's, padded to BLOCK_DV
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)  # grid (query tiles, heads, batch)
     off_h = tl.program_id(1)
@@ -361,6 +385,11 @@ def _attn_bwd_dq(
     slope = tl.load(ALIBI + off_b * stride_alibi_b + off_h) * 1.4426950408889634 if HAS_ALIBI else 0.0  # base 2
     first, start, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N, HAS_WINDOW, window_left,
                                       window_right)
+    if HAS_DROPOUT:
+        seed, offset = dropout_state(DROPOUT_RNG)
+        bh = off_b * tl.num_programs(1) + off_h  # the grid's axis 1 is the query heads
+    else:
+        seed, offset, bh = 0, 0, 0
 
     if HAS_WINDOW:  # the window's left edge: masked
         dq = _attn_bwd_dq_tile(
@@ -368,18 +397,21 @@ def _attn_bwd_dq(
             first, start, seqlen_k, diag, qk_scale,
             True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
+            HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale,
         )
     dq = _attn_bwd_dq_tile(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         start, lo, seqlen_k, diag, qk_scale,
         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale,
     )
     dq = _attn_bwd_dq_tile(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         lo, hi, seqlen_k, diag, qk_scale,
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale,
     )
 
     dq_ptrs = DQ + batch_dq + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
@@ -464,6 +496,8 @@ def attention_backward(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs (what `attention_forward` took and returned).
 
@@ -478,6 +512,7 @@ def attention_backward(
     Varlen with `zero_fill`: the gradients start at zero, so tokens outside every sequence get 0; pass False
     when cu_seqlens cover every token (the kernels write every other row), saving three memsets.
     dlse: the gradient of lse (shaped like it, fp32), or None when lse is not differentiated (no extra work).
+    dropout_p, rng_state: the forward's (its keep-mask is regenerated, never stored); the Triton kernels run them.
     """
     varlen = cu_seqlens_q is not None
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
@@ -501,7 +536,9 @@ def attention_backward(
         return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
     gluon_config = None
     variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None,
-                         learnable_sink is not None)
+                         learnable_sink is not None, dropout_p)
+    if dropout_p and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state, the forward's int64 (seed, offset) tensor")
     if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
             and tma_ok(q, k, v, dout, dq, dk, dv)  # (no broadcast, stride-0, dimension among them)
             and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields(), separate_v)):
@@ -546,13 +583,16 @@ def attention_backward(
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     upcast, precision = dot_settings(q.dtype)
     alibi = (alibi_slopes, None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0))
-    common = (softmax_scale, *variant.scalars(softmax_scale), *alibi, *q_s, *k_s, *v_s, *do_s)
+    common = (softmax_scale, *variant.scalars(softmax_scale), *alibi, *variant.dropout_args(rng_state),
+              *q_s, *k_s, *v_s, *do_s)
     tail = (seqlen_q, seqlen_k, configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
         **variant.constexprs, **variant.score_constexprs, IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
+    if dropout_p:  # (absent otherwise: the kernels' default, and the launch key of the dropout-free calls)
+        constexprs.update(variant.dropout_constexprs)
     if config is None and INTERPRET:
         config = configs.BWD_INTERPRETER_CONFIG
     if config is None and not configs.AUTOTUNE:

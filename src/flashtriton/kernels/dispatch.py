@@ -32,6 +32,8 @@ HALF = (torch.float16, torch.bfloat16)
 ANY_HEAD_DIM = tuple(range(1, 257))
 # The portable kernels' variant fields.
 SCORES = frozenset({"causal", "window_size", "softcap", "alibi_slopes", "learnable_sink"})
+# The portable forward and backward's: the scores' and dropout (the Hopper kernels and decode do not declare it).
+TRAINING = SCORES | {"dropout_p"}
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,10 @@ class Kernel:
 KERNELS = (
     Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, (64, 128), fields=SCORES),
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
-    Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", fields=SCORES, separate_v=True),
+    Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", fields=TRAINING, separate_v=True),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF, (64, 128),
            fields=SCORES),
-    Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=SCORES,
+    Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=TRAINING,
            separate_v=True),
     Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True, fields=SCORES,
            separate_v=True),

@@ -32,7 +32,7 @@ from .common import (dot_settings, load_tile, sequence_bounds, sm_count, softmax
 from . import dispatch
 from .host import capability, cdiv, padded_head_dim
 from .launch import hooks_installed, launch, launch_and_keep
-from .variant import Variant, add_sink, diagonal, key_blocks
+from .variant import Variant, add_sink, diagonal, dropout_state, key_blocks
 
 try:  # Hopper's Gluon forward (triton >= 3.6 ships Gluon's Hopper API)
     from . import forward_gluon_launch
@@ -51,6 +51,7 @@ def _attn_fwd_tile(
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slope=0.0,
+    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0,
 ):
     """Fold K/V tiles [start_n, end_n) into the running (acc, l_i, m_i) of one Q tile; K tiles span the head dim
     (offs_d), V tiles V's (offs_dv)."""
@@ -65,7 +66,8 @@ def _attn_fwd_tile(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, diag, qk_scale,
                                       MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION, HAS_WINDOW, left, right,
-                                      HAS_SOFTCAP, softcap, HAS_ALIBI, slope)
+                                      HAS_SOFTCAP, softcap, HAS_ALIBI, slope, HAS_DROPOUT, seed, offset, bh,
+                                      dropout_threshold)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
@@ -79,6 +81,7 @@ def _attn_fwd(
     window_left, window_right, softcap,  # the variant's scalars (`Variant.scalars`), None where unused
     ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride (0 for (Hq,)), None without ALiBi
     SINKS,  # (Hq,) one logit per query head (learnable_sink), None without sinks
+    DROPOUT_RNG, dropout_threshold, dropout_scale,  # `Variant.dropout_args`, None without dropout
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -91,7 +94,7 @@ def _attn_fwd(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V and O's, padded to BLOCK_DV
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)  # grid (query tiles, heads, batch): each axis within CUDA's limits
@@ -131,6 +134,11 @@ def _attn_fwd(
     first, start, lo, hi = key_blocks(start_m, seqlen_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N, HAS_WINDOW, window_left,
                                       window_right)
     slope = tl.load(ALIBI + off_b * stride_alibi_b + off_h) * 1.4426950408889634 if HAS_ALIBI else 0.0  # base 2
+    if HAS_DROPOUT:
+        seed, offset = dropout_state(DROPOUT_RNG)
+        bh = off_b * tl.num_programs(1) + off_h  # the grid's axis 1 is the query heads
+    else:
+        seed, offset, bh = 0, 0, 0
 
     if HAS_WINDOW:  # the window's left edge: masked
         acc, l_i, m_i = _attn_fwd_tile(
@@ -138,23 +146,28 @@ def _attn_fwd(
             first, start, seqlen_k, diag, qk_scale,
             True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
+            HAS_DROPOUT, seed, offset, bh, dropout_threshold,
         )
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         start, lo, seqlen_k, diag, qk_scale,
         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold,
     )
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         lo, hi, seqlen_k, diag, qk_scale,
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold,
     )
 
     if HAS_SINKS:
         acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(SINKS + off_h).to(tl.float32) * 1.4426950408889634)
     out, lse = softmax_finish(acc, l_i, m_i)
+    if HAS_DROPOUT:  # the kept probabilities scaled by 1 / (1 - p); lse is the undropped softmax's
+        out = out * dropout_scale
 
     row_ok = offs_m < seqlen_q
     tl.store(LSE + batch_l + off_h * stride_lh + offs_m, lse, mask=row_ok)
@@ -399,6 +412,8 @@ def launch_forward(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ):
     """Launch the forward kernel on validated inputs (the public API checks them).
 
@@ -411,7 +426,8 @@ def launch_forward(
     one, on Hopper, fp16/bf16 inputs (dense or varlen) with head dim 64 or 128 take the TMA kernel
     (`_attn_fwd_tma`; FLASHTRITON_KERNEL=portable turns it off), or where `configs.gluon_fwd_config` (dense) or
     `configs.gluon_varlen_config` (varlen) say so the Gluon kernel (`forward_gluon`; FLASHTRITON_KERNEL=tma turns
-    it off).
+    it off). dropout_p > 0 (with rng_state, the call's int64 (seed, offset) tensor on q's device): the portable
+    kernel, which drops probabilities by `variant.dropout_keep` (the Hopper kernels do not declare dropout).
     Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """
@@ -419,7 +435,9 @@ def launch_forward(
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     separate_v = head_dim_v != head_dim
     variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None,
-                         learnable_sink is not None)
+                         learnable_sink is not None, dropout_p)
+    if dropout_p and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state, the call's int64 (seed, offset) tensor")
     out = torch.empty((*q.shape[:-1], head_dim_v), dtype=q.dtype, device=q.device)
     if varlen:
         batch = cu_seqlens_q.numel() - 1
@@ -476,7 +494,7 @@ def launch_forward(
     upcast, precision = dot_settings(q.dtype)
     args = (
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-        *variant.forward_args(softmax_scale, alibi_slopes, learnable_sink),
+        *variant.forward_args(softmax_scale, alibi_slopes, learnable_sink), *variant.dropout_args(rng_state),
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
         heads_q // heads_kv, seqlen_q, seqlen_k,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
@@ -487,6 +505,8 @@ def launch_forward(
         **variant.forward_constexprs, IS_VARLEN=varlen,
         UPCAST_DOT=upcast, DOT_PRECISION=precision,
     )
+    if dropout_p:  # (absent otherwise: the kernel's default, and the launch key of the dropout-free calls)
+        constexprs.update(variant.dropout_constexprs)
 
     def grid(meta):
         return (cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)

@@ -57,17 +57,19 @@ class Variant:
             raise ValueError(f"window_size must be two ints >= -1 (-1 = unbounded), got {self.window!r}")
         if not (isinstance(self.softcap, (int, float)) and math.isfinite(self.softcap) and self.softcap >= 0):
             raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {self.softcap!r}")
+        if not (isinstance(self.dropout_p, (int, float)) and 0 <= self.dropout_p < 1):
+            raise ValueError(f"dropout_p must be a number in [0, 1) (0: off), got {self.dropout_p!r}")
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)
     def of(causal: bool, bottom_right: bool = True, window: tuple = (-1, -1), softcap: float = 0.0,
-           alibi: bool = False, sinks: bool = False) -> "Variant":
+           alibi: bool = False, sinks: bool = False, dropout_p: float = 0.0) -> "Variant":
         """The variant of the launchers' arguments (flash-attn's `causal`, `causal_bottom_right`, `window_size`,
-        `softcap`; `alibi` / `sinks`: whether slopes / sinks are given, the launchers pass the tensors to the
-        kernels themselves):
+        `softcap`, `dropout_p`; `alibi` / `sinks`: whether slopes / sinks are given, the launchers pass the tensors
+        to the kernels themselves):
         one shared instance each, so that a launch pays a dictionary lookup for it."""
         return Variant(causal=bool(causal), bottom_right=bool(bottom_right), window=tuple(window),
-                       softcap=float(softcap), alibi_slopes=ALIBI_GIVEN if alibi else None,
+                       softcap=float(softcap), dropout_p=float(dropout_p), alibi_slopes=ALIBI_GIVEN if alibi else None,
                        sinks=ALIBI_GIVEN if sinks else None)
 
     @functools.cached_property
@@ -85,6 +87,19 @@ class Variant:
     def forward_constexprs(self) -> dict:
         """The variant's constexprs as the forward kernels (portable, TMA, Gluon) take them; do not modify."""
         return {**self.constexprs, **self.score_constexprs, "HAS_SINKS": self.has_sinks}
+
+    @functools.cached_property
+    def dropout_constexprs(self) -> dict:
+        """The portable kernels' dropout constexpr (HAS_DROPOUT); do not modify."""
+        return {"HAS_DROPOUT": bool(self.dropout_p)}
+
+    def dropout_args(self, rng_state=None) -> tuple:
+        """(DROPOUT_RNG, dropout_threshold, dropout_scale) as the portable kernels take them: the call's int64
+        (seed, offset) tensor, the 31-bit threshold below which a score is dropped (`dropout_threshold`) and
+        1 / (1 - p); None for each without dropout (constexprs: the kernels compile without them)."""
+        if not self.dropout_p:
+            return None, None, None
+        return rng_state, dropout_threshold(self.dropout_p), 1.0 / (1.0 - self.dropout_p)
 
     def forward_args(self, softmax_scale: float, alibi_slopes=None, learnable_sink=None) -> tuple:
         """The variant's runtime arguments as the forward kernels take them after their cu_seqlens: (qk_scale,
@@ -206,6 +221,12 @@ class Variant:
         if names:
             raise NotImplementedError(f"{names[0]} is not supported yet by flashtriton's kernels "
                                       f"(variant fields set: {', '.join(names)})")
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """floor(p · 2^31): `dropout_keep` drops a score whose 31 random bits fall below it, so a score is kept with
+    probability 1 - threshold / 2^31 (1 - p to within 2^-31)."""
+    return int(dropout_p * 2**31)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -425,3 +446,25 @@ def add_sink(acc, l_i, m_i, sink):
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sink of -inf and no key: out 0, lse -inf
     alpha = tl.math.exp2(m_i - m_safe)  # 0 for a row that saw no key (m_i = -inf)
     return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink - m_safe), m_new
+
+
+@triton.jit
+def dropout_state(rng):
+    """(seed, offset) of a dropout call from its int64 (seed, offset) tensor: the 64-bit Philox key and the low 32
+    bits of the offset, loaded once per program."""
+    return tl.load(rng), tl.load(rng + 1).to(tl.int32)
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, q_idx, k_idx, threshold):
+    """The dropout keep-mask of scores (q_idx, k_idx) of sequence-and-head `bh` (batch b · Hq + query head h):
+    True where the score is kept. Counter-based, so that the forward, both backward kernels and
+    `flashtriton.testing.dropout_mask` regenerate the same bits from the same indices, whatever their tiles:
+    Philox4x32-10 (`tl.philox`) keyed by the call's 64-bit seed, on the counter (key index, query row, bh, offset)
+    (`dropout_state`), both indices within the sequence (varlen: its own rows and keys). q_idx and k_idx broadcast
+    against each other ((M, 1) and (1, N), or transposed for key-major tiles); the first of Philox's four outputs
+    decides: kept iff its top 31 bits >= threshold (`dropout_threshold`)."""
+    rows = q_idx + k_idx * 0  # both full tiles, int32
+    cols = k_idx + q_idx * 0
+    r, _, _, _ = tl.philox(seed, cols, rows, cols * 0 + bh, cols * 0 + offset)
+    return (r >> 1).to(tl.int32, bitcast=True) >= threshold

@@ -1,0 +1,344 @@
+"""Attention dropout (dropout_p > 0): exact against float64 with the call's own keep-mask, its statistics, its
+reproducibility, the backward's regeneration of the forward's mask, torch.compile, and every entry point.
+
+The mask of a call comes back through `flashtriton.testing` (record_dropout, then dropout_mask from the call's
+(seed, offset)); the reference is `reference.attention_reference(..., dropout_mask=...)`, judged as every other
+result (tests/accuracy.py), against the same reference run in the inputs' dtype.
+"""
+
+import math
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+
+import flashtriton
+from flashtriton import testing
+from flashtriton.kernels import dispatch
+from flashtriton.kernels.variant import Variant, dropout_threshold
+from flashtriton.reference import attention_reference
+
+from accuracy import assert_close_to_exact
+from conftest import DEVICE
+
+
+def randn(shape, dtype, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=DEVICE, dtype=dtype)
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def run(fn, inputs, dout):
+    """(out, lse, grads of inputs, the recorded rng_state) of fn(*inputs) -> (out, lse)."""
+    ins = leaves(*inputs)
+    with testing.record_dropout() as calls:
+        out, lse = fn(*ins)
+    assert len(calls) == 1
+    out.backward(dout.to(out.dtype))
+    return out, lse, [t.grad for t in ins], calls[0]
+
+
+def reference(inputs, dout, variant, mask, p, dtype, softmax_scale=None):
+    """(out, lse, grads) of the reference with `mask`, in `dtype`."""
+    ins = [t.detach().to(dtype).requires_grad_() for t in inputs[:3]]
+    out, lse = attention_reference(*ins, softmax_scale, dtype=dtype, return_lse=True, variant=variant,
+                                   dropout_mask=mask, dropout_p=p)
+    out.backward(dout.to(dtype))
+    return out, lse, [t.grad for t in ins]
+
+
+def check(inputs, dout, variant, mask, p, ours, dtype, what=""):
+    """ours = (out, lse, [dq, dk, dv]) against float64 and the reference in `dtype` with the same mask."""
+    ex_out, ex_lse, ex_grads = reference(inputs, dout, variant, mask, p, torch.float64)
+    lo_out, _, lo_grads = reference(inputs, dout, variant, mask, p, dtype)
+    out, lse, grads = ours
+    assert_close_to_exact(out, lo_out, ex_out, dtype, f"{what}out")
+    fin = torch.isfinite(ex_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    torch.testing.assert_close(lse[fin].double(), ex_lse[fin], atol=1e-4, rtol=1e-4)
+    for name, g, lo, ex in zip(("dq", "dk", "dv"), grads, lo_grads, ex_grads):
+        assert_close_to_exact(g, lo, ex, dtype, f"{what}{name}")
+
+
+def qkv(batch, sq, sk, hq, hkv, d, dtype, seed=0, dv=None):
+    gen = torch.Generator().manual_seed(seed)
+    return (randn((batch, sq, hq, d), dtype, gen), randn((batch, sk, hkv, d), dtype, gen),
+            randn((batch, sk, hkv, dv or d), dtype, gen), randn((batch, sq, hq, dv or d), dtype, gen))
+
+
+@pytest.mark.parametrize("dtype,causal,shape,p", [
+    (torch.float16, False, (2, 37, 37, 2, 2, 32), 0.2),
+    (torch.float16, True, (1, 50, 70, 4, 2, 40), 0.5),  # GQA, Sq != Sk, bottom-right causal
+    (torch.bfloat16, True, (2, 33, 20, 2, 1, 16), 0.1),  # MQA, rows that see no key
+    (torch.float32, False, (1, 24, 65, 3, 3, 24), 0.3),
+])
+def test_dense_exact_with_the_recovered_mask(dtype, causal, shape, p, device):
+    batch, sq, sk, hq, hkv, d = shape
+    q, k, v, dout = qkv(*shape, dtype)
+    fn = lambda a, b, c: flashtriton.flash_attn_func(a, b, c, dropout_p=p, causal=causal,  # noqa: E731
+                                                     return_attn_probs=True)[:2]
+    out, lse, grads, rng = run(fn, (q, k, v), dout)
+    mask = testing.dropout_mask(rng, batch, hq, sq, sk, p)
+    assert 0 < mask.float().mean() < 1
+    check((q, k, v), dout, Variant(causal=causal), mask, p, (out, lse, grads), dtype)
+
+
+def test_variant_combination_window_softcap_alibi_sinks(device):
+    batch, sq, sk, hq, hkv, d, p = 2, 45, 45, 4, 2, 32, 0.25
+    q, k, v, dout = qkv(batch, sq, sk, hq, hkv, d, torch.float16, seed=2)
+    slopes = torch.tensor([0.3, 0.1, 0.05, 0.02], device=DEVICE)
+    sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], device=DEVICE)
+    fn = lambda a, b, c: flashtriton.flash_attn_func(  # noqa: E731
+        a, b, c, dropout_p=p, causal=True, window_size=(11, 0), softcap=5.0, alibi_slopes=slopes,
+        learnable_sink=sinks, return_attn_probs=True)[:2]
+    out, lse, grads, rng = run(fn, (q, k, v), dout)
+    mask = testing.dropout_mask(rng, batch, hq, sq, sk, p)
+    variant = Variant(causal=True, window=(11, 0), softcap=5.0, alibi_slopes=slopes, sinks=sinks)
+    check((q, k, v), dout, variant, mask, p, (out, lse, grads), torch.float16)
+
+
+def test_sinks_gradient_with_dropout(device):
+    batch, s, h, d, p = 1, 30, 2, 16, 0.3
+    q, k, v, dout = qkv(batch, s, s, h, h, d, torch.float32, seed=5)
+    sink = torch.tensor([0.7, -0.4], device=DEVICE, requires_grad=True)
+    with testing.record_dropout() as calls:
+        out = flashtriton.flash_attn_func(q, k, v, dropout_p=p, learnable_sink=sink)
+    out.backward(dout)
+    mask = testing.dropout_mask(calls[0], batch, h, s, s, p)
+    sink64 = sink.detach().double().requires_grad_()
+    ref = attention_reference(q.double(), k.double(), v.double(), variant=Variant(sinks=sink64),
+                              dropout_mask=mask, dropout_p=p)
+    ref.backward(dout.double())
+    torch.testing.assert_close(sink.grad.double(), sink64.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_exact_per_sequence(causal, device):
+    p, hq, hkv, d = 0.3, 4, 2, 24
+    lengths_q, lengths_k = [5, 0, 33, 17], [9, 4, 33, 20]
+    gen = torch.Generator().manual_seed(7)
+    q = randn((sum(lengths_q), hq, d), torch.float16, gen)
+    k = randn((sum(lengths_k), hkv, d), torch.float16, gen)
+    v = randn((sum(lengths_k), hkv, d), torch.float16, gen)
+    dout = randn((sum(lengths_q), hq, d), torch.float16, gen)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+                  for n in (lengths_q, lengths_k))
+    fn = lambda a, b, c: flashtriton.flash_attn_varlen_func(  # noqa: E731
+        a, b, c, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=p, causal=causal, return_attn_probs=True)[:2]
+    out, lse, (dq, dk, dv), rng = run(fn, (q, k, v), dout)
+    mask = testing.dropout_mask(rng, len(lengths_q), hq, max(lengths_q), max(lengths_k), p)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lq == 0:
+            continue
+        ours = (out[None, sq], lse[None, :, sq], [dq[None, sq], dk[None, sk], dv[None, sk]])
+        check((q[None, sq], k[None, sk], v[None, sk]), dout[None, sq], Variant(causal=causal),
+              mask[b:b + 1, :, :lq, :lk], p, ours, torch.float16, f"seq {b} ")
+
+
+def test_sdpa_and_packed_take_dropout(device):
+    q, k, v, dout = qkv(1, 20, 20, 2, 2, 16, torch.float16, seed=3)
+    with testing.record_dropout() as calls:
+        out = flashtriton.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=0.4,
+                                                       is_causal=True)
+    mask = testing.dropout_mask(calls[0], 1, 2, 20, 20, 0.4)
+    ref = attention_reference(q, k, v, variant=Variant(causal=True, bottom_right=False), dropout_mask=mask,
+                              dropout_p=0.4)
+    torch.testing.assert_close(out.transpose(1, 2).double(), ref, atol=2e-3, rtol=2e-3)
+    qkv_packed = torch.stack([q, k, v], dim=2)
+    with testing.record_dropout() as calls:
+        packed = flashtriton.flash_attn_qkvpacked_func(qkv_packed, 0.4, causal=True)
+    mask = testing.dropout_mask(calls[0], 1, 2, 20, 20, 0.4)
+    ref = attention_reference(q, k, v, causal=True, dropout_mask=mask, dropout_p=0.4)
+    torch.testing.assert_close(packed.double(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_rows_that_see_no_key_stay_zero(device):
+    q, k, v, dout = qkv(1, 12, 4, 2, 2, 16, torch.float16, seed=4)
+    ins = leaves(q, k, v)
+    out, lse, _ = flashtriton.flash_attn_func(*ins, dropout_p=0.5, causal=True, return_attn_probs=True)
+    out.backward(dout)
+    assert torch.all(out[:, :8] == 0) and torch.isinf(lse[:, :, :8]).all() and torch.isfinite(out).all()
+    assert torch.all(ins[0].grad[:, :8] == 0) and all(torch.isfinite(t.grad).all() for t in ins)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the mask: statistics, reproducibility, regeneration
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_kept_fraction_per_row_and_overall(p, device):
+    """A 256 x 256 mask per (batch, head) keeps 1 - p of its entries, within 5 sigma overall and per row; rows,
+    columns and heads are independent draws (no two rows or heads equal)."""
+    batch, heads, n = 2, 2, 256
+    mask = testing.dropout_mask((123456789, 42), batch, heads, n, n, p, device=DEVICE).double()
+    keep = 1 - p
+    overall = mask.mean().item()
+    sigma = math.sqrt(keep * (1 - keep) / mask.numel())
+    assert abs(overall - keep) < 5 * sigma, (overall, keep, sigma)
+    rows = mask.mean(-1)
+    sigma_row = math.sqrt(keep * (1 - keep) / n)
+    assert (rows - keep).abs().max().item() < 5 * sigma_row
+    cols = mask.mean(-2)
+    assert (cols - keep).abs().max().item() < 5 * sigma_row
+    flat = mask.reshape(batch * heads, n, n)
+    assert not any(torch.equal(flat[i], flat[j]) for i in range(4) for j in range(i))
+    assert not torch.equal(flat[0, 0], flat[0, 1]) and not torch.equal(flat[0, :, 0], flat[0, :, 1])
+    # neighbouring entries are uncorrelated (the counter differs in one word)
+    a, b = flat[..., :-1] - keep, flat[..., 1:] - keep
+    corr = (a * b).mean() / (keep * (1 - keep))
+    assert abs(corr.item()) < 5 / math.sqrt(a.numel())
+
+
+def test_threshold_is_the_probability():
+    assert dropout_threshold(0.0) == 0 and dropout_threshold(0.5) == 2**30
+    assert 0 <= dropout_threshold(1 - 2**-40) < 2**31
+
+
+def test_manual_seed_reproduces_and_two_calls_differ(device):
+    q, k, v, dout = qkv(1, 24, 24, 2, 2, 16, torch.float16, seed=6)
+
+    def call():
+        with testing.record_dropout() as calls:
+            out = flashtriton.flash_attn_func(q, k, v, dropout_p=0.3)
+        return out, calls[0]
+
+    torch.manual_seed(11)
+    out1, rng1 = call()
+    out2, rng2 = call()
+    torch.manual_seed(11)
+    out3, rng3 = call()
+    assert torch.equal(rng1, rng3) and torch.equal(out1, out3)
+    assert not torch.equal(rng1, rng2) and not torch.equal(out1, out2)
+    m1, m2 = (testing.dropout_mask(r, 1, 2, 24, 24, 0.3) for r in (rng1, rng2))
+    assert not torch.equal(m1, m2)
+
+
+def test_backward_regenerates_the_forwards_mask(device):
+    """Calls with the same rng_state give bitwise the same results (the mask is a function of it alone), and the
+    backward's gradients are the derivatives of the forward at that state: central finite differences of
+    <dout, out> along random directions, in fp32 (nothing is stored between forward and backward but the state)."""
+    q, k, v, dout = qkv(1, 9, 11, 2, 1, 8, torch.float32, seed=8)
+    rng = torch.tensor([987654321, 7], dtype=torch.int64, device=DEVICE)
+
+    def fn(a, b, c):
+        return torch.ops.flashtriton.fwd(a, b, c, 0.35, True, True, None, None, 9, 11, -1, -1, 0.0, None, None,
+                                         0.4, rng)[0]
+
+    assert torch.equal(fn(q, k, v), fn(q, k, v))
+    ins = leaves(q, k, v)
+    fn(*ins).backward(dout)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(3):
+        direction = [torch.randn(t.shape, generator=gen).to(DEVICE) if j == i else torch.zeros_like(t)
+                     for j, t in enumerate((q, k, v))]
+        eps = 1e-2
+        plus = fn(*(t + eps * d for t, d in zip((q, k, v), direction)))
+        minus = fn(*(t - eps * d for t, d in zip((q, k, v), direction)))
+        numeric = ((plus - minus) * dout).sum().double() / (2 * eps)
+        analytic = (ins[i].grad * direction[i]).sum().double()
+        assert abs(numeric - analytic) <= 2e-3 * max(1.0, abs(analytic)), ("qkv"[i], numeric, analytic)
+
+
+def test_op_matches_the_recovered_mask_at_a_fixed_state(device):
+    q, k, v, dout = qkv(2, 16, 16, 2, 2, 16, torch.float32, seed=9)
+    rng = torch.tensor([-5, 2**40 + 3], dtype=torch.int64, device=DEVICE)
+    out, lse = torch.ops.flashtriton.fwd(q, k, v, 0.25, False, True, None, None, 16, 16, -1, -1, 0.0, None, None,
+                                         0.2, rng)
+    mask = testing.dropout_mask(rng, 2, 2, 16, 16, 0.2)
+    assert torch.equal(mask, testing.dropout_mask((-5, 2**40 + 3), 2, 2, 16, 16, 0.2, device=DEVICE))
+    ref = attention_reference(q, k, v, 0.25, dropout_mask=mask, dropout_p=0.2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_p_zero_takes_the_dropout_free_path(device, monkeypatch):
+    """dropout_p=0 draws nothing and launches without HAS_DROPOUT (the dropout-free kernels, bit for bit)."""
+    q, k, v, _ = qkv(1, 20, 20, 2, 2, 16, torch.float16, seed=10)
+    state = torch.get_rng_state()
+    with testing.record_dropout() as calls:
+        a = flashtriton.flash_attn_func(q, k, v, dropout_p=0.0, causal=True)
+    assert calls == [] and torch.equal(state, torch.get_rng_state())
+    assert torch.equal(a, flashtriton.flash_attn_func(q, k, v, causal=True))
+    assert Variant.of(True, dropout_p=0.0) == Variant.of(True)
+    assert "HAS_DROPOUT" not in Variant.of(True).forward_constexprs
+
+
+def test_dispatch_sends_dropout_to_the_portable_kernels():
+    fields = Variant.of(True, dropout_p=0.1).fields()
+    assert "dropout_p" in fields
+    half = torch.float16
+    assert dispatch.candidates("fwd", half, 128, 9, fields=fields) == ["portable_fwd"]
+    assert dispatch.candidates("bwd", half, 64, 9, fields=fields) == ["portable_bwd"]
+    for name in ("gluon_fwd", "tma_fwd", "gluon_bwd", "decode_split", "decode_stream"):
+        assert "dropout_p" not in dispatch.BY_NAME[name].fields
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.compile and bad input
+# ---------------------------------------------------------------------------------------------------------
+class DropoutAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return flashtriton.flash_attn_func(q, k, v, dropout_p=0.25, causal=True) * 2
+
+
+def test_compile_fullgraph_through_dropout(device):
+    """The (seed, offset) draw is a torch.randint outside the custom op: dynamo traces it into the graph (no
+    graph break), the op takes it as a tensor and saves it for the backward. A compiled function that returns
+    the state it drew is judged against the reference with that state's mask, forward and backward; the public
+    function compiles in one frame, and two compiled calls draw two masks."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    q, k, v, dout = qkv(1, 16, 16, 2, 2, 16, torch.float32, seed=12)
+
+    def f(a, b, c):
+        from flashtriton.ops import draw_dropout_state
+        rng = draw_dropout_state(a.device)
+        out = torch.ops.flashtriton.fwd(a, b, c, 0.25, True, True, None, None, 16, 16, -1, -1, 0.0, None, None,
+                                        0.3, rng)[0]
+        return out, rng
+
+    ins = leaves(q, k, v)
+    out, rng = torch.compile(f, backend=counter, fullgraph=True)(*ins)
+    out.backward(dout)
+    assert counter.frame_count == 1
+    mask = testing.dropout_mask(rng, 1, 2, 16, 16, 0.3)
+    ex_ins = leaves(*(t.double() for t in (q, k, v)))
+    ref = attention_reference(*ex_ins, 0.25, causal=True, dropout_mask=mask, dropout_p=0.3)
+    ref.backward(dout.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    for g, e in zip((t.grad for t in ins), (t.grad for t in ex_ins)):
+        torch.testing.assert_close(g.double(), e, atol=1e-4, rtol=1e-4)
+
+    # the public function under fullgraph: one frame, and two compiled calls draw two masks
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(DropoutAttention(), backend=counter, fullgraph=True)
+    ins = leaves(q, k, v)
+    a = compiled(*ins)
+    a.sum().backward()
+    b = compiled(*ins)
+    assert counter.frame_count == 1 and not torch.equal(a.detach(), b.detach())
+    assert all(torch.isfinite(t.grad).all() for t in ins)
+
+
+def test_opcheck_with_dropout():
+    q, k, v, dout = qkv(1, 6, 7, 2, 1, 16, torch.float32, seed=13)
+    rng = torch.tensor([1, 2], dtype=torch.int64, device=DEVICE)
+    args = [q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), 0.25, True, True, None, None, 6, 7,
+            -1, -1, 0.0, None, None, 0.2, rng]
+    torch.library.opcheck(torch.ops.flashtriton.fwd.default, args)
+    out, lse = torch.ops.flashtriton.fwd(*(t.detach() for t in args[:3]), *args[3:])
+    torch.library.opcheck(torch.ops.flashtriton.bwd.default,
+                          [dout, *(t.detach() for t in args[:3]), out, lse, *args[3:10], None, *args[10:]])
+
+
+def test_deterministic_is_accepted_with_dropout(device):
+    """The mask is a function of the call's (seed, offset) and the backward has no atomics: deterministic=True
+    holds with dropout (the same seed, the same bits)."""
+    q, k, v, _ = qkv(1, 10, 10, 2, 2, 16, torch.float16, seed=14)
+    torch.manual_seed(3)
+    a = flashtriton.flash_attn_func(q, k, v, dropout_p=0.2, deterministic=True)
+    torch.manual_seed(3)
+    assert torch.equal(a, flashtriton.flash_attn_func(q, k, v, dropout_p=0.2, deterministic=True))
