@@ -394,7 +394,7 @@ CASES: dict[str, Case] = {
     "falcon": may_refuse("falcon", lambda: _text(**_PADDED)),
     "falcon_alibi": may_refuse("falcon_alibi", lambda: _text()),
     "bert_right_padded": runs("bert", lambda: _text(**_PADDED, left=False)),
-    "bert_train_dropout": may_refuse("bert_train_dropout", lambda: _text(**_PADDED, left=False)),
+    "bert_train_dropout": runs("bert_train_dropout", lambda: _text(**_PADDED, left=False)),
     # local attention: |q - k| <= local_attention // 2 around each query (flash-attn's (w, w)), right-padded rows;
     # early transformers 5.x run ModernBERT's flash path through flash-attn itself: refused there
     "modernbert_local_attention": (may_refuse if _own_flash_code("modernbert") else runs)(
@@ -646,6 +646,7 @@ def test_family_matches_reference_or_refuses(name):
         assert not torch.equal(got, again), (
             "flashtriton ran a training forward with attention dropout > 0 and two seeds give the same output: "
             f"the dropout was silently ignored; {routing}")
+        assert torch.equal(got, _run(case, ours, seed=0)), f"torch.manual_seed does not reproduce the run; {routing}"
         print(f"[{name}] ran with dropout applied; {routing}")
         return
 

@@ -233,15 +233,27 @@ def test_unsupported_features_raise(device):
         ft_hf.flashtriton_attention_forward(module, q, k, k, None, s_aux=torch.zeros(1, 4, device=device))
     with pytest.raises(NotImplementedError, match="position biases"):
         ft_hf.flashtriton_attention_forward(module, q, k, k, None, position_bias=torch.zeros(1, 4, 5, 5))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        ft_hf.flashtriton_attention_forward(module, q, k, k, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="4-D|2-D"):
         ft_hf.flashtriton_attention_forward(module, q, k, k, torch.ones(1, 1, 5, 5, dtype=torch.bool, device=device))
+
+
+def test_attention_dropout_runs_in_training(device):
+    """transformers passes the module's attention dropout in train mode: it reaches the kernels (two seeds, two
+    outputs; one seed, one output), and eval mode (dropout 0.0) equals the dropout-free call."""
+    q = torch.randn(1, 4, 5, 16, device=device)
+    k = torch.randn(1, 2, 5, 16, device=device)
+    module = torch.nn.Module()
+    torch.manual_seed(0)
+    a, _ = ft_hf.flashtriton_attention_forward(module, q, k, k, None, dropout=0.1)
+    b, _ = ft_hf.flashtriton_attention_forward(module, q, k, k, None, dropout=0.1)
+    torch.manual_seed(0)
+    c, _ = ft_hf.flashtriton_attention_forward(module, q, k, k, None, dropout=0.1)
+    assert not torch.equal(a, b) and torch.equal(a, c)
     ours, _ = _pair("llama", attention_dropout=0.1)
     ids, _ = _batch(device, lengths=(5,), seqlen=5)
     ours.train()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        ours(input_ids=ids)
+    ours(input_ids=ids).logits.sum().backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in ours.parameters())
 
 
 def _training_step_grads(models, device) -> list[dict]:
@@ -517,16 +529,10 @@ def test_training_step_sink_gradients_match_eager(device):
 
 
 def test_refusal_advice_works():
-    """The advice names what transformers accepts: the dropout field the model has, 'eager' where sdpa is not."""
-    from transformers import BertConfig
-
-    from transformers.models.bert.modeling_bert import BertSelfAttention
+    """The advice names what transformers accepts: 'eager' where sdpa is not."""
     from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention, Gemma2Config
 
     q = torch.randn(1, 4, 5, 8)
-    module = BertSelfAttention(BertConfig(hidden_size=32, num_attention_heads=4, attention_probs_dropout_prob=0.1))
-    with pytest.raises(NotImplementedError, match=r"attention_probs_dropout_prob=0\.0"):
-        ft_hf.flashtriton_attention_forward(module, q, q, q, None, dropout=0.1)
     gemma = Gemma2Attention(Gemma2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8),
                             layer_idx=0)
     with pytest.raises(NotImplementedError, match="attn_implementation='eager' instead") as err:

@@ -29,12 +29,14 @@ everything else. Then:
 - attention sinks (`s_aux`: gpt-oss' `sinks`, one logit per query head that eager appends to the scores before
   the softmax and drops after) as flash-attn / FlashAttention-4's `learnable_sink`, with or without a window, in
   every path above; their gradient flows back to the model's parameter;
+- attention dropout in training (`dropout`, the module's attention dropout, which transformers passes in train
+  mode only) as flash-attn's `dropout_p`, in every path above;
 - GQA/MQA natively (no repeat of the kv heads); fp16, bf16 and fp32 (exact fp32 dots).
 
 Refused with a NotImplementedError (or, for a model class, a ValueError when it is built) rather than a wrong
 answer, each message saying what to load instead: masks that are neither causal nor full over the keys nor a
 window of them (chunked attention, prefix-LM or image-token bidirectional overlays), a window over padded rows
-whose real tokens are not contiguous, dropout > 0 in training, sinks that are not one logit per query head,
+whose real tokens are not contiguous, sinks that are not one logit per query head,
 position biases (T5-style `position_bias`; no model of transformers 5.x passes ALiBi slopes through the
 attention interface: BLOOM and MPT add theirs in their own attention code, Falcon's flash path is its own
 class), 4-D custom attention masks, models transformers marks `_supports_flash_attn = False`, and models that
@@ -97,7 +99,7 @@ def flashtriton_attention_forward(
     marker = attention_mask if _is_marker(attention_mask) else None
     if marker is not None and marker.dtype == torch.int8:  # flashtriton_mask's refusal
         raise _refusal_for(module, getattr(marker, _REFUSAL, None))
-    _check_supported(module, query, key, dropout, None if marker is not None else attention_mask, kwargs)
+    _check_supported(module, query, key, None if marker is not None else attention_mask, kwargs)
     if kwargs.get("output_attentions", False):
         _warn_once("flashtriton does not return attention weights (output_attentions=True gives None).")
     if is_causal is None:
@@ -114,7 +116,8 @@ def flashtriton_attention_forward(
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
 
-    variant = dict(softcap=float(softcap) if softcap else 0.0, sink=sink)
+    # transformers passes the module's attention dropout in training and 0.0 in eval mode
+    variant = dict(softcap=float(softcap) if softcap else 0.0, sink=sink, dropout_p=float(dropout or 0.0))
     if attention_mask is not None:
         kind = getattr(attention_mask, _KIND, None)  # the mask function's verdict beats the layer's default
         if kind is not None:
@@ -143,7 +146,8 @@ def flashtriton_attention_forward(
         return _segments_attention(q, k, v, segments, scaling, causal, window, **variant), None
 
     out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal,  # bottom-right: right for a KV cache
-                          window_size=window or (-1, -1), softcap=variant["softcap"], learnable_sink=sink)
+                          window_size=window or (-1, -1), softcap=variant["softcap"], learnable_sink=sink,
+                          dropout_p=variant["dropout_p"])
     return out, None
 
 
@@ -407,23 +411,9 @@ def _model_class(module) -> Optional[type]:
     return None
 
 
-_DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout_prob",
-                   "attn_dropout", "attention_probs_dropout")
-
-
-def _check_supported(module, query, key, dropout, attention_mask, kwargs) -> None:
+def _check_supported(module, query, key, attention_mask, kwargs) -> None:
     where = f" ({type(module).__name__})" if module is not None else ""
     advice = _advice_for(_model_class(module))
-    if dropout and float(dropout) > 0.0:
-        config = getattr(module, "config", None)
-        fields = [n for n in _DROPOUT_FIELDS if isinstance(getattr(config, n, None), (int, float))
-                  and not isinstance(getattr(config, n), bool) and getattr(config, n) > 0]
-        how = (f"load it with {fields[0]}=0.0 (from_pretrained(..., {fields[0]}=0.0) sets config.{fields[0]})"
-               if fields else "load it with its attention dropout set to 0.0")
-        raise NotImplementedError(
-            f"flashtriton attention{where} does not support attention dropout yet (dropout={dropout}, in training "
-            f"mode). Run the model in eval mode, {how} to train without attention dropout, or {advice[0].lower()}"
-            f"{advice[1:]}")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError(f"flashtriton attention{where} does not support position biases yet. {advice}")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
@@ -496,7 +486,7 @@ def _check_contiguous(mask: torch.Tensor, module) -> None:
 
 
 def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, window=None, softcap: float = 0.0,
-                      sink=None, module=None) -> torch.Tensor:
+                      sink=None, dropout_p: float = 0.0, module=None) -> torch.Tensor:
     """Unpad, run varlen, pad back. q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); mask (B, Sk) bool, True = token.
 
     The mask describes the keys. Without a causal mask (encoders, cross-attention) every query is kept and
@@ -515,7 +505,7 @@ def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, w
             raise NotImplementedError(f"flashtriton runs a non-causal window over padded keys only for "
                                       f"self-attention (as many queries as keys); got {seqlen_q} queries and "
                                       f"{mask.shape[1]} keys")
-    variant = dict(window_size=window or (-1, -1), softcap=softcap, learnable_sink=sink)
+    variant = dict(window_size=window or (-1, -1), softcap=softcap, learnable_sink=sink, dropout_p=dropout_p)
     k_idx, cu_k, max_k = _unpad_indices(mask)
     if not causal and window is None:
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
@@ -540,7 +530,7 @@ def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, w
 
 
 def _segments_attention(q, k, v, segments: torch.Tensor, scale: float, causal: bool, window=None,
-                        softcap: float = 0.0, sink=None) -> torch.Tensor:
+                        softcap: float = 0.0, sink=None, dropout_p: float = 0.0) -> torch.Tensor:
     """Packed rows: q (B, S, Hq, D), k, v (B, S, Hkv, D); segments (B, S) sequence ids, equal within one
     sequence. A sequence starts at every row's first token and wherever the id changes; each attends only
     to itself."""
@@ -550,11 +540,11 @@ def _segments_attention(q, k, v, segments: torch.Tensor, scale: float, causal: b
     starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
     cu = torch.cat([torch.nonzero(starts.reshape(-1)).flatten(),
                     torch.tensor([batch * seqlen], device=q.device)]).to(torch.int32)
-    return _packed_attention(q, k, v, cu, cu, None, None, scale, causal, window, softcap, sink)
+    return _packed_attention(q, k, v, cu, cu, None, None, scale, causal, window, softcap, sink, dropout_p)
 
 
 def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: bool, window=None,
-                      softcap: float = 0.0, sink=None) -> torch.Tensor:
+                      softcap: float = 0.0, sink=None, dropout_p: float = 0.0) -> torch.Tensor:
     """Packed sequences: q (B, S, Hq, D), k, v (B, S, Hkv, D), taken as B·S tokens back to back with
     boundaries cu_q / cu_k (int32, over the flattened tokens); a window applies within each sequence."""
     cu_q, cu_k = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)
@@ -563,7 +553,7 @@ def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: b
     out = flash_attn_varlen_func(
         q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
         cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, window_size=window or (-1, -1),
-        softcap=softcap, learnable_sink=sink,
+        softcap=softcap, learnable_sink=sink, dropout_p=dropout_p,
     )
     return out.view(q.shape[0], -1, *out.shape[1:])
 
