@@ -5,7 +5,9 @@ the same call over the whole cache, and at least 80 % of the GPU's copy bandwidt
 (K and V of 4096 keys per sequence and kv head, q and out). Every provider is first checked against float64 on
 fresh random inputs, then timed by `triton.testing.do_bench` (L2 flushed, median) as a CUDA-graph replay (the GPU
 time; a decode step's host time is not what is measured) and as a plain eager call, in rounds of rotating order
-after 100 ms of warmup. Copy bandwidth: a 1 GiB device-to-device copy (read + write counted), in the same run.
+after 100 ms of warmup, each timing twice: after do_bench's L2 flush (which zeroes a buffer) and after a flush that
+reads one (`time_read_flush` says why). Copy bandwidth: a 1 GiB device-to-device copy (read + write counted), in
+the same run, under both flushes.
 
     python benchmarks/decode_window.py --out DIR      # writes DIR/decode_window.json, prints a table last
 """
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import subprocess
+import time
 
 import torch
 import triton
@@ -95,19 +98,55 @@ def graphed(fn):
     return graph.replay
 
 
+_FLUSH = {}
+
+
+def time_read_flush(fn, reps=100):
+    """Median GPU time (ms) of fn after the L2 is flushed by *reading* 512 MiB (a sum), which leaves no dirty
+    lines: do_bench's flush zeroes a buffer, and the L2's dirty lines of it are written back during the timed call
+    (tens of MB: a fixed ~10 us on top of a 50 us call, the same on a 1 GiB one). A decode step follows reads of
+    weights, not writes of a buffer larger than the L2."""
+    buf = _FLUSH.get("buf")
+    if buf is None:
+        buf = _FLUSH["buf"] = torch.empty(2**27, dtype=torch.float32, device="cuda").normal_()
+    end = time.perf_counter() + 0.1  # ~100 ms of warmup
+    while time.perf_counter() < end:
+        fn()
+        torch.cuda.synchronize()
+    events = []
+    for _ in range(reps):
+        buf.sum()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        events.append((start, stop))
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
+
+
+def time_call(fn, flush):
+    if flush == "read":
+        return time_read_flush(fn)
+    return triton.testing.do_bench(fn, warmup=100, rep=200, return_mode="median")
+
+
 def bytes_read(name, dtype):
     keys = CAPACITY if PROVIDERS[name][0] == (-1, -1) else WINDOW
     kv = 2 * BATCH * HEADS_KV * keys * HEAD_DIM * dtype.itemsize
     return kv + 2 * BATCH * HEADS_Q * HEAD_DIM * dtype.itemsize  # K, V; q and out
 
 
-def copy_bandwidth(rounds=3):
+def copy_bandwidth(rounds=3, flush="zero"):
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = min(triton.testing.do_bench(lambda: dst.copy_(src), warmup=100, rep=200, return_mode="median")
-             for _ in range(rounds))
+    ms = min(time_call(lambda: dst.copy_(src), flush) for _ in range(rounds))
     del src, dst
     return 2 * 2**30 / (ms * 1e-3) / 1e9  # GB/s, read + write
+
+
+FLUSHES = ("zero", "read")  # do_bench's L2 flush (zeroing a buffer), or a read of one (`time_read_flush`)
 
 
 def run(dtype, page_size, schedule, rounds):
@@ -117,21 +156,21 @@ def run(dtype, page_size, schedule, rounds):
         checks = {name: check(name, inputs, dtype) for name in PROVIDERS}
         fns = {name: call(name, inputs) for name in PROVIDERS}
         replays = {name: graphed(fn) for name, fn in fns.items()}
-        times = {(name, mode): [] for name in PROVIDERS for mode in ("graph", "eager")}
+        keys = [(name, mode, flush) for name in PROVIDERS for mode in ("graph", "eager") for flush in FLUSHES]
+        times = {key: [] for key in keys}
         names = list(PROVIDERS)
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]  # rotate the providers between rounds
             for name in order:
                 for mode, fn in (("graph", replays[name]), ("eager", fns[name])):
-                    times[(name, mode)].append(triton.testing.do_bench(fn, warmup=100, rep=200,
-                                                                       return_mode="median"))
-    for name in PROVIDERS:
-        for mode in ("graph", "eager"):
-            ms = sorted(times[(name, mode)])[len(times[(name, mode)]) // 2]
-            rows.append(dict(dtype=str(dtype).split(".")[-1], page_size=page_size or 0, schedule=schedule,
-                             provider=name, mode=mode, ms=ms, rounds=times[(name, mode)],
-                             bytes=bytes_read(name, dtype), gbps=bytes_read(name, dtype) / (ms * 1e-3) / 1e9,
-                             **checks[name]))
+                    for flush in FLUSHES:
+                        times[(name, mode, flush)].append(time_call(fn, flush))
+    for name, mode, flush in keys:
+        ms = sorted(times[(name, mode, flush)])[len(times[(name, mode, flush)]) // 2]
+        rows.append(dict(dtype=str(dtype).split(".")[-1], page_size=page_size or 0, schedule=schedule,
+                         provider=name, mode=mode, flush=flush, ms=ms, rounds=times[(name, mode, flush)],
+                         bytes=bytes_read(name, dtype), gbps=bytes_read(name, dtype) / (ms * 1e-3) / 1e9,
+                         **checks[name]))
     del inputs
     torch.cuda.empty_cache()
     return rows
@@ -146,16 +185,17 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    copy_gbps = copy_bandwidth()
+    copy_gbps = {flush: copy_bandwidth(flush=flush) for flush in FLUSHES}
     rows = []
     for dt in args.dtypes.split(","):
         for page_size in (int(p) for p in args.page_sizes.split(",")):
             for schedule in args.schedules.split(","):
                 rows += run(dtypes[dt], page_size, schedule, args.rounds)
-    full = {(r["dtype"], r["page_size"], r["schedule"], r["mode"]): r["ms"] for r in rows if r["provider"] == "full"}
+    full = {(r["dtype"], r["page_size"], r["schedule"], r["mode"], r["flush"]): r["ms"] for r in rows
+            if r["provider"] == "full"}
     for r in rows:
-        r["speedup_vs_full"] = full[(r["dtype"], r["page_size"], r["schedule"], r["mode"])] / r["ms"]
-        r["of_copy_bandwidth"] = r["gbps"] / copy_gbps
+        r["speedup_vs_full"] = full[(r["dtype"], r["page_size"], r["schedule"], r["mode"], r["flush"])] / r["ms"]
+        r["of_copy_bandwidth"] = r["gbps"] / copy_gbps[r["flush"]]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -167,11 +207,11 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode_window.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
-    print(f"{'dtype':5} {'page':>4} {'sched':6} {'provider':11} {'mode':5} {'us':>8} {'GB/s':>6} {'copy%':>6} "
-          f"{'vs full':>7} {'ok':>3}")
+    print("copy bandwidth (read + write), GB/s: " + ", ".join(f"{f} flush {g:.0f}" for f, g in copy_gbps.items()))
+    print(f"{'dtype':5} {'page':>4} {'sched':6} {'provider':11} {'mode':5} {'flush':5} {'us':>8} {'GB/s':>6} "
+          f"{'copy%':>6} {'vs full':>7} {'ok':>3}")
     for r in rows:
-        print(f"{r['dtype']:5} {r['page_size']:>4} {r['schedule']:6} {r['provider']:11} {r['mode']:5} "
+        print(f"{r['dtype']:5} {r['page_size']:>4} {r['schedule']:6} {r['provider']:11} {r['mode']:5} {r['flush']:5} "
               f"{r['ms'] * 1e3:8.1f} {r['gbps']:6.0f} {100 * r['of_copy_bandwidth']:5.0f}% "
               f"{r['speedup_vs_full']:6.2f}x {'yes' if r['ok'] else 'NO':>3}")
 

@@ -231,7 +231,51 @@ def section_decode(rows):
                   f"err={err:.2e}")
 
 
-SECTIONS = {"profile": section_profile, "fwd_cfg": section_fwd_cfg, "bwd_min": section_bwd_min,
+def section_host(rows):
+    """Host time per call (CPU time to issue it, the GPU kept busy) and where it goes (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+    for D in (128, 64):
+        q, k, v, slopes, sinks = inputs(4, 16, 4096, D, grad=True)
+        dout = torch.randn_like(q)
+        for name in ("dense", "sinks", "window128", "sinks+window128"):
+            kw = kwargs_of(name, slopes, sinks)
+
+            def fwd(kw=kw):
+                with torch.no_grad():
+                    return flashtriton.flash_attn_func(q, k, v, causal=True, **kw)
+
+            def fwd_bwd(kw=kw):
+                o = flashtriton.flash_attn_func(q, k, v, causal=True, **kw)
+                torch.autograd.grad(o, (q, k, v), dout)
+            for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                n = 20
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                host = (time.perf_counter() - t0) / n
+                torch.cuda.synchronize()
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(n):
+                    fn()
+                prof.disable()
+                torch.cuda.synchronize()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+                top = [line for line in buf.getvalue().splitlines() if line.strip()[:1].isdigit()][:14]
+                rows.append(dict(section="host", D=D, variant=name, mode=mode, host_us=host * 1e6, top=top))
+                print(f"host D={D} {name:16} {mode:7} {host * 1e6:8.1f} us/call (issue, GPU busy)")
+                for line in top[:8]:
+                    print("    " + line[:150])
+
+
+SECTIONS = {"host": section_host, "profile": section_profile, "fwd_cfg": section_fwd_cfg, "bwd_min": section_bwd_min,
             "decode": section_decode}
 
 

@@ -39,6 +39,7 @@ KEY_OK = {
     "seqlen_k": lambda k: _range_ok(k, 0) and not isinstance(k, int),
     "longest": lambda k: _range_ok(k, 0) and not isinstance(k, int),
     "busy": lambda k: k is T.ANY or isinstance(k, bool),
+    "band": lambda k: _range_ok(k, 1) and not isinstance(k, int),
 }
 
 
@@ -66,7 +67,7 @@ def _cited_paths() -> set[str]:
     paths = {r.source for t in configs.TABLES.values() for r in t.rules if not r.source.startswith("why: ")}
     for path in CONFIGS_DIR.glob("*.py"):
         paths.update(re.findall(r"\b((?:benchmarks|docs)/[\w./-]+\w)", path.read_text()))
-    paths.discard(T.H200.rstrip("/"))
+    paths -= {run.rstrip("/") for run in T.RUNS}
     return paths
 
 
@@ -89,7 +90,7 @@ def test_every_rule_names_its_source():
         for rule in table.rules:
             source = rule.source
             assert isinstance(source, str) and (source.startswith("why: ") and len(source) > 12
-                                                or source.startswith(T.H200)), (name, rule)
+                                                or source.startswith(T.RUNS)), (name, rule)
 
 
 @pytest.mark.parametrize("name", sorted(configs.TABLES))

@@ -6,6 +6,7 @@ forward tests of test_forward.py cover it there as well; these call it directly 
 tried, on shapes that reach each of its paths, and on packed (varlen) batches, which the dispatch gives it where
 `configs.gluon_varlen_config` says so (D = 128)."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -286,14 +287,15 @@ def test_every_dispatched_dense_config_launches(head_dim, causal):
     Gluon kernel at D = 64 and 128 for every length (benchmarks/2026-11-29-h200/explore17/ab_steady.txt), so a config
     it returns for some length that the kernel refuses would fail users' calls, not fall back."""
     lengths = [1, 17, 128, 512, 1000, 1024, 2048, 3000, 4096, 8192, 16384, 65536]
-    for seqlen_q in lengths:
-        for seqlen_k in lengths:
-            config = configs.gluon_fwd_config(head_dim, seqlen_q, seqlen_k, causal)
-            assert config is not None, (head_dim, seqlen_q, seqlen_k, causal)
-            grid, _, meta = G.launch_parts((2, seqlen_q, 8, head_dim), (2, seqlen_k, 2, head_dim), causal, True, config,
-                                           sms=132)
-            assert 1 <= grid[0] <= 132 and meta["HEAD_DIM"] == head_dim
-            assert G.shared_memory_bytes(config, head_dim) <= gluon_common.SHARED_MEMORY_LIMIT
+    windows = [(-1, -1), (127, 0), (1023, 0), (4095, 0), (64, 64), (3000, 3000)]
+    for seqlen_q, seqlen_k, window in itertools.product(lengths, lengths, windows):
+        variant = Variant.of(causal, True, window)
+        config = configs.gluon_fwd_config(head_dim, seqlen_q, seqlen_k, causal, variant.band(seqlen_k))
+        assert config is not None, (head_dim, seqlen_q, seqlen_k, causal, window)
+        grid, _, meta = G.launch_parts((2, seqlen_q, 8, head_dim), (2, seqlen_k, 2, head_dim), causal, True, config,
+                                       sms=132, variant=variant)
+        assert 1 <= grid[0] <= 132 and meta["HEAD_DIM"] == head_dim
+        assert G.shared_memory_bytes(config, head_dim) <= gluon_common.SHARED_MEMORY_LIMIT
 
 
 def test_launch_keys_tell_gluon_descriptor_layouts_apart():

@@ -34,8 +34,10 @@ CAUSAL = "causal"
 FULL = "full"
 VARIANTS = (CAUSAL, FULL)
 
-# The H200 run (benchmarks/README.md) whose files the rules cite.
+# The H200 runs (benchmarks/README.md) whose files the rules cite.
 H200 = "benchmarks/2026-11-29-h200/"
+H200_DEC = "benchmarks/2026-12-01-h200/"
+RUNS = (H200, H200_DEC)
 
 
 def gpu_class(device: torch.device) -> str:

@@ -365,7 +365,8 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
         return None
     use_gluon = use_gluon and dispatch.supports("gluon_fwd", dtype, head_dim, major, False, False, variant.fields(),
                                                 separate_v)
-    gluon_config = configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal) if use_gluon else None
+    gluon_config = (configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal, variant.band(k_shape[1]))
+                    if use_gluon else None)
     if gluon_config is not None:
         grid, ints, meta = forward_gluon_launch.launch_parts(q_shape, k_shape, causal, causal_bottom_right,
                                                              gluon_config, sm_count(device.index), variant=variant)

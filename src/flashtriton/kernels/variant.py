@@ -130,6 +130,13 @@ class Variant:
     def left(self) -> int:
         return self.window[0]
 
+    def band(self, seqlen_k: int) -> int:
+        """The most keys a query row sees under the window, at most `seqlen_k`; 0 without a window or with an
+        unbounded side (the keys then bound it)."""
+        if "window_size" not in self.fields() or self.left < 0 or self.right < 0:
+            return 0
+        return min(seqlen_k, self.left + self.right + 1)
+
     @property
     def masks(self) -> bool:
         """Whether some (query, key) pair of a long enough call is hidden."""
