@@ -6,7 +6,9 @@ The call is made twice to compile and warm up, then once inside the NVTX range "
 exactly one kernel: flashtriton's or cuDNN's through torch SDPA. Cases: NAME = PROVIDER-D-causal-T, e.g.
 gluon_q1-128-0-4096, tma-64-1-512, cudnn-64-1-512. `tma` is the public forward with the Gluon kernels off (as
 FLASHTRITON_KERNEL=tma runs it: the TMA kernel at the dispatch's tile); `gluon_*` the Gluon forward's public
-launcher with the config VARIANTS names. Inputs are the standard sweep's (B·T = 16384, H·D = 2048), fp16.
+launcher with the config VARIANTS names; `api_<variant>` the public flash_attn_func with a variant (dense, alibi,
+softcap, sinks, window1024), e.g. api_alibi-128-1-4096. Inputs are the standard sweep's (B·T = 16384,
+H·D = 2048), fp16.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ def case_fn(name: str):
 
         def fn():
             F.attention_forward(q, k, v, scale, causal)
+    elif provider.startswith("api_"):  # the public call with a variant: api_dense, api_alibi, api_softcap, ...
+        import flashtriton
+        kw = {"dense": {}, "alibi": {"alibi_slopes": (2.0 ** (-8.0 * torch.arange(1, H + 1) / H)).float().cuda()},
+              "softcap": {"softcap": 50.0}, "sinks": {"learnable_sink": torch.randn(H, device="cuda")},
+              "window1024": {"window_size": (1023, 0)}}[provider[4:]]
+
+        def fn():
+            return flashtriton.flash_attn_func(q, k, v, causal=causal, **kw)
     else:
         config = VARIANTS[provider]
 
