@@ -38,9 +38,16 @@ Offsets into the cache are int64. Key positions are int32: the host keeps CAPACI
 `decode_launch.MAX_CAPACITY`, and a length read from CACHE_SEQLENS is tested as `cached > CAPACITY - SEQLEN_NEW`
 (never by forming cached + SEQLEN_NEW, which wraps for lengths near 2**31) before any position is derived from it.
 
+Rotary embedding (ROTARY_DIM > 0, `rotary`): `_append_kv` rotates each new key at its cache row before writing it,
+and every program rotates its query tile as it loads it (at cached + query index, or at cached for all queries),
+so the kernels read rotated keys from the cache and attend with rotated queries. Left padding (HAS_LEFTPAD,
+contiguous caches): sequence b's keys are its cache rows LEFTPAD[b] .. cached + SEQLEN_NEW - 1; the kernels see
+them as keys 0 .. Sk_b - 1 (the base pointers start at the pad), so masks, windows and ALiBi align on them.
+
 Bad values (`_unit_inputs`, `_append_kv`): a sequence whose length is out of range, whose cache row is not a row of
 the cache, or one of whose used pages (block-table entries for its keys 0 .. cached + SEQLEN_NEW - 1, the new ones
-included) is not a page of the cache appends nothing at all and gets NaN in every output row and lse. Pages of keys
+included) is not a page of the cache, whose left pad is outside 0 .. cached, or whose positions run past the rotary
+tables, appends nothing at all and gets NaN in every output row and lse. Pages of keys
 a unit does not read (outside its band: a window, or causal rows of an early M tile) are checked by a scan of the
 block-table row (`_check_unread_pages`), so that every unit of such a sequence is poisoned too.
 """
@@ -51,6 +58,7 @@ import triton
 import triton.language as tl
 
 from .common import load_tile, softmax_finish, softmax_step
+from .rotary import rotary_columns, rotate
 from .variant import add_sink, diagonal, key_blocks
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -110,16 +118,21 @@ def _decode_tile(
 
 @triton.jit
 def _unit_inputs(
-    Q, K, V, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, off_b, off_hk, pid_m,
-    stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
-    SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
+    Q, K, V, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, COS, SIN, LEFTPAD, off_b, off_hk, pid_m,
+    stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_btb, SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS, ROTARY_MAX_CACHED,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    ROTARY_PER_QUERY: tl.constexpr, HAS_LEFTPAD: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """What attending one unit (sequence off_b, kv head off_hk, M tile pid_m) needs: the stacked query tile q
     (BLOCK_M, BLOCK_D), each row's query index and head, which rows exist, the cache's base pointers (or the
     block-table row), the sequence's key count and n_bad (1 when its cache length or cache row is out of range:
-    then the key count is 0, nothing is read, and the caller poisons the result)."""
+    then the key count is 0, nothing is read, and the caller poisons the result).
+    ROTARY_DIM > 0: q is rotated (`rotary`) at table rows cached + query index (ROTARY_PER_QUERY) or cached, and
+    rounded to its dtype; a sequence with cached > ROTARY_MAX_CACHED (the table is too short for it) is bad.
+    HAS_LEFTPAD (contiguous cache): the sequence's keys are cache rows [LEFTPAD[b], cached + SEQLEN_NEW), so the
+    base pointers start at its first key and the key count leaves the pad out; a pad outside [0, cached] is bad."""
     # Values are checked here, not on the host (no device-to-host sync): a sequence whose cache length or
     # cache row is out of range reads nothing and gets NaN (see flash_attn_with_kvcache).
     cached = tl.load(CACHE_SEQLENS + off_b)
@@ -140,6 +153,18 @@ def _unit_inputs(
     if BLOCK_D != HEAD_DIM:
         q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    if ROTARY_DIM > 0:
+        ro_bad = cached > ROTARY_MAX_CACHED  # the table is too short for this sequence
+        n_bad += ro_bad.to(tl.int32)
+        pos = tl.where(len_bad | ro_bad, 0, cached)
+        if ROTARY_PER_QUERY:
+            pos = pos + q_idx
+        else:
+            pos = pos + tl.zeros_like(q_idx)
+        partner, col, first, rotated = rotary_columns(offs_d, ROTARY_DIM, ROTARY_INTERLEAVED)
+        q_partner = tl.load(Q + off_b.to(tl.int64) * stride_qb + q_idx.to(tl.int64)[:, None] * stride_qm
+                            + off_h[:, None] * stride_qh + partner[None, :] * stride_qd, mask=q_mask, other=0.0)
+        q = rotate(q, q_partner, COS, SIN, pos, row_ok, col, first, rotated, ROTARY_DIM).to(q.dtype)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -158,6 +183,14 @@ def _unit_inputs(
         K_base = K + cache_b * stride_kb + off_hk * stride_kh
         V_base = V + cache_b * stride_vb + off_hk * stride_vh
         BT_row = BLOCK_TABLE  # unused
+        if HAS_LEFTPAD:
+            pad = tl.load(LEFTPAD + off_b)
+            pad_bad = (pad < 0) | (pad > cached)
+            n_bad += pad_bad.to(tl.int32)
+            pad = tl.where(len_bad | pad_bad, 0, pad)
+            seqlen_k -= pad
+            K_base += pad.to(tl.int64) * stride_kn
+            V_base += pad.to(tl.int64) * stride_vn
 
     seqlen_k = tl.where(n_bad > 0, 0, seqlen_k)
     return q, q_idx, off_h, row_ok, K_base, V_base, BT_row, seqlen_k, n_bad
@@ -332,6 +365,9 @@ def _decode_split(
     CAPACITY,  # keys the cache holds per sequence
     NUM_CACHE_ROWS,  # rows of the contiguous cache (batch_size_cache) or pages of the paged one
     TUNE_SEQLEN_K,  # power-of-two bucket of keys per split: autotune key only
+    COS, SIN,  # ROTARY_DIM > 0: (seqlen_ro, ROTARY_DIM / 2) in q's dtype, contiguous (None without)
+    LEFTPAD,  # HAS_LEFTPAD: int32 (B,), the first cache row of each sequence (None without)
+    ROTARY_MAX_CACHED,  # ROTARY_DIM > 0: the longest cache length the tables serve (None without)
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # Q and K's head dim, padded to BLOCK_D
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V and O's, padded to BLOCK_DV
@@ -342,6 +378,9 @@ def _decode_split(
     SPLIT_KV: tl.constexpr,  # NUM_SPLITS > 1
     STORE_LSE: tl.constexpr,
     SPLITS_P2: tl.constexpr,  # next power of two >= NUM_SPLITS (the merge's lse tile)
+    ROTARY_DIM: tl.constexpr,  # 0: no rotary; else q rotates in its first ROTARY_DIM dims (`_unit_inputs`)
+    ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_QUERY: tl.constexpr,  # pairs (2c, 2c + 1); q at cached + i
+    HAS_LEFTPAD: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QUERY_ROWS: tl.constexpr,  # query rows an M tile's stacked rows span at most (`_unit_keys`)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -355,10 +394,11 @@ def _decode_split(
     off_b = pid_bh // NUM_HEADS_KV
     off_hk = pid_bh % NUM_HEADS_KV
     q, q_idx, off_h, row_ok, K_base, V_base, BT_row, seqlen_k, n_bad = _unit_inputs(
-        Q, K, V, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, off_b, off_hk, pid_m,
-        stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
-        SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
-        GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, UPCAST_DOT, BLOCK_M)
+        Q, K, V, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, COS, SIN, LEFTPAD, off_b, off_hk, pid_m,
+        stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_btb, SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS, ROTARY_MAX_CACHED,
+        GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED, ROTARY_PER_QUERY,
+        HAS_LEFTPAD, UPCAST_DOT, BLOCK_M)
     first, start, lo, hi, base, first_row, left, right = _unit_keys(
         seqlen_k, pid_m, window_left, window_right, SEQLEN_Q, GROUP_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
         QUERY_ROWS, BLOCK_M, BLOCK_N)
@@ -412,13 +452,17 @@ def _decode_stream(
     stride_btb,
     NUM_HEADS_KV, SEQLEN_Q, BATCH, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
     BAND_TILES,  # an upper bound of the key tiles of any unit's band (`_unit_keys`): the window's, or more
+    COS, SIN, LEFTPAD, ROTARY_MAX_CACHED,  # as in _decode_split
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # as in _decode_split
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     UNREAD_PAGES: tl.constexpr,  # as in _decode_split
-    STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_QUERY: tl.constexpr,  # as in _decode_split
+    HAS_LEFTPAD: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr,  # next power of two >= BATCH
     QUERY_ROWS: tl.constexpr,  # as in _decode_split
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -441,6 +485,9 @@ def _decode_stream(
     cached = tl.load(CACHE_SEQLENS + offs_b, mask=in_batch, other=0)
     len_ok = (cached >= 0) & (cached <= CAPACITY - SEQLEN_NEW)  # no sum that could wrap (module docstring)
     keys = tl.where(len_ok, tl.where(len_ok, cached, 0) + SEQLEN_NEW, 0)  # bad lengths: one tile, read nothing
+    if HAS_LEFTPAD:  # the keys after each sequence's pad (a bad pad: one tile, read nothing)
+        pads = tl.load(LEFTPAD + offs_b, mask=in_batch, other=0)
+        keys = tl.where((pads >= 0) & (pads <= cached), keys - pads, 0)
     unit_tiles = tl.where(in_batch, tl.maximum(tl.minimum(tl.cdiv(keys, BLOCK_N), BAND_TILES), 1), 0)  # (BLOCK_B,)
     seq_tiles = unit_tiles.to(tl.int64) * units_per_seq
     seq_end = tl.cumsum(seq_tiles, 0)  # (BLOCK_B,) global tile after each sequence's units
@@ -461,10 +508,11 @@ def _decode_stream(
         off_hk = unit // m_tiles
         pid_m = unit % m_tiles
         q, q_idx, off_h, row_ok, K_base, V_base, BT_row, seqlen_k, n_bad = _unit_inputs(
-            Q, K, V, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, off_b, off_hk, pid_m,
-            stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_btb,
-            SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
-            GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, UPCAST_DOT, BLOCK_M)
+            Q, K, V, CACHE_SEQLENS, BATCH_IDX, BLOCK_TABLE, COS, SIN, LEFTPAD, off_b, off_hk, pid_m,
+            stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+            stride_vh, stride_btb, SEQLEN_Q, SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS, ROTARY_MAX_CACHED,
+            GROUP_SIZE, HEAD_DIM, BLOCK_D, PAGED, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED, ROTARY_PER_QUERY,
+            HAS_LEFTPAD, UPCAST_DOT, BLOCK_M)
         k_first, k_start, k_lo, k_hi, base, first_row, left, right = _unit_keys(
             seqlen_k, pid_m, window_left, window_right, SEQLEN_Q, GROUP_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_ALIBI,
             QUERY_ROWS, BLOCK_M, BLOCK_N)
@@ -609,12 +657,16 @@ def _append_kv(
     stride_vb, stride_vn, stride_vh,
     stride_btb,
     SEQLEN_NEW, CAPACITY, NUM_CACHE_ROWS,
+    COS, SIN, LEFTPAD, ROTARY_MAX_CACHED,  # as in _decode_split (None without rotary / left padding)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, BLOCK_T: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, HAS_LEFTPAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Write k, v rows [t, t + BLOCK_T) of (batch b, kv head h) at cache positions CACHE_SEQLENS[b] + t ...
-    Grid (B, Hkv, token tiles). A sequence whose values are out of range (its cache length, its cache row, or any
-    page it uses after the append) writes nothing at all: the decode kernel gives it NaN."""
+    Grid (B, Hkv, token tiles). ROTARY_DIM > 0: k row t is rotated (`rotary`) at table row CACHE_SEQLENS[b] + t
+    first. A sequence whose values are out of range (its cache length, its cache row, any page it uses after the
+    append, its left pad, a cache length the rotary tables do not serve) writes nothing at all: the decode kernel
+    gives it NaN."""
     off_b = tl.program_id(0)
     off_h = tl.program_id(1)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,) new-token index
@@ -639,6 +691,11 @@ def _append_kv(
             n_new = tl.where((row >= 0) & (row < NUM_CACHE_ROWS), n_new, 0)
         else:
             row = off_b
+    if HAS_LEFTPAD:
+        pad = tl.load(LEFTPAD + off_b)
+        n_new = tl.where((pad >= 0) & (pad <= cached), n_new, 0)
+    if ROTARY_DIM > 0:
+        n_new = tl.where(cached > ROTARY_MAX_CACHED, 0, n_new)
     rows_ok = t < n_new
     pos = cached + t  # (BLOCK_T,) position in the sequence
     if PAGED:
@@ -653,6 +710,11 @@ def _append_kv(
     t64 = t.to(tl.int64)
     k = tl.load(K_NEW + off_b.to(tl.int64) * stride_knb + t64[:, None] * stride_knm + off_h * stride_knh
                 + offs_d[None, :], mask=mask)
+    if ROTARY_DIM > 0:
+        partner, col, first, rotated = rotary_columns(offs_d, ROTARY_DIM, ROTARY_INTERLEAVED)
+        k_partner = tl.load(K_NEW + off_b.to(tl.int64) * stride_knb + t64[:, None] * stride_knm + off_h * stride_knh
+                            + partner[None, :], mask=mask)
+        k = rotate(k, k_partner, COS, SIN, pos, rows_ok, col, first, rotated, ROTARY_DIM).to(k.dtype)
     v = tl.load(V_NEW + off_b.to(tl.int64) * stride_vnb + t64[:, None] * stride_vnm + off_h * stride_vnh
                 + offs_dv[None, :], mask=v_mask)
     tl.store(K_CACHE + k_dst[:, None] + off_h * stride_kh + offs_d[None, :], k, mask=mask)

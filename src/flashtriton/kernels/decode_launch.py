@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from typing import NamedTuple
 
 import torch
 import triton
@@ -24,9 +25,36 @@ from .launch import hooks_installed, launch, launch_and_keep
 from .variant import Variant
 
 
-def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
+class Rotary(NamedTuple):
+    """A decode call's rotary embedding (`flash_attn_with_kvcache`'s rotary_cos / rotary_sin), checked."""
+    cos: torch.Tensor  # (seqlen_ro, rotary_dim / 2) in q's dtype, contiguous
+    sin: torch.Tensor  # the same
+    interleaved: bool  # pairs (2c, 2c + 1) (GPT-J), else (c, c + rotary_dim / 2) (GPT-NeoX)
+    per_query: bool  # query i at table row cache_seqlens + i (causal or local attention), else all at cache_seqlens
+    max_cached: int  # the longest cache length (cache_seqlens) whose positions the tables hold
+
+    @property
+    def dim(self) -> int:
+        return 2 * self.cos.shape[1]
+
+
+_NO_EXTRA = (None, None, None, None)  # the kernels' (COS, SIN, LEFTPAD, ROTARY_MAX_CACHED) without either feature
+
+
+def _extra_args(rotary: Rotary | None, cache_leftpad) -> tuple:
+    """The kernels' (COS, SIN, LEFTPAD, ROTARY_MAX_CACHED): None where a feature is off (then a constexpr)."""
+    if rotary is None and cache_leftpad is None:
+        return _NO_EXTRA
+    if rotary is None:
+        return None, None, cache_leftpad, None
+    return rotary.cos, rotary.sin, cache_leftpad, rotary.max_cached
+
+
+def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None,
+              rotary: Rotary | None = None, cache_leftpad=None) -> None:
     """Write k (B, S_new, Hkv, D) and v (B, S_new, Hkv, Dv) into the caches at cache_seqlens[b].. (through
-    block_table when paged), in place, one launch. Values out of range write nothing (see `_append_kv`)."""
+    block_table when paged), in place, one launch; with `rotary` each new key is rotated at its cache row first.
+    Values out of range (cache_leftpad's too) write nothing (see `_append_kv`)."""
     batch, seqlen_new, heads_kv, head_dim = k.shape
     head_dim_v = v.shape[-1]
     paged = block_table is not None
@@ -40,10 +68,12 @@ def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
-        seqlen_new, capacity, k_cache.shape[0],
+        seqlen_new, capacity, k_cache.shape[0], *_extra_args(rotary, cache_leftpad),
     ), dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, PAGED=paged,
-            PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_T=block_t,
-            num_warps=4))
+            PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_BATCH_IDX=cache_batch_idx is not None,
+            ROTARY_DIM=rotary.dim if rotary is not None else 0,
+            ROTARY_INTERLEAVED=rotary is not None and rotary.interleaved, HAS_LEFTPAD=cache_leftpad is not None,
+            BLOCK_T=block_t, num_warps=4))
 
 
 _decode_split_tuned = triton.autotune(
@@ -199,6 +229,8 @@ def decode_attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
+    rotary: Rotary | None = None,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the decode kernels on validated inputs (`flashtriton.kvcache` checks them and appends new keys).
 
@@ -214,6 +246,8 @@ def decode_attention(
     window_size, softcap, alibi_slopes (fp32 (Hq,) or (B, Hq), last dim contiguous), learnable_sink ((Hq,),
     contiguous): flash-attn's variants (`variant.Variant`), bottom-right aligned per sequence; the kernels read
     only the keys of the window (and its pages).
+    rotary: q is rotated as the kernels load it (`Rotary`; the new keys were rotated by `append_kv`).
+    cache_leftpad: int32 (B,), contiguous cache only: sequence b's keys start at cache row cache_leftpad[b].
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     device = q.device
@@ -233,7 +267,9 @@ def decode_attention(
         None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device),
         device, dispatch.decode_schedule(),
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, v_cache.shape[-1],
+        None if rotary is None else (rotary.dim, rotary.interleaved, rotary.per_query), cache_leftpad is not None,
     )
+    extra = _extra_args(rotary, cache_leftpad)
     dummy = cache_seqlens  # stands in for absent pointers
     if plan.part_rows:
         part = _stream_buffer("workspace", plan.part_rows * plan.part_width, torch.float32, device)
@@ -246,19 +282,23 @@ def decode_attention(
                learnable_sink if learnable_sink is not None else dummy)
     scale = variant.scalars(softmax_scale)[0]
     if plan.autotune:
-        _decode_split_tuned[plan.grid](*tensors, scale, *plan.ints, **plan.meta)
+        _decode_split_tuned[plan.grid](*tensors, scale, *plan.ints, *extra, **plan.meta)
         return out, lse
     # The plan fixes every argument's type; the compiled kernel also depends on pointer alignment: when all
     # pointers are 16-byte aligned (as compiled), relaunch it with raw pointers and no lookup at all.
     pointers = [t.data_ptr() for t in tensors]
     aligned = not functools.reduce(operator.or_, pointers) & 15
+    extra_raw = extra
+    if extra is not _NO_EXTRA:  # rotary tables, left pads: raw pointers too (None stays a constexpr)
+        extra_raw = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in extra)
+        aligned = aligned and not functools.reduce(operator.or_, (a for a in extra_raw[:3] if a is not None)) & 15
     kernel = _decode_stream if plan.stream else _decode_split
     if aligned and plan.relaunch is not None and not hooks_installed():
-        plan.relaunch(plan.grid, (*pointers, scale, *plan.ints))
+        plan.relaunch(plan.grid, (*pointers, scale, *plan.ints, *extra_raw))
     elif aligned:
-        plan.relaunch = launch_and_keep(kernel, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
+        plan.relaunch = launch_and_keep(kernel, plan.grid, (*tensors, scale, *plan.ints, *extra), plan.meta)
     else:
-        launch(kernel, plan.grid, (*tensors, scale, *plan.ints), plan.meta)
+        launch(kernel, plan.grid, (*tensors, scale, *plan.ints, *extra), plan.meta)
     return out, lse
 
 
@@ -289,14 +329,16 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)  # decoding repeats a few shapes: their launch plans are computed once
 def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, max_pages, stride_btb,
                  has_batch_idx, variant, max_seqlen_k, num_splits, seqlen_new, return_lse, config, autotune,
-                 num_sms, device, schedule="auto", stride_alibi_b=0, head_dim_v=0) -> _Plan:
+                 num_sms, device, schedule="auto", stride_alibi_b=0, head_dim_v=0, rotary=None,
+                 has_leftpad=False) -> _Plan:
     """Everything of a decode launch that depends only on shapes, strides and options. `variant`: the call's
     `variant.Variant` (causal or not, the window, softcap, whether ALiBi slopes and sinks are given). `schedule`
     (`dispatch.decode_schedule()`: FLASHTRITON_KERNEL=<kernel>,split|stream): with num_splits = 0 and a known
     config, "auto" takes the stream schedule where
     `stream_programs` says it pays, "stream" wherever it can, "split" never. The split count, the stream's program
     count and the config follow the keys a unit reads (a window's band, not the whole cache). `cache_shape` is
-    k_cache's; head_dim_v: v_cache's head dim (0: k's)."""
+    k_cache's; head_dim_v: v_cache's head dim (0: k's). rotary: (rotary_dim, interleaved, per_query) or None;
+    has_leftpad: whether cache_leftpad is given."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_kv = cache_shape[2]
     group = heads_q // heads_kv
@@ -326,6 +368,8 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
         IS_CAUSAL=variant.causal,
         **variant.score_constexprs, HAS_SINKS=variant.has_sinks, PAGED=paged,
         PAGE_SIZE=cache_shape[1] if paged else 1, HAS_BATCH_IDX=has_batch_idx, STORE_LSE=return_lse,
+        ROTARY_DIM=rotary[0] if rotary else 0, ROTARY_INTERLEAVED=bool(rotary and rotary[1]),
+        ROTARY_PER_QUERY=bool(rotary and rotary[2]), HAS_LEFTPAD=has_leftpad,
         UNREAD_PAGES=paged and (windowed or (variant.causal and m_tiles > 1)),  # bands short of the sequence
         UPCAST_DOT=dot_settings(dtype)[0], DOT_PRECISION=dot_settings(dtype)[1], QUERY_ROWS=q_rows, BLOCK_M=block_m,
     )
@@ -359,17 +403,18 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
 
 
 _POINTER_ARGS = {"LSE": "*fp32", "PART": "*fp32", "TICKETS": "*i32", "CACHE_SEQLENS": "*i32", "BATCH_IDX": "*i32",
-                 "BLOCK_TABLE": "*i32", "ALIBI": "*fp32"}
+                 "BLOCK_TABLE": "*i32", "ALIBI": "*fp32", "LEFTPAD": "*i32"}
 
 
 def compile_for_sm90(variant: Variant, paged: bool = False, stream: bool = False, num_splits: int = 2,
                      seqlen_q: int = 1, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,
-                     dtype: torch.dtype = torch.float16, config: dict | None = None, head_dim_v: int = 0):
+                     dtype: torch.dtype = torch.float16, config: dict | None = None, head_dim_v: int = 0,
+                     rotary: tuple | None = None, leftpad: bool = False):
     """Compile a decode kernel for sm_90 without a GPU (Triton's frontend and Hopper passes, then its bundled
     ptxas), with the constexprs and options a launch of this shape takes on the GPU (`_decode_plan`; a 4k-key
     cache, paged in pages of 256): compiled.asm["ptx"]. For tests (the interpreter runs what Triton's compiler may
     refuse) and for reading registers and spills (`ptxas -v`) before spending device time. Not under the
-    interpreter."""
+    interpreter. rotary: (rotary_dim, interleaved, per_query) of a rotary build; leftpad: a left-padded one."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -385,12 +430,16 @@ def compile_for_sm90(variant: Variant, paged: bool = False, stream: bool = False
         q_shape, (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1), cache_shape, cache_strides,
         v_strides, dtype, max_pages, max_pages, False, variant, capacity, 0 if stream else num_splits, 0, True,
         None if config is None else tuple(config.items()), False, 132, torch.device("cuda"),
-        "stream" if stream else "split", 0, head_dim_v)
+        "stream" if stream else "split", 0, head_dim_v, rotary, leftpad)
     meta = dict(plan.meta)
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     element = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
     fn = _decode_stream if stream else _decode_split
-    signature = {name: "constexpr" if name in meta else element if name in ("Q", "K", "V", "O", "SINKS")
+    if rotary is None:  # absent features' arguments are None, constexprs (as `decode_attention` passes them)
+        meta.update(COS=None, SIN=None, ROTARY_MAX_CACHED=None)
+    if not leftpad:
+        meta["LEFTPAD"] = None
+    signature = {name: "constexpr" if name in meta else element if name in ("Q", "K", "V", "O", "SINKS", "COS", "SIN")
                  else _POINTER_ARGS.get(name, "fp32" if name in ("qk_scale", "softcap") else "i32")
                  for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
