@@ -8,6 +8,7 @@ median of rounds in rotating order after ~100 ms of warmup):
   bwd_min   the small-band backward (window 128, with and without sinks) on the Triton kernels (the default
             below configs.GLUON_BWD_MIN_FLOPS) and forced onto the Gluon ones
   decode    decode with a 4k window over a 32k cache (batch 8): every split count x decode config
+  host      host time per call (the GPU kept busy) and its cProfile, per variant
 
     python benchmarks/variants_explore.py --out DIR [--sections profile,fwd_cfg,bwd_min,decode]
 writes DIR/variants_explore.json and prints a table per section.
@@ -25,7 +26,6 @@ import triton
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.kernels import backward as B
 from flashtriton.kernels import decode_launch as Dk
 from flashtriton.kernels import forward as F
 from flashtriton.kernels.variant import Variant
@@ -183,15 +183,15 @@ def section_bwd_min(rows):
             kw = kwargs_of(name, slopes, sinks)
             res = {}
             for forced in (False, True):
-                old = configs.GLUON_BWD_MIN_FLOPS
-                B.configs.GLUON_BWD_MIN_FLOPS = 0 if forced else old
+                old = configs.backward.GLUON_BWD_MIN_FLOPS  # (what gluon_bwd_config reads)
+                configs.backward.GLUON_BWD_MIN_FLOPS = 0 if forced else old
 
                 def fwd_bwd(kw=kw):
                     o = flashtriton.flash_attn_func(q, k, v, causal=True, **kw)
                     o.backward(dout)
                 fwd_bwd()
                 res[forced] = (timed({"x": fwd_bwd}, rounds=3)["x"], kernel_times(fwd_bwd))
-                B.configs.GLUON_BWD_MIN_FLOPS = old
+                configs.backward.GLUON_BWD_MIN_FLOPS = old
                 q.grad = k.grad = v.grad = sinks.grad = None
             for forced, (ms, kt) in res.items():
                 rows.append(dict(section="bwd_min", D=D, variant=name, gluon_forced=forced, ms=ms, kernels=kt))
