@@ -35,6 +35,29 @@ def test_arg_key_separates_what_triton_specializes_on():
         assert L._arg_key(d1) == L._arg_key(L.TensorDescriptor(x.clone(), list(x.shape), list(x.stride()), [1, 16, 1, 64]))
 
 
+def test_launch_tail_takes_defaults_that_a_call_leaves_out():
+    """A call shape whose launch leaves a defaulted constexpr out (the dropout flags without dropout) is remembered
+    with the default, as Triton binds it, instead of taking Triton's argument binding on every call; a parameter
+    with no value and no default keeps Triton's path (which names it)."""
+    import inspect
+
+    from flashtriton.kernels.backward import _attn_bwd_dkdv
+
+    params = list(inspect.signature(_attn_bwd_dkdv.fn).parameters.values())
+    n_args = 20
+    empty = inspect.Parameter.empty
+    meta = {p.name: i for i, p in enumerate(params[n_args:]) if p.default is empty}
+    assert any(p.name == "HAS_DROPOUT" and p.default is False for p in params[n_args:])
+    tail = L.launch_tail(_attn_bwd_dkdv, n_args, meta)
+    assert len(tail) == len(params) - n_args
+    for p, value in zip(params[n_args:], tail):
+        assert value == (p.default if p.default is not empty else meta[p.name]), p.name
+    dropout_at = [p.name for p in params[n_args:]].index("HAS_DROPOUT")
+    assert L.launch_tail(_attn_bwd_dkdv, n_args, dict(meta, HAS_DROPOUT=True))[dropout_at] is True
+    first_required = next(p.name for p in params[n_args:] if p.default is empty)
+    assert L.launch_tail(_attn_bwd_dkdv, n_args, {k: v for k, v in meta.items() if k != first_required}) is None
+
+
 @pytest.mark.gpu
 def test_cached_launch_matches_reference_when_arguments_change():
     torch.manual_seed(0)

@@ -20,6 +20,7 @@ is never taken.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 
 import torch
@@ -100,6 +101,21 @@ def _hooks_installed() -> bool:
     return False
 
 
+def launch_tail(fn, n_args: int, meta: dict) -> tuple | None:
+    """The values of `fn`'s parameters after its first `n_args` (the positional ones), in parameter order: from
+    `meta`, or the parameter's default where `meta` leaves it out (as Triton binds them: e.g. the dropout flags,
+    passed only with dropout); None if one has neither."""
+    tail = []
+    for param in list(inspect.signature(fn.fn).parameters.values())[n_args:]:  # (a miss's path only)
+        if param.name in meta:
+            tail.append(meta[param.name])
+        elif param.default is not inspect.Parameter.empty:
+            tail.append(param.default)
+        else:
+            return None
+    return tuple(tail)
+
+
 def launch(fn, grid: tuple, args: tuple, meta: dict):
     """`fn[grid](*args, **meta)`, with the argument binding skipped for a key seen before.
 
@@ -121,13 +137,12 @@ def launch(fn, grid: tuple, args: tuple, meta: dict):
         kernel = fn[grid](*args, **meta)
         if kernel is None or hasattr(kernel, "result"):  # not compiled synchronously: take the slow path again
             return kernel
-        names = fn.arg_names[len(args):]
-        missing = [n for n in names if n not in meta]
-        if missing:  # parameters with defaults left out: keep the slow path for this call shape
+        tail = launch_tail(fn, len(args), meta)
+        if tail is None:  # a parameter neither given nor defaulted: Triton's path says what is wrong
             return kernel
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
-        _CACHE[key] = _Entry(kernel, tuple(meta[n] for n in names))
+        _CACHE[key] = _Entry(kernel, tail)
         return kernel
     kernel = entry.kernel
     stream = driver.active.get_current_stream(device)
