@@ -833,19 +833,6 @@ def test_positional_arguments_bind_like_flash_attn(device):
         assert torch.equal(default, flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens))
 
 
-@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_leftpad"])
-def test_rotary_and_cache_leftpad_are_not_implemented(name, device):
-    kw = _on_device(_inputs(k=torch.randn(2, 1, 2, 32, dtype=_h), v=torch.randn(2, 1, 2, 32, dtype=_h)))
-    extra = torch.zeros(2, dtype=torch.int32) if name == "cache_leftpad" else torch.ones(64, 16)
-    before = kw["k_cache"].clone()
-    with torch.no_grad():
-        flash_attn_with_kvcache(**{**kw, "k_cache": kw["k_cache"].clone()})  # the signature passes once
-        with pytest.raises(NotImplementedError, match=name):
-            flash_attn_with_kvcache(**kw, **{name: extra.to(device)})
-        flash_attn_with_kvcache(**{**kw, "k_cache": kw["k_cache"].clone()}, rotary_interleaved=False)  # no rotary
-    assert torch.equal(kw["k_cache"], before)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # large shapes (GPU only)
 # ---------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """KV-cache decoding: flash-attn's `flash_attn_with_kvcache` (contiguous or paged cache, split-KV; sliding
-windows, softcap, ALiBi and attention sinks).
+windows, softcap, ALiBi and attention sinks; rotary embedding of q and the new keys, left-padded caches).
 
 Inference only: there is no backward. See `flash_attn_with_kvcache` for the arguments and
 `flashtriton.kernels.decode` / `decode_launch` for the kernels and their launcher. Eager calls run the checked arguments straight to the kernels
@@ -15,8 +15,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from . import rotary as R
 from . import validation as V
-from .kernels.decode_launch import MAX_CAPACITY, append_kv, decode_attention
+from .kernels.decode_launch import MAX_CAPACITY, Rotary, append_kv, decode_attention
 from .kernels.launch import on_inputs_device
 
 # Check the values of cache_seqlens, cache_batch_idx and block_table on the host (one device-to-host copy per
@@ -45,9 +46,13 @@ def _cache_too_small(shown: str, cached: int, seqlen_new: int, capacity: int, bl
                       f"{cached + seqlen_new} keys, but the cache holds {capacity} per sequence ({where})")
 
 
-def _check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new: int, capacity: int, cache_rows: int):
+def _check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new: int, capacity: int, cache_rows: int,
+                  cache_leftpad=None, rotary: Rotary | None = None):
     """Host-side range checks of the device tensors' values: one stacked device-to-host copy."""
     stats, labels = [cache_seqlens.min(), cache_seqlens.max()], ["seqlens_min", "seqlens_max"]
+    if cache_leftpad is not None:
+        stats += [cache_leftpad.min(), (cache_leftpad.long() - cache_seqlens.long()).max()]
+        labels += ["pad_min", "pad_excess"]
     if cache_batch_idx is not None:
         stats += [cache_batch_idx.min(), cache_batch_idx.max()]
         labels += ["bidx_min", "bidx_max"]
@@ -63,6 +68,13 @@ def _check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new: int, 
         raise ValueError(f"cache_seqlens must be >= 0, got a minimum of {values['seqlens_min']}")
     if values["seqlens_max"] + seqlen_new > capacity:
         raise _cache_too_small(f"max {values['seqlens_max']}", values["seqlens_max"], seqlen_new, capacity, block_table)
+    if "pad_min" in values and values["pad_min"] < 0:
+        raise ValueError(f"cache_leftpad must be >= 0, got a minimum of {values['pad_min']}")
+    if "pad_excess" in values and values["pad_excess"] > 0:
+        raise ValueError(f"cache_leftpad must be <= cache_seqlens (the pad's rows count in the cache length), got "
+                         f"a pad {values['pad_excess']} rows past its sequence's cache_seqlens")
+    if rotary is not None and values["seqlens_max"] > rotary.max_cached:
+        R.check_length(rotary.cos, rotary.cos.shape[0] - rotary.max_cached, values["seqlens_max"])
     if "bidx_min" in values and not (0 <= values["bidx_min"] and values["bidx_max"] < cache_rows):
         raise ValueError(f"cache_batch_idx must be in 0..{cache_rows - 1} (rows of k_cache), got values in "
                          f"{values['bidx_min']}..{values['bidx_max']}")
@@ -116,6 +128,13 @@ def flash_attn_with_kvcache(
     previous steps and the new step's keys/values. The cache must have room for them (checked): pre-allocate
     it for the longest sequence and track each sequence's length with cache_seqlens.
 
+    Rotary embedding, if rotary_cos and rotary_sin are given (with k and v): each new key is rotated at its cache
+    position, cache_seqlens[b] + j, before it is written into the cache. If causal or local (window_size with a
+    side >= 0 shorter than the cache), query i is rotated at position cache_seqlens[b] + i; otherwise every
+    query at cache_seqlens[b] (all of q counts as one position). The rotation is computed in fp32 inside the
+    kernels (the new keys as they are appended, q as the kernels load it) and rounded to the inputs' dtype, as
+    in flash-attn. Keys already in the cache are not rotated again.
+
     Supports multi-query and grouped-query attention (MQA/GQA) with fewer KV heads than Q heads: nheads must
     be a multiple of nheads_k. With 6 Q heads and 2 KV heads, Q heads 0, 1, 2 attend to KV head 0 and Q heads
     3, 4, 5 to KV head 1. The query heads of one KV head are processed together: its cache is read once.
@@ -152,24 +171,35 @@ def flash_attn_with_kvcache(
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim). If not None, written into k_cache starting
             at the positions given by cache_seqlens (through block_table when paged).
         v [optional]: (batch_size, seqlen_new, nheads_k, headdim_v). Like k; k and v come together.
-        rotary_cos, rotary_sin: not supported yet (rotary embedding of q and k); a tensor raises
-            NotImplementedError.
+        rotary_cos [optional]: (seqlen_ro, rotary_dim / 2), q's dtype: the cos of the rotary embedding's angle
+            at each position; rotary_dim a multiple of 16, at most headdim (only the first rotary_dim dims of q
+            and k rotate). Needs k and v. seqlen_ro must cover every position rotated: cache_seqlens[b] +
+            seqlen_new new keys, and cache_seqlens[b] + seqlen_q queries when causal or local (flash-attn asks
+            for seqlen_cache rows; fewer are enough here). A Python int cache_seqlens is checked against it on
+            the host; a tensor's values are checked like the ones below (NaN for that sequence).
+        rotary_sin [optional]: the sin, of rotary_cos's shape, dtype and device.
         cache_seqlens: int, or (batch_size,) torch.int32 tensor: the number of keys already in the cache for
             each sequence (0 .. capacity). None means the whole cache (seqlen_cache, or max_num_pages ·
             page_size when paged).
         cache_batch_idx [optional]: (batch_size,) torch.int32: the row of k_cache / v_cache each sequence
             uses (contiguous cache only). None means rows 0 .. batch_size - 1 (batch_size_cache may be
             larger). If indices repeat and k, v are given, which sequence's new values land is unspecified.
-        cache_leftpad: not supported yet (the first key of each sequence's cache); a tensor raises
-            NotImplementedError.
+        cache_leftpad [optional]: (batch_size,) torch.int32: the cache row where sequence b's keys start
+            (contiguous cache only: with block_table it raises NotImplementedError, as in flash-attn). Its keys
+            are rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1: cache_seqlens counts the pad's rows,
+            new keys are appended at cache_seqlens[b], and the causal mask, windows and ALiBi align on the
+            sequence's own seqlen_k = cache_seqlens[b] - cache_leftpad[b] + seqlen_new keys. Rotary positions
+            are cache rows (not counted from the pad), as in flash-attn. Needs 0 <= cache_leftpad[b] <=
+            cache_seqlens[b] (checked like the values below).
         block_table [optional]: (batch_size, max_num_pages) torch.int32: block_table[b, p] is the page that
             holds keys p · page_size .. (p + 1) · page_size - 1 of sequence b. Only the pages covering the
             sequence's keys, the new ones included, are used (and checked to be in range); later entries
             may hold anything (e.g. -1).
             Values of these tensors are checked on the GPU, without a device-to-host sync (decoding stays
             asynchronous and CUDA-graph friendly): a sequence whose cache_seqlens is negative or leaves no
-            room for seqlen_new, whose cache_batch_idx is not a row of the cache, or one of whose used
-            block_table entries is not a page of the cache, is never read or written out of bounds: none of
+            room for seqlen_new, whose cache_batch_idx is not a row of the cache, one of whose used
+            block_table entries is not a page of the cache, whose cache_leftpad is out of range, or whose
+            positions run past the rotary tables, is never read or written out of bounds: none of
             its new keys is appended and its output and lse are NaN (other sequences are unaffected). Set the
             environment variable FLASHTRITON_CHECK_VALUES=1 (or flashtriton.kvcache.CHECK_VALUES = True) to
             check them on the host instead, with a ValueError naming the bad value, in eager and compiled calls
@@ -185,8 +215,8 @@ def flash_attn_with_kvcache(
             (0 or None: off).
         alibi_slopes: fp32 (nheads,) or (batch_size, nheads): adds -slope * |i + seqlen_k - seqlen_q - j| to the
             scores (after softcap).
-        rotary_interleaved: bool. The rotary embedding's layout; accepted for flash-attn's signature, it has no
-            effect without rotary_cos / rotary_sin.
+        rotary_interleaved: bool. The rotary embedding's pairs: True rotates dims (0, 1), (2, 3), ... (GPT-J);
+            False rotates dims (i, i + rotary_dim / 2) (GPT-NeoX). No effect without rotary_cos / rotary_sin.
         num_splits: int. If > 1, split each sequence's keys into this many chunks (at most 128). If 1, no
             split. If 0 (default), chosen from the shape and the GPU's SM count (or the stream schedule above).
         return_softmax_lse: bool. Whether to also return the log-sum-exp of the attention scores.
@@ -207,7 +237,7 @@ def flash_attn_with_kvcache(
     # op `flashtriton::kvcache` (it mutates the caches: an opaque node in the graph, no graph break).
     tracing = (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
                or not V.plain_tensors(q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes,
-                                      learnable_sink)
+                                      learnable_sink, rotary_cos, rotary_sin, cache_leftpad)
                or (isinstance(cache_seqlens, torch.Tensor) and type(cache_seqlens) is not torch.Tensor))
     # Every check's outcome depends only on the call's signature (shapes, strides, dtypes, devices, options):
     # a signature that passed once skips them (decoding repeats one call shape at every step).
@@ -215,21 +245,23 @@ def flash_attn_with_kvcache(
     signature = None if tracing else _signature(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_softmax_lse,
-        learnable_sink)
+        learnable_sink, rotary_interleaved)
     checked = _CHECKED.get(signature) if signature is not None else None
     if checked is None:
         checked = _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                               cache_leftpad, block_table, softmax_scale, window_size, softcap, alibi_slopes,
-                              num_splits, tracing, learnable_sink)
+                              num_splits, tracing, learnable_sink, causal)
         if signature is not None:
             if len(_CHECKED) >= _CHECKED_LIMIT:
                 _CHECKED.clear()
             _CHECKED[signature] = checked
-    seqlen_new, capacity, max_cached, (window_left, window_right), softcap = checked
+    seqlen_new, capacity, max_cached, (window_left, window_right), softcap, rotary_per_query = checked
     if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:  # the kernels read the slopes of a row in a row
         alibi_slopes = alibi_slopes.contiguous()
     if learnable_sink is not None and learnable_sink.stride(0) != 1:
         learnable_sink = learnable_sink.contiguous()
+    if rotary_cos is not None:  # the kernels index the tables as contiguous (seqlen_ro, rotary_dim / 2)
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     batch, _, _, head_dim = q.shape
     device = q.device
 
@@ -241,7 +273,8 @@ def flash_attn_with_kvcache(
     if scale < 0:  # the kernels keep a running maximum of the scaled scores: softmax(s·qk) = softmax(|s|·(-q)k)
         q, scale = -q, -scale
     max_seqlen_k = max_cached + seqlen_new if batch else 0
-    variant = (window_left, window_right, softcap, alibi_slopes, learnable_sink)
+    variant = (window_left, window_right, softcap, alibi_slopes, learnable_sink, rotary_cos, rotary_sin, cache_leftpad,
+               bool(rotary_interleaved), rotary_per_query)
     if tracing:
         out, lse = kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale,
                               bool(causal), num_splits, max_seqlen_k, seqlen_new, *variant)
@@ -254,16 +287,27 @@ def flash_attn_with_kvcache(
 @on_inputs_device
 def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                  num_splits, max_seqlen_k, seqlen_new, return_lse, window_left=-1, window_right=-1, softcap=0.0,
-                 alibi_slopes=None, learnable_sink=None):
+                 alibi_slopes=None, learnable_sink=None, rotary_cos=None, rotary_sin=None, cache_leftpad=None,
+                 rotary_interleaved=True, rotary_per_query=False):
     """Append k, v (if any) into the caches in place, then attend: the checked call's work, (out, lse or None).
-    With CHECK_VALUES the values of cache_seqlens, cache_batch_idx and block_table are checked first, on the
-    host (eager calls and the op alike; not while a CUDA graph is captured): a bad one raises, nothing written.
+    With CHECK_VALUES the values of cache_seqlens, cache_batch_idx, block_table and cache_leftpad (and
+    cache_seqlens against the rotary tables' length) are checked first, on the host (eager calls and the op
+    alike; not while a CUDA graph is captured): a bad one raises, nothing written.
     window_left / window_right, softcap, alibi_slopes, learnable_sink: the checked variant (-1, -1, 0.0, None,
-    None: off)."""
+    None: off). rotary_cos / rotary_sin (contiguous), rotary_interleaved, rotary_per_query (`rotary.per_query`):
+    the checked rotary embedding (None: off); cache_leftpad: the checked left pads (None: none)."""
+    rotary = None
+    if rotary_cos is not None:
+        needed = R.positions_needed(q.shape[1], seqlen_new, rotary_per_query)
+        rotary = Rotary(rotary_cos, rotary_sin, bool(rotary_interleaved), bool(rotary_per_query),
+                        rotary_cos.shape[0] - needed)
+    if cache_leftpad is not None and cache_leftpad.stride(0) != 1:
+        cache_leftpad = cache_leftpad.contiguous()
     if CHECK_VALUES and q.shape[0] and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         page_size = k_cache.shape[1]
         capacity = block_table.shape[1] * page_size if block_table is not None else page_size
-        _check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0])
+        _check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0],
+                      cache_leftpad, rotary)
     if cache_seqlens.stride(0) != 1:
         cache_seqlens = cache_seqlens.contiguous()
     q = V.last_dim_contiguous(q)
@@ -273,12 +317,12 @@ def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bloc
         block_table = block_table.contiguous()
     if seqlen_new and q.shape[0]:  # append the new keys/values in place (through the page table when paged)
         append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, cache_seqlens,
-                  cache_batch_idx, block_table)
+                  cache_batch_idx, block_table, rotary, cache_leftpad)
     return decode_attention(
         q, k_cache, v_cache, cache_seqlens, max_seqlen_k, softmax_scale, causal, cache_batch_idx=cache_batch_idx,
         block_table=block_table, num_splits=num_splits, seqlen_new=seqlen_new, return_lse=return_lse,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-        learnable_sink=learnable_sink,
+        learnable_sink=learnable_sink, rotary=rotary, cache_leftpad=cache_leftpad,
     )
 
 
@@ -289,21 +333,26 @@ def kvcache_op(
     block_table: Optional[torch.Tensor], softmax_scale: float, causal: bool, num_splits: int, max_seqlen_k: int,
     seqlen_new: int, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, learnable_sink: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None, rotary_interleaved: bool = True, rotary_per_query: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_attn_with_kvcache` on checked arguments as an operator (what torch.compile and export see):
-    cache_seqlens an int32 tensor, softmax_scale resolved, window_size as its two sides; returns (out, lse) and
-    updates the caches in place."""
+    cache_seqlens an int32 tensor, softmax_scale resolved, window_size as its two sides, the rotary tables
+    contiguous with the positions' rule resolved (`rotary.per_query`); returns (out, lse) and updates the caches
+    in place."""
     if k is not None and k_cache.data_ptr() == v_cache.data_ptr():  # the one check tracing cannot make
         raise ValueError("k_cache and v_cache are the same memory: appending k and v would overwrite each other")
     return _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
                         causal, num_splits, max_seqlen_k, seqlen_new, True, window_left, window_right, softcap,
-                        alibi_slopes, learnable_sink)
+                        alibi_slopes, learnable_sink, rotary_cos, rotary_sin, cache_leftpad, rotary_interleaved,
+                        rotary_per_query)
 
 
 @kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, num_splits,
       max_seqlen_k, seqlen_new, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-      learnable_sink=None):
+      learnable_sink=None, rotary_cos=None, rotary_sin=None, cache_leftpad=None, rotary_interleaved=True,
+      rotary_per_query=False):
     batch, seqlen_q, heads_q, _ = q.shape
     return (q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[-1])),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
@@ -316,6 +365,7 @@ class _Checked(NamedTuple):
     max_cached: int  # an upper bound of cache_seqlens (sizes the split heuristic)
     window_size: tuple[int, int]  # (left, right), checked (-1: unbounded)
     softcap: float  # 0.0: off
+    rotary_per_query: bool  # q rotated at cache_seqlens + i (else at cache_seqlens); False without rotary
 
 
 _CHECKED: dict = {}  # signature -> _Checked, for signatures whose checks passed
@@ -328,11 +378,12 @@ def _tensor_signature(t):
 
 def _signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-               return_softmax_lse, learnable_sink=None):
+               return_softmax_lse, learnable_sink=None, rotary_interleaved=True):
     """A hashable key that fixes the outcome of every check in `_check_call`, or None for calls that must take
     the checks every time (arguments of unusual types, unsupported options: they raise there). The caller has
     made sure the tensor arguments are plain tensors or None (not tracing)."""
-    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes, learnable_sink)
+    tensors = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes, learnable_sink, rotary_cos,
+               rotary_sin, cache_leftpad)
     if q is None or k_cache is None or v_cache is None:
         return None
     if type(cache_seqlens) is torch.Tensor:
@@ -343,26 +394,24 @@ def _signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         return None
     if not (type(window_size) in (tuple, list) and len(window_size) == 2 and all(type(w) is int for w in window_size)
             and (softcap is None or type(softcap) in (float, int))
-            and all(t is None or type(t) is torch.Tensor for t in (alibi_slopes, learnable_sink))
-            and rotary_cos is None and rotary_sin is None and cache_leftpad is None and type(num_splits) is int
+            and all(t is None or type(t) is torch.Tensor
+                    for t in (alibi_slopes, learnable_sink, rotary_cos, rotary_sin, cache_leftpad))
+            and type(rotary_interleaved) is bool and type(num_splits) is int
             and (softmax_scale is None or type(softmax_scale) in (float, int))):
         return None
     return (
         tuple(None if t is None else _tensor_signature(t) for t in tensors), seqlens, softmax_scale, bool(causal),
-        tuple(window_size), softcap, num_splits, bool(return_softmax_lse), torch.is_grad_enabled(),
+        tuple(window_size), softcap, num_splits, bool(return_softmax_lse), torch.is_grad_enabled(), rotary_interleaved,
         k is not None and k_cache.data_ptr() == v_cache.data_ptr(),  # the shared-memory check
     )
 
 
 def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, softmax_scale, window_size, softcap, alibi_slopes, num_splits, tracing=False,
-                learnable_sink=None) -> _Checked:
+                learnable_sink=None, causal=False) -> _Checked:
     """Every check of flash_attn_with_kvcache's arguments (a clear error for each bad one) but those of the
     device tensors' values (`_decode_step` with CHECK_VALUES, else the kernels). While tracing, the addresses
     are unknown: the op checks that k_cache and v_cache are not one memory when it runs."""
-    V.not_implemented("rotary_cos", rotary_cos, None)
-    V.not_implemented("rotary_sin", rotary_sin, None)
-    V.not_implemented("cache_leftpad", cache_leftpad, None)
     window_size = V.check_window(window_size)
     softcap = V.check_softcap(softcap)
 
@@ -450,6 +499,20 @@ def _check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     if batch and max_cached + seqlen_new > capacity:
         raise _cache_too_small(str(max_cached), max_cached, seqlen_new, capacity, block_table)
 
+    # Left padding and rotary embedding; the values of cache_leftpad, and of a tensor cache_seqlens against the
+    # tables' length, are checked where the others are (the kernels, or CHECK_VALUES).
+    if cache_leftpad is not None:
+        if paged:
+            raise NotImplementedError("cache_leftpad with block_table (a paged cache) is not supported (flash-attn "
+                                      "does not support them together either)")
+        _check_int32_tensor("cache_leftpad", cache_leftpad, (batch,), "(batch_size,)", device)
+    rotary_per_query = False
+    if rotary_cos is not None or rotary_sin is not None:
+        R.check_rotary(rotary_cos, rotary_sin, k, q)
+        rotary_per_query = R.per_query(bool(causal), window_size, capacity)
+        needed = R.positions_needed(seqlen_q, seqlen_new, rotary_per_query)
+        R.check_length(rotary_cos, needed, None if isinstance(cache_seqlens, torch.Tensor) else max_cached)
+
     _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, alibi_slopes=alibi_slopes,
-                   learnable_sink=learnable_sink)
-    return _Checked(seqlen_new, capacity, max_cached, window_size, softcap)
+                   learnable_sink=learnable_sink, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    return _Checked(seqlen_new, capacity, max_cached, window_size, softcap, rotary_per_query)

@@ -112,3 +112,25 @@ def attention_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: 
 def attention_bytes(batch: int, heads: int, seqlen: int, head_dim: int, dtype_bytes: int = 2) -> int:
     """Fewest bytes the forward moves: Q, K, V read once and O written once (the notebook's count)."""
     return dtype_bytes * batch * heads * head_dim * (seqlen + 2 * seqlen + seqlen)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool = False, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """flash-attn's `apply_rotary_emb` in `dtype` (float64 by default): x (B, S, H, D) with token s of sequence b
+    at table row positions[b, s] ((B, S) ints); cos, sin (seqlen_ro, rotary_dim / 2). The first rotary_dim dims
+    rotate in pairs, (2c, 2c + 1) when interleaved (GPT-J) or (c, c + rotary_dim / 2) (GPT-NeoX), by the angle
+    of table column c: (x_a, x_b) -> (x_a cos - x_b sin, x_b cos + x_a sin); the rest pass through. Returns
+    `dtype`."""
+    rotary_dim = 2 * cos.shape[1]
+    x = x.to(dtype)
+    rows = positions.long()
+    c = cos.to(dtype)[rows][:, :, None, :]  # (B, S, 1, rotary_dim / 2)
+    s = sin.to(dtype)[rows][:, :, None, :]
+    ro = x[..., :rotary_dim]
+    if interleaved:
+        a, b = ro[..., 0::2], ro[..., 1::2]
+        rotated = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    else:
+        a, b = ro[..., : rotary_dim // 2], ro[..., rotary_dim // 2:]
+        rotated = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
