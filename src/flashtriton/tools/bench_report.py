@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import os
+import statistics
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -230,9 +231,19 @@ def variant_ratios(rows) -> dict:
         out[(case, mode, dt)] = dict(
             vs_flex=ratio(index.get((case, "flex", mode, dt))), vs_dense=ratio(dense),
             vs_cudnn=ratio(index.get((f"{VARIANT_DENSE} {size}", "sdpa_cudnn", mode, dt))),
-            cost=r["ms_p50"] / base_ms - 1 if same_area and _speed(r, "ms_p50") and base_ms else None,
+            cost=_paired_cost(r, base) if same_area and _speed(r, "ms_p50") and base_ms else None,
             base=base_name)
     return out
+
+
+def _paired_cost(row, base) -> float:
+    """A variant's cost, time over its base's minus 1: the median over rounds of the two readings of one round
+    (timed within seconds of each other, so the GPU's clock, which drifts between rounds under its power cap,
+    cancels), or the medians' ratio where the rounds do not pair up."""
+    mine, theirs = row["extra"].get("round_ms"), base["extra"].get("round_ms")
+    if mine and theirs and len(mine) == len(theirs) and all(theirs):
+        return statistics.median(a / b for a, b in zip(mine, theirs)) - 1
+    return row["ms_p50"] / base["ms_p50"] - 1
 
 
 def evaluate_bars(rows, bars=BARS) -> list[dict]:
