@@ -313,7 +313,7 @@ def variants_table(rows) -> str:
     return (_cpu_banner(rows)
             + "variants: TFLOP/s over the visible area (Variant.visible_flops; bwd 2.5x, fwd_bwd 3.5x fwd), median of "
               "the rounds' do_bench medians; flashtriton_dense and sdpa_cudnn run the dense causal call of the same "
-              "shape; cost = time / the same call without the variant - 1\n"
+              "shape; cost = time / the same call without the variant - 1 (the median of each round's ratio)\n"
             + _markdown(header, body) + ("\n\nkernels launched by one call:\n" + kernel_lines if kernel_lines else "")
             + ("\n\n" + notes if notes else ""))
 
