@@ -100,6 +100,11 @@ _GEMMA2 = dict(DECODER, query_pre_attn_scalar=8, final_logit_softcapping=None)
 _GPT_OSS = dict(DECODER, num_local_experts=4, num_experts_per_tok=2,
                 layer_types=["sliding_attention", "full_attention"],
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # no YaRN for 64 positions
+_DEEPSEEK_V3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                    n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                    q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                    max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 FAMILIES: dict[str, Family] = {
@@ -143,6 +148,8 @@ FAMILIES: dict[str, Family] = {
                                                attention_types=[[["global", "local"], 1]], window_size=64,
                                                pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS),
                                reference="eager"),
+    # DeepSeek-V3's multi-head latent attention: a QK head dim (nope 16 + rope 8) unlike V's (16), V not padded
+    "deepseek_v3": Family(lambda: _config("DeepseekV3Config", **_DEEPSEEK_V3)),
     "falcon": Family(lambda: _config("FalconConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=4, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
     "falcon_alibi": Family(lambda: _config("FalconConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
@@ -297,6 +304,7 @@ class Case:
     tokens: bool = False  # compare generated tokens exactly (else logits within ATOL)
     must_run: bool = False  # nothing flashtriton lacks is involved: a refusal fails too
     # the kernel variants the run must launch, all of them and no other ("window": a window that hides keys,
+    # "separate_v": V's head dim unlike QK's,
     # "softcap", "sink": attention sinks); None: not checked
     variants: Optional[tuple] = None
 
@@ -403,6 +411,10 @@ CASES: dict[str, Case] = {
         "modernbert_local8", lambda: _text(), variants=("window",)),
     "modernbert_local_attention_longer": (may_refuse if _own_flash_code("modernbert") else runs)(
         "modernbert_local64", lambda: _text(lengths=(16, 11), left=False), variants=()),
+    "deepseek_v3": runs("deepseek_v3", lambda: _text(), variants=("separate_v",)),
+    "deepseek_v3_left_padded": runs("deepseek_v3", lambda: _text(**_PADDED, left=True), variants=("separate_v",)),
+    "deepseek_v3_generate": runs("deepseek_v3", lambda: _text(**_PROMPTS), run=_generate(), tokens=True,
+                                 variants=("separate_v",)),
     "vit": runs("vit", lambda: {"pixel_values": _pixels(2)}),
     "whisper": runs("whisper", lambda: _whisper(10)),
     "whisper_decoder_longer": runs("whisper", lambda: _whisper(20)),
@@ -421,7 +433,8 @@ class Spy:
     """What one model run called: flashtriton's kernels, transformers' attention/mask entries, torch's sdpa."""
 
     kernels: int = 0  # flashtriton kernel launches (dense/varlen forward, decode)
-    variants: set = field(default_factory=set)  # the variants those launches ran: "window", "softcap", "sink"
+    variants: set = field(default_factory=set)  # what those launches ran: "window", "softcap", "sink", "alibi",
+    # "separate_v" (a V head dim unlike QK's)
     sdpa: int = 0  # torch.nn.functional.scaled_dot_product_attention calls
     attention_calls: list = field(default_factory=list)  # kwargs seen by the "flashtriton" attention entry
     mask_calls: list = field(default_factory=list)  # kwargs seen by the "flashtriton" mask entry
@@ -454,6 +467,8 @@ def _spy():
                 spy.variants.add("sink")
             if kwargs.get("alibi_slopes") is not None:
                 spy.variants.add("alibi")
+            if len(args) >= 3 and args[0].shape[-1] != args[2].shape[-1]:  # q's head dim against v's
+                spy.variants.add("separate_v")
             return fn(*args, **kwargs)
 
         return wrapper
