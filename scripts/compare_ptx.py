@@ -69,12 +69,14 @@ def main(out_dir: str) -> None:
                 constexprs.update(HEAD_DIM_V=head_dim_v, BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)))
             elif head_dim_v != head_dim:
                 continue
-            # no window, no softcap, no dropout: the flags off and their scalars None, as the launchers pass them
+            # no window, softcap, dropout or pages: the flags off and their scalars None, as the launchers pass them
             constexprs.update({n: v for n, v in dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
                                                      HAS_SINKS=False, HAS_DROPOUT=False, window_left=None,
                                                      window_right=None, softcap=None, ALIBI=None, stride_alibi_b=None,
                                                      SINKS=None, DROPOUT_RNG=None, dropout_threshold=None,
-                                                     dropout_scale=None).items()
+                                                     dropout_scale=None, BLOCK_TABLE=None, stride_btb=None,
+                                                     capacity=None, num_pages=None, SEQUSED_K=None, PAGED=False,
+                                                     PAGE_SIZE=1, HAS_SEQUSED_K=False).items()
                                if n in fn.arg_names})
             sig, attrs = signature(fn, constexprs)
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -83,10 +85,34 @@ def main(out_dir: str) -> None:
             path = out / f"{name}_d{head_dim}{dv}_causal{int(causal)}_varlen{int(varlen)}.ptx"
             path.write_text(code_only(compiled.asm["ptx"]))
             print(path)
+    paged_kernels(out)
     tma_kernels(out)
     decode_kernels(out)
     gluon_kernels(out)
     gluon_bwd_kernels(out)
+
+
+def paged_kernels(out: Path) -> None:
+    """The portable forward over paged K/V (varlen, causal, D=128): pages of 16 keys (each key row's page looked
+    up) and 128 (one page per tile), with seqused_k."""
+    fn = forward._attn_fwd
+    for page_size, seqused in ((16, False), (128, True)):
+        constexprs = dict(HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_V=128, BLOCK_DV=128, IS_CAUSAL=True,
+                          CAUSAL_BOTTOM_RIGHT=True, IS_VARLEN=True, UPCAST_DOT=False, DOT_PRECISION="tf32",
+                          BLOCK_M=128, BLOCK_N=64, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
+                          HAS_SINKS=False, HAS_DROPOUT=False, PAGED=True, PAGE_SIZE=page_size,
+                          HAS_SEQUSED_K=seqused)
+        constexprs.update({n: None for n in ("window_left", "window_right", "softcap", "ALIBI", "stride_alibi_b",
+                                             "SINKS", "DROPOUT_RNG", "dropout_threshold", "dropout_scale")})
+        if not seqused:
+            constexprs["SEQUSED_K"] = None
+        sig, attrs = signature(fn, constexprs)
+        sig.update({n: "*i32" for n in ("BLOCK_TABLE", "SEQUSED_K") if sig[n] != "constexpr"})
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+        path = out / f"fwd_paged{page_size}_seqused{int(seqused)}_d128_causal1.ptx"
+        path.write_text(code_only(compiled.asm["ptx"]))
+        print(path)
 
 
 def gluon_bwd_kernels(out: Path) -> None:

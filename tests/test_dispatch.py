@@ -74,7 +74,8 @@ def test_candidates_follow_the_table_and_the_switch():
     assert dispatch.candidates("fwd", half, 128, 8) == ["portable_fwd"]
     assert dispatch.candidates("bwd", half, 64, 9, varlen=True) == ["gluon_bwd", "portable_bwd"]
     assert dispatch.candidates("decode", half, 128, 9, paged=True) == ["decode_stream", "decode_split"]
-    assert dispatch.candidates("fwd", half, 128, 9, paged=True) == []
+    assert dispatch.candidates("fwd", half, 128, 9, paged=True) == ["portable_fwd"]  # paged prefill
+    assert dispatch.candidates("bwd", half, 128, 9, varlen=True, paged=True) == []
     with dispatch.force("tma"):
         assert dispatch.candidates("fwd", half, 128, 9) == ["tma_fwd", "portable_fwd"]
         assert dispatch.candidates("bwd", half, 128, 9) == ["portable_bwd"]

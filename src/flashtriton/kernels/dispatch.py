@@ -47,7 +47,7 @@ class Kernel:
     dtypes: tuple = HALF + (torch.float32,)
     head_dims: tuple = ANY_HEAD_DIM
     varlen: bool = True
-    paged: bool = False
+    paged: bool = False  # keys through a block table (paged KV); for varlen calls also keys counted by seqused_k
     fields: frozenset = frozenset({"causal"})  # the Variant fields it runs (`Variant.fields`)
     separate_v: bool = False  # whether V (and O, dO, dV) may have a head dim other than Q and K's
 
@@ -55,7 +55,7 @@ class Kernel:
 KERNELS = (
     Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, (64, 128), fields=SCORES),
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
-    Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", fields=TRAINING, separate_v=True),
+    Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", paged=True, fields=TRAINING, separate_v=True),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF, (64, 128),
            fields=SCORES),
     Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=TRAINING,

@@ -32,6 +32,7 @@ from .common import (dot_settings, load_tile, sequence_bounds, sm_count, softmax
 from . import dispatch
 from .host import capability, cdiv, padded_head_dim
 from .launch import hooks_installed, launch, launch_and_keep
+from .paged import page_rows, poison, sequence_keys
 from .variant import Variant, add_sink, diagonal, dropout_state, key_blocks
 
 try:  # Hopper's Gluon forward (triton >= 3.6 ships Gluon's Hopper API)
@@ -52,15 +53,24 @@ def _attn_fwd_tile(
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slope=0.0,
     HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0,
+    PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1, bt_row=None, stride_kp=0, stride_vp=0,
 ):
     """Fold K/V tiles [start_n, end_n) into the running (acc, l_i, m_i) of one Q tile; K tiles span the head dim
-    (offs_d), V tiles V's (offs_dv)."""
-    k_ptrs += start_n * stride_kn
-    v_ptrs += start_n * stride_vn
+    (offs_d), V tiles V's (offs_dv). PAGED: k_ptrs / v_ptrs are (1, BLOCK_D) / (1, BLOCK_DV) pointers of the kv head
+    in the page pools, each tile's rows found through the block-table row `bt_row` (`paged.page_rows`)."""
+    if not PAGED:
+        k_ptrs += start_n * stride_kn
+        v_ptrs += start_n * stride_vn
     for n in range(start_n, end_n, BLOCK_N):
         cols = n + offs_n  # (BLOCK_N,) key indices
-        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_dv, MASKED, HEAD_DIM_V, BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
+        if PAGED:
+            k_rows, v_rows = page_rows(bt_row, n, cols, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, MASKED,
+                                       PAGE_SIZE, BLOCK_N)
+            k = load_tile(k_ptrs + k_rows[:, None], cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)
+            v = load_tile(v_ptrs + v_rows[:, None], cols, seqlen_k, offs_dv, MASKED, HEAD_DIM_V, BLOCK_DV)
+        else:
+            k = load_tile(k_ptrs, cols, seqlen_k, offs_d, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+            v = load_tile(v_ptrs, cols, seqlen_k, offs_dv, MASKED, HEAD_DIM_V, BLOCK_DV)  # (BLOCK_N, BLOCK_DV)
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: compute it in fp32 (exact products)
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
@@ -68,8 +78,9 @@ def _attn_fwd_tile(
                                       MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION, HAS_WINDOW, left, right,
                                       HAS_SOFTCAP, softcap, HAS_ALIBI, slope, HAS_DROPOUT, seed, offset, bh,
                                       dropout_threshold)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not PAGED:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -90,11 +101,15 @@ def _attn_fwd(
     GROUP_SIZE,  # query heads per kv head
     SEQLEN_Q, SEQLEN_K,  # dense: the lengths; varlen: unused (read from cu_seqlens)
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,  # power-of-two buckets, autotune key only
+    # PAGED: int32 (B, pages per sequence) and its row stride, the row's pages x PAGE_SIZE, the pool's pages;
+    # HAS_SEQUSED_K: int32 (B,) key counts (`paged.sequence_keys`). None where off.
+    BLOCK_TABLE, stride_btb, capacity, num_pages, SEQUSED_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # Q and K's head dim, padded to BLOCK_D
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V and O's, padded to BLOCK_DV
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
+    PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1, HAS_SEQUSED_K: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)  # grid (query tiles, heads, batch): each axis within CUDA's limits
@@ -119,8 +134,17 @@ def _attn_fwd(
     offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
 
     q_ptrs = Q + batch_q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    if PAGED or HAS_SEQUSED_K:  # (paged: K, V (num_pages, PAGE_SIZE, Hkv, D), stride_kb the page stride)
+        bt_row, seqlen_k, keys_ok = sequence_keys(BLOCK_TABLE, stride_btb, SEQUSED_K, off_b, seqlen_k, capacity,
+                                                  num_pages, PAGED, PAGE_SIZE, HAS_SEQUSED_K)
+    else:
+        bt_row = BLOCK_TABLE
+    if PAGED:  # each tile's rows come from the block table
+        k_ptrs = K + off_hk * stride_kh + offs_d[None, :] * stride_kd  # (1, BLOCK_D)
+        v_ptrs = V + off_hk * stride_vh + offs_dv[None, :] * stride_vd
+    else:
+        k_ptrs = K + batch_k + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
 
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
     if UPCAST_DOT:
@@ -146,21 +170,21 @@ def _attn_fwd(
             first, start, seqlen_k, diag, qk_scale,
             True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
-            HAS_DROPOUT, seed, offset, bh, dropout_threshold,
+            HAS_DROPOUT, seed, offset, bh, dropout_threshold, PAGED, PAGE_SIZE, bt_row, stride_kb, stride_vb,
         )
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         start, lo, seqlen_k, diag, qk_scale,
         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
-        HAS_DROPOUT, seed, offset, bh, dropout_threshold,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold, PAGED, PAGE_SIZE, bt_row, stride_kb, stride_vb,
     )
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         lo, hi, seqlen_k, diag, qk_scale,
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
-        HAS_DROPOUT, seed, offset, bh, dropout_threshold,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold, PAGED, PAGE_SIZE, bt_row, stride_kb, stride_vb,
     )
 
     if HAS_SINKS:
@@ -168,6 +192,8 @@ def _attn_fwd(
     out, lse = softmax_finish(acc, l_i, m_i)
     if HAS_DROPOUT:  # the kept probabilities scaled by 1 / (1 - p); lse is the undropped softmax's
         out = out * dropout_scale
+    if PAGED or HAS_SEQUSED_K:
+        out, lse = poison(out, lse, keys_ok)
 
     row_ok = offs_m < seqlen_q
     tl.store(LSE + batch_l + off_h * stride_lh + offs_m, lse, mask=row_ok)
@@ -391,6 +417,13 @@ def _launch_dense_tma(plan, q, k, v, out, lse, scalars) -> None:
         plan.relaunch = launch_and_keep(plan.fn, plan.grid, args, plan.meta)
 
 
+def _paged_args(block_table, k, seqused_k) -> tuple:
+    """(BLOCK_TABLE, stride_btb, capacity, num_pages, SEQUSED_K) as `_attn_fwd` takes them, None where off."""
+    if block_table is None:
+        return None, None, None, None, seqused_k
+    return block_table, block_table.stride(0), block_table.shape[1] * k.shape[1], k.shape[0], seqused_k
+
+
 def attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel: (out, lse). Arguments as `launch_forward`."""
     out, lse, _ = launch_forward(*args, **kwargs)
@@ -415,12 +448,18 @@ def launch_forward(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
 ):
     """Launch the forward kernel on validated inputs (the public API checks them).
 
     Dense:  q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)  ->  out (B, Sq, Hq, Dv), lse (B, Hq, Sq) fp32
     Varlen: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), cu_seqlens int32 (B + 1,)
                                                       ->  out (total_q, Hq, Dv), lse (Hq, total_q) fp32
+    Paged (varlen with block_table int32 (B, pages per sequence), last dim contiguous): k (num_pages, page_size,
+    Hkv, D), v (num_pages, page_size, Hkv, Dv), sequence b's keys from its row's pages; seqused_k int32 (B,),
+    contiguous, with or without pages: sequence b's key count (else cu_seqlens_k's). Values out of range give the
+    sequence NaN (`paged`). The portable kernel runs these calls (the dispatch's `paged` layout).
     Any strides with a contiguous last dim. Dv (V's head dim) may differ from D: the portable kernel runs such
     calls (the Hopper kernels declare Dv == D only). `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
     "num_stages"} of the portable kernel instead of autotuning (always so under the interpreter). Without
@@ -433,6 +472,7 @@ def launch_forward(
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """
     varlen = cu_seqlens_q is not None
+    paged = block_table is not None or seqused_k is not None  # the dispatch's `paged` layout
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     separate_v = head_dim_v != head_dim
     variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None,
@@ -443,7 +483,7 @@ def launch_forward(
     if varlen:
         batch = cu_seqlens_q.numel() - 1
         total_q, heads_q = q.shape[0], q.shape[1]
-        heads_kv = k.shape[1]
+        heads_kv = k.shape[-2]
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
     else:
@@ -465,10 +505,10 @@ def launch_forward(
                               variant.forward_args(softmax_scale, alibi_slopes, learnable_sink))
             return out, lse, None
     if (config is None and varlen and tma_ok(q, k, v, out)
-            and dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, False, variant.fields(), separate_v)):
+            and dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(), separate_v)):
         gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal))
                         if dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0
-                        and dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, False, variant.fields(),
+                        and dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(),
                                               separate_v)
                         else None)
         if gluon_config is not None and (forward_gluon_launch.work_units(seqlen_q, heads_q, batch, gluon_config,
@@ -489,6 +529,8 @@ def launch_forward(
     if varlen:  # a zero batch stride, so that one kernel signature serves both layouts
         q_strides, k_strides, v_strides, o_strides = ((0, *t.stride()) for t in (q, k, v, out))
         l_strides = (0, lse.stride(0))
+        if block_table is not None:  # page pools (num_pages, page_size, Hkv, D): the page stride in the batch's place
+            k_strides, v_strides = k.stride(), v.stride()
     else:
         q_strides, k_strides, v_strides, o_strides = q.stride(), k.stride(), v.stride(), out.stride()
         l_strides = (lse.stride(0), lse.stride(1))
@@ -499,6 +541,7 @@ def launch_forward(
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
         heads_q // heads_kv, seqlen_q, seqlen_k,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
+        *_paged_args(block_table, k, seqused_k),
     )
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
@@ -508,6 +551,9 @@ def launch_forward(
     )
     if dropout_p:  # (absent otherwise: the kernel's default, and the launch key of the dropout-free calls)
         constexprs.update(variant.dropout_constexprs)
+    if paged:  # (likewise)
+        constexprs.update(PAGED=block_table is not None, PAGE_SIZE=k.shape[1] if block_table is not None else 1,
+                          HAS_SEQUSED_K=seqused_k is not None)
 
     def grid(meta):
         return (cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
