@@ -69,14 +69,14 @@ def main(out_dir: str) -> None:
                 constexprs.update(HEAD_DIM_V=head_dim_v, BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)))
             elif head_dim_v != head_dim:
                 continue
-            # no window, softcap, dropout or pages: the flags off and their scalars None, as the launchers pass them
+            # no window, softcap, dropout, pages or accumulation: the flags off, their scalars None (the launchers')
             constexprs.update({n: v for n, v in dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
                                                      HAS_SINKS=False, HAS_DROPOUT=False, window_left=None,
                                                      window_right=None, softcap=None, ALIBI=None, stride_alibi_b=None,
                                                      SINKS=None, DROPOUT_RNG=None, dropout_threshold=None,
                                                      dropout_scale=None, BLOCK_TABLE=None, stride_btb=None,
                                                      capacity=None, num_pages=None, SEQUSED_K=None, PAGED=False,
-                                                     PAGE_SIZE=1, HAS_SEQUSED_K=False).items()
+                                                     PAGE_SIZE=1, HAS_SEQUSED_K=False, ACCUMULATE=False).items()
                                if n in fn.arg_names})
             sig, attrs = signature(fn, constexprs)
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),

@@ -205,6 +205,7 @@ def _attn_bwd_dkdv(
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False,  # add to DK, DV's contents instead of overwriting them
 ):
     pid_n = tl.program_id(0)  # grid (key tiles, kv heads, batch)
     off_hk = tl.program_id(1)
@@ -273,7 +274,11 @@ def _attn_bwd_dkdv(
         dv_mask = dv_mask & (offs_dv[None, :] < HEAD_DIM_V)
     dk_ptrs = DK + batch_dk + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + batch_dv + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd
-    tl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=dk_mask)
+    dk = dk * softmax_scale
+    if ACCUMULATE:  # (one program owns these rows: deterministic)
+        dk += tl.load(dk_ptrs, mask=dk_mask).to(tl.float32)
+        dv += tl.load(dv_ptrs, mask=dv_mask).to(tl.float32)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=dk_mask)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=dv_mask)
 
 
@@ -347,6 +352,7 @@ def _attn_bwd_dq(
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False,  # add to DQ's contents instead of overwriting them
 ):
     pid_m = tl.program_id(0)  # grid (query tiles, heads, batch)
     off_h = tl.program_id(1)
@@ -418,7 +424,10 @@ def _attn_bwd_dq(
     dq_mask = offs_m[:, None] < seqlen_q
     if BLOCK_D != HEAD_DIM:
         dq_mask = dq_mask & (offs_d[None, :] < HEAD_DIM)
-    tl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=dq_mask)
+    dq = dq * softmax_scale
+    if ACCUMULATE:
+        dq += tl.load(dq_ptrs, mask=dq_mask).to(tl.float32)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_mask)
 
 
 _attn_bwd_dkdv_tuned = triton.autotune(
@@ -498,6 +507,10 @@ def attention_backward(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs (what `attention_forward` took and returned).
 
@@ -513,14 +526,19 @@ def attention_backward(
     when cu_seqlens cover every token (the kernels write every other row), saving three memsets.
     dlse: the gradient of lse (shaped like it, fp32), or None when lse is not differentiated (no extra work).
     dropout_p, rng_state: the forward's (its keep-mask is regenerated, never stored); the Triton kernels run them.
+    dq, dk, dv: where to write the gradients (shaped like q, k, v; any float dtype, any strides, e.g. fp32 views
+    into a caller's accumulators), else new tensors like q, k, v. `accumulate`: add to their contents instead
+    (each element has one writer: still deterministic). Buffers of another dtype than q's, and `accumulate`, run
+    the Triton kernels (the Gluon ones write q's dtype, and overwrite).
     """
     varlen = cu_seqlens_q is not None
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     separate_v = head_dim_v != head_dim
+    given = dq is not None or dk is not None or dv is not None
     alloc = torch.zeros if varlen and zero_fill else torch.empty
-    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
-    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
-    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) if g is None
+                  else g.zero_() if varlen and zero_fill and not accumulate else g
+                  for g, t in ((dq, q), (dk, k), (dv, v)))
     if varlen:
         batch = cu_seqlens_q.numel() - 1
         heads_q, heads_kv = q.shape[1], k.shape[1]
@@ -529,17 +547,20 @@ def attention_backward(
         batch, seqlen_q, heads_q, _ = q.shape
         seqlen_k, heads_kv = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
+        if not accumulate:  # no query sees a key: every gradient is 0
+            dq, dk, dv = dq.zero_(), dk.zero_(), dv.zero_()
         if learnable_sink is not None:  # every row's softmax is the sink alone: dsink = sum of dlse
             dsink = torch.zeros_like(learnable_sink) if dlse is None else \
                 dlse.sum(dim=1 if varlen else (0, 2)).to(learnable_sink.dtype)
-            return dq.zero_(), dk.zero_(), dv.zero_(), dsink
-        return dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key: every gradient is 0
+            return dq, dk, dv, dsink
+        return dq, dk, dv
     gluon_config = None
     variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None,
                          learnable_sink is not None, dropout_p)
     if dropout_p and rng_state is None:
         raise ValueError("dropout_p > 0 needs rng_state, the forward's int64 (seed, offset) tensor")
     if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
+            and not accumulate and not (given and {dq.dtype, dk.dtype, dv.dtype} != {q.dtype})
             and tma_ok(q, k, v, dout, dq, dk, dv)  # (no broadcast, stride-0, dimension among them)
             and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields(), separate_v)):
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
@@ -593,9 +614,11 @@ def attention_backward(
     )
     if dropout_p:  # (absent otherwise: the kernels' default, and the launch key of the dropout-free calls)
         constexprs.update(variant.dropout_constexprs)
+    if accumulate:  # (likewise)
+        constexprs.update(ACCUMULATE=True)
     if config is None and INTERPRET:
         config = configs.BWD_INTERPRETER_CONFIG
-    if config is None and not configs.AUTOTUNE:
+    if config is None and (not configs.AUTOTUNE or accumulate):  # (autotuning would add once per candidate run)
         config = configs.default_bwd_configs(max(block_d, block_dv), q.element_size(), q.device, bool(causal))
     if config is not None and "dkdv" not in config:
         config = {"dkdv": config, "dq": config}
