@@ -1,0 +1,82 @@
+"""flash-attn 2's private forward and backward (`flash_attn.flash_attn_interface`), on flashtriton's kernels.
+
+Code written on them (ring-flash-attention and other context-parallel libraries) switches by its import:
+
+    from flashtriton.flash_attn_interface import _flash_attn_forward, _flash_attn_backward
+
+The signatures are flash-attn >= 2.6's (window_size_left / window_size_right, softcap). Neither records autograd;
+the backward takes the forward's out and lse, or those of a merged result (ring attention: the *global* out and
+lse), and writes dq, dk, dv into the given tensors. `flashtriton.chunked` has the same pieces with query / key
+positions, fp32 accumulation into strided buffers and the merge.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import validation as V
+from .chunked import _check_buffer, _check_inputs
+from .kernels.backward import attention_backward
+from .kernels.forward import attention_forward
+from .kernels.launch import on_inputs_device
+from .ops import draw_dropout_state
+
+
+@on_inputs_device
+def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+                        causal: bool, window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+                        alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False):
+    """flash-attn's `_flash_attn_forward`: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D / Dv), arguments as
+    `flash_attn_func`'s (causal bottom-right). Returns (out (B, Sq, Hq, Dv), softmax_lse (B, Hq, Sq) fp32,
+    S_dmask, rng_state): S_dmask an empty tensor (the probabilities are never formed: return_softmax=True with
+    dropout raises, `flashtriton.testing.dropout_mask` rebuilds a call's mask from its rng_state); rng_state the
+    call's int64 (seed, offset) with dropout, else an empty int64 tensor; pass it to `_flash_attn_backward`."""
+    window, softcap, scale = _check_inputs(q, k, v, 0, 0, bool(causal), (window_size_left, window_size_right),
+                                           softmax_scale, softcap)
+    dropout_p = V.check_dropout(dropout_p)
+    alibi_slopes = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    if return_softmax and dropout_p:
+        raise NotImplementedError("return_softmax=True with dropout: flashtriton never forms the probabilities "
+                                  "(flashtriton.testing.dropout_mask rebuilds the call's mask from its rng_state)")
+    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    rng_state = draw_dropout_state(q.device) if dropout_p else torch.empty(0, dtype=torch.int64, device=q.device)
+    if scale < 0:  # the forward kernels keep a running maximum: negate q instead (interface.py)
+        q, scale = -q, -scale
+    out, lse = attention_forward(q, k, v, scale, bool(causal), True, window_size=window, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                 rng_state=rng_state if dropout_p else None)
+    return out, lse, q.new_empty(0), rng_state
+
+
+@on_inputs_device
+def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         softmax_lse: torch.Tensor, dq: torch.Tensor | None, dk: torch.Tensor | None,
+                         dv: torch.Tensor | None, dropout_p: float, softmax_scale: float, causal: bool,
+                         window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+                         alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                         rng_state: torch.Tensor | None = None) -> torch.Tensor:
+    """flash-attn's `_flash_attn_backward`: writes the gradients into dq, dk, dv (shaped like q, k, v, any float
+    dtype and strides; None: computed and dropped, as in flash-attn) and returns softmax_d = rowsum(dout * out)
+    (B, Hq, Sq) fp32. out and softmax_lse: the forward's, or a merged result's. `deterministic` is accepted:
+    flashtriton's backward always is. rng_state: the forward's (with dropout)."""
+    window, softcap, scale = _check_inputs(q, k, v, 0, 0, bool(causal), (window_size_left, window_size_right),
+                                           softmax_scale, softcap)
+    dropout_p = V.check_dropout(dropout_p)
+    alibi_slopes = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    if dropout_p and (not isinstance(rng_state, torch.Tensor) or rng_state.numel() != 2):
+        raise ValueError("dropout_p > 0 needs rng_state, the int64 (seed, offset) tensor _flash_attn_forward returned")
+    expected = (*q.shape[:3], v.shape[3])
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
+            raise ValueError(f"{name} must be a tensor of shape {expected}, got "
+                             + (str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__))
+    if (not isinstance(softmax_lse, torch.Tensor) or softmax_lse.dtype != torch.float32
+            or tuple(softmax_lse.shape) != (q.shape[0], q.shape[2], q.shape[1])):
+        raise ValueError(f"softmax_lse must be a float32 tensor of shape {(q.shape[0], q.shape[2], q.shape[1])}")
+    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        _check_buffer(name, buf, like, False)
+    q, k, v, dout, out = (V.last_dim_contiguous(t) for t in (q, k, v, dout, out))
+    attention_backward(dout, q, k, v, out, softmax_lse, scale, bool(causal), True, window_size=window,
+                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                       rng_state=rng_state if dropout_p else None, dq=dq, dk=dk, dv=dv)
+    return (dout.float() * out.float()).sum(-1).transpose(1, 2)
