@@ -14,13 +14,6 @@ def qkv(device, b=1, s=8, h=2, d=16, dtype=torch.float16):
     return tuple(torch.randn(b, s, h, d, device=device, dtype=dtype) for _ in range(3))
 
 
-@pytest.mark.parametrize("name,value", [("block_table", torch.zeros(1, 1, dtype=torch.int32))])
-def test_unbuilt_features_raise_not_implemented(name, value, device):
-    with pytest.raises(NotImplementedError, match=name):
-        flashtriton.flash_attn_varlen_func(*(t[0] for t in qkv(device)), *_cu(device), 8, 8,
-                                           **{name: value.to(device)})
-
-
 @pytest.mark.parametrize("dropout_p,error", [(1.0, ValueError), (-0.1, ValueError), (float("nan"), ValueError),
                                              (2, ValueError), ("0.1", TypeError), (True, TypeError), (None, TypeError),
                                              (torch.tensor(0.1), TypeError)])
@@ -206,9 +199,10 @@ class TestVarlenCuSeqlens:
         with pytest.raises(ValueError, match="cu_seqlens_q must be on"):
             flashtriton.flash_attn_varlen_func(x, x, x, cu.to("meta"), cu, 5, 5)
 
-    def test_block_table_not_built(self, device):
+    def test_block_table_needs_page_pools(self, device):
         x, cu = self.setup(device)
-        with pytest.raises(NotImplementedError, match="block_table"):
+        with pytest.raises(ValueError, match=r"k must have 4 dims \(num_pages, page_size, nheads_k, headdim\) with "
+                                             "block_table"):
             flashtriton.flash_attn_varlen_func(x, x, x, cu, cu, 5, 5, block_table=cu)
 
 

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from . import paging as P
 from . import validation as V
 from .ops import attention
 
@@ -127,16 +128,33 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
+    *,
+    seqused_k: torch.Tensor | None = None,
 ):
     """Exact attention over a batch of sequences of different lengths packed without padding.
 
     Arguments:
         q: (total_q, nheads, headdim), the batch's query tokens back to back.
-        k, v: (total_k, nheads_k, headdim), (total_k, nheads_k, headdim_v).
+        k, v: (total_k, nheads_k, headdim), (total_k, nheads_k, headdim_v); with block_table, page pools
+            (num_pages, page_size, nheads_k, headdim), (num_pages, page_size, nheads_k, headdim_v), any page_size
+            >= 1 (flash-attn's CUDA kernels need a multiple of 256; flashtriton looks up each key's page).
         cu_seqlens_q: (batch + 1,) int32, sequence b's queries are q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]].
-        cu_seqlens_k: (batch + 1,) int32, likewise for k and v. Sequences of length 0 are allowed.
-        max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence.
-        causal: per sequence, aligned bottom-right as in `flash_attn_func`.
+        cu_seqlens_k: (batch + 1,) int32, likewise for k and v. Sequences of length 0 are allowed. With block_table
+            only the differences count: sequence b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys.
+        max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence (of cu_seqlens_q, cu_seqlens_k).
+        causal: per sequence, aligned bottom-right as in `flash_attn_func` (a query chunk after its cached prefix
+            sees the prefix and the chunk's keys up to its own position).
+        block_table: (batch, max_num_pages) int32, paged KV (prefill over a prefix cache, chunked prefill): key j of
+            sequence b is row j % page_size of page block_table[b, j // page_size] of k and v. Forward only.
+        seqused_k: (batch,) int32, keyword-only: sequence b uses its first seqused_k[b] keys (in place of
+            cu_seqlens_k's count; causal and windows align to it), with or without block_table. Forward only.
+            The values of block_table and seqused_k are checked on the GPU: a sequence whose key count is negative
+            or more than its block_table row holds (pages x page_size; without pages, more than its cu_seqlens_k
+            length), or one of whose used pages is not in 0..num_pages - 1, reads nothing out of bounds and gets
+            NaN in its out and lse rows (FLASHTRITON_CHECK_VALUES=1: a host check that raises a ValueError
+            instead). With either of them no input may require grad (NotImplementedError: there is no backward,
+            as in flash-attn). Both run on the portable kernel with GQA and every variant (window_size, softcap,
+            alibi_slopes, learnable_sink, dropout_p, a V head dim of its own).
         Other arguments as `flash_attn_func`. cu_seqlens are checked on the host (non-decreasing, inside the
         tensor, max_seqlen large enough): one small device-to-host copy, which waits for the GPU, per cu_seqlens
         tensor; calls with tensors that passed and were not written since (torch's version counter) skip it.
@@ -146,25 +164,33 @@ def flash_attn_varlen_func(
         and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32, differentiable, None)
     """
     dropout_p, window_size, softcap = _variant_args(dropout_p, window_size, softcap)
-    V.not_implemented("block_table", block_table, None)
-    V.check_tensors(("q", "k", "v"), (q, k, v), 3, "(total_tokens, nheads, headdim)")
-    V.check_same("total key tokens of k and v", k=k.shape[0], v=v.shape[0])
-    V.check_heads_and_dims(q.shape[1], k.shape[1], q.shape[2], v.shape[2], v.shape[1], separate_v=True)
-    V.check_same("head dims of q and k", q=q.shape[2], k=k.shape[2])
+    paged = block_table is not None
+    if paged:
+        P.check_pools(q, k, v)
+    else:
+        V.check_tensors(("q", "k", "v"), (q, k, v), 3, "(total_tokens, nheads, headdim)")
+        V.check_same("total key tokens of k and v", k=k.shape[0], v=v.shape[0])
+    V.check_heads_and_dims(q.shape[1], k.shape[-2], q.shape[2], v.shape[-1], v.shape[-2], separate_v=True)
+    V.check_same("head dims of q and k", q=q.shape[2], k=k.shape[-1])
     V.check_scale("softmax_scale", softmax_scale, allow_negative=True)
     batch = V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", None, q.device)
     alibi_slopes = V.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     learnable_sink = V.check_sink(learnable_sink, q.shape[1], q.dtype, q.device)
     V.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", batch, q.device)
+    block_table = P.check_block_table(block_table, batch, k) if paged else None
+    seqused_k = P.check_seqused_k(seqused_k, batch, q.device)
+    if paged or seqused_k is not None:
+        P.check_no_grad(block_table, seqused_k, q=q, k=k, v=v, learnable_sink=learnable_sink)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # kernels index them densely
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    V.check_int32_offsets(("q", "k", "v"), (q, k, v), (max_seqlen_q, max_seqlen_k, max_seqlen_k), v.shape[-1])
+    rows_k = k.shape[1] if paged else max_seqlen_k  # paged: a page's rows (pages are addressed in 64 bits)
+    V.check_int32_offsets(("q", "k", "v"), (q, k, v), (max_seqlen_q, rows_k, rows_k), v.shape[-1])
     V.check_grid(batch, q.shape[1])
     if q.shape[1] * q.shape[0] >= V.INT32_LIMIT:
         raise NotImplementedError(f"nheads x total_q = {q.shape[1] * q.shape[0]} must be below 2**31 (32-bit offsets)")
     q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
     out, lse = attention(q, k, v, scale, bool(causal), True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         window_size, softcap, alibi_slopes, learnable_sink, dropout_p)
+                         window_size, softcap, alibi_slopes, learnable_sink, dropout_p, block_table, seqused_k)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -20,23 +20,28 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from . import paging
 from .kernels.forward import attention_forward
 from .kernels.launch import on_inputs_device
-from .validation import check_cu_seqlens_values, plain_tensors
+from .validation import INT32_LIMIT, check_cu_seqlens_values, plain_tensors
 
 
 @on_inputs_device
 def _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
                   max_seqlen_q, max_seqlen_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                  learnable_sink=None, dropout_p=0.0, rng_state=None):
+                  learnable_sink=None, dropout_p=0.0, rng_state=None, block_table=None, seqused_k=None):
     variant = dict(window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
                    learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state)
     if cu_seqlens_q is not None:
-        covers_q, _ = check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+        total_k = k.shape[0] if block_table is None else INT32_LIMIT  # paged: cu_seqlens_k gives lengths only
+        covers_q, _ = check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], total_k, max_seqlen_q,
                                               max_seqlen_k)
+        if paging.CHECK_VALUES and (block_table is not None or seqused_k is not None):
+            paging.check_values(block_table, seqused_k, cu_seqlens_k, k.shape[1], k.shape[0])
         out, lse = attention_forward(
             q, k, v, softmax_scale, causal, causal_bottom_right,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **variant,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **variant, block_table=block_table,
+            seqused_k=seqused_k,
         )
         if not covers_q:  # tokens outside every sequence: define them as 0 / -inf rather than leave garbage
             covered = _covered_rows(cu_seqlens_q, q.shape[0])
@@ -87,20 +92,24 @@ def attention_fwd_op(
     learnable_sink: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out like q with v's head dim; lse fp32 (B, Hq, Sq) dense or (Hq, total_q) varlen. window_left / right, softcap and
     alibi_slopes: flash-attn's window_size, softcap and alibi_slopes (-1, -1, 0.0, None: off). dropout_p > 0 with
     rng_state, the int64 (seed, offset) tensor `draw_dropout_state` drew outside the op: the op is a pure function
-    of its inputs (the same rng_state, the same mask), which torch.compile may trace and the backward replays."""
+    of its inputs (the same rng_state, the same mask), which torch.compile may trace and the backward replays.
+    block_table, seqused_k (varlen, forward only): k, v are page pools and block_table maps each sequence's keys to
+    pages; seqused_k counts each sequence's keys (`paging`)."""
     return _forward_impl(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, window_left, window_right, softcap, alibi_slopes, learnable_sink,
-                         dropout_p, rng_state)
+                         dropout_p, rng_state, block_table, seqused_k)
 
 
 @attention_fwd_op.register_fake
 def _(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None, dropout_p=0.0,
-      rng_state=None):
+      rng_state=None, block_table=None, seqused_k=None):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # contiguous, whatever the inputs' strides; v's head dim
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -161,6 +170,7 @@ def _setup_context(ctx, inputs, output):
     ctx.variant = tuple(variant[:3])  # (window_left, window_right, softcap), or () where the op's defaults hold
     ctx.dropout_p = variant[5] if len(variant) > 5 else 0.0
     ctx.n_variant = len(variant)  # the inputs after max_seqlen_k, which get no gradient
+    ctx.paged = any(t is not None for t in variant[7:9])  # block_table or seqused_k: no backward
     # Outputs nothing differentiates arrive as None (no zeros allocated): lse, in most calls, costs nothing then.
     ctx.set_materialize_grads(False)
 
@@ -181,6 +191,8 @@ def _gradients(ctx, dout, dlse, backward_fn):
     backward; torch.compile traces the backward with it off) they run without recording, and their results
     come back behind autograd's error node: differentiating them raises DOUBLE_BACKWARD_ERROR instead of
     silently adding nothing for the second-order term."""
+    if ctx.paged:  # (the public function refuses such calls with gradients first)
+        raise NotImplementedError("flashtriton has no backward for block_table or seqused_k (nor has flash-attn)")
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, sink, rng_state = ctx.saved_tensors
     softmax_scale, causal, causal_bottom_right, max_seqlen_q, max_seqlen_k = ctx.args
     if dout is None:  # only lse is differentiated
@@ -228,10 +240,10 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                learnable_sink=None, dropout_p=0.0, rng_state=None):
+                learnable_sink=None, dropout_p=0.0, rng_state=None, block_table=None, seqused_k=None):
         inputs = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, window_left, window_right, softcap, alibi_slopes, learnable_sink, dropout_p,
-                  rng_state)
+                  rng_state, block_table, seqused_k)
         output = _forward_impl(*inputs)
         _setup_context(ctx, inputs, output)
         return output
@@ -241,7 +253,8 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, dout, dlse, _backward_impl)
 
 
-_ATTENTION_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "learnable_sink")
+_ATTENTION_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "learnable_sink", "block_table",
+                      "seqused_k")
 
 # While `flashtriton.testing.record_dropout` is active: the rng_state tensors of the dropout calls, in order.
 DROPOUT_RECORD: Optional[list] = None
@@ -258,23 +271,30 @@ def draw_dropout_state(device) -> torch.Tensor:
 
 def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: bool, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, window_size=(-1, -1),
-              softcap: float = 0.0, alibi_slopes=None, learnable_sink=None, dropout_p: float = 0.0):
+              softcap: float = 0.0, alibi_slopes=None, learnable_sink=None, dropout_p: float = 0.0,
+              block_table=None, seqused_k=None):
     """(out, lse) with autograd, through the registered op when tracing, directly otherwise. window_size,
     softcap and dropout_p are flash-attn's (validated: two ints >= -1, a float >= 0, a float in [0, 1)); a call
-    with dropout draws its (seed, offset) here (`draw_dropout_state`)."""
+    with dropout draws its (seed, offset) here (`draw_dropout_state`). block_table, seqused_k: varlen, validated by
+    `paging` (forward only)."""
     args = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k)
+    paged = block_table is not None or seqused_k is not None
     if (tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None or learnable_sink is not None
-            or dropout_p):
+            or dropout_p or paged):
         args += (int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, learnable_sink)
     if dropout_p:
         rng_state = draw_dropout_state(q.device)
         if DROPOUT_RECORD is not None:
             DROPOUT_RECORD.append(rng_state)
         args += (float(dropout_p), rng_state)
+    elif paged:
+        args += (0.0, None)
+    if paged:
+        args += (block_table, seqused_k)
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-            or not plain_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink,
-                                 names=_ATTENTION_TENSORS)):
+            or not plain_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, block_table,
+                                 seqused_k, names=_ATTENTION_TENSORS)):
         return attention_fwd_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (learnable_sink is not None and learnable_sink.requires_grad)):
