@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtriton.kernels import backward, decode, forward
+from flashtriton.kernels import backward, forward
 
 TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 UNALIGNED_INTS = {"NUM_HEADS", "NUM_HEADS_KV", "GROUP_SIZE"}
@@ -180,39 +180,22 @@ def tma_kernels(out: Path) -> None:
 
 
 def decode_kernels(out: Path) -> None:
-    """The split-KV decode kernel: contiguous and paged caches, one split and several, causal or not; the
-    stream-schedule kernel, contiguous and paged."""
-    for paged, causal in ((False, False), (True, True)) if hasattr(decode, "_decode_stream") else ():
-        fn = decode._decode_stream
-        constexprs = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=causal, PAGED=paged,
-                          PAGE_SIZE=256 if paged else 1, HAS_BATCH_IDX=not paged, STORE_LSE=True, UPCAST_DOT=False,
-                          DOT_PRECISION="tf32", BLOCK_B=8, BLOCK_M=16, BLOCK_N=128, stride_qd=1)
-        _write_decode(out, fn, constexprs, f"decode_stream_paged{int(paged)}_causal{int(causal)}.ptx")
-    fn = decode._decode_split
-    for paged, split_kv, causal in ((False, False, False), (False, True, True), (True, True, False)):
-        constexprs = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=causal, PAGED=paged,
-                          PAGE_SIZE=256 if paged else 1, HAS_BATCH_IDX=not paged, SPLIT_KV=split_kv,
-                          **({"STORE_LSE": True} if "STORE_LSE" in fn.arg_names else {}),
-                          **({"SPLITS_P2": 16 if split_kv else 1} if "SPLITS_P2" in fn.arg_names else {}),
-                          UPCAST_DOT=False, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=128)
-        constexprs["stride_qd"] = 1
-        _write_decode(out, fn, constexprs, f"decode_paged{int(paged)}_split{int(split_kv)}_causal{int(causal)}.ptx")
+    """The decode kernels as a launch builds them (`decode_launch.compile_for_sm90`: the plan's constexprs and
+    options): the split-KV kernel, contiguous and paged, one split and several, causal or not; the stream-schedule
+    kernel, contiguous and paged."""
+    from flashtriton.kernels import decode_launch
+    from flashtriton.kernels.variant import Variant
 
-
-def _write_decode(out: Path, fn, constexprs: dict, name: str) -> None:
-    sig = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "O": "*fp16", "LSE": "*fp32", "O_PART": "*fp32",
-           "LSE_PART": "*fp32", "PART": "*fp32", "TICKETS": "*i32", "CACHE_SEQLENS": "*i32", "BATCH_IDX": "*i32",
-           "BLOCK_TABLE": "*i32", "qk_scale": "fp32", "stride_qd": "constexpr"}
-    sig = {n: t for n, t in sig.items() if n in fn.arg_names}
-    for arg in fn.arg_names:
-        sig.setdefault(arg, "constexpr" if arg in constexprs else "i32")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and n.startswith("stride_"))}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
-    path = out / name
-    path.write_text(code_only(compiled.asm["ptx"]))
-    print(path)
+    cases = [(False, True, 0, False), (True, True, 0, True),  # (paged, stream, splits, causal)
+             (False, False, 1, False), (False, False, 4, True), (True, False, 4, False)]
+    for paged, stream, splits, causal in cases:
+        compiled = decode_launch.compile_for_sm90(Variant.of(causal, True), paged=paged, stream=stream,
+                                                  num_splits=splits or 2)
+        name = (f"decode_stream_paged{int(paged)}_causal{int(causal)}.ptx" if stream
+                else f"decode_paged{int(paged)}_split{int(splits > 1)}_causal{int(causal)}.ptx")
+        path = out / name
+        path.write_text(code_only(compiled.asm["ptx"]))
+        print(path)
 
 
 if __name__ == "__main__":
