@@ -292,7 +292,8 @@ class OnlineMerge:
 
     def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None)) -> None:
         """Merge a partial (out (B, S', H, Dv), lse (B, H, S')) over other keys into rows `rows` (S' of them)."""
-        if self._empty and rows == slice(None):  # the first partial over every row: nothing to merge with
+        rows = slice(*rows.indices(self._out.shape[2]))
+        if self._empty and rows == slice(0, self._out.shape[2], 1):  # the first partial over every row: a copy
             self._out[0].copy_(out)
             self._lse[0].copy_(lse)
             self._empty = False

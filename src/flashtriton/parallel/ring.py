@@ -1,0 +1,218 @@
+"""Ring attention over a group: each rank keeps its shard of the queries and passes K/V round the ring.
+
+At step t rank r holds the K/V shard of rank r - t (mod world): it posts the exchange that brings the next one
+(isend to r + 1, irecv from r - 1, `RingExchange`), attends its queries to the shard it holds while the bytes move
+(`chunk_forward` at the two shards' positions) and merges the result into fp32 running (out, lse)
+(`OnlineMerge`). The backward runs the same ring again: with the forward's global out and lse each step gives
+the local dQ (accumulated in fp32 in place) and the held shard's dK/dV, which travel with an fp32 accumulator
+round the ring behind the K/V, one hop per step, and arrive complete at their owner after the last step.
+
+A step's work is planned from the two shards' positions (`step_calls`): pairs of segments nothing of which is
+visible are skipped, and where the visible pairs form one block (zigzag: every step but the first; the first is
+causal over the local order, which is the positions' order) they run as one kernel call. With the zigzag layout
+and a causal mask every rank does the same work at every step.
+
+Deterministic given the world size: the kernels are, and every sum runs in a fixed order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import validation as V
+from ..chunked import OnlineMerge, _check_inputs, chunk_backward, chunk_forward, pair_visibility
+from .comm import RingExchange, agree, check_backend, group_info, wait
+from .layout import Segment, check_layout, parts_per_rank, segments
+
+
+class Call(NamedTuple):
+    """One kernel call of a step: query rows and key rows of the shards, their first positions, the mask."""
+    q_rows: slice
+    k_rows: slice
+    q_pos: int
+    k_pos: int
+    causal: bool
+    window: tuple
+
+
+def _rows(segs: list[Segment]) -> slice:
+    return slice(segs[0].row, segs[-1].row + segs[-1].length)
+
+
+def _adjacent(segs: list[Segment]) -> bool:
+    return all(a.row + a.length == b.row for a, b in zip(segs[:-1], segs[1:]))
+
+
+def step_calls(q_segs: list[Segment], k_segs: list[Segment], causal: bool, window: tuple) -> list[Call]:
+    """The calls that attend queries at q_segs to keys at k_segs: none for hidden pairs; one unmasked call when
+    the visible pairs are all fully visible and form one block of rows x keys; one causal call when both are
+    the same segments in increasing positions (the local order is then the positions' order); else one call
+    per visible pair, at its positions."""
+    pairs = [(a, b) for a in q_segs for b in k_segs]
+    kinds = {p: pair_visibility(p[0].length, p[1].length, p[0].pos, p[1].pos, causal, window) for p in pairs}
+    seen = [p for p in pairs if kinds[p] != "hidden"]
+    if not seen:
+        return []
+    rows = sorted({a for a, _ in seen}, key=lambda s: s.row)
+    keys = sorted({b for _, b in seen}, key=lambda s: s.row)
+    if (all(kinds[p] == "full" for p in seen) and len(seen) == len(rows) * len(keys)
+            and _adjacent(rows) and _adjacent(keys)):
+        return [Call(_rows(rows), _rows(keys), 0, 0, False, (-1, -1))]
+    increasing = all(a.pos + a.length <= b.pos for a, b in zip(q_segs[:-1], q_segs[1:]))
+    if causal and window[0] < 0 and q_segs == k_segs and increasing and _adjacent(q_segs):
+        return [Call(_rows(q_segs), _rows(q_segs), 0, 0, True, (-1, -1))]
+    return [Call(slice(a.row, a.row + a.length), slice(b.row, b.row + b.length), a.pos, b.pos, causal, window)
+            for a, b in seen]
+
+
+class _Spec(NamedTuple):
+    group: object
+    rank: int
+    world: int
+    layout: str
+    causal: bool
+    window: tuple
+    scale: float
+    softcap: float
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor, dtype=None) -> torch.Tensor:
+    """K and V in one flat buffer (one message a step), or an empty one of their sizes when `dtype` is given."""
+    if dtype is not None:
+        return torch.empty(k.numel() + v.numel(), dtype=dtype, device=k.device)
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    n = k_shape.numel()
+    return buf[:n].view(k_shape), buf[n:].view(v_shape)
+
+
+def _ring_forward(q, k, v, spec: _Spec):
+    batch, n, heads, _ = q.shape
+    q_segs = segments(spec.layout, spec.rank, spec.world, n)
+    acc = OnlineMerge(batch, n, heads, v.shape[-1], q.device)
+    ring = RingExchange(spec.group, spec.rank, spec.world) if spec.world > 1 else None
+    kv = _pack(k, v) if ring else None
+    spare = torch.empty_like(kv) if ring else None
+    for step in range(spec.world):
+        src = (spec.rank - step) % spec.world
+        requests = ring.start(kv, spare) if step + 1 < spec.world else None  # the next shard moves meanwhile
+        k_s, v_s = _unpack(kv, k.shape, v.shape) if ring else (k, v)
+        for c in step_calls(q_segs, segments(spec.layout, src, spec.world, n), spec.causal, spec.window):
+            part = chunk_forward(q[:, c.q_rows], k_s[:, c.k_rows], v_s[:, c.k_rows], c.q_pos, c.k_pos, c.causal,
+                                 c.window, spec.scale, spec.softcap)
+            acc.add(*part, rows=c.q_rows)
+        if requests:
+            wait(requests)
+            kv, spare = spare, kv
+    return acc.out.to(q.dtype), acc.lse.clone()
+
+
+def _ring_backward(dout, q, k, v, out, lse, spec: _Spec):
+    n = q.shape[1]
+    q_segs = segments(spec.layout, spec.rank, spec.world, n)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    ring = RingExchange(spec.group, spec.rank, spec.world) if spec.world > 1 else None
+    kv = _pack(k, v)
+    kv_spare = torch.empty_like(kv) if ring else None
+    dkv = torch.zeros(kv.numel(), dtype=torch.float32, device=q.device)  # the held shard's dK, dV so far
+    dkv_spare, scratch = (_pack(k, v, torch.float32), _pack(k, v, torch.float32)) if ring else (None, None)
+    dkv_requests = None
+    for step in range(spec.world):
+        src = (spec.rank - step) % spec.world
+        kv_requests = ring.start(kv, kv_spare, tag=0) if step + 1 < spec.world else None
+        k_s, v_s = _unpack(kv, k.shape, v.shape)
+        calls = step_calls(q_segs, segments(spec.layout, src, spec.world, n), spec.causal, spec.window)
+        target = dkv if step == 0 else scratch.zero_()  # later steps: this rank's share, added when src's arrives
+        dk_t, dv_t = _unpack(target, k.shape, v.shape)
+        for c in calls:
+            chunk_backward(dout[:, c.q_rows], q[:, c.q_rows], k_s[:, c.k_rows], v_s[:, c.k_rows], out[:, c.q_rows],
+                           lse[:, :, c.q_rows], c.q_pos, c.k_pos, c.causal, c.window, spec.scale, spec.softcap,
+                           dq=dq[:, c.q_rows], dk=dk_t[:, c.k_rows], dv=dv_t[:, c.k_rows], accumulate=True)
+        if step > 0:
+            wait(dkv_requests)  # dkv_spare: src's accumulator, from the previous rank
+            if calls:
+                dkv_spare += scratch
+            dkv, dkv_spare = dkv_spare, dkv
+        if ring:
+            dkv_requests = ring.start(dkv, dkv_spare, tag=1)  # on to the next rank; the previous rank's comes in
+        if kv_requests:
+            wait(kv_requests)
+            kv, kv_spare = kv_spare, kv
+    if ring:
+        wait(dkv_requests)  # after the last hop: this rank's own dK, dV
+        dkv = dkv_spare
+    dk, dv = _unpack(dkv, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec):
+        out, lse = _ring_forward(q, k, v, spec)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.spec)
+        return dq, dk, dv, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, group=None,
+                   layout: str = "zigzag", softmax_scale: float | None = None,
+                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+    """Exact attention over a sequence sharded over the ranks of `group` (ring attention).
+
+    Arguments:
+        q: (batch, seqlen / world, nheads, headdim), this rank's shard of the queries (`shard(x, group, layout)`).
+        k, v: (batch, seqlen / world, nheads_k, headdim / headdim_v), its shards of the keys and values (GQA:
+            only the nheads_k heads travel). Types, head dims and strides as `flash_attn_func`.
+        causal, window_size, softcap, softmax_scale: as `flash_attn_func` on the whole sequence (causal and the
+            window on positions).
+        group: a torch.distributed process group (None: the default one) whose backend moves the tensors (NCCL
+            for CUDA tensors, gloo for CPU ones).
+        layout: "zigzag" (rank r holds chunks r and 2·world - 1 - r of 2·world: equal causal work everywhere;
+            seqlen / world even) or "contiguous" (rank r holds chunk r of world).
+    Returns:
+        out: (batch, seqlen / world, nheads, headdim_v), this rank's shard of the output (`unshard` rebuilds it).
+
+    Collective: every rank of the group calls it with shards of one shape and dtype and the same options. Each
+    checks its own arguments, then one all_gather of a small tensor compares all ranks' (`comm.agree`), so that
+    bad input raises on every rank before anything moves, never a hang. Differentiable (the backward is another
+    ring: dK, dV return to their owner); deterministic given the world size; not traced by torch.compile.
+    """
+    group, rank, world = group_info(group)
+    error = None
+    try:
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            V.check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen / world, nheads, headdim)")
+        check_backend(group, q.device)
+        window, softcap, scale = _check_inputs(q, k, v, 0, 0, causal, window_size, softmax_scale, softcap)
+        layout = check_layout(layout)
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"k and v must be shards of the same sequence as q: q has {q.shape[1]} positions "
+                             f"here, k and v {k.shape[1]}")
+        if q.shape[1] % parts_per_rank(layout) or q.shape[1] == 0:
+            raise ValueError(f"q's shard ({q.shape[1]} positions) must be a positive multiple of "
+                             f"{parts_per_rank(layout)} for layout={layout!r} (the sequence a multiple of "
+                             f"{parts_per_rank(layout) * world})")
+    except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
+        error = e
+    fields = {} if error else {
+        "q's shard shape": tuple(q.shape), "k's shard shape": tuple(k.shape), "v's shard shape": tuple(v.shape),
+        "dtype": q.dtype, "device type": q.device.type, "causal": causal, "window_size": window,
+        "softcap": softcap, "softmax_scale": scale, "layout": layout,
+        "requires_grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+    }
+    agree(group, q.device if isinstance(q, torch.Tensor) else None, "ring_attention", fields, error)
+    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    spec = _Spec(group, rank, world, layout, causal, window, scale, softcap)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _RingAttention.apply(q, k, v, spec)
+    return _ring_forward(q, k, v, spec)[0]

@@ -1,0 +1,153 @@
+"""All-to-all (DeepSpeed-Ulysses) attention: trade the sequence shard of every head for the whole sequence of a
+share of the heads, attend locally, and trade back.
+
+    q (B, S / world, Hq, D)  --all_to_all-->  (B, S, Hq / world, D)  --flash_attn_func-->  (B, S, Hq / world, Dv)
+                             <--all_to_all--  out (B, S / world, Hq, Dv)
+
+Rank r takes query heads [r·Hq/world, (r + 1)·Hq/world) and the kv heads they read: Hkv / world of them when
+world divides Hkv, else (world a multiple of Hkv) the one kv head its query heads share, sent by each rank to the
+world / Hkv ranks that need it (their gradients summed on the way back, in a fixed order). Two all_to_all calls
+forward and two backward (the gradient of one is the other); every tensor moves once each way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import validation as V
+from ..chunked import _check_inputs
+from ..interface import flash_attn_func
+from .comm import agree, check_backend, group_info
+from .layout import check_layout, parts_per_rank, segments
+
+
+def _position_order(layout: str, world: int, n: int) -> list[int]:
+    """The gathered sequence comes in rank order of the shards, each its layout's segments: the index, in that
+    order, of the chunk that holds each chunk of positions (chunks of n / parts_per_rank rows)."""
+    chunks = []
+    for rank in range(world):
+        chunks += [s.pos for s in segments(layout, rank, world, n)]
+    return sorted(range(len(chunks)), key=lambda i: chunks[i])
+
+
+def _reorder(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """x (B, S, h, D) with its S rows in len(order) equal chunks, chunk i of the result = chunk order[i] of x."""
+    if order == sorted(order):
+        return x
+    b, s, h, d = x.shape
+    return x.view(b, len(order), s // len(order), h, d)[:, order].reshape(b, s, h, d)
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inv = [0] * len(order)
+    for i, o in enumerate(order):
+        inv[o] = i
+    return inv
+
+
+def _seq_to_heads(x: torch.Tensor, group, world: int, order: list[int]) -> torch.Tensor:
+    """(B, n, world·h, D) -> (B, world·n, h, D): this rank's h heads over the whole sequence, in position order."""
+    b, n, heads, d = x.shape
+    send = x.view(b, n, world, heads // world, d).permute(2, 0, 1, 3, 4).contiguous()  # (world, B, n, h, D)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # slot s: rank s's shard of this rank's heads
+    return _reorder(recv.permute(1, 0, 2, 3, 4).reshape(b, world * n, heads // world, d), order)
+
+
+def _heads_to_seq(y: torch.Tensor, group, world: int, order: list[int]) -> torch.Tensor:
+    """The inverse of `_seq_to_heads`: (B, world·n, h, D) in position order -> (B, n, world·h, D)."""
+    b, s, h, d = y.shape
+    y = _reorder(y, _inverse(order))
+    send = y.view(b, world, s // world, h, d).permute(1, 0, 2, 3, 4).contiguous()  # (world, B, n, h, D)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # slot s: this rank's shard of rank s's heads
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """`_seq_to_heads`, after repeating each head `repeat` times (kv heads fewer than ranks); the backward is
+    `_heads_to_seq` and the sum over the repeats."""
+
+    @staticmethod
+    def forward(ctx, x, group, world, order, repeat):
+        ctx.args = (group, world, order, repeat)
+        if repeat > 1:
+            x = x.repeat_interleave(repeat, dim=2)
+        return _seq_to_heads(x, group, world, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, world, order, repeat = ctx.args
+        g = _heads_to_seq(grad.contiguous(), group, world, order)
+        if repeat > 1:
+            b, n, heads, d = g.shape
+            g = g.view(b, n, heads // repeat, repeat, d).sum(3)
+        return g, None, None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group, world, order):
+        ctx.args = (group, world, order)
+        return _heads_to_seq(y, group, world, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, world, order = ctx.args
+        return _seq_to_heads(grad.contiguous(), group, world, order), None, None, None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, group=None,
+                      layout: str = "contiguous", softmax_scale: float | None = None,
+                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+    """Exact attention over a sequence sharded over the ranks of `group`, by all-to-all over the heads.
+
+    Arguments:
+        q: (batch, seqlen / world, nheads, headdim), this rank's shard; nheads a multiple of the world size.
+        k, v: (batch, seqlen / world, nheads_k, headdim / headdim_v); nheads_k a multiple of the world size, or the
+            world size a multiple of nheads_k (GQA / MQA).
+        causal, window_size, softcap, softmax_scale: as `flash_attn_func` on the whole sequence.
+        group: as `ring_attention`'s.
+        layout: how the shards cut the sequence, as `shard` cut it: "contiguous" (default) or "zigzag" (the
+            gathered sequence is put in position order before the kernel, and back after).
+    Returns:
+        out: (batch, seqlen / world, nheads, headdim_v), this rank's shard of the output.
+
+    Collective, checked on every rank as `ring_attention` is (one small all_gather first); differentiable through
+    the all-to-alls and flashtriton's kernels; deterministic.
+    """
+    group, rank, world = group_info(group)
+    error = None
+    try:
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            V.check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen / world, nheads, headdim)")
+        check_backend(group, q.device)
+        window, softcap, scale = _check_inputs(q, k, v, 0, 0, causal, window_size, softmax_scale, softcap)
+        layout = check_layout(layout)
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"k and v must be shards of the same sequence as q: q has {q.shape[1]} positions "
+                             f"here, k and v {k.shape[1]}")
+        if q.shape[1] % parts_per_rank(layout):
+            raise ValueError(f"q's shard ({q.shape[1]} positions) must be even for layout='zigzag'")
+        if q.shape[2] % world:
+            raise ValueError(f"q's heads ({q.shape[2]}) must be a multiple of the world size ({world}) for "
+                             "ulysses_attention (ring_attention takes any)")
+        if k.shape[2] % world and world % k.shape[2]:
+            raise ValueError(f"k and v's heads ({k.shape[2]}) must be a multiple of the world size ({world}) or "
+                             "divide it for ulysses_attention (ring_attention takes any)")
+    except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
+        error = e
+    fields = {} if error else {
+        "q's shard shape": tuple(q.shape), "k's shard shape": tuple(k.shape), "v's shard shape": tuple(v.shape),
+        "dtype": q.dtype, "device type": q.device.type, "causal": causal, "window_size": window,
+        "softcap": softcap, "softmax_scale": scale, "layout": layout,
+        "requires_grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+    }
+    agree(group, q.device if isinstance(q, torch.Tensor) else None, "ulysses_attention", fields, error)
+    order = _position_order(layout, world, q.shape[1])
+    repeat = 1 if k.shape[2] % world == 0 else world // k.shape[2]
+    qh = _SeqToHeads.apply(q, group, world, order, 1)
+    kh, vh = (_SeqToHeads.apply(t, group, world, order, repeat) for t in (k, v))
+    out = flash_attn_func(qh, kh, vh, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
+    return _HeadsToSeq.apply(out, group, world, order)

@@ -1,0 +1,166 @@
+"""One rank of a gloo group for tests/test_parallel.py: runs the named checks in order, exit status 1 if one fails.
+
+    python tests/parallel_worker.py RANK WORLD INIT_FILE CHECK [CHECK ...]
+
+Every rank runs the same checks (they are collective); inputs come from one seed, so that every rank builds the
+same full sequence and shards it. Rank 0 compares the gathered results with flashtriton on the whole sequence (and
+that with float64).
+"""
+
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels run on CPU tensors
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import flashtriton  # noqa: E402
+from flashtriton import parallel  # noqa: E402
+from flashtriton.kernels.variant import Variant  # noqa: E402
+from flashtriton.reference import attention_reference  # noqa: E402
+
+TIMEOUT_S = 60  # the process group's: a rank that never arrives makes the others raise after this
+
+
+def inputs(world, hq, hkv, seed=0, batch=1, per_rank=16, dim=16):
+    gen = torch.Generator().manual_seed(seed)
+    seqlen = per_rank * world
+    q = torch.randn(batch, seqlen, hq, dim, generator=gen)
+    k, v = (torch.randn(batch, seqlen, hkv, dim, generator=gen) for _ in range(2))
+    return q, k, v, torch.randn(batch, seqlen, hq, dim, generator=gen)
+
+
+def sharded_run(fn, q, k, v, dout, layout, group=None, **kw):
+    """fn on this rank's shards, forward and backward; the gathered out and gradients (every rank)."""
+    local = [parallel.shard(t, group, layout).detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*local, group=group, layout=layout, **kw)
+    out.backward(parallel.shard(dout, group, layout))
+    return [parallel.unshard(t, group, layout) for t in (out.detach(), *(t.grad for t in local))]
+
+
+def check_against_full(got, q, k, v, dout, causal, what, window=(-1, -1)):
+    """got: (out, dq, dk, dv) of the whole sequence; flashtriton's full call, and float64 for the output."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flashtriton.flash_attn_func(*leaves, causal=causal, window_size=window)
+    out.backward(dout)
+    exact = attention_reference(q, k, v, variant=Variant(causal=causal, window=window))
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5, msg=f"{what}: full call vs float64")
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (out, *(t.grad for t in leaves))):
+        torch.testing.assert_close(a, b.detach(), atol=3e-5, rtol=1e-5, msg=f"{what}: {name}")
+
+
+def ring_case(layout, causal, hq, hkv, window=(-1, -1)):
+    def run(rank, world):
+        q, k, v, dout = inputs(world, hq, hkv)
+        got = sharded_run(parallel.ring_attention, q, k, v, dout, layout, causal=causal, window_size=window)
+        if rank == 0:
+            check_against_full(got, q, k, v, dout, causal, f"ring {layout} causal={causal} {hq}/{hkv} {window}",
+                               window)
+    return run
+
+
+def ulysses_case(layout, causal, hq, hkv):
+    def run(rank, world):
+        q, k, v, dout = inputs(world, hq, hkv, seed=1)
+        got = sharded_run(parallel.ulysses_attention, q, k, v, dout, layout, causal=causal)
+        if rank == 0:
+            check_against_full(got, q, k, v, dout, causal, f"ulysses {layout} causal={causal} {hq}/{hkv}")
+    return run
+
+
+def deterministic_and_subgroups(rank, world):
+    """Two forward runs give the same bits; a ring over pairs of ranks (subgroups: group ranks are not global
+    ranks) and over each rank alone (world size 1) equals the full call."""
+    q, k, v, _ = inputs(2, 2, 1, seed=2, per_rank=8)
+    local = [parallel.shard(t, None, "zigzag") for t in inputs(world, 2, 1, seed=2, per_rank=8)[:3]]
+    first, second = (parallel.ring_attention(*local, causal=True) for _ in range(2))
+    assert torch.equal(first, second), "ring_attention is not deterministic"
+    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # (collective: every rank builds all)
+    solo = [dist.new_group([r]) for r in range(world)]
+    pair = pairs[rank // 2]
+    want = flashtriton.flash_attn_func(q, k, v, causal=True)
+    out = parallel.ring_attention(*(parallel.shard(t, pair, "zigzag") for t in (q, k, v)), causal=True, group=pair)
+    torch.testing.assert_close(parallel.unshard(out, pair, "zigzag"), want, atol=3e-5, rtol=1e-5)
+    out = parallel.ring_attention(q, k, v, causal=True, group=solo[rank], layout="contiguous")
+    torch.testing.assert_close(out, want, atol=3e-5, rtol=1e-5)
+
+
+def expect(error, match, fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except error as e:
+        assert match in str(e), f"{error.__name__} without {match!r}: {e}"
+        return
+    raise AssertionError(f"no {error.__name__} ({match!r})")
+
+
+def bad_inputs(rank, world):
+    """Each raises on every rank (the ones with good inputs too), and the group stays usable."""
+    q, k, v, _ = inputs(world, 4, 2)
+    ql, kl, vl = (parallel.shard(t, None, "contiguous") for t in (q, k, v))
+    expect(ValueError, "must be a multiple of", parallel.shard, q[:, :-2], None, "zigzag")
+    odd = [t[:, :-1] for t in (ql, kl, vl)]  # 15 positions a rank: zigzag needs an even shard
+    expect(ValueError, "positive multiple of 2", parallel.ring_attention, *odd, causal=True)
+    short = [t[:, :8] if rank == 1 else t for t in (ql, kl, vl)]  # rank 1's shards are shorter
+    expect(ValueError, "q's shard shape must be the same on every rank", parallel.ring_attention, *short,
+           layout="contiguous")
+    half = [t.bfloat16() if rank == 0 else t for t in (ql, kl, vl)]
+    expect(ValueError, "dtype must be the same on every rank", parallel.ring_attention, *half, layout="contiguous")
+    flat = [t[0] if rank == 1 else t for t in (ql, kl, vl)]  # rank 1: 3-D tensors
+    if rank == 1:
+        expect(ValueError, "must have 4 dims", parallel.ring_attention, *flat, layout="contiguous")
+    else:
+        expect(ValueError, "rank 1 of the group refused its inputs", parallel.ring_attention, *flat,
+               layout="contiguous")
+    meta = [t.to("meta") for t in (ql, kl, vl)]
+    expect(ValueError, "group: its backend 'gloo' cannot move meta tensors", parallel.ring_attention, *meta)
+    many = [ql[:, :, :3]] * 3  # 3 heads: not a multiple of 2 or 4
+    expect(ValueError, "must be a multiple of the world size", parallel.ulysses_attention, *many)
+    grads = [t.clone().requires_grad_(rank == 0) for t in (ql, kl, vl)]  # a backward only rank 0 would run
+    expect(ValueError, "requires_grad must be the same on every rank", parallel.ring_attention, *grads,
+           layout="contiguous")
+    out = parallel.ring_attention(ql, kl, vl, layout="contiguous")  # the group still works
+    torch.testing.assert_close(parallel.unshard(out, None, "contiguous"), flashtriton.flash_attn_func(q, k, v),
+                               atol=3e-5, rtol=1e-5)
+
+
+CHECKS = {
+    "ring_zigzag_causal_gqa": ring_case("zigzag", True, 4, 2),
+    "ring_zigzag_causal_mqa": ring_case("zigzag", True, 2, 1),
+    "ring_zigzag_full": ring_case("zigzag", False, 2, 2),
+    "ring_contiguous_causal_window": ring_case("contiguous", True, 2, 1, window=(12, 0)),
+    "ring_contiguous_full": ring_case("contiguous", False, 1, 1),
+    "ulysses_causal_gqa": ulysses_case("contiguous", True, 4, 2),
+    "ulysses_zigzag_causal_mqa": ulysses_case("zigzag", True, 4, 1),
+    "ulysses_full": ulysses_case("contiguous", False, 4, 4),
+    "deterministic_and_subgroups": deterministic_and_subgroups,
+    "bad_inputs": bad_inputs,
+}
+
+
+def main():
+    rank, world, init_file, *names = sys.argv[1:]
+    rank, world = int(rank), int(world)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    failed = []
+    for name in names:
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            CHECKS[name](rank, world)
+            print(f"rank {rank}: {name} ok ({time.perf_counter() - start:.1f} s, cpu {time.process_time() - cpu:.1f} s)",
+                  flush=True)
+        except Exception:  # report and go on: the other ranks run the same collectives
+            failed.append(name)
+            print(f"rank {rank}: {name} FAILED\n{traceback.format_exc()}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
