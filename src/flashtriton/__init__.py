@@ -7,11 +7,13 @@
     out = flashtriton.flash_attn_qkvpacked_func(qkv, causal=True)       # qkv (B, S, 3, H, D), no copy
     out = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)  # decoding
     out, lse = flashtriton.flash_attn_combine(out_partial, lse_partial)  # merge split results (FA3's)
+    out = flashtriton.parallel.ring_attention(q, k, v, causal=True)       # a sequence sharded over a group
 
 On a machine without a GPU, set TRITON_INTERPRET=1 before importing to run the kernels on CPU tensors
 through Triton's interpreter (slow; for testing).
 """
 
+from . import parallel
 from ._version import __version__
 from .combine import flash_attn_combine
 from .interface import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
