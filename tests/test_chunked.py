@@ -7,7 +7,8 @@ import torch
 
 import flashtriton
 from flashtriton import chunked
-from flashtriton.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+from flashtriton.flash_attn_interface import (_flash_attn_backward, _flash_attn_forward, _flash_attn_varlen_backward,
+                                              _flash_attn_varlen_forward)
 from flashtriton.kernels.variant import Variant
 from flashtriton.reference import attention_reference
 
@@ -154,3 +155,30 @@ def test_flash_attn_private_aliases(device):
     assert not wide[..., 16:].any()
     with pytest.raises(NotImplementedError, match="return_softmax"):
         _flash_attn_forward(q.detach(), k.detach(), v.detach(), 0.1, 0.25, True, return_softmax=True)
+
+
+def test_flash_attn_private_varlen_aliases(device):
+    """_flash_attn_varlen_forward / _backward equal flash_attn_varlen_func and its gradient (two packed sequences,
+    causal, GQA)."""
+    gen = torch.Generator().manual_seed(3)
+    cu_q = torch.tensor([0, 9, 24], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 12, 30], dtype=torch.int32, device=device)
+    q = torch.randn(24, 2, 16, generator=gen).to(device).requires_grad_()
+    k, v = (torch.randn(30, 1, 16, generator=gen).to(device).requires_grad_() for _ in range(2))
+    dout = torch.randn(24, 2, 16, generator=gen).to(device)
+    ref, ref_lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 15, 18, causal=True,
+                                                         return_attn_probs=True)
+    ref.backward(dout)
+    out, lse, _, rng_state = _flash_attn_varlen_forward(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 15, 18, 0.0,
+                                                        0.25, True)
+    torch.testing.assert_close(out, ref.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, ref_lse.detach(), atol=1e-6, rtol=1e-6)
+    dq, dk, dv = (torch.zeros(t.shape, device=device) for t in (q, k, v))
+    softmax_d = _flash_attn_varlen_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, dq, dk, dv, cu_q,
+                                            cu_k, 15, 18, 0.0, 0.25, True, rng_state=rng_state)
+    assert softmax_d.shape == (2, 24)
+    for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(NotImplementedError, match="seqused_k"):
+        _flash_attn_varlen_forward(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 15, 18, 0.0, 0.25, True,
+                                   seqused_k=torch.tensor([9, 15], dtype=torch.int32, device=device))
