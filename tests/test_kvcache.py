@@ -924,7 +924,7 @@ def test_repeated_split_calls_reuse_zeroed_ticket_counters():
     with torch.no_grad():
         expected = {s: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=s)
                     for s in (1, 2, 5)}
-        for step in range(6):
+        for step in range(6 if DEVICE == "cuda" else 2):  # (off a GPU no counters are kept between calls)
             splits = (2, 5)[step % 2]
             got = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)
             torch.testing.assert_close(got, expected[1], atol=2e-3, rtol=0)
