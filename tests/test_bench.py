@@ -42,8 +42,10 @@ def test_standard_sweep_is_the_papers_sweep():
     assert all(s.B * s.T == 16384 and s.H * s.D == 2048 for s in shapes)
     assert C.Shape(B=32, H=32, T=512, D=64) in shapes and C.Shape(B=1, H=8, T=16384, D=256) in shapes
     assert C.standard_shapes([32768], [128])[0].B == 1  # never zero
+    odd = C.standard_shapes([4096], [80, 96, 192])  # the heads that fit, as the anchors' runs of these head dims
+    assert [(s.B, s.H, s.D) for s in odd] == [(4, 25, 80), (4, 21, 96), (4, 10, 192)]
     with pytest.raises(ValueError):
-        C.standard_shapes([512], [96])  # 2048 is not a multiple of 96
+        C.standard_shapes([512], [4096])  # a head dim past the hidden size
 
 
 def test_default_and_quick_options():

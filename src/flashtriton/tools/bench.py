@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="comma list of fwd,bwd,fwd_bwd (default fwd,bwd; variants fwd,bwd,fwd_bwd; decode is always fwd)")
     a("--dtypes", default=None, help="comma list of fp16,bf16,fp32 (default fp16; variants bf16)")
     a("--causal", default=None, help="comma list of 0,1 (default 0,1)")
-    a("--head-dims", default=None, help="standard sweep head dims (default 64,128,256; quick 128)")
+    a("--head-dims", default=None,
+      help="standard sweep head dims (default 64,128,256; quick 128; e.g. 64,80,96,128,192,256: H = hidden // D)")
     a("--seqlens", default=None, help="standard sweep T values (default 512,...,16384; 1k style allowed)")
     a("--tokens", type=int, default=16384, help="standard sweep: B*T (default 16384)")
     a("--hidden", type=int, default=2048, help="standard sweep: H*D (default 2048)")
