@@ -63,23 +63,30 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                                            softmax_scale, softcap)
     dropout_p = V.check_dropout(dropout_p)
     alibi_slopes = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    if dropout_p and (not isinstance(rng_state, torch.Tensor) or rng_state.numel() != 2):
-        raise ValueError("dropout_p > 0 needs rng_state, the int64 (seed, offset) tensor _flash_attn_forward returned")
-    expected = (*q.shape[:3], v.shape[3])
-    for name, t in (("dout", dout), ("out", out)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
-            raise ValueError(f"{name} must be a tensor of shape {expected}, got "
-                             + (str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__))
-    if (not isinstance(softmax_lse, torch.Tensor) or softmax_lse.dtype != torch.float32
-            or tuple(softmax_lse.shape) != (q.shape[0], q.shape[2], q.shape[1])):
-        raise ValueError(f"softmax_lse must be a float32 tensor of shape {(q.shape[0], q.shape[2], q.shape[1])}")
-    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        _check_buffer(name, buf, like, False)
+    _check_backward(q, k, v, dout, out, softmax_lse, dq, dk, dv, dropout_p, rng_state, (*q.shape[:3], v.shape[3]),
+                    (q.shape[0], q.shape[2], q.shape[1]), "_flash_attn_forward")
     q, k, v, dout, out = (V.last_dim_contiguous(t) for t in (q, k, v, dout, out))
     attention_backward(dout, q, k, v, out, softmax_lse, scale, bool(causal), True, window_size=window,
                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                        rng_state=rng_state if dropout_p else None, dq=dq, dk=dk, dv=dv)
     return (dout.float() * out.float()).sum(-1).transpose(1, 2)
+
+
+def _check_backward(q, k, v, dout, out, softmax_lse, dq, dk, dv, dropout_p, rng_state, out_shape: tuple,
+                    lse_shape: tuple, forward: str) -> None:
+    """The backward aliases' checks of what the forward returned: rng_state with dropout, dout and out of
+    `out_shape`, a float32 softmax_lse of `lse_shape`, and the gradient buffers (`_check_buffer`)."""
+    if dropout_p and (not isinstance(rng_state, torch.Tensor) or rng_state.numel() != 2):
+        raise ValueError(f"dropout_p > 0 needs rng_state, the int64 (seed, offset) tensor {forward} returned")
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != out_shape:
+            raise ValueError(f"{name} must be a tensor of shape {out_shape}, got "
+                             + (str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__))
+    if (not isinstance(softmax_lse, torch.Tensor) or softmax_lse.dtype != torch.float32
+            or tuple(softmax_lse.shape) != lse_shape):
+        raise ValueError(f"softmax_lse must be a float32 tensor of shape {lse_shape}")
+    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        _check_buffer(name, buf, like, False)
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, softmax_scale, softcap,
@@ -144,18 +151,8 @@ def _flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     window, softcap, scale, dropout_p, alibi_slopes = _check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         (window_size_left, window_size_right), softmax_scale, softcap, dropout_p, alibi_slopes)
-    if dropout_p and (not isinstance(rng_state, torch.Tensor) or rng_state.numel() != 2):
-        raise ValueError("dropout_p > 0 needs rng_state, the int64 (seed, offset) tensor the forward returned")
-    expected = (*q.shape[:2], v.shape[2])
-    for name, t in (("dout", dout), ("out", out)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
-            raise ValueError(f"{name} must be a tensor of shape {expected}, got "
-                             + (str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__))
-    if (not isinstance(softmax_lse, torch.Tensor) or softmax_lse.dtype != torch.float32
-            or tuple(softmax_lse.shape) != (q.shape[1], q.shape[0])):
-        raise ValueError(f"softmax_lse must be a float32 tensor of shape {(q.shape[1], q.shape[0])}")
-    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        _check_buffer(name, buf, like, False)
+    _check_backward(q, k, v, dout, out, softmax_lse, dq, dk, dv, dropout_p, rng_state, (*q.shape[:2], v.shape[2]),
+                    (q.shape[1], q.shape[0]), "the forward")
     q, k, v, dout, out = (V.last_dim_contiguous(t) for t in (q, k, v, dout, out))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     covers = all(V.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,

@@ -22,9 +22,9 @@ from typing import NamedTuple
 import torch
 
 from .. import validation as V
-from ..chunked import OnlineMerge, _check_inputs, chunk_backward, chunk_forward, pair_visibility
-from .comm import RingExchange, agree, check_backend, group_info, wait
-from .layout import Segment, check_layout, parts_per_rank, segments
+from ..chunked import OnlineMerge, chunk_backward, chunk_forward, pair_visibility
+from .comm import RingExchange, agree, check_shards, group_info, shard_fields, wait
+from .layout import Segment, parts_per_rank, segments
 
 
 class Call(NamedTuple):
@@ -190,26 +190,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     group, rank, world = group_info(group)
     error = None
     try:
-        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-            V.check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen / world, nheads, headdim)")
-        check_backend(group, q.device)
-        window, softcap, scale = _check_inputs(q, k, v, 0, 0, causal, window_size, softmax_scale, softcap)
-        layout = check_layout(layout)
-        if k.shape[1] != q.shape[1]:
-            raise ValueError(f"k and v must be shards of the same sequence as q: q has {q.shape[1]} positions "
-                             f"here, k and v {k.shape[1]}")
+        window, softcap, scale, layout = check_shards(q, k, v, group, causal, window_size, softmax_scale, softcap,
+                                                      layout)
         if q.shape[1] % parts_per_rank(layout) or q.shape[1] == 0:
             raise ValueError(f"q's shard ({q.shape[1]} positions) must be a positive multiple of "
                              f"{parts_per_rank(layout)} for layout={layout!r} (the sequence a multiple of "
                              f"{parts_per_rank(layout) * world})")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
         error = e
-    fields = {} if error else {
-        "q's shard shape": tuple(q.shape), "k's shard shape": tuple(k.shape), "v's shard shape": tuple(v.shape),
-        "dtype": q.dtype, "device type": q.device.type, "causal": causal, "window_size": window,
-        "softcap": softcap, "softmax_scale": scale, "layout": layout,
-        "requires_grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-    }
+    fields = {} if error else shard_fields(q, k, v, causal, window, softcap, scale, layout)
     agree(group, q.device if isinstance(q, torch.Tensor) else None, "ring_attention", fields, error)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     spec = _Spec(group, rank, world, layout, causal, window, scale, softcap)

@@ -15,11 +15,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import validation as V
-from ..chunked import _check_inputs
 from ..interface import flash_attn_func
-from .comm import agree, check_backend, group_info
-from .layout import check_layout, parts_per_rank, segments
+from .comm import agree, check_shards, group_info, shard_fields
+from .layout import parts_per_rank, segments
 
 
 def _position_order(layout: str, world: int, n: int) -> list[int]:
@@ -120,14 +118,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     group, rank, world = group_info(group)
     error = None
     try:
-        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-            V.check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen / world, nheads, headdim)")
-        check_backend(group, q.device)
-        window, softcap, scale = _check_inputs(q, k, v, 0, 0, causal, window_size, softmax_scale, softcap)
-        layout = check_layout(layout)
-        if k.shape[1] != q.shape[1]:
-            raise ValueError(f"k and v must be shards of the same sequence as q: q has {q.shape[1]} positions "
-                             f"here, k and v {k.shape[1]}")
+        window, softcap, scale, layout = check_shards(q, k, v, group, causal, window_size, softmax_scale, softcap,
+                                                      layout)
         if q.shape[1] % parts_per_rank(layout):
             raise ValueError(f"q's shard ({q.shape[1]} positions) must be even for layout='zigzag'")
         if q.shape[2] % world:
@@ -138,12 +130,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                              "divide it for ulysses_attention (ring_attention takes any)")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
         error = e
-    fields = {} if error else {
-        "q's shard shape": tuple(q.shape), "k's shard shape": tuple(k.shape), "v's shard shape": tuple(v.shape),
-        "dtype": q.dtype, "device type": q.device.type, "causal": causal, "window_size": window,
-        "softcap": softcap, "softmax_scale": scale, "layout": layout,
-        "requires_grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-    }
+    fields = {} if error else shard_fields(q, k, v, causal, window, softcap, scale, layout)
     agree(group, q.device if isinstance(q, torch.Tensor) else None, "ulysses_attention", fields, error)
     order = _position_order(layout, world, q.shape[1])
     repeat = 1 if k.shape[2] % world == 0 else world // k.shape[2]
