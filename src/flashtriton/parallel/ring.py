@@ -23,7 +23,8 @@ import torch
 
 from .. import validation as V
 from ..chunked import OnlineMerge, chunk_backward, chunk_forward, pair_visibility
-from .comm import RingExchange, agree, check_shards, group_info, shard_fields, wait
+from .checks import check_shards, shard_fields
+from .comm import RingExchange, agree, group_info, wait
 from .layout import Segment, parts_per_rank, segments
 
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..interface import flash_attn_func
-from .comm import agree, check_shards, group_info, shard_fields
+from .checks import check_shards, shard_fields
+from .comm import agree, group_info
 from .layout import parts_per_rank, segments
 
 
