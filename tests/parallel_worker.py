@@ -72,6 +72,55 @@ def ulysses_case(layout, causal, hq, hkv):
     return run
 
 
+# Document lengths of the packed cases (64 tokens over 2 or 4 ranks): documents cross shard and zigzag-chunk
+# boundaries, one is empty, one is a single token, one spans several ranks' shards.
+DOCS = (5, 1, 0, 23, 3, 11, 21)
+
+
+def packed_inputs(world, hq, hkv, seed=3, per_rank=16, dim=16):
+    q, k, v, dout = (t[0] for t in inputs(world, hq, hkv, seed=seed, per_rank=per_rank, dim=dim))
+    bounds = [0]
+    for n in DOCS:
+        bounds.append(min(bounds[-1] + n, q.shape[0]))
+    bounds[-1] = q.shape[0]
+    return q, k, v, dout, torch.tensor(bounds, dtype=torch.int32)
+
+
+def packed_case(fn, layout, causal, hq, hkv, window=(-1, -1)):
+    """fn on shards of packed documents (cu_seqlens over the whole sequence), forward and backward, against
+    flash_attn_varlen_func on the whole packed sequence and that against float64 per document."""
+    def run(rank, world):
+        q, k, v, dout, cu = packed_inputs(world, hq, hkv)
+        local = [parallel.shard(t, None, layout, dim=0).detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*local, causal=causal, layout=layout, window_size=window, cu_seqlens=cu)
+        out.backward(parallel.shard(dout, None, layout, dim=0))
+        got = [parallel.unshard(t, None, layout, dim=0) for t in (out.detach(), *(t.grad for t in local))]
+        if rank:
+            return
+        what = f"{fn.__name__} packed {layout} causal={causal} {hq}/{hkv} {window}"
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        longest = int((cu[1:] - cu[:-1]).max())
+        want = flashtriton.flash_attn_varlen_func(*leaves, cu, cu, longest, longest, causal=causal, window_size=window)
+        want.backward(dout)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            exact = attention_reference(q[None, a:b], k[None, a:b], v[None, a:b],
+                                        variant=Variant(causal=causal, window=window))[0]
+            torch.testing.assert_close(want[a:b].double(), exact, atol=1e-5, rtol=1e-5, msg=f"{what}: varlen vs float64")
+        for name, x, y in zip(("out", "dq", "dk", "dv"), got, (want, *(t.grad for t in leaves))):
+            torch.testing.assert_close(x, y.detach(), atol=3e-5, rtol=1e-5, msg=f"{what}: {name}")
+    return run
+
+
+def ring_lse(rank, world):
+    """return_lse: the shard of the whole call's lse (dense and packed)."""
+    q, k, v, _ = inputs(world, 2, 1, seed=4)
+    out, lse = parallel.ring_attention(*(parallel.shard(t, None, "zigzag") for t in (q, k, v)), causal=True,
+                                       return_lse=True)
+    full_out, full_lse = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2]
+    torch.testing.assert_close(parallel.unshard(lse, None, "zigzag", dim=2), full_lse, atol=3e-5, rtol=1e-5)
+    torch.testing.assert_close(parallel.unshard(out, None, "zigzag"), full_out, atol=3e-5, rtol=1e-5)
+
+
 def deterministic_and_subgroups(rank, world):
     """Two forward runs give the same bits; a ring over pairs of ranks (subgroups: group ranks are not global
     ranks) and over each rank alone (world size 1) equals the full call."""
@@ -123,6 +172,16 @@ def bad_inputs(rank, world):
     grads = [t.clone().requires_grad_(rank == 0) for t in (ql, kl, vl)]  # a backward only rank 0 would run
     expect(ValueError, "requires_grad must be the same on every rank", parallel.ring_attention, *grads,
            layout="contiguous")
+    packed = [t[0] for t in (ql, kl, vl)]
+    total = 16 * world
+    cu = torch.tensor([0, 7, total], dtype=torch.int32)
+    other = torch.tensor([0, 8 if rank == 1 else 7, total], dtype=torch.int32)
+    expect(ValueError, "cu_seqlens must be the same on every rank", parallel.ring_attention, *packed,
+           layout="contiguous", cu_seqlens=other)
+    expect(ValueError, "must run from 0 to the whole packed sequence's length", parallel.ring_attention, *packed,
+           layout="contiguous", cu_seqlens=cu[:2])
+    expect(TypeError, "cu_seqlens must be a 1-D int32", parallel.ulysses_attention, *packed, cu_seqlens=cu.long())
+    expect(ValueError, "must have 3 dims", parallel.ring_attention, ql, kl, vl, layout="contiguous", cu_seqlens=cu)
     out = parallel.ring_attention(ql, kl, vl, layout="contiguous")  # the group still works
     torch.testing.assert_close(parallel.unshard(out, None, "contiguous"), flashtriton.flash_attn_func(q, k, v),
                                atol=3e-5, rtol=1e-5)
@@ -137,6 +196,12 @@ CHECKS = {
     "ulysses_causal_gqa": ulysses_case("contiguous", True, 4, 2),
     "ulysses_zigzag_causal_mqa": ulysses_case("zigzag", True, 4, 1),
     "ulysses_full": ulysses_case("contiguous", False, 4, 4),
+    "ring_packed_zigzag_causal_gqa": packed_case(parallel.ring_attention, "zigzag", True, 4, 2),
+    "ring_packed_contiguous_window": packed_case(parallel.ring_attention, "contiguous", False, 2, 1, window=(6, 3)),
+    "ring_packed_zigzag_full": packed_case(parallel.ring_attention, "zigzag", False, 2, 2),
+    "ring_packed_zigzag_causal_window": packed_case(parallel.ring_attention, "zigzag", True, 2, 1, window=(9, 0)),
+    "ulysses_packed_zigzag_causal": packed_case(parallel.ulysses_attention, "zigzag", True, 4, 2),
+    "ring_lse": ring_lse,
     "deterministic_and_subgroups": deterministic_and_subgroups,
     "bad_inputs": bad_inputs,
 }

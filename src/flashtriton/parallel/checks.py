@@ -3,6 +3,9 @@ must agree on (comm.agree)."""
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import torch
 
 from .. import validation as V
@@ -35,3 +38,30 @@ def shard_fields(q, k, v, causal, window, softcap, scale, layout) -> dict:
         "softcap": softcap, "softmax_scale": scale, "layout": layout,
         "requires_grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
     }
+
+
+def check_documents(cu_seqlens, q, k, v, world: int) -> list[int]:
+    """Packed documents: q, k, v 3-D shards (tokens / world, nheads, headdim) and cu_seqlens the whole packed
+    sequence's document boundaries (int32, 1-D, from 0 to world · the shard's tokens, non-decreasing) -> the
+    boundaries as a list (one copy to the host)."""
+    V.check_tensors(("q", "k", "v"), (q, k, v), 3, "(total_tokens / world, nheads, headdim) with cu_seqlens")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise TypeError("cu_seqlens must be a 1-D int32 torch.Tensor (the whole packed sequence's document "
+                        "boundaries, flash_attn_varlen_func's), got "
+                        + (f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+                           if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__))
+    bounds = cu_seqlens.tolist()
+    total = q.shape[0] * world
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"cu_seqlens must run from 0 to the whole packed sequence's length ({total} = {world} "
+                         f"ranks x {q.shape[0]} tokens), got {bounds[:3]}...{bounds[-2:]} ({len(bounds)} entries)")
+    if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        i = next(i for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b < a)
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={bounds[i]} > "
+                         f"cu_seqlens[{i + 1}]={bounds[i + 1]}")
+    return bounds
+
+
+def documents_field(bounds: list[int]) -> int:
+    """The document boundaries as one agreement field (`comm.agree`): a checksum of their values."""
+    return zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds)) + (len(bounds) << 32)

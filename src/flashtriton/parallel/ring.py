@@ -19,11 +19,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import bisect
+
 import torch
 
 from .. import validation as V
 from ..chunked import OnlineMerge, chunk_backward, chunk_forward, pair_visibility
-from .checks import check_shards, shard_fields
+from ..kernels.backward import attention_backward
+from ..kernels.forward import attention_forward
+from .checks import check_documents, check_shards, documents_field, shard_fields
 from .comm import RingExchange, agree, group_info, wait
 from .layout import Segment, parts_per_rank, segments
 
@@ -68,6 +72,55 @@ def step_calls(q_segs: list[Segment], k_segs: list[Segment], causal: bool, windo
             for a, b in seen]
 
 
+class DocCall(NamedTuple):
+    """One varlen kernel call of a step that attends a rank's rows to its own keys: `rows` of the shard cut into
+    pieces at `cuts` (local rows, from 0): each piece one document's positions inside one segment, attending to
+    itself (the same positions on both sides: the kernels' per-sequence diagonal is the positions')."""
+    rows: slice
+    cuts: tuple
+    max_len: int
+
+
+def _doc_at(bounds: list[int], pos: int) -> tuple[int, int]:
+    """(start, end) of the document holding position pos (bounds: the sorted document boundaries)."""
+    i = bisect.bisect_right(bounds, pos) - 1
+    while bounds[i + 1] <= pos:  # (empty documents share a boundary)
+        i += 1
+    return bounds[i], bounds[i + 1]
+
+
+def doc_step_calls(q_segs: list[Segment], k_segs: list[Segment], bounds: list[int], causal: bool,
+                   window: tuple) -> list:
+    """`step_calls` for packed documents (boundaries `bounds` on positions: a query sees only its own document's
+    keys). The shard's own keys (q_segs == k_segs) take one varlen call over every segment's document pieces,
+    each segment attending to itself; two distinct segments share at most one document (it spans the gap between
+    them): its two pieces, at their positions, are a `Call` unless nothing of them is visible."""
+    if q_segs == k_segs:
+        cuts = {0, _rows(q_segs).stop - _rows(q_segs).start}
+        for seg in q_segs:
+            cuts |= {seg.row - q_segs[0].row, seg.row - q_segs[0].row + seg.length}
+            cuts |= {b - seg.pos + seg.row - q_segs[0].row for b in bounds if seg.pos < b < seg.pos + seg.length}
+        cuts = tuple(sorted(cuts))
+        calls = [DocCall(_rows(q_segs), cuts, max(b - a for a, b in zip(cuts[:-1], cuts[1:])))]
+    else:
+        calls = []
+    for a in q_segs:
+        for b in k_segs:
+            if a == b and q_segs == k_segs:
+                continue  # (in the DocCall)
+            first, last = (b, a) if b.pos < a.pos else (a, b)
+            start, end = _doc_at(bounds, first.pos + first.length - 1)  # the document at the end of the first
+            if end <= last.pos:
+                continue
+            q0, q1 = max(start, a.pos), min(end, a.pos + a.length)
+            k0, k1 = max(start, b.pos), min(end, b.pos + b.length)
+            if pair_visibility(q1 - q0, k1 - k0, q0, k0, causal, window) == "hidden":
+                continue
+            calls.append(Call(slice(a.row + q0 - a.pos, a.row + q1 - a.pos), slice(b.row + k0 - b.pos, b.row + k1 - b.pos),
+                              q0, k0, causal, window))
+    return calls
+
+
 class _Spec(NamedTuple):
     group: object
     rank: int
@@ -77,6 +130,31 @@ class _Spec(NamedTuple):
     window: tuple
     scale: float
     softcap: float
+    bounds: tuple | None  # packed documents' boundaries on positions, or None (one sequence per batch row)
+
+    def calls(self, n: int, src: int) -> list:
+        q_segs, k_segs = segments(self.layout, self.rank, self.world, n), segments(self.layout, src, self.world, n)
+        if self.bounds is None:
+            return step_calls(q_segs, k_segs, self.causal, self.window)
+        return doc_step_calls(q_segs, k_segs, list(self.bounds), self.causal, self.window)
+
+    def kernel_mask(self) -> tuple[bool, tuple]:
+        """(causal, window_size) for the kernels on a document attending to itself (bottom-right = positions)."""
+        left, right = self.window
+        if self.causal or right == 0:
+            return True, ((-1, -1) if left < 0 else (left, 0))
+        return False, self.window
+
+
+def _docs_forward(c: DocCall, q, k, v, spec: _Spec):
+    """(out (rows, H, Dv), lse (H, rows)) of a DocCall on q, k, v (rows, H, D)."""
+    cu = torch.tensor(c.cuts, dtype=torch.int32, device=q.device)
+    causal, window = spec.kernel_mask()
+    scale = spec.scale
+    if scale < 0:  # the forward kernels keep a running maximum: negate q instead (interface.py)
+        q, scale = -q, -scale
+    return attention_forward(q, k, v, scale, causal, True, cu, cu, c.max_len, c.max_len, window_size=window,
+                             softcap=spec.softcap)
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -93,7 +171,6 @@ def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Te
 
 def _ring_forward(q, k, v, spec: _Spec):
     batch, n, heads, _ = q.shape
-    q_segs = segments(spec.layout, spec.rank, spec.world, n)
     acc = OnlineMerge(batch, n, heads, v.shape[-1], q.device)
     ring = RingExchange(spec.group, spec.rank, spec.world) if spec.world > 1 else None
     kv = _pack(k, v) if ring else None
@@ -102,7 +179,11 @@ def _ring_forward(q, k, v, spec: _Spec):
         src = (spec.rank - step) % spec.world
         requests = ring.start(kv, spare) if step + 1 < spec.world else None  # the next shard moves meanwhile
         k_s, v_s = _unpack(kv, k.shape, v.shape) if ring else (k, v)
-        for c in step_calls(q_segs, segments(spec.layout, src, spec.world, n), spec.causal, spec.window):
+        for c in spec.calls(n, src):
+            if isinstance(c, DocCall):
+                out, lse = _docs_forward(c, q[0, c.rows], k_s[0, c.rows], v_s[0, c.rows], spec)
+                acc.add(out[None], lse[None], rows=c.rows)
+                continue
             part = chunk_forward(q[:, c.q_rows], k_s[:, c.k_rows], v_s[:, c.k_rows], c.q_pos, c.k_pos, c.causal,
                                  c.window, spec.scale, spec.softcap)
             acc.add(*part, rows=c.q_rows)
@@ -114,7 +195,6 @@ def _ring_forward(q, k, v, spec: _Spec):
 
 def _ring_backward(dout, q, k, v, out, lse, spec: _Spec):
     n = q.shape[1]
-    q_segs = segments(spec.layout, spec.rank, spec.world, n)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     ring = RingExchange(spec.group, spec.rank, spec.world) if spec.world > 1 else None
     kv = _pack(k, v)
@@ -126,10 +206,13 @@ def _ring_backward(dout, q, k, v, out, lse, spec: _Spec):
         src = (spec.rank - step) % spec.world
         kv_requests = ring.start(kv, kv_spare, tag=0) if step + 1 < spec.world else None
         k_s, v_s = _unpack(kv, k.shape, v.shape)
-        calls = step_calls(q_segs, segments(spec.layout, src, spec.world, n), spec.causal, spec.window)
+        calls = spec.calls(n, src)
         target = dkv if step == 0 else scratch.zero_()  # later steps: this rank's share, added when src's arrives
         dk_t, dv_t = _unpack(target, k.shape, v.shape)
         for c in calls:
+            if isinstance(c, DocCall):
+                _docs_backward(c, dout, q, k_s, v_s, out, lse, spec, dq, dk_t, dv_t)
+                continue
             chunk_backward(dout[:, c.q_rows], q[:, c.q_rows], k_s[:, c.k_rows], v_s[:, c.k_rows], out[:, c.q_rows],
                            lse[:, :, c.q_rows], c.q_pos, c.k_pos, c.causal, c.window, spec.scale, spec.softcap,
                            dq=dq[:, c.q_rows], dk=dk_t[:, c.k_rows], dv=dv_t[:, c.k_rows], accumulate=True)
@@ -150,16 +233,27 @@ def _ring_backward(dout, q, k, v, out, lse, spec: _Spec):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _docs_backward(c: DocCall, dout, q, k, v, out, lse, spec: _Spec, dq, dk, dv) -> None:
+    """Add a DocCall's gradients into dq, dk, dv ((1, n, H, D) fp32; the rest (1, n, ...) too, lse (1, H, n))."""
+    cu = torch.tensor(c.cuts, dtype=torch.int32, device=q.device)
+    causal, window = spec.kernel_mask()
+    r = c.rows
+    attention_backward(dout[0, r], q[0, r], k[0, r], v[0, r], out[0, r], lse[0, :, r], spec.scale, causal, True, cu,
+                       cu, c.max_len, c.max_len, zero_fill=False, window_size=window, softcap=spec.softcap,
+                       dq=dq[0, r], dk=dk[0, r], dv=dv[0, r], accumulate=True)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spec):
         out, lse = _ring_forward(q, k, v, spec)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.spec)
         return dq, dk, dv, None
@@ -167,7 +261,8 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, group=None,
                    layout: str = "zigzag", softmax_scale: float | None = None,
-                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                   cu_seqlens: torch.Tensor | None = None, return_lse: bool = False):
     """Exact attention over a sequence sharded over the ranks of `group` (ring attention).
 
     Arguments:
@@ -180,8 +275,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             for CUDA tensors, gloo for CPU ones).
         layout: "zigzag" (rank r holds chunks r and 2·world - 1 - r of 2·world: equal causal work everywhere;
             seqlen / world even) or "contiguous" (rank r holds chunk r of world).
+        cu_seqlens: packed documents (flash_attn_varlen_func's layout): q (total / world, nheads, headdim), k and
+            v (total / world, nheads_k, ...) are this rank's shards of the packed tokens (`shard(x, group, layout,
+            dim=0)`), and cu_seqlens the int32 boundaries of the documents in the *whole* packed sequence, from 0
+            to total, the same on every rank (any device; read once on the host). A query sees only its own
+            document's keys (causal and the window within it, on positions). Documents may have any lengths and
+            cross shard boundaries.
+        return_lse: also return the log-sum-exp (natural log, fp32; (batch, nheads, seqlen / world), with
+            cu_seqlens (nheads, total / world)), not differentiable.
     Returns:
-        out: (batch, seqlen / world, nheads, headdim_v), this rank's shard of the output (`unshard` rebuilds it).
+        out: (batch, seqlen / world, nheads, headdim_v) (with cu_seqlens: (total / world, nheads, headdim_v)),
+        this rank's shard of the output (`unshard` rebuilds it); (out, lse) with return_lse.
 
     Collective: every rank of the group calls it with shards of one shape and dtype and the same options. Each
     checks its own arguments, then one all_gather of a small tensor compares all ranks' (`comm.agree`), so that
@@ -189,8 +293,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     ring: dK, dV return to their owner); deterministic given the world size; not traced by torch.compile.
     """
     group, rank, world = group_info(group)
-    error = None
+    error, bounds = None, None
     try:
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if cu_seqlens is not None:
+            bounds = check_documents(cu_seqlens, q, k, v, world)
+            q, k, v = q[None], k[None], v[None]
         window, softcap, scale, layout = check_shards(q, k, v, group, causal, window_size, softmax_scale, softcap,
                                                       layout)
         if q.shape[1] % parts_per_rank(layout) or q.shape[1] == 0:
@@ -199,10 +308,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                              f"{parts_per_rank(layout) * world})")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
         error = e
-    fields = {} if error else shard_fields(q, k, v, causal, window, softcap, scale, layout)
+    fields = {} if error else {**shard_fields(q, k, v, causal, window, softcap, scale, layout),
+                               "cu_seqlens": -1 if bounds is None else documents_field(bounds)}
     agree(group, q.device if isinstance(q, torch.Tensor) else None, "ring_attention", fields, error)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    spec = _Spec(group, rank, world, layout, causal, window, scale, softcap)
+    spec = _Spec(group, rank, world, layout, causal, window, scale, softcap, None if bounds is None else tuple(bounds))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _RingAttention.apply(q, k, v, spec)
-    return _ring_forward(q, k, v, spec)[0]
+        out, lse = _RingAttention.apply(q, k, v, spec)
+    else:
+        out, lse = _ring_forward(q, k, v, spec)
+    if bounds is not None:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out

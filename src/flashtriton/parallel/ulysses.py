@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..interface import flash_attn_func
-from .checks import check_shards, shard_fields
+from ..interface import flash_attn_func, flash_attn_varlen_func
+from .checks import check_documents, check_shards, documents_field, shard_fields
 from .comm import agree, group_info
 from .layout import parts_per_rank, segments
 
@@ -99,7 +99,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, group=None,
                       layout: str = "contiguous", softmax_scale: float | None = None,
-                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded over the ranks of `group`, by all-to-all over the heads.
 
     Arguments:
@@ -110,15 +111,22 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         group: as `ring_attention`'s.
         layout: how the shards cut the sequence, as `shard` cut it: "contiguous" (default) or "zigzag" (the
             gathered sequence is put in position order before the kernel, and back after).
+        cu_seqlens: packed documents, as `ring_attention`'s: q, k, v (total / world, heads, ...) shards of the
+            packed tokens, cu_seqlens the whole packed sequence's int32 document boundaries (the same on every
+            rank); the local kernel is `flash_attn_varlen_func` over the gathered sequence.
     Returns:
-        out: (batch, seqlen / world, nheads, headdim_v), this rank's shard of the output.
+        out: (batch, seqlen / world, nheads, headdim_v) (with cu_seqlens (total / world, nheads, headdim_v)),
+        this rank's shard of the output.
 
     Collective, checked on every rank as `ring_attention` is (one small all_gather first); differentiable through
     the all-to-alls and flashtriton's kernels; deterministic.
     """
     group, rank, world = group_info(group)
-    error = None
+    error, bounds = None, None
     try:
+        if cu_seqlens is not None:
+            bounds = check_documents(cu_seqlens, q, k, v, world)
+            q, k, v = q[None], k[None], v[None]
         window, softcap, scale, layout = check_shards(q, k, v, group, causal, window_size, softmax_scale, softcap,
                                                       layout)
         if q.shape[1] % parts_per_rank(layout):
@@ -131,11 +139,18 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                              "divide it for ulysses_attention (ring_attention takes any)")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
         error = e
-    fields = {} if error else shard_fields(q, k, v, causal, window, softcap, scale, layout)
+    fields = {} if error else {**shard_fields(q, k, v, causal, window, softcap, scale, layout),
+                               "cu_seqlens": -1 if bounds is None else documents_field(bounds)}
     agree(group, q.device if isinstance(q, torch.Tensor) else None, "ulysses_attention", fields, error)
     order = _position_order(layout, world, q.shape[1])
     repeat = 1 if k.shape[2] % world == 0 else world // k.shape[2]
     qh = _SeqToHeads.apply(q, group, world, order, 1)
     kh, vh = (_SeqToHeads.apply(t, group, world, order, repeat) for t in (k, v))
-    out = flash_attn_func(qh, kh, vh, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
-    return _HeadsToSeq.apply(out, group, world, order)
+    if bounds is None:
+        out = flash_attn_func(qh, kh, vh, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
+        return _HeadsToSeq.apply(out, group, world, order)
+    cu = cu_seqlens.to(q.device, non_blocking=True)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    out = flash_attn_varlen_func(qh[0], kh[0], vh[0], cu, cu, longest, longest, softmax_scale=scale, causal=causal,
+                                 window_size=window, softcap=softcap)
+    return _HeadsToSeq.apply(out[None], group, world, order)[0]
