@@ -7,6 +7,7 @@ same full sequence and shards it. Rank 0 compares the gathered results with flas
 that with float64).
 """
 
+import copy
 import os
 import sys
 import time
@@ -121,6 +122,36 @@ def ring_lse(rank, world):
     torch.testing.assert_close(parallel.unshard(out, None, "zigzag"), full_out, atol=3e-5, rtol=1e-5)
 
 
+def llama_training(rank, world):
+    """examples/context_parallel_llama.py: one step of the tiny Llama on the sharded sequence (ring attention,
+    DistributedDataParallel) gives the loss and the gradients of the same model on the whole sequence (eager)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "context_parallel_llama.py")
+    spec = importlib.util.spec_from_file_location("context_parallel_llama", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    from transformers import AutoModelForCausalLM
+
+    config = example.tiny_config()
+    model = example.build_model(config, torch.device("cpu"), torch.float32)
+    whole = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    whole.load_state_dict(model.state_dict())
+    ids = torch.randint(config.vocab_size, (1, 24 * world), generator=torch.Generator().manual_seed(5))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    loss = example.sharded_loss(ddp, ids)
+    loss.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    want = whole(input_ids=ids).logits
+    want_loss = torch.nn.functional.cross_entropy(want[0], example.labels_of(ids)[0], ignore_index=example.IGNORE)
+    want_loss.backward()
+    torch.testing.assert_close(mean / world, want_loss.detach(), atol=1e-5, rtol=1e-5)
+    grads = dict(whole.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=2e-5, rtol=1e-4, msg=f"llama gradient of {name}")
+
+
 def deterministic_and_subgroups(rank, world):
     """Two forward runs give the same bits; a ring over pairs of ranks (subgroups: group ranks are not global
     ranks) and over each rank alone (world size 1) equals the full call."""
@@ -202,6 +233,7 @@ CHECKS = {
     "ring_packed_zigzag_causal_window": packed_case(parallel.ring_attention, "zigzag", True, 2, 1, window=(9, 0)),
     "ulysses_packed_zigzag_causal": packed_case(parallel.ulysses_attention, "zigzag", True, 4, 2),
     "ring_lse": ring_lse,
+    "llama_training": llama_training,
     "deterministic_and_subgroups": deterministic_and_subgroups,
     "bad_inputs": bad_inputs,
 }

@@ -1,8 +1,10 @@
 """flashtriton.parallel on gloo groups of 2 and 4 spawned processes, the kernels through the interpreter: ring
 attention (zigzag and contiguous, causal and not, a window, GQA) and Ulysses (GQA, MQA, zigzag order), forward and backward,
 equal to flashtriton on the gathered sequence and through it to float64; deterministic; subgroups and a group of
-one; bad input raises on every rank and leaves the group usable (tests/parallel_worker.py runs each rank)."""
+one; bad input raises on every rank and leaves the group usable; one training step of examples/
+context_parallel_llama.py equals the whole-sequence model's (tests/parallel_worker.py runs each rank)."""
 
+import importlib.util
 import os
 import random
 import subprocess
@@ -18,6 +20,10 @@ GROUP_TIMEOUT_S = 240  # the whole group: a hang fails the test instead of CI
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is needed")
+
+
+# examples/context_parallel_llama.py's one-step check needs transformers (the `test` extra has it)
+LLAMA = ["llama_training"] if importlib.util.find_spec("transformers") else []
 
 
 def run_group(world: int, checks: list[str], tmp_path: Path) -> None:
@@ -52,7 +58,7 @@ def run_group(world: int, checks: list[str], tmp_path: Path) -> None:
 def test_group_of_two(tmp_path):
     run_group(2, ["ring_zigzag_causal_gqa", "ring_contiguous_causal_window", "ring_zigzag_full", "ulysses_causal_gqa",
                   "ring_packed_zigzag_causal_gqa", "ring_packed_contiguous_window", "ulysses_packed_zigzag_causal",
-                  "ring_lse", "bad_inputs"], tmp_path)
+                  "ring_lse", *LLAMA, "bad_inputs"], tmp_path)
 
 
 def test_group_of_four(tmp_path):
