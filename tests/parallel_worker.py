@@ -35,41 +35,65 @@ def inputs(world, hq, hkv, seed=0, batch=1, per_rank=16, dim=16):
     return q, k, v, torch.randn(batch, seqlen, hq, dim, generator=gen)
 
 
-def sharded_run(fn, q, k, v, dout, layout, group=None, **kw):
-    """fn on this rank's shards, forward and backward; the gathered out and gradients (every rank)."""
+def sink_of(heads, sink):
+    """Attention sinks (fp32 logits near the scores' size) for a case that has them, else None."""
+    return torch.linspace(-1.0, 2.0, heads) if sink else None
+
+
+def sink_leaf(sink):
+    return None if sink is None else sink.clone().requires_grad_()
+
+
+def summed_grad(leaf):
+    """A replicated parameter's gradient over the group: the sum of the ranks' shares (none: no sink)."""
+    if leaf is None:
+        return []
+    grad = leaf.grad.clone()
+    dist.all_reduce(grad)
+    return [grad]
+
+
+def sharded_run(fn, q, k, v, dout, layout, group=None, sink=None, **kw):
+    """fn on this rank's shards, forward and backward; the gathered out and gradients (every rank), and the
+    sinks' summed gradient when there are sinks."""
     local = [parallel.shard(t, group, layout).detach().requires_grad_() for t in (q, k, v)]
-    out = fn(*local, group=group, layout=layout, **kw)
+    sink = sink_leaf(sink)
+    out = fn(*local, group=group, layout=layout, learnable_sink=sink, **kw)
     out.backward(parallel.shard(dout, group, layout))
-    return [parallel.unshard(t, group, layout) for t in (out.detach(), *(t.grad for t in local))]
+    return [parallel.unshard(t, group, layout) for t in (out.detach(), *(t.grad for t in local))] + summed_grad(sink)
 
 
-def check_against_full(got, q, k, v, dout, causal, what, window=(-1, -1)):
-    """got: (out, dq, dk, dv) of the whole sequence; flashtriton's full call, and float64 for the output."""
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = flashtriton.flash_attn_func(*leaves, causal=causal, window_size=window)
+def check_against_full(got, q, k, v, dout, causal, what, window=(-1, -1), sink=None):
+    """got: (out, dq, dk, dv[, dsink]) of the whole sequence; flashtriton's full call, and float64 for the
+    output."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if sink is None else [sink_leaf(sink)])
+    out = flashtriton.flash_attn_func(*leaves[:3], causal=causal, window_size=window,
+                                      learnable_sink=None if sink is None else leaves[3])
     out.backward(dout)
-    exact = attention_reference(q, k, v, variant=Variant(causal=causal, window=window))
+    exact = attention_reference(q, k, v, variant=Variant(causal=causal, window=window, sinks=sink))
     torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5, msg=f"{what}: full call vs float64")
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (out, *(t.grad for t in leaves))):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), got, (out, *(t.grad for t in leaves))):
         torch.testing.assert_close(a, b.detach(), atol=3e-5, rtol=1e-5, msg=f"{what}: {name}")
 
 
-def ring_case(layout, causal, hq, hkv, window=(-1, -1)):
+def ring_case(layout, causal, hq, hkv, window=(-1, -1), sink=False):
     def run(rank, world):
         q, k, v, dout = inputs(world, hq, hkv)
-        got = sharded_run(parallel.ring_attention, q, k, v, dout, layout, causal=causal, window_size=window)
+        got = sharded_run(parallel.ring_attention, q, k, v, dout, layout, causal=causal, window_size=window,
+                          sink=sink_of(hq, sink))
         if rank == 0:
             check_against_full(got, q, k, v, dout, causal, f"ring {layout} causal={causal} {hq}/{hkv} {window}",
-                               window)
+                               window, sink_of(hq, sink))
     return run
 
 
-def ulysses_case(layout, causal, hq, hkv):
+def ulysses_case(layout, causal, hq, hkv, sink=False):
     def run(rank, world):
         q, k, v, dout = inputs(world, hq, hkv, seed=1)
-        got = sharded_run(parallel.ulysses_attention, q, k, v, dout, layout, causal=causal)
+        got = sharded_run(parallel.ulysses_attention, q, k, v, dout, layout, causal=causal, sink=sink_of(hq, sink))
         if rank == 0:
-            check_against_full(got, q, k, v, dout, causal, f"ulysses {layout} causal={causal} {hq}/{hkv}")
+            check_against_full(got, q, k, v, dout, causal, f"ulysses {layout} causal={causal} {hq}/{hkv}",
+                               sink=sink_of(hq, sink))
     return run
 
 
@@ -87,27 +111,32 @@ def packed_inputs(world, hq, hkv, seed=3, per_rank=16, dim=16):
     return q, k, v, dout, torch.tensor(bounds, dtype=torch.int32)
 
 
-def packed_case(fn, layout, causal, hq, hkv, window=(-1, -1)):
+def packed_case(fn, layout, causal, hq, hkv, window=(-1, -1), sink=False):
     """fn on shards of packed documents (cu_seqlens over the whole sequence), forward and backward, against
     flash_attn_varlen_func on the whole packed sequence and that against float64 per document."""
     def run(rank, world):
         q, k, v, dout, cu = packed_inputs(world, hq, hkv)
         local = [parallel.shard(t, None, layout, dim=0).detach().requires_grad_() for t in (q, k, v)]
-        out = fn(*local, causal=causal, layout=layout, window_size=window, cu_seqlens=cu)
+        sinks = sink_of(hq, sink)
+        leaf = sink_leaf(sinks)
+        out = fn(*local, causal=causal, layout=layout, window_size=window, cu_seqlens=cu, learnable_sink=leaf)
         out.backward(parallel.shard(dout, None, layout, dim=0))
         got = [parallel.unshard(t, None, layout, dim=0) for t in (out.detach(), *(t.grad for t in local))]
+        got += summed_grad(leaf)
         if rank:
             return
         what = f"{fn.__name__} packed {layout} causal={causal} {hq}/{hkv} {window}"
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if sinks is None else [sink_leaf(sinks)])
         longest = int((cu[1:] - cu[:-1]).max())
-        want = flashtriton.flash_attn_varlen_func(*leaves, cu, cu, longest, longest, causal=causal, window_size=window)
+        want = flashtriton.flash_attn_varlen_func(*leaves[:3], cu, cu, longest, longest, causal=causal,
+                                                  window_size=window, learnable_sink=leaves[3] if sink else None)
         want.backward(dout)
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
             exact = attention_reference(q[None, a:b], k[None, a:b], v[None, a:b],
-                                        variant=Variant(causal=causal, window=window))[0]
-            torch.testing.assert_close(want[a:b].double(), exact, atol=1e-5, rtol=1e-5, msg=f"{what}: varlen vs float64")
-        for name, x, y in zip(("out", "dq", "dk", "dv"), got, (want, *(t.grad for t in leaves))):
+                                        variant=Variant(causal=causal, window=window, sinks=sinks))[0]
+            torch.testing.assert_close(want[a:b].double(), exact, atol=1e-5, rtol=1e-5,
+                                       msg=f"{what}: varlen vs float64")
+        for name, x, y in zip(("out", "dq", "dk", "dv", "dsink"), got, (want, *(t.grad for t in leaves))):
             torch.testing.assert_close(x, y.detach(), atol=3e-5, rtol=1e-5, msg=f"{what}: {name}")
     return run
 
@@ -222,15 +251,16 @@ CHECKS = {
     "ring_zigzag_causal_gqa": ring_case("zigzag", True, 4, 2),
     "ring_zigzag_causal_mqa": ring_case("zigzag", True, 2, 1),
     "ring_zigzag_full": ring_case("zigzag", False, 2, 2),
-    "ring_contiguous_causal_window": ring_case("contiguous", True, 2, 1, window=(12, 0)),
+    "ring_contiguous_causal_window_sink": ring_case("contiguous", True, 2, 1, window=(12, 0), sink=True),
     "ring_contiguous_full": ring_case("contiguous", False, 1, 1),
-    "ulysses_causal_gqa": ulysses_case("contiguous", True, 4, 2),
+    "ulysses_causal_gqa_sink": ulysses_case("contiguous", True, 4, 2, sink=True),
     "ulysses_zigzag_causal_mqa": ulysses_case("zigzag", True, 4, 1),
     "ulysses_full": ulysses_case("contiguous", False, 4, 4),
     "ring_packed_zigzag_causal_gqa": packed_case(parallel.ring_attention, "zigzag", True, 4, 2),
     "ring_packed_contiguous_window": packed_case(parallel.ring_attention, "contiguous", False, 2, 1, window=(6, 3)),
     "ring_packed_zigzag_full": packed_case(parallel.ring_attention, "zigzag", False, 2, 2),
-    "ring_packed_zigzag_causal_window": packed_case(parallel.ring_attention, "zigzag", True, 2, 1, window=(9, 0)),
+    "ring_packed_zigzag_causal_window_sink": packed_case(parallel.ring_attention, "zigzag", True, 2, 1,
+                                                          window=(9, 0), sink=True),
     "ulysses_packed_zigzag_causal": packed_case(parallel.ulysses_attention, "zigzag", True, 4, 2),
     "ring_lse": ring_lse,
     "llama_training": llama_training,
@@ -250,8 +280,8 @@ def main():
         start, cpu = time.perf_counter(), time.process_time()
         try:
             CHECKS[name](rank, world)
-            print(f"rank {rank}: {name} ok ({time.perf_counter() - start:.1f} s, cpu {time.process_time() - cpu:.1f} s)",
-                  flush=True)
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+            print(f"rank {rank}: {name} ok ({seconds:.1f} s, cpu {cpu:.1f} s)", flush=True)
         except Exception:  # report and go on: the other ranks run the same collectives
             failed.append(name)
             print(f"rank {rank}: {name} FAILED\n{traceback.format_exc()}", flush=True)

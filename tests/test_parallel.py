@@ -1,5 +1,6 @@
 """flashtriton.parallel on gloo groups of 2 and 4 spawned processes, the kernels through the interpreter: ring
-attention (zigzag and contiguous, causal and not, a window, GQA) and Ulysses (GQA, MQA, zigzag order), forward and backward,
+attention (zigzag and contiguous, causal and not, a window, GQA, sinks) and Ulysses (GQA, MQA, zigzag order, sinks), dense
+and packed documents, forward and backward,
 equal to flashtriton on the gathered sequence and through it to float64; deterministic; subgroups and a group of
 one; bad input raises on every rank and leaves the group usable; one training step of examples/
 context_parallel_llama.py equals the whole-sequence model's (tests/parallel_worker.py runs each rank)."""
@@ -56,14 +57,14 @@ def run_group(world: int, checks: list[str], tmp_path: Path) -> None:
 
 
 def test_group_of_two(tmp_path):
-    run_group(2, ["ring_zigzag_causal_gqa", "ring_contiguous_causal_window", "ring_zigzag_full", "ulysses_causal_gqa",
-                  "ring_packed_zigzag_causal_gqa", "ring_packed_contiguous_window", "ulysses_packed_zigzag_causal",
+    run_group(2, ["ring_zigzag_causal_gqa", "ring_contiguous_causal_window_sink", "ring_zigzag_full",
+                  "ulysses_causal_gqa_sink", "ring_packed_zigzag_causal_gqa", "ring_packed_contiguous_window", "ulysses_packed_zigzag_causal",
                   "ring_lse", *LLAMA, "bad_inputs"], tmp_path)
 
 
 def test_group_of_four(tmp_path):
     run_group(4, ["ring_zigzag_causal_mqa", "ring_contiguous_full", "ulysses_zigzag_causal_mqa", "ulysses_full",
-                  "ring_packed_zigzag_full", "ring_packed_zigzag_causal_window", "deterministic_and_subgroups",
+                  "ring_packed_zigzag_full", "ring_packed_zigzag_causal_window_sink", "deterministic_and_subgroups",
                   "bad_inputs"], tmp_path)
 
 

@@ -30,13 +30,14 @@ def check_shards(q, k, v, group, causal, window_size, softmax_scale, softcap, la
     return window, softcap, scale, layout
 
 
-def shard_fields(q, k, v, causal, window, softcap, scale, layout) -> dict:
+def shard_fields(q, k, v, causal, window, softcap, scale, layout, sink=None) -> dict:
     """What every rank of a ring or Ulysses call must agree on (`agree`)."""
     return {
         "q's shard shape": tuple(q.shape), "k's shard shape": tuple(k.shape), "v's shard shape": tuple(v.shape),
         "dtype": q.dtype, "device type": q.device.type, "causal": causal, "window_size": window,
         "softcap": softcap, "softmax_scale": scale, "layout": layout,
-        "requires_grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+        "requires_grad": torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)),
+        "learnable_sink": sink is not None,
     }
 
 

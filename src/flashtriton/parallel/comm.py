@@ -2,8 +2,8 @@
 
 Every collective here waits at most the process group's timeout (`torch.distributed.init_process_group(...,
 timeout=)`; torch's defaults: 10 minutes for NCCL, 30 for the others): a rank that never joins a call makes the
-others fail then (gloo raises; NCCL's watchdog ends the process), not hang forever. Bad input is caught before any tensor moves: each rank checks its own
-arguments, then one all_gather of a small int64 tensor (`agree`) compares every rank's shapes, dtypes and
+others fail then (gloo raises; NCCL's watchdog ends the process), not hang forever. Bad input is caught before any
+tensor moves: each rank checks its own arguments, then one all_gather of a small int64 tensor (`agree`) compares every rank's shapes, dtypes and
 options and carries whether some rank refused its inputs, so that every rank raises, each with the reason.
 """
 

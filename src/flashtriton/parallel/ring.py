@@ -25,7 +25,7 @@ import torch
 
 from .. import validation as V
 from ..chunked import OnlineMerge, chunk_backward, chunk_forward, pair_visibility
-from ..kernels.backward import attention_backward
+from ..kernels.backward import attention_backward, sink_grad
 from ..kernels.forward import attention_forward
 from .checks import check_documents, check_shards, documents_field, shard_fields
 from .comm import RingExchange, agree, group_info, wait
@@ -116,8 +116,8 @@ def doc_step_calls(q_segs: list[Segment], k_segs: list[Segment], bounds: list[in
             k0, k1 = max(start, b.pos), min(end, b.pos + b.length)
             if pair_visibility(q1 - q0, k1 - k0, q0, k0, causal, window) == "hidden":
                 continue
-            calls.append(Call(slice(a.row + q0 - a.pos, a.row + q1 - a.pos), slice(b.row + k0 - b.pos, b.row + k1 - b.pos),
-                              q0, k0, causal, window))
+            q_rows = slice(a.row + q0 - a.pos, a.row + q1 - a.pos)
+            calls.append(Call(q_rows, slice(b.row + k0 - b.pos, b.row + k1 - b.pos), q0, k0, causal, window))
     return calls
 
 
@@ -169,7 +169,7 @@ def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Te
     return buf[:n].view(k_shape), buf[n:].view(v_shape)
 
 
-def _ring_forward(q, k, v, spec: _Spec):
+def _ring_forward(q, k, v, sink, spec: _Spec):
     batch, n, heads, _ = q.shape
     acc = OnlineMerge(batch, n, heads, v.shape[-1], q.device)
     ring = RingExchange(spec.group, spec.rank, spec.world) if spec.world > 1 else None
@@ -190,10 +190,14 @@ def _ring_forward(q, k, v, spec: _Spec):
         if requests:
             wait(requests)
             kv, spare = spare, kv
-    return acc.out.to(q.dtype), acc.lse.clone()
+    out, lse = acc.out, acc.lse
+    if sink is not None:  # one more logit per head with a zero value: lse' = log(e^lse + e^sink), out scaled
+        lse_keys, lse = lse, torch.logaddexp(lse, sink.float()[None, :, None])
+        out = out * torch.exp(lse_keys - lse).transpose(1, 2)[..., None]
+    return out.to(q.dtype), lse.clone()
 
 
-def _ring_backward(dout, q, k, v, out, lse, spec: _Spec):
+def _ring_backward(dout, q, k, v, out, lse, sink, spec: _Spec):
     n = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     ring = RingExchange(spec.group, spec.rank, spec.world) if spec.world > 1 else None
@@ -230,7 +234,11 @@ def _ring_backward(dout, q, k, v, out, lse, spec: _Spec):
         wait(dkv_requests)  # after the last hop: this rank's own dK, dV
         dkv = dkv_spare
     dk, dv = _unpack(dkv, k.shape, v.shape)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dsink = None
+    if sink is not None:  # this rank's rows' share: dsink_h = -sum_{b,i} exp(sink_h - lse) rowsum(dO * O)
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        dsink = sink_grad(lse, delta, sink, varlen=False)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
 
 
 def _docs_backward(c: DocCall, dout, q, k, v, out, lse, spec: _Spec, dq, dk, dv) -> None:
@@ -245,24 +253,25 @@ def _docs_backward(c: DocCall, dout, q, k, v, out, lse, spec: _Spec, dq, dk, dv)
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec):
-        out, lse = _ring_forward(q, k, v, spec)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sink, spec):
+        out, lse = _ring_forward(q, k, v, sink, spec)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.spec)
-        return dq, dk, dv, None
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = _ring_backward(dout, q, k, v, out, lse, sink, ctx.spec)
+        return dq, dk, dv, dsink, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, group=None,
                    layout: str = "zigzag", softmax_scale: float | None = None,
                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                   cu_seqlens: torch.Tensor | None = None, return_lse: bool = False):
+                   cu_seqlens: torch.Tensor | None = None, return_lse: bool = False,
+                   learnable_sink: torch.Tensor | None = None):
     """Exact attention over a sequence sharded over the ranks of `group` (ring attention).
 
     Arguments:
@@ -281,6 +290,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             to total, the same on every rank (any device; read once on the host). A query sees only its own
             document's keys (causal and the window within it, on positions). Documents may have any lengths and
             cross shard boundaries.
+        learnable_sink: (nheads,) attention sinks, as `flash_attn_func`'s (one logit per query head in every
+            row's softmax denominator), the same on every rank; differentiable: each rank's gradient is its rows'
+            share (a replicated parameter's, which data-parallel training sums or averages over the ranks).
         return_lse: also return the log-sum-exp (natural log, fp32; (batch, nheads, seqlen / world), with
             cu_seqlens (nheads, total / world)), not differentiable.
     Returns:
@@ -302,21 +314,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             q, k, v = q[None], k[None], v[None]
         window, softcap, scale, layout = check_shards(q, k, v, group, causal, window_size, softmax_scale, softcap,
                                                       layout)
+        learnable_sink = V.check_sink(learnable_sink, q.shape[2], q.dtype, q.device)
         if q.shape[1] % parts_per_rank(layout) or q.shape[1] == 0:
             raise ValueError(f"q's shard ({q.shape[1]} positions) must be a positive multiple of "
                              f"{parts_per_rank(layout)} for layout={layout!r} (the sequence a multiple of "
                              f"{parts_per_rank(layout) * world})")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
         error = e
-    fields = {} if error else {**shard_fields(q, k, v, causal, window, softcap, scale, layout),
+    fields = {} if error else {**shard_fields(q, k, v, causal, window, softcap, scale, layout, learnable_sink),
                                "cu_seqlens": -1 if bounds is None else documents_field(bounds)}
     agree(group, q.device if isinstance(q, torch.Tensor) else None, "ring_attention", fields, error)
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     spec = _Spec(group, rank, world, layout, causal, window, scale, softcap, None if bounds is None else tuple(bounds))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _RingAttention.apply(q, k, v, spec)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
+        out, lse = _RingAttention.apply(q, k, v, learnable_sink, spec)
     else:
-        out, lse = _ring_forward(q, k, v, spec)
+        out, lse = _ring_forward(q, k, v, learnable_sink, spec)
     if bounds is not None:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import validation as V
 from ..interface import flash_attn_func, flash_attn_varlen_func
 from .checks import check_documents, check_shards, documents_field, shard_fields
 from .comm import agree, group_info
@@ -100,7 +101,8 @@ class _HeadsToSeq(torch.autograd.Function):
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, group=None,
                       layout: str = "contiguous", softmax_scale: float | None = None,
                       window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor | None = None,
+                      learnable_sink: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded over the ranks of `group`, by all-to-all over the heads.
 
     Arguments:
@@ -114,6 +116,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         cu_seqlens: packed documents, as `ring_attention`'s: q, k, v (total / world, heads, ...) shards of the
             packed tokens, cu_seqlens the whole packed sequence's int32 document boundaries (the same on every
             rank); the local kernel is `flash_attn_varlen_func` over the gathered sequence.
+        learnable_sink: (nheads,) attention sinks, as `ring_attention`'s (each rank uses its heads' and gives
+            their gradient over the whole sequence).
     Returns:
         out: (batch, seqlen / world, nheads, headdim_v) (with cu_seqlens (total / world, nheads, headdim_v)),
         this rank's shard of the output.
@@ -137,20 +141,24 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         if k.shape[2] % world and world % k.shape[2]:
             raise ValueError(f"k and v's heads ({k.shape[2]}) must be a multiple of the world size ({world}) or "
                              "divide it for ulysses_attention (ring_attention takes any)")
+        learnable_sink = V.check_sink(learnable_sink, q.shape[2], q.dtype, q.device)
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
         error = e
-    fields = {} if error else {**shard_fields(q, k, v, causal, window, softcap, scale, layout),
+    fields = {} if error else {**shard_fields(q, k, v, causal, window, softcap, scale, layout, learnable_sink),
                                "cu_seqlens": -1 if bounds is None else documents_field(bounds)}
     agree(group, q.device if isinstance(q, torch.Tensor) else None, "ulysses_attention", fields, error)
     order = _position_order(layout, world, q.shape[1])
     repeat = 1 if k.shape[2] % world == 0 else world // k.shape[2]
     qh = _SeqToHeads.apply(q, group, world, order, 1)
     kh, vh = (_SeqToHeads.apply(t, group, world, order, repeat) for t in (k, v))
+    heads = q.shape[2] // world
+    sink = None if learnable_sink is None else learnable_sink[rank * heads:(rank + 1) * heads]
     if bounds is None:
-        out = flash_attn_func(qh, kh, vh, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
+        out = flash_attn_func(qh, kh, vh, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                              learnable_sink=sink)
         return _HeadsToSeq.apply(out, group, world, order)
     cu = cu_seqlens.to(q.device, non_blocking=True)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     out = flash_attn_varlen_func(qh[0], kh[0], vh[0], cu, cu, longest, longest, softmax_scale=scale, causal=causal,
-                                 window_size=window, softcap=softcap)
+                                 window_size=window, softcap=softcap, learnable_sink=sink)
     return _HeadsToSeq.apply(out[None], group, world, order)[0]
