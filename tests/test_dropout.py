@@ -342,3 +342,68 @@ def test_deterministic_is_accepted_with_dropout(device):
     a = flashtriton.flash_attn_func(q, k, v, dropout_p=0.2, deterministic=True)
     torch.manual_seed(3)
     assert torch.equal(a, flashtriton.flash_attn_func(q, k, v, dropout_p=0.2, deterministic=True))
+
+
+def keep_all(s_dmask, allowed, sq, sk):
+    return bool((s_dmask[:, :, :sq, :sk][:, :, allowed] >= 0).all())
+
+
+def _softmax_from_s_dmask(s_dmask, q, k, seqlen_q, seqlen_k, allowed, block_n):
+    """What flash-attn's test helpers do with a dropout call's S_dmask, restated: crop it to the call, keep the
+    mask `S >= 0` and normalise |S| back to the softmax, each key block by exp(m - lse) with m the running maximum
+    from that block to the last. q (Sq, H, D), k (Sk, H, D) of one sequence (heads already repeated)."""
+    s = s_dmask[:, :seqlen_q, :seqlen_k].float().masked_fill(~allowed, 0.0)
+    scores = torch.einsum("qhd,khd->hqk", q.float() / math.sqrt(q.shape[-1]), k.float())
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    blocks = scores.split(block_n, dim=-1)
+    lse = torch.logsumexp(torch.stack([torch.logsumexp(b, -1) for b in blocks], -1), -1)
+    lse[lse == float("-inf")] = float("inf")
+    maxes = torch.cummax(torch.stack([b.amax(-1) for b in blocks], -1).flip(-1), -1).values.flip(-1)
+    parts = [a * torch.exp(maxes[..., j] - lse)[..., None] for j, a in enumerate(s.abs().split(block_n, dim=-1))]
+    return s >= 0, torch.cat(parts, -1)
+
+
+def test_attn_probs_as_flash_attn_returns_them():
+    """return_attn_probs=True with dropout gives flash-attn 2's S_dmask (flash_attn_func, the varlen form and the
+    private forward): its sign is the call's keep-mask, and normalised as flash-attn's tests normalise it (block
+    size from _get_block_size_n) it is the softmax — over two key blocks, Sq != Sk, MQA, causal with a window."""
+    from flashtriton.flash_attn_interface import _flash_attn_forward, _get_block_size_n
+
+    p, (sq, sk, hq, hkv, d), causal, window = 0.3, (24, 140, 2, 1, 16), True, (100, 0)
+    q, k, v, _ = qkv(2, sq, sk, hq, hkv, d, torch.float16, seed=7)
+    block_n = _get_block_size_n(q.device, d, True, causal)
+    variant = Variant(causal=causal, window=window)
+    allowed = variant.dense_mask(sq, sk, device=q.device)
+    kr = k.repeat_interleave(hq // hkv, dim=2)
+    with testing.record_dropout() as calls:
+        out, lse, s_dmask = flashtriton.flash_attn_func(q, k, v, dropout_p=p, causal=causal, window_size=window,
+                                                        return_attn_probs=True)
+    assert s_dmask.shape == (2, hq, 128, 256) and s_dmask.dtype == q.dtype
+    assert not keep_all(s_dmask, allowed, sq, sk)  # something is dropped
+    keep_call = testing.dropout_mask(calls[0], 2, hq, sq, sk, p)
+    for b in range(2):
+        keep, attn = _softmax_from_s_dmask(s_dmask[b], q[b], kr[b], sq, sk, allowed, block_n)
+        assert torch.equal(keep[:, allowed], keep_call[b][:, allowed])
+        scores = torch.einsum("qhd,khd->hqk", q[b].double(), kr[b].double()) / math.sqrt(d)
+        want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+        torch.testing.assert_close(attn.double(), want, atol=2e-3, rtol=0)
+    # the out the mask gives (the same mask as the kernels')
+    want_out = attention_reference(q, k, v, variant=Variant(causal=causal, window=window, dropout_p=p),
+                                   dropout_mask=keep_call)
+    assert_close_to_exact(out, attention_reference(q, k, v, dtype=q.dtype, variant=Variant(
+        causal=causal, window=window, dropout_p=p), dropout_mask=keep_call), want_out, q.dtype, "out ")
+    # the private forward and the varlen form: the same probabilities from their own states
+    _, _, s_private, rng = _flash_attn_forward(q, k, v, p, d ** -0.5, causal, *window, return_softmax=True)
+    keep, _ = _softmax_from_s_dmask(s_private[0], q[0], kr[0], sq, sk, allowed, block_n)
+    assert torch.equal(keep[:, allowed], testing.dropout_mask(rng, 2, hq, sq, sk, p)[0][:, allowed])
+    cu = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device=q.device)
+    with testing.record_dropout() as calls:
+        _, _, s_var = flashtriton.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k,
+                                                         sq, sk, dropout_p=p, causal=causal, window_size=window,
+                                                         return_attn_probs=True)
+    keep_var = testing.dropout_mask(calls[0], 2, hq, sq, sk, p)
+    for b in range(2):
+        keep, attn = _softmax_from_s_dmask(s_var[b], q[b], kr[b], sq, sk, allowed, block_n)
+        assert torch.equal(keep[:, allowed], keep_var[b][:, allowed])
+    assert flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[2] is None  # no dropout

@@ -15,11 +15,18 @@ from __future__ import annotations
 import torch
 
 from . import validation as V
+from .attn_probs import BLOCK_N, dropout_probs
 from .chunked import _check_buffer, _check_inputs
 from .kernels.backward import attention_backward
 from .kernels.forward import attention_forward
 from .kernels.launch import on_inputs_device
 from .ops import _forward_impl, draw_dropout_state
+
+
+def _get_block_size_n(device=None, head_dim: int = 0, is_dropout: bool = False, is_causal: bool = False) -> int:
+    """flash-attn 2's: the key blocks of the running maximum in a dropout call's S_dmask (`attn_probs`), which
+    flash-attn's test helpers use to normalise it; the same on every device and head dim here."""
+    return BLOCK_N
 
 
 @on_inputs_device
@@ -28,16 +35,13 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
                         alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False):
     """flash-attn's `_flash_attn_forward`: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D / Dv), arguments as
     `flash_attn_func`'s (causal bottom-right). Returns (out (B, Sq, Hq, Dv), softmax_lse (B, Hq, Sq) fp32,
-    S_dmask, rng_state): S_dmask an empty tensor (the probabilities are never formed: return_softmax=True with
-    dropout raises, `flashtriton.testing.dropout_mask` rebuilds a call's mask from its rng_state); rng_state the
-    call's int64 (seed, offset) with dropout, else an empty int64 tensor; pass it to `_flash_attn_backward`."""
+    S_dmask, rng_state): S_dmask with return_softmax and dropout flash-attn 2's probabilities (`attn_probs`), else
+    an empty tensor; rng_state the call's int64 (seed, offset) with dropout, else an empty int64 tensor; pass it to
+    `_flash_attn_backward`."""
     window, softcap, scale = _check_inputs(q, k, v, 0, 0, bool(causal), (window_size_left, window_size_right),
                                            softmax_scale, softcap)
     dropout_p = V.check_dropout(dropout_p)
     alibi_slopes = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    if return_softmax and dropout_p:
-        raise NotImplementedError("return_softmax=True with dropout: flashtriton never forms the probabilities "
-                                  "(flashtriton.testing.dropout_mask rebuilds the call's mask from its rng_state)")
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     rng_state = draw_dropout_state(q.device) if dropout_p else torch.empty(0, dtype=torch.int64, device=q.device)
     if scale < 0:  # the forward kernels keep a running maximum: negate q instead (interface.py)
@@ -45,7 +49,9 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
     out, lse = attention_forward(q, k, v, scale, bool(causal), True, window_size=window, softcap=softcap,
                                  alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                  rng_state=rng_state if dropout_p else None)
-    return out, lse, q.new_empty(0), rng_state
+    probs = (dropout_probs(q, k, rng_state, scale, bool(causal), window, softcap, alibi_slopes, dropout_p)
+             if return_softmax and dropout_p else q.new_empty(0))
+    return out, lse, probs, rng_state
 
 
 @on_inputs_device
@@ -116,16 +122,13 @@ def _flash_attn_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                seqused_k: torch.Tensor | None = None):
     """flash-attn's `_flash_attn_varlen_forward`: q (total_q, Hq, D), k, v (total_k, Hkv, D / Dv), cu_seqlens int32
     (batch + 1,), as `flash_attn_varlen_func`. Returns (out (total_q, Hq, Dv), softmax_lse (Hq, total_q) fp32,
-    S_dmask (empty), rng_state), as `_flash_attn_forward`. block_table, leftpad_k and seqused_k: not taken here
+    S_dmask, rng_state), as `_flash_attn_forward`. block_table, leftpad_k and seqused_k: not taken here
     (NotImplementedError; `flash_attn_varlen_func` takes block_table and seqused_k)."""
     for name, value in (("block_table", block_table), ("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
         V.not_implemented(name, value, None)
     window, softcap, scale, dropout_p, alibi_slopes = _check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         (window_size_left, window_size_right), softmax_scale, softcap, dropout_p, alibi_slopes)
-    if return_softmax and dropout_p:
-        raise NotImplementedError("return_softmax=True with dropout: flashtriton never forms the probabilities "
-                                  "(flashtriton.testing.dropout_mask rebuilds the call's mask from its rng_state)")
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     rng_state = draw_dropout_state(q.device) if dropout_p else torch.empty(0, dtype=torch.int64, device=q.device)
@@ -134,7 +137,10 @@ def _flash_attn_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     out, lse = _forward_impl(q, k, v, scale, bool(causal), True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, window[0], window[1], softcap, alibi_slopes, None, dropout_p,
                              rng_state if dropout_p else None)
-    return out, lse, q.new_empty(0), rng_state
+    probs = (dropout_probs(q, k, rng_state, scale, bool(causal), window, softcap, alibi_slopes, dropout_p,
+                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+             if return_softmax and dropout_p else q.new_empty(0))
+    return out, lse, probs, rng_state
 
 
 @on_inputs_device

@@ -272,11 +272,11 @@ def draw_dropout_state(device) -> torch.Tensor:
 def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: bool, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, window_size=(-1, -1),
               softcap: float = 0.0, alibi_slopes=None, learnable_sink=None, dropout_p: float = 0.0,
-              block_table=None, seqused_k=None):
+              block_table=None, seqused_k=None, rng_state=None):
     """(out, lse) with autograd, through the registered op when tracing, directly otherwise. window_size,
     softcap and dropout_p are flash-attn's (validated: two ints >= -1, a float >= 0, a float in [0, 1)); a call
-    with dropout draws its (seed, offset) here (`draw_dropout_state`). block_table, seqused_k: varlen, validated by
-    `paging` (forward only)."""
+    with dropout draws its (seed, offset) here (`draw_dropout_state`), or takes the caller's `rng_state`.
+    block_table, seqused_k: varlen, validated by `paging` (forward only)."""
     args = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k)
     paged = block_table is not None or seqused_k is not None
@@ -284,7 +284,7 @@ def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: 
             or dropout_p or paged):
         args += (int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, learnable_sink)
     if dropout_p:
-        rng_state = draw_dropout_state(q.device)
+        rng_state = draw_dropout_state(q.device) if rng_state is None else rng_state
         if DROPOUT_RECORD is not None:
             DROPOUT_RECORD.append(rng_state)
         args += (float(dropout_p), rng_state)

@@ -59,7 +59,8 @@ def flash_attn_qkvpacked_func(
         Other arguments as `flash_attn_func` (learnable_sink keyword-only).
     Returns:
         out: (batch, seqlen, nheads, headdim)
-        and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen) fp32, None)
+        and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen) fp32,
+            S_dmask with dropout (flash_attn_func's) or None)
     The gradient of qkv is one (batch, seqlen, 3, nheads, headdim) tensor.
     """
     q, k, v = _unpack("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
@@ -89,7 +90,8 @@ def flash_attn_kvpacked_func(
         Other arguments as `flash_attn_func` (learnable_sink keyword-only).
     Returns:
         out: (batch, seqlen_q, nheads, headdim)
-        and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q) fp32, None)
+        and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q) fp32,
+            S_dmask with dropout (flash_attn_func's) or None)
     The gradient of kv is one (batch, seqlen_k, 2, nheads_k, headdim) tensor.
     """
     k, v = _unpack("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
@@ -121,7 +123,8 @@ def flash_attn_varlen_qkvpacked_func(
         Other arguments as `flash_attn_varlen_func` (learnable_sink keyword-only).
     Returns:
         out: (total, nheads, headdim)
-        and if return_attn_probs: (out, softmax_lse (nheads, total) fp32, None)
+        and if return_attn_probs: (out, softmax_lse (nheads, total) fp32,
+            S_dmask with dropout (flash_attn_func's) or None)
     """
     q, k, v = _unpack("qkv", qkv, 3, "(total, 3, nheads, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
@@ -155,7 +158,8 @@ def flash_attn_varlen_kvpacked_func(
         Other arguments as `flash_attn_varlen_func` (learnable_sink keyword-only).
     Returns:
         out: (total_q, nheads, headdim)
-        and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32, None)
+        and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32,
+            S_dmask with dropout (flash_attn_func's) or None)
     """
     k, v = _unpack("kv", kv, 2, "(total_k, 2, nheads_k, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

@@ -22,6 +22,32 @@ def causal_mask(seqlen_q: int, seqlen_k: int, bottom_right: bool = True, device=
     return Variant(causal=True, bottom_right=bottom_right).dense_mask(seqlen_q, seqlen_k, device=device)
 
 
+def masked_scores(q: torch.Tensor, k: torch.Tensor, variant: Variant, softmax_scale: float | None = None,
+                  dtype: torch.dtype = torch.float64, diagonal: int | None = None) -> torch.Tensor:
+    """The scores the softmax takes, (B, Hq, Sq, Sk) in `dtype`: scale · q·k, softcapped, minus ALiBi's
+    slope · |i + d - j|, -inf where `variant`'s mask hides a key (d: `diagonal`, else the variant's alignment).
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D) as `attention_reference`'s."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    qh = q.to(dtype).transpose(1, 2)  # (B, Hq, Sq, D)
+    kh = k.to(dtype).transpose(1, 2).repeat_interleave(heads_q // heads_kv, dim=1)  # (B, Hq, Sk, D)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if variant.softcap:
+        scores = variant.softcap * torch.tanh(scores / variant.softcap)
+    if variant.alibi_slopes is not None:  # -slope · |i + d - j|, slopes (Hq,) or (B, Hq)
+        slopes = variant.alibi_slopes.to(device=q.device, dtype=dtype)
+        slopes = slopes.expand(batch, heads_q) if slopes.dim() == 2 else slopes[None].expand(batch, heads_q)
+        d = variant.diagonal(seqlen_q, seqlen_k) if diagonal is None else diagonal
+        rows = torch.arange(seqlen_q, device=q.device)[:, None] + d
+        distance = (rows - torch.arange(seqlen_k, device=q.device)[None, :]).abs().to(dtype)
+        scores = scores - slopes[:, :, None, None] * distance
+    if variant.masks:
+        allowed = variant.dense_mask(seqlen_q, seqlen_k, diagonal, device=q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -51,26 +77,9 @@ def attention_reference(
     variant.require_supported()  # the reference grows each score change with the kernels
     if variant.dropout_p and dropout_mask is None:
         raise ValueError("a variant with dropout_p > 0 needs the call's dropout_mask (flashtriton.testing.dropout_mask)")
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    group = heads_q // heads_kv
-    qh = q.to(dtype).transpose(1, 2)  # (B, Hq, Sq, D)
-    kh = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, D)
-    vh = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, Dv)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # (B, Hq, Sq, Sk)
-    if variant.softcap:
-        scores = variant.softcap * torch.tanh(scores / variant.softcap)
-    if variant.alibi_slopes is not None:  # -slope · |i + d - j|, slopes (Hq,) or (B, Hq)
-        slopes = variant.alibi_slopes.to(device=q.device, dtype=dtype)
-        slopes = slopes.expand(batch, heads_q) if slopes.dim() == 2 else slopes[None].expand(batch, heads_q)
-        d = variant.diagonal(seqlen_q, seqlen_k) if diagonal is None else diagonal
-        rows = torch.arange(seqlen_q, device=q.device)[:, None] + d
-        distance = (rows - torch.arange(seqlen_k, device=q.device)[None, :]).abs().to(dtype)
-        scores = scores - slopes[:, :, None, None] * distance
-    if variant.masks:
-        allowed = variant.dense_mask(seqlen_q, seqlen_k, diagonal, device=q.device)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    batch, seqlen_q, heads_q, _ = q.shape
+    scores = masked_scores(q, k, variant, softmax_scale, dtype, diagonal)  # (B, Hq, Sq, Sk)
+    vh = v.to(dtype).transpose(1, 2).repeat_interleave(heads_q // k.shape[2], dim=1)  # (B, Hq, Sk, Dv)
     if variant.sinks is not None:  # one unscaled logit per query head, in the denominator only
         sink = variant.sinks.to(device=q.device, dtype=dtype)[None, :, None, None].expand(batch, heads_q, seqlen_q, 1)
         lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
