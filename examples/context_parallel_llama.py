@@ -30,9 +30,10 @@ IGNORE = -100  # transformers' label of a position without a next token
 
 
 def ring_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                           sliding_window=None, softcap=None, is_causal=None, group=None, **kwargs):
+                           sliding_window=None, softcap=None, is_causal=None, s_aux=None, group=None, **kwargs):
     """transformers' attention-function signature, on this rank's shard: query (B, Hq, n, D), key and value
-    (B, Hkv, n, D) -> ((B, n, Hq, D), None). `group`: the process group (a kwarg of the model's forward)."""
+    (B, Hkv, n, D) -> ((B, n, Hq, D), None). `group`: the process group (a kwarg of the model's forward);
+    sliding_window, softcap and s_aux (gpt-oss' sinks) as transformers' flash-attention path passes them."""
     if attention_mask is not None:
         raise NotImplementedError("ring_attention_forward takes unpadded sequences (pack documents instead)")
     if dropout:
@@ -41,7 +42,7 @@ def ring_attention_forward(module, query, key, value, attention_mask, dropout=0.
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = parallel.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                   causal=bool(causal), group=group, layout=LAYOUT, softmax_scale=scaling,
-                                  window_size=window, softcap=float(softcap or 0.0))
+                                  window_size=window, softcap=float(softcap or 0.0), learnable_sink=s_aux)
     return out, None
 
 
