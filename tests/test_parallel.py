@@ -58,14 +58,15 @@ def run_group(world: int, checks: list[str], tmp_path: Path) -> None:
 
 def test_group_of_two(tmp_path):
     run_group(2, ["ring_zigzag_causal_gqa", "ring_contiguous_causal_window_sink", "ring_zigzag_full",
-                  "ulysses_causal_gqa_sink", "ring_packed_zigzag_causal_gqa", "ring_packed_contiguous_window", "ulysses_packed_zigzag_causal",
+                  "ring_contiguous_full", "ulysses_causal_gqa_sink", "ulysses_full", "ring_packed_zigzag_causal_gqa",
+                  "ring_packed_zigzag_full", "ring_packed_contiguous_window", "ulysses_packed_zigzag_causal",
                   "ring_lse", *LLAMA, "bad_inputs"], tmp_path)
 
 
 def test_group_of_four(tmp_path):
-    run_group(4, ["ring_zigzag_causal_mqa", "ring_contiguous_full", "ulysses_zigzag_causal_mqa", "ulysses_full",
-                  "ring_packed_zigzag_full", "ring_packed_zigzag_causal_window_sink", "deterministic_and_subgroups",
-                  "bad_inputs"], tmp_path)
+    """What needs more ranks than kv heads (MQA Ulysses), subgroups, and a longer ring."""
+    run_group(4, ["ring_zigzag_causal_mqa", "ulysses_zigzag_causal_mqa", "ring_packed_zigzag_causal_window_sink",
+                  "deterministic_and_subgroups", "bad_inputs"], tmp_path)
 
 
 def _visible(q_pos, k_pos, causal, window, doc_of):
