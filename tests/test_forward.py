@@ -274,3 +274,27 @@ def test_unaligned_inputs_after_aligned_ones_of_the_same_shape(causal, device):
         out, _ = check_forward(*args, causal)
         torch.testing.assert_close(out, expected, atol=2e-3, rtol=0)
     assert torch.equal(check_forward(q, k, v, causal)[0], expected)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (2, 0), (5, 3)])
+def test_rows_whose_scores_are_all_far_below_zero(window, device):
+    """fp16 rows whose every score is far below 0 (here -32 each, natural log) and whose first key tile holds none
+    of their keys (a window's left edge): their probabilities exp(s - m) are exact only with m the row's own
+    maximum (a stand-in maximum of 0 underflows them all to 0 in fp16). Dense, varlen and KV-cache decoding."""
+    gen = torch.Generator().manual_seed(3)
+    sq, sk, d = 40, 70, 16
+    q = torch.ones(1, sq, 2, d, dtype=torch.float16, device=device)
+    k = torch.full((1, sk, 1, d), -2.0, dtype=torch.float16, device=device)
+    v = torch.randn(1, sk, 1, d, generator=gen).to(device=device, dtype=torch.float16)
+    causal = window[1] == 0
+    exact = attention_reference(q, k, v, 1.0, variant=Variant(causal=causal, window=window))
+    low = attention_reference(q, k, v, 1.0, dtype=torch.float16, variant=Variant(causal=causal, window=window))
+    out = flashtriton.flash_attn_func(q, k, v, softmax_scale=1.0, causal=causal, window_size=window)
+    assert_close_to_exact(out, low, exact, torch.float16, "dense ")
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=device) for n in (sq, sk))
+    out = flashtriton.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, sq, sk, softmax_scale=1.0, causal=causal,
+                                             window_size=window)
+    assert_close_to_exact(out[None], low, exact, torch.float16, "varlen ")
+    out = flashtriton.flash_attn_with_kvcache(q[:, -3:], k, v, softmax_scale=1.0, causal=causal, window_size=window,
+                                              cache_seqlens=torch.tensor([sk], dtype=torch.int32, device=device))
+    assert_close_to_exact(out, low[:, -3:], exact[:, -3:], torch.float16, "decode ")

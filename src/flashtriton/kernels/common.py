@@ -87,14 +87,17 @@ def softmax_step(
                        right)
         qk = tl.where(keep, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        qk = qk - m_new[:, None]
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN. (m_new
+        # itself stays -inf: a finite stand-in would become the row's maximum, and the probabilities of its
+        # first keys, exp2(s - 0), underflow in fp16 where its scores are all far below 0.)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        qk = qk - m_safe[:, None]
     else:
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_safe = m_new
         qk = qk * qk_scale - m_new[:, None]
     p = tl.math.exp2(qk)  # (BLOCK_M, BLOCK_N)
-    alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    alpha = tl.math.exp2(m_i - m_safe)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
