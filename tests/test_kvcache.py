@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from flashtriton.kernels import dispatch
-from flashtriton import configs, kvcache
+from flashtriton import configs, kvcache, kvcache_plan, paging
 from flashtriton.kernels import decode, decode_launch
 from flashtriton.kernels.decode_launch import choose_num_splits, decode_attention
+from flashtriton.kernels.variant import Variant
 from flashtriton.kvcache import flash_attn_with_kvcache
 from flashtriton.reference import attention_reference
 
@@ -206,10 +207,10 @@ def stream_schedule(monkeypatch):
         monkeypatch.setattr(configs, "DECODE_INTERPRETER_SMS", sms)
         if min_split_keys is not None:
             monkeypatch.setattr(configs, "DECODE_MIN_SPLIT_KEYS", min_split_keys)
-        decode_launch._decode_plan.cache_clear()  # plans are kept per shape, and these settings are not in the key
+        kvcache_plan.clear()  # plans are kept per signature, and these settings are not in the key
 
     yield use
-    decode_launch._decode_plan.cache_clear()
+    kvcache_plan.clear()
 
 
 def _launched_kernels(monkeypatch):
@@ -1013,3 +1014,129 @@ def test_unaligned_pointers_after_aligned_ones():
                                                    num_splits=3), expected)
         assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=3),
                            expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the plan of a call signature (kvcache_plan): kept, keyed on everything it depends on
+# ---------------------------------------------------------------------------------------------------------
+def _small_step(dtype=torch.float16, seed=0):
+    """One decode step's arguments, small enough for the interpreter: batch 2, 4 / 2 heads, D=16, 48 keys."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    return dict(q=randn(2, 1, 4, 16), k_cache=randn(2, 48, 2, 16), v_cache=randn(2, 48, 2, 16),
+                k=randn(2, 1, 2, 16), v=randn(2, 1, 2, 16),
+                cache_seqlens=torch.tensor([30, 11], dtype=torch.int32, device=DEVICE))
+
+
+def _step_reference(kw, expected_caches, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """float64 attention of each sequence over its cache after the append (the expected caches)."""
+    k_exp, v_exp = expected_caches
+    variant = Variant.of(causal, True, window_size)
+    outs = []
+    for b in range(kw["q"].shape[0]):
+        n = int(kw["cache_seqlens"][b]) + 1
+        outs.append(attention_reference(kw["q"][b:b + 1], k_exp[b:b + 1, :n], v_exp[b:b + 1, :n], softmax_scale,
+                                        causal, bottom_right=True, dtype=torch.float64, variant=variant))
+    return torch.cat(outs)
+
+
+def test_a_repeated_call_takes_its_plan_and_any_other_signature_gets_its_own(monkeypatch):
+    """A call's checks and launch plans are worked out once per signature (`kvcache_plan.call_key`): a repeated
+    call runs no check and gives the same result; a call that differs in one keyed property (a stride, a
+    dtype, an option, the grad mode, the switch of the decode schedule) gets a plan of its own, right for it."""
+    kvcache_plan.clear()
+    checks = []
+    real_check = kvcache.check_call
+    monkeypatch.setattr(kvcache, "check_call", lambda *a, **kw: checks.append(1) or real_check(*a, **kw))
+    base = _small_step()
+    expected_caches = (_expected_cache(base["k_cache"], base["k"], base["cache_seqlens"], None, None),
+                       _expected_cache(base["v_cache"], base["v"], base["cache_seqlens"], None, None))
+
+    def step(expect_check, reference_kw=None, **changes):
+        kw = {**base, "k_cache": base["k_cache"].clone(), "v_cache": base["v_cache"].clone(), **changes}
+        before = len(checks)
+        with torch.no_grad():
+            out = flash_attn_with_kvcache(**kw)
+        assert len(checks) - before == int(expect_check), ("a stale plan ran" if expect_check
+                                                           else "the plan was not kept")
+        ref = _step_reference(kw, expected_caches, **(reference_kw or {}))
+        torch.testing.assert_close(out.double(), ref, atol=2 * FLOOR[kw["q"].dtype], rtol=0)
+        assert torch.equal(kw["k_cache"].double(), expected_caches[0].double())
+        return out
+
+    first = step(True)
+    assert torch.equal(step(False), first)  # the kept plan: no check, the same launches, the same result
+    assert len(kvcache_plan.PLANS) == 1
+    # One keyed property at a time: each gets its own plan (one check), the right answer, and is kept too.
+    q_strided = torch.cat([base["q"], base["q"]], 2)[:, :, :4]  # q's strides (128, 128, 16, 1): same values
+    wide = torch.zeros(2, 64, 2, 16, dtype=torch.float16, device=DEVICE)  # a cache with another batch stride
+    for changes, reference_kw in [
+        (dict(q=q_strided), None),
+        (dict(q=base["q"].float(), k_cache=base["k_cache"].float(), v_cache=base["v_cache"].float(),
+              k=base["k"].float(), v=base["v"].float()), None),  # dtypes
+        (dict(causal=True), dict(causal=True)),  # options
+        (dict(softmax_scale=0.5), dict(softmax_scale=0.5)),
+        (dict(softmax_scale=-0.5), dict(softmax_scale=-0.5)),  # the sign of the scale (q negated)
+        (dict(window_size=(4, 0)), dict(window_size=(4, 0))),
+        (dict(num_splits=3), None),
+        (dict(cache_seqlens=torch.tensor([30, 0, 11, 0], dtype=torch.int32, device=DEVICE)[::2]), None),  # stride 2
+    ]:
+        got = step(True, reference_kw, **changes)
+        assert torch.equal(step(False, reference_kw, **changes), got)
+    k_wide, v_wide = wide.clone(), wide.clone()
+    k_wide[:, :48], v_wide[:, :48] = base["k_cache"], base["v_cache"]
+    kw = {**base, "k_cache": k_wide[:, :48], "v_cache": v_wide[:, :48]}  # strides (64 · 32, ...), not (48 · 32, ...)
+    before = len(checks)
+    with torch.no_grad():
+        torch.testing.assert_close(flash_attn_with_kvcache(**kw), first, atol=2 * FLOOR[torch.float16], rtol=0)
+    assert len(checks) == before + 1 and torch.equal(k_wide[:, :48], expected_caches[0])
+    with dispatch.force(decode="stream"), torch.no_grad():  # a switch: the plans are kept per switch state
+        kw = {**base, "k_cache": base["k_cache"].clone(), "v_cache": base["v_cache"].clone()}
+        torch.testing.assert_close(flash_attn_with_kvcache(**kw), first, atol=2 * FLOOR[torch.float16], rtol=0)
+    assert len(checks) == before + 2
+    with pytest.raises(NotImplementedError, match="inference-only"):  # the grad mode and requires_grad
+        flash_attn_with_kvcache(**{**base, "q": base["q"].clone().requires_grad_()})
+
+
+def test_a_kept_plan_still_checks_the_values_and_keeps_no_stale_lengths(monkeypatch):
+    """What a plan keeps depends on the signature only: the values of a tensor cache_seqlens are read at every
+    call (by the kernels, or on the host with CHECK_VALUES, which `kvcache.CHECK_VALUES` sets as
+    `paging.CHECK_VALUES`: one switch), and an int cache_seqlens is part of the key."""
+    kvcache_plan.clear()
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", True)
+    assert paging.CHECK_VALUES is True
+    base = _small_step()
+    with torch.no_grad():
+        for _ in range(2):
+            flash_attn_with_kvcache(**{**base, "k_cache": base["k_cache"].clone(), "v_cache": base["v_cache"].clone()})
+        with pytest.raises(ValueError, match="cache is too small"):
+            too_long = torch.tensor([47, 48], dtype=torch.int32, device=DEVICE)
+            flash_attn_with_kvcache(**{**base, "cache_seqlens": too_long})
+        ints = {}
+        for length in (11, 30, 11):  # an int length: a plan per value, each with its own kept lengths tensor
+            kw = {**base, "k": None, "v": None, "cache_seqlens": length}
+            ints.setdefault(length, flash_attn_with_kvcache(**kw))
+            assert torch.equal(flash_attn_with_kvcache(**kw), ints[length])
+            ref = attention_reference(base["q"], base["k_cache"][:, :length], base["v_cache"][:, :length], None,
+                                      False, dtype=torch.float64)
+            torch.testing.assert_close(ints[length].double(), ref, atol=2 * FLOOR[torch.float16], rtol=0)
+    monkeypatch.setattr(kvcache, "CHECK_VALUES", False)
+    assert paging.CHECK_VALUES is False
+
+
+def test_decode_plans_key_the_rotary_tables_length():
+    """The kept compiled kernel is specialized on ROTARY_MAX_CACHED (an int argument): the launch plans hold it, so
+    tables of another length get another plan, never a relaunch of a kernel specialized on the old value."""
+    q, k_cache, v_cache, _ = _decode_inputs(batch=1, heads_q=2, heads_kv=1, head_dim=32, capacity=64)
+    plans = []
+    for rows in (66, 67):  # one position needed per sequence: tables serving cache lengths up to 65, then 66
+        cos = torch.zeros(rows, 8, dtype=torch.float16, device=DEVICE)
+        rot = decode_launch.Rotary(cos, cos, True, False, rows - 1)
+        plans.append((decode_launch.decode_plan(q, k_cache, v_cache, None, None, 64, False, 1, rotary=rot),
+                      decode_launch.append_plan(q[:, :, :1], q[:, :, :1], k_cache, v_cache, rotary=rot)))
+    (d0, a0), (d1, a1) = plans
+    assert d0 is not d1 and a0 is not a1
+    assert (d0.rotary_max_cached, d1.rotary_max_cached) == (65, 66) == (a0.rotary_max_cached, a1.rotary_max_cached)

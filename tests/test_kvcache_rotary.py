@@ -26,7 +26,7 @@ import torch
 import torch._dynamo.testing
 
 import flashtriton
-from flashtriton import configs, kvcache, rotary
+from flashtriton import configs, kvcache, kvcache_plan, rotary
 from flashtriton.kernels import decode_launch, dispatch
 from flashtriton.kernels.host import cdiv
 from flashtriton.kernels.variant import Variant
@@ -48,10 +48,10 @@ def schedule(monkeypatch):
         if name == "stream":
             monkeypatch.setattr(configs, "DECODE_INTERPRETER_SMS", 4)
             monkeypatch.setattr(configs, "DECODE_MIN_SPLIT_KEYS", 16)
-        decode_launch._decode_plan.cache_clear()
+        kvcache_plan.clear()
 
     yield use
-    decode_launch._decode_plan.cache_clear()
+    kvcache_plan.clear()
 
 
 def _tables(rows, rotary_dim, dtype, gen):

@@ -19,7 +19,7 @@ import torch
 import torch._dynamo.testing
 
 import flashtriton
-from flashtriton import configs, kvcache
+from flashtriton import configs, kvcache, kvcache_plan
 from flashtriton._env import INTERPRET
 from flashtriton.kernels import decode_launch, dispatch
 from flashtriton.kernels.host import cdiv
@@ -44,10 +44,10 @@ def schedule(monkeypatch):
         if name == "stream":
             monkeypatch.setattr(configs, "DECODE_INTERPRETER_SMS", 4)
             monkeypatch.setattr(configs, "DECODE_MIN_SPLIT_KEYS", 16)
-        decode_launch._decode_plan.cache_clear()  # the configs' values are not in the plans' key
+        kvcache_plan.clear()  # the configs' values are not in the plans' key
 
     yield use
-    decode_launch._decode_plan.cache_clear()
+    kvcache_plan.clear()
 
 
 def _expected_cache(cache, new, seqlens, block_table, batch_idx):

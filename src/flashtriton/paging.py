@@ -23,8 +23,9 @@ import torch
 from . import validation as V
 from .kernels.paged import KEY_LIMIT
 
-# The host check of the values instead of the kernel's NaN (`check_values`); the switch flash_attn_with_kvcache
-# reads too. Read when the call runs, eager or compiled alike.
+# FLASHTRITON_CHECK_VALUES=1: the host checks of the device tensors' values instead of the kernels' NaN, here
+# (`check_values`) and in flash_attn_with_kvcache (`kvcache_checks.check_values`; `flashtriton.kvcache.CHECK_VALUES`
+# is this switch too). Read when a call runs, eager or compiled alike; never while a CUDA graph is captured.
 CHECK_VALUES: bool = os.environ.get("FLASHTRITON_CHECK_VALUES", "0") == "1"
 
 POOL_LAYOUT = "(num_pages, page_size, nheads_k, headdim) with block_table"

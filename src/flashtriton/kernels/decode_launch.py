@@ -1,8 +1,11 @@
 """The host side of split-KV decoding (the kernels are `decode`'s): `decode_attention` launches `_decode_split` (its
 autotuned form `_decode_split_tuned` under FLASHTRITON_AUTOTUNE) or `_decode_stream` from a launch plan kept per
-call shape (`_decode_plan`), `append_kv` writes new keys into the cache; the split count (`choose_num_splits`), the
-stream schedule's program count (`stream_programs`), the ticket counters and split-KV workspace kept per (GPU,
-stream) (`_stream_buffer`), and the largest cache the kernels' int32 key positions allow (`MAX_CAPACITY`).
+call shape (`decode_plan` / `_decode_plan`), `append_kv` writes new keys into the cache from one of its own
+(`append_plan` / `_append_plan`); a plan keeps its compiled kernel and relaunches it with raw pointers (`_Launch`),
+and `kvcache_plan` holds a call's two plans to launch them without these functions. Also the split count
+(`choose_num_splits`), the stream schedule's program count (`stream_programs`), the ticket counters and split-KV
+workspace kept per (GPU, stream) (`_stream_buffer`, `split_buffers`), and the largest cache the kernels' int32 key
+positions allow (`MAX_CAPACITY`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from . import dispatch
 from .decode import PART_PAD, _append_kv, _decode_split, _decode_stream
 from .host import cdiv, next_power_of_2, padded_head_dim
 from .launch import hooks_installed, launch, launch_and_keep
-from .variant import Variant
+from .variant import LOG2E, Variant
 
 
 class Rotary(NamedTuple):
@@ -38,16 +41,89 @@ class Rotary(NamedTuple):
         return 2 * self.cos.shape[1]
 
 
-_NO_EXTRA = (None, None, None, None)  # the kernels' (COS, SIN, LEFTPAD, ROTARY_MAX_CACHED) without either feature
+class _Launch:
+    """One kernel's launch, fixed by shapes, strides, dtypes, device and options (the plans below): `run` passes
+    the call's tensors and scalars, with the rotary tables and left pads (None where off: a constexpr) last."""
+
+    __slots__ = ("kernel", "grid", "ints", "meta", "rotary_max_cached", "relaunch")
+
+    def __init__(self, kernel, grid, ints, meta, rotary_max_cached):
+        self.kernel = kernel  # the @triton.jit function
+        self.grid = grid  # (x, y, z)
+        self.ints = ints  # the kernel's int arguments after the tensors (and qk_scale), from the plan's key
+        self.meta = meta  # constexprs and options
+        self.rotary_max_cached = rotary_max_cached  # ROTARY_MAX_CACHED (None without rotary), from the key
+        self.relaunch = None  # the compiled kernel, once launched with 16-byte aligned pointers
+
+    def run(self, tensors: tuple, pointers: list, head: tuple, cos, sin, leftpad, stream=None) -> None:
+        """Launch on `tensors` (the pointer arguments, in order; `pointers` their data_ptr()), then `head`
+        (scalars before the ints), the plan's ints, and COS, SIN, LEFTPAD (tensors or None), ROTARY_MAX_CACHED.
+        The plan fixes every argument's type; the compiled kernel also depends on pointer alignment: when all
+        pointers are 16-byte aligned (as compiled), relaunch it with raw pointers and no lookup at all.
+        `stream`: the current stream's handle where the caller has it (else `Relaunch` asks)."""
+        tail = (cos, sin, leftpad, self.rotary_max_cached)
+        bits = functools.reduce(operator.or_, pointers)
+        tail_raw = tail
+        if cos is not None or leftpad is not None:  # rotary tables, left pads: raw pointers too
+            tail_raw = (None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+                        None if leftpad is None else leftpad.data_ptr(), self.rotary_max_cached)
+            bits |= functools.reduce(operator.or_, (p for p in tail_raw[:3] if p is not None))
+        if bits & 15:
+            launch(self.kernel, self.grid, (*tensors, *head, *self.ints, *tail), self.meta)
+        elif self.relaunch is not None and not hooks_installed():
+            self.relaunch(self.grid, (*pointers, *head, *self.ints, *tail_raw), stream)
+        else:
+            self.relaunch = launch_and_keep(self.kernel, self.grid, (*tensors, *head, *self.ints, *tail), self.meta)
 
 
-def _extra_args(rotary: Rotary | None, cache_leftpad) -> tuple:
-    """The kernels' (COS, SIN, LEFTPAD, ROTARY_MAX_CACHED): None where a feature is off (then a constexpr)."""
-    if rotary is None and cache_leftpad is None:
-        return _NO_EXTRA
-    if rotary is None:
-        return None, None, cache_leftpad, None
-    return rotary.cos, rotary.sin, cache_leftpad, rotary.max_cached
+class _AppendPlan(_Launch):
+    """An `_append_kv` launch (`_append_plan`)."""
+
+    __slots__ = ()
+
+    def launch(self, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, cos=None, sin=None,
+               cache_leftpad=None, stream=None) -> None:
+        dummy, at = cache_seqlens, cache_seqlens.data_ptr()  # stands in for absent pointers
+        self.run((k, v, k_cache, v_cache, cache_seqlens, dummy if cache_batch_idx is None else cache_batch_idx,
+                  dummy if block_table is None else block_table),
+                 [k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), at,
+                  at if cache_batch_idx is None else cache_batch_idx.data_ptr(),
+                  at if block_table is None else block_table.data_ptr()], (), cos, sin, cache_leftpad, stream)
+
+
+def _rotary_key(rotary: Rotary | None) -> tuple | None:
+    """(rotary_dim, interleaved, per_query, max_cached) of the plans' keys, or None."""
+    return None if rotary is None else (rotary.dim, rotary.interleaved, rotary.per_query, rotary.max_cached)
+
+
+def append_plan(k, v, k_cache, v_cache, cache_batch_idx=None, block_table=None, rotary: Rotary | None = None,
+                cache_leftpad=None) -> _AppendPlan:
+    """The launch plan of `append_kv` on these tensors (`_append_plan`, kept per key)."""
+    paged = block_table is not None
+    return _append_plan(k.shape, k.stride(), v.shape[-1], v.stride(), k_cache.shape, k_cache.stride(),
+                        v_cache.stride(), k.dtype, k.device, block_table.shape[1] if paged else 0,
+                        block_table.stride(0) if paged else 0, cache_batch_idx is not None, _rotary_key(rotary),
+                        cache_leftpad is not None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _append_plan(k_shape, k_strides, head_dim_v, v_strides, cache_shape, kc_strides, vc_strides, dtype, device,
+                 max_pages, stride_btb, has_batch_idx, rotary, has_leftpad) -> _AppendPlan:
+    """Everything of an `_append_kv` launch that depends only on shapes, strides, dtype, device and options
+    (`dtype` and `device` fix the compiled kernel a plan keeps). rotary: `_rotary_key`."""
+    batch, seqlen_new, heads_kv, head_dim = k_shape
+    paged = max_pages > 0
+    capacity = max_pages * cache_shape[1] if paged else cache_shape[1]
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    block_t = min(next_power_of_2(seqlen_new), max(1, 4096 // max(block_d, block_dv)))
+    ints = (*k_strides[:3], *v_strides[:3], *kc_strides[:3], *vc_strides[:3], stride_btb, seqlen_new, capacity,
+            cache_shape[0])
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, PAGED=paged,
+                PAGE_SIZE=cache_shape[1] if paged else 1, HAS_BATCH_IDX=has_batch_idx,
+                ROTARY_DIM=rotary[0] if rotary else 0, ROTARY_INTERLEAVED=bool(rotary and rotary[1]),
+                HAS_LEFTPAD=has_leftpad, BLOCK_T=block_t, num_warps=4)
+    return _AppendPlan(_append_kv, (batch, heads_kv, cdiv(seqlen_new, block_t)), ints, meta,
+                       rotary[3] if rotary else None)
 
 
 def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None,
@@ -55,25 +131,9 @@ def append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block
     """Write k (B, S_new, Hkv, D) and v (B, S_new, Hkv, Dv) into the caches at cache_seqlens[b].. (through
     block_table when paged), in place, one launch; with `rotary` each new key is rotated at its cache row first.
     Values out of range (cache_leftpad's too) write nothing (see `_append_kv`)."""
-    batch, seqlen_new, heads_kv, head_dim = k.shape
-    head_dim_v = v.shape[-1]
-    paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    block_t = min(next_power_of_2(seqlen_new), max(1, 4096 // max(block_d, block_dv)))
-    dummy = cache_seqlens
-    launch(_append_kv, (batch, heads_kv, cdiv(seqlen_new, block_t)), (
-        k, v, k_cache, v_cache, cache_seqlens,
-        cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if paged else 0,
-        seqlen_new, capacity, k_cache.shape[0], *_extra_args(rotary, cache_leftpad),
-    ), dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, PAGED=paged,
-            PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_BATCH_IDX=cache_batch_idx is not None,
-            ROTARY_DIM=rotary.dim if rotary is not None else 0,
-            ROTARY_INTERLEAVED=rotary is not None and rotary.interleaved, HAS_LEFTPAD=cache_leftpad is not None,
-            BLOCK_T=block_t, num_warps=4))
+    plan = append_plan(k, v, k_cache, v_cache, cache_batch_idx, block_table, rotary, cache_leftpad)
+    plan.launch(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
+                *((rotary.cos, rotary.sin) if rotary is not None else (None, None)), cache_leftpad)
 
 
 _decode_split_tuned = triton.autotune(
@@ -173,13 +233,27 @@ def _stream_buffer(kind: str, count: int, dtype: torch.dtype, device: torch.devi
     if torch.cuda.is_current_stream_capturing():
         return fresh(count, dtype=dtype, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (kind, index, torch._C._cuda_getCurrentRawStream(index))
+    return _kept_buffer(kind, count, dtype, device, index, torch._C._cuda_getCurrentRawStream(index))
+
+
+def _kept_buffer(kind: str, count: int, dtype: torch.dtype, device: torch.device, index: int, stream: int):
+    key = (kind, index, stream)
     buf = _STREAM_BUFFERS.get(key)
     if buf is None or buf.numel() < count:
-        buf = fresh(max(count, 4096), dtype=dtype, device=device)
+        buf = (torch.zeros if kind == "tickets" else torch.empty)(max(count, 4096), dtype=dtype, device=device)
         _STREAM_BUFFERS[key] = buf
         _KEPT.append(buf)
     return buf
+
+
+def split_buffers(workspace: int, tickets: int, device: torch.device, stream: int | None = None):
+    """(workspace, tickets): a split-KV launch's fp32 workspace of `workspace` floats and its `tickets` zeroed
+    int32 counters (`_stream_buffer`). `stream`: the current stream's handle, where the caller has it."""
+    if stream is None or workspace > STREAM_WORKSPACE_LIMIT or torch.cuda.is_current_stream_capturing():
+        return (_stream_buffer("workspace", workspace, torch.float32, device),
+                _stream_buffer("tickets", tickets, torch.int32, device))
+    return (_kept_buffer("workspace", workspace, torch.float32, device, device.index, stream),
+            _kept_buffer("tickets", tickets, torch.int32, device, device.index, stream))
 
 
 def ticket_counters(count: int, device: torch.device) -> torch.Tensor:
@@ -249,57 +323,54 @@ def decode_attention(
     rotary: q is rotated as the kernels load it (`Rotary`; the new keys were rotated by `append_kv`).
     cache_leftpad: int32 (B,), contiguous cache only: sequence b's keys start at cache row cache_leftpad[b].
     """
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    device = q.device
-    out = torch.empty((batch, seqlen_q, heads_q, v_cache.shape[-1]), dtype=q.dtype, device=device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=device) if return_lse else None
-    if out.numel() == 0:
-        return out, lse.fill_(float("-inf")) if return_lse else None
+    plan = decode_plan(q, k_cache, v_cache, cache_batch_idx, block_table, max_seqlen_k, causal, num_splits, config,
+                       seqlen_new, return_lse, window_size, softcap, alibi_slopes, learnable_sink, rotary,
+                       cache_leftpad)
+    tables = (rotary.cos, rotary.sin) if rotary is not None else (None, None)
+    return plan.launch(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                       learnable_sink, softmax_scale, *tables, cache_leftpad)
 
+
+def decode_plan(q, k_cache, v_cache, cache_batch_idx, block_table, max_seqlen_k: int, causal: bool,
+                num_splits: int = 0, config: dict | None = None, seqlen_new: int = 0, return_lse: bool = True,
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                learnable_sink=None, rotary: Rotary | None = None, cache_leftpad=None) -> "_Plan | _EmptyPlan":
+    """The launch plan of `decode_attention` on these tensors (its arguments but the values it does not depend
+    on): `_decode_plan`'s, kept per key, or an `_EmptyPlan` for an empty output. Its `launch` takes the tensors,
+    softmax_scale, the rotary tables and left pads, and returns (out, lse)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if batch * seqlen_q * heads_q * v_cache.shape[-1] == 0:
+        return _EmptyPlan((batch, seqlen_q, heads_q, v_cache.shape[-1]),
+                          (batch, heads_q, seqlen_q) if return_lse else None)
+    device = q.device
     paged = block_table is not None
     if config is None and INTERPRET:
         config = configs.DECODE_INTERPRETER_CONFIG
     variant = Variant.of(causal, True, window_size, softcap, alibi_slopes is not None, learnable_sink is not None)
-    plan = _decode_plan(
+    return _decode_plan(
         tuple(q.shape), q.stride(), tuple(k_cache.shape), k_cache.stride(), v_cache.stride(), q.dtype,
         block_table.shape[1] if paged else 0, block_table.stride(0) if paged else 0, cache_batch_idx is not None,
         variant, max_seqlen_k, num_splits, seqlen_new, return_lse,
         None if config is None else tuple(config.items()), configs.AUTOTUNE, _num_sms(device),
         device, dispatch.decode_schedule(),
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, v_cache.shape[-1],
-        None if rotary is None else (rotary.dim, rotary.interleaved, rotary.per_query), cache_leftpad is not None,
+        _rotary_key(rotary), cache_leftpad is not None,
     )
-    extra = _extra_args(rotary, cache_leftpad)
-    dummy = cache_seqlens  # stands in for absent pointers
-    if plan.part_rows:
-        part = _stream_buffer("workspace", plan.part_rows * plan.part_width, torch.float32, device)
-        tickets = ticket_counters(plan.tickets, device)
-    else:
-        part = tickets = dummy  # unused
-    tensors = (q, k_cache, v_cache, out, lse if return_lse else dummy, part, tickets, cache_seqlens,
-               cache_batch_idx if cache_batch_idx is not None else dummy, block_table if paged else dummy,
-               alibi_slopes if alibi_slopes is not None else dummy,
-               learnable_sink if learnable_sink is not None else dummy)
-    scale = variant.scalars(softmax_scale)[0]
-    if plan.autotune:
-        _decode_split_tuned[plan.grid](*tensors, scale, *plan.ints, *extra, **plan.meta)
-        return out, lse
-    # The plan fixes every argument's type; the compiled kernel also depends on pointer alignment: when all
-    # pointers are 16-byte aligned (as compiled), relaunch it with raw pointers and no lookup at all.
-    pointers = [t.data_ptr() for t in tensors]
-    aligned = not functools.reduce(operator.or_, pointers) & 15
-    extra_raw = extra
-    if extra is not _NO_EXTRA:  # rotary tables, left pads: raw pointers too (None stays a constexpr)
-        extra_raw = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in extra)
-        aligned = aligned and not functools.reduce(operator.or_, (a for a in extra_raw[:3] if a is not None)) & 15
-    kernel = _decode_stream if plan.stream else _decode_split
-    if aligned and plan.relaunch is not None and not hooks_installed():
-        plan.relaunch(plan.grid, (*pointers, scale, *plan.ints, *extra_raw))
-    elif aligned:
-        plan.relaunch = launch_and_keep(kernel, plan.grid, (*tensors, scale, *plan.ints, *extra), plan.meta)
-    else:
-        launch(kernel, plan.grid, (*tensors, scale, *plan.ints, *extra), plan.meta)
-    return out, lse
+
+
+class _EmptyPlan:
+    """The plan of a call whose output is empty: nothing to launch; the lse, if asked for, is -inf."""
+
+    __slots__ = ("out_shape", "lse_shape")
+
+    def __init__(self, out_shape, lse_shape):
+        self.out_shape, self.lse_shape = out_shape, lse_shape
+
+    def launch(self, q, *args, **kwargs):
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        if self.lse_shape is None:
+            return out, None
+        return out, torch.full(self.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
 
 
 def _require_declared(name: str, variant: Variant) -> None:
@@ -310,20 +381,58 @@ def _require_declared(name: str, variant: Variant) -> None:
         raise NotImplementedError(f"{missing[0]} is not supported by flashtriton's decode kernel ({name}) yet")
 
 
-class _Plan:
-    """A decode launch, fixed by shapes, strides, dtypes, device and options."""
+class _Plan(_Launch):
+    """A decode launch, fixed by shapes, strides, dtypes, device and options (`_decode_plan`)."""
 
-    __slots__ = ("grid", "part_rows", "part_width", "tickets", "ints", "meta", "autotune", "stream", "relaunch")
+    __slots__ = ("part_rows", "part_width", "tickets", "autotune", "stream", "out_shape", "lse_shape", "softcap",
+                 "cuda")
 
-    def __init__(self, grid, part_rows, part_width, tickets, ints, meta, autotune, stream=False):
-        self.grid = grid  # (B·Hkv, splits, M tiles), or (programs, 1, 1) for the stream schedule (3-D: `launch`)
+    def __init__(self, grid, part_rows, part_width, tickets, ints, meta, autotune, stream=False, out_shape=None,
+                 lse_shape=None, softcap=0.0, rotary_max_cached=None, cuda=False):
+        # grid: (B·Hkv, splits, M tiles), or (programs, 1, 1) for the stream schedule (3-D: `launch`)
+        super().__init__(_decode_stream if stream else _decode_split, grid, ints, meta, rotary_max_cached)
         self.stream = stream  # `_decode_stream` (else `_decode_split`)
         self.part_rows, self.part_width = part_rows, part_width  # split-KV workspace (rows 0 without splits)
         self.tickets = tickets  # ticket counters the launch uses
-        self.ints = ints  # the kernel's scalar arguments after qk_scale (the variant's first)
-        self.meta = meta  # constexprs and options (the config too unless autotuned)
-        self.autotune = autotune
-        self.relaunch = None  # the compiled kernel, once launched with 16-byte aligned pointers
+        self.autotune = autotune  # `_decode_split_tuned` picks the config (FLASHTRITON_AUTOTUNE=1)
+        self.out_shape, self.lse_shape = out_shape, lse_shape  # (B, Sq, Hq, Dv); (B, Hq, Sq) or None (no lse)
+        self.softcap = softcap  # the variant's cap (0.0: off): qk_scale as `Variant.scalars` forms it
+        self.cuda = cuda  # on a GPU (not the interpreter): workspace and counters are kept per stream
+
+    def launch(self, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, alibi_slopes, learnable_sink,
+               softmax_scale: float, cos=None, sin=None, cache_leftpad=None, stream=None):
+        """Launch on the call's tensors (those of the plan's key; absent ones None); returns (out, lse or None).
+        `stream`: the current stream's handle where the caller has it."""
+        device = q.device
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        dummy = cache_seqlens  # stands in for absent pointers
+        if self.part_rows:
+            part, tickets = split_buffers(self.part_rows * self.part_width, self.tickets, device,
+                                          stream if self.cuda else None)
+        else:
+            part = tickets = dummy  # unused
+        tensors = (q, k_cache, v_cache, out, dummy if lse is None else lse, part, tickets, cache_seqlens,
+                   dummy if cache_batch_idx is None else cache_batch_idx, dummy if block_table is None else block_table,
+                   dummy if alibi_slopes is None else alibi_slopes, dummy if learnable_sink is None else learnable_sink)
+        # qk_scale as `Variant.scalars` forms it
+        scale = softmax_scale / self.softcap if self.softcap else softmax_scale * LOG2E
+        if self.autotune:
+            _decode_split_tuned[self.grid](*tensors, scale, *self.ints, cos, sin, cache_leftpad,
+                                           self.rotary_max_cached, **self.meta)
+            return out, lse
+        at = cache_seqlens.data_ptr()  # each address once: the dummies are cache_seqlens
+        at_part = at_tickets = at
+        if self.part_rows:
+            at_part, at_tickets = part.data_ptr(), tickets.data_ptr()
+        self.run(tensors, [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                           at if lse is None else lse.data_ptr(), at_part, at_tickets, at,
+                           at if cache_batch_idx is None else cache_batch_idx.data_ptr(),
+                           at if block_table is None else block_table.data_ptr(),
+                           at if alibi_slopes is None else alibi_slopes.data_ptr(),
+                           at if learnable_sink is None else learnable_sink.data_ptr()],
+                 (scale,), cos, sin, cache_leftpad, stream)
+        return out, lse
 
 
 @functools.lru_cache(maxsize=1024)  # decoding repeats a few shapes: their launch plans are computed once
@@ -337,8 +446,9 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     config, "auto" takes the stream schedule where
     `stream_programs` says it pays, "stream" wherever it can, "split" never. The split count, the stream's program
     count and the config follow the keys a unit reads (a window's band, not the whole cache). `cache_shape` is
-    k_cache's; head_dim_v: v_cache's head dim (0: k's). rotary: (rotary_dim, interleaved, per_query) or None;
-    has_leftpad: whether cache_leftpad is given."""
+    k_cache's; head_dim_v: v_cache's head dim (0: k's). rotary: (rotary_dim, interleaved, per_query, max_cached)
+    (`_rotary_key`: max_cached is the kernels' ROTARY_MAX_CACHED, which the kept compiled kernel is specialized on)
+    or None; has_leftpad: whether cache_leftpad is given."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     heads_kv = cache_shape[2]
     group = heads_q // heads_kv
@@ -363,6 +473,9 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
     _, _, _, cap = variant.scalars(1.0)
     scalars = (left, right, cap or 0.0, stride_alibi_b)  # after qk_scale: window sides, softcap, ALiBi's stride
     windowed = "window_size" in variant.fields()
+    shapes = ((batch, seqlen_q, heads_q, head_dim_v), (batch, heads_q, seqlen_q) if return_lse else None,
+              variant.softcap, rotary[3] if rotary and len(rotary) > 3 else None,
+              device.type == "cuda" and not INTERPRET)
     common = dict(  # the constexprs both kernels take
         GROUP_SIZE=group, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
         IS_CAUSAL=variant.causal,
@@ -388,7 +501,7 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
             ints = (*scalars, *strides, heads_kv, seqlen_q, batch, seqlen_new, capacity, cache_shape[0], band_tiles)
             meta = dict(common, BLOCK_B=next_power_of_2(batch), **config)
             return _Plan((programs, 1, 1), programs * 2 * block_m, block_dv + PART_PAD.value, units, ints, meta,
-                         False, stream=True)
+                         False, True, *shapes)
     _require_declared("decode_split", variant)
     num_splits = max(1, int(num_splits))
     split_kv = num_splits > 1
@@ -399,7 +512,7 @@ def _decode_plan(q_shape, q_strides, cache_shape, k_strides, v_strides, dtype, m
         meta.update(config)
     part_rows = batch * seqlen_q * heads_q * num_splits if split_kv else 0
     return _Plan((batch * heads_kv, num_splits, m_tiles), part_rows, block_dv + PART_PAD.value, units, ints, meta,
-                 config is None)
+                 config is None, False, *shapes)
 
 
 _POINTER_ARGS = {"LSE": "*fp32", "PART": "*fp32", "TICKETS": "*i32", "CACHE_SEQLENS": "*i32", "BATCH_IDX": "*i32",

@@ -164,10 +164,14 @@ class Relaunch:
     def __init__(self, kernel, tail: tuple, device: int):
         self.kernel, self.tail, self.device = kernel, tail, device
 
-    def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
+    def __call__(self, grid: tuple[int, int, int], args: tuple, stream: int | None = None) -> None:
+        """Launch on the current stream of the kernel's device, or on `stream` (a raw CUDA stream handle, as
+        `torch._C._cuda_getCurrentRawStream` gives it) where the caller has already asked for it."""
         kernel = self.kernel
-        kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(self.device), kernel.function,
-                   kernel.packed_metadata, None, None, None, *args, *self.tail)
+        if stream is None:
+            stream = driver.active.get_current_stream(self.device)
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   *args, *self.tail)
 
 
 def launch_and_keep(fn, grid: tuple, args: tuple, meta: dict) -> Relaunch | None:
