@@ -181,7 +181,8 @@ def flash_attn_varlen_func(
     Returns:
         out: (total_q, nheads, headdim_v)
         and if return_attn_probs: (out, softmax_lse (nheads, total_q) fp32, differentiable, S_dmask (batch, nheads,
-        max_seqlen_q, max_seqlen_k rounded up to 128; sequence b in row b from its start) with dropout, else None)
+        max_seqlen_q, max_seqlen_k rounded up to 128; sequence b in row b from its start) with dropout and
+        contiguous keys, else None)
     """
     dropout_p, window_size, softcap = _variant_args(dropout_p, window_size, softcap)
     paged = block_table is not None
@@ -209,10 +210,8 @@ def flash_attn_varlen_func(
     if q.shape[1] * q.shape[0] >= V.INT32_LIMIT:
         raise NotImplementedError(f"nheads x total_q = {q.shape[1] * q.shape[0]} must be below 2**31 (32-bit offsets)")
     q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
-    rng_state = _probs_state(return_attn_probs, dropout_p, q.device)
-    if rng_state is not None and (paged or seqused_k is not None):
-        raise NotImplementedError("return_attn_probs=True with dropout and block_table / seqused_k: the "
-                                  "probabilities are rebuilt from contiguous keys only")
+    # (paged calls and seqused_k: no S_dmask, which is rebuilt from contiguous keys; their lse is returned)
+    rng_state = None if paged or seqused_k is not None else _probs_state(return_attn_probs, dropout_p, q.device)
     out, lse = attention(q, k, v, scale, bool(causal), True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          window_size, softcap, alibi_slopes, learnable_sink, dropout_p, block_table, seqused_k,
                          rng_state=rng_state)
