@@ -1,0 +1,169 @@
+"""Random calls of flash_attn_func and flash_attn_varlen_func (forward and backward, every variant together)
+against the float64 reference: a search for inputs the test suite's grid misses.
+
+    TRITON_INTERPRET=1 .venv/bin/python scripts/fuzz.py --seconds 600       # CPU (fp32 and fp16)
+    .venv/bin/python scripts/fuzz.py --seconds 300 --device cuda            # a GPU (fp16 and bf16 too)
+
+Each case draws shapes (GQA / MQA, Sq != Sk, head dims 1..256 with a V head dim of its own, empty sequences),
+causal, a window, softcap, ALiBi ((H,) or (B, H)), sinks and a softmax scale; judges out, lse and the gradients
+as tests/accuracy.py does (against torch's own error in the dtype); prints every failure with the seed that
+reproduces it (`--seed N --cases 1`), and exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import time
+import traceback
+
+if "--device" not in sys.argv or "cpu" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+import flashtriton  # noqa: E402
+from flashtriton.kernels.variant import Variant  # noqa: E402
+from flashtriton.reference import attention_reference  # noqa: E402
+
+FLOOR = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-20}
+
+
+def draw(rng: random.Random, device: str) -> dict:
+    hkv = rng.choice([1, 1, 2, 3])
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+    d = rng.choice([8, 16, 24, 40, 64, 80, 96, 128, 1, 3, 59])
+    case = dict(
+        batch=rng.randint(1, 3), sq=rng.choice([1, 2, 7, 16, 33, 64, 100]), sk=rng.choice([1, 5, 16, 31, 64, 129]),
+        hq=hkv * rng.choice([1, 2, 4]), hkv=hkv, d=d, dv=rng.choice([d, d, 16, 32]), dtype=rng.choice(dtypes),
+        causal=rng.random() < 0.5, varlen=rng.random() < 0.4,
+        window=(rng.choice([-1, -1, 0, 3, 20]), rng.choice([-1, -1, 0, 5])),
+        softcap=rng.choice([0.0, 0.0, 0.0, 5.0, 30.0]), alibi=rng.choice([None, None, "h", "bh"]),
+        sink=rng.random() < 0.3, scale=rng.choice([None, None, 0.3, -0.2, 1.7]),
+    )
+    if case["causal"]:
+        case["window"] = (case["window"][0], 0)
+    return case
+
+
+def dense_reference(q, k, v, case, slopes, sinks, dtype):
+    """(out, lse) of one (B, S, H, D) call in `dtype`; q, k, v leaves of that dtype."""
+    variant = Variant(causal=case["causal"], window=case["window"], softcap=case["softcap"], alibi_slopes=slopes,
+                      sinks=sinks)
+    return attention_reference(q, k, v, case["scale"], dtype=dtype, return_lse=True, variant=variant)
+
+
+def run_case(case: dict, seed: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    dt = case["dtype"]
+    b, sq, sk, hq, hkv, d, dv = (case[n] for n in ("batch", "sq", "sk", "hq", "hkv", "d", "dv"))
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dt)
+
+    if case["varlen"]:
+        lens_q = [random.Random(seed + i).choice([0, 1, sq, max(1, sq // 2)]) for i in range(b)]
+        lens_k = [random.Random(seed + 10 + i).choice([0, 1, sk, max(1, sk // 3)]) for i in range(b)]
+        q, dout = rand(sum(lens_q), hq, d), rand(sum(lens_q), hq, dv)
+        k, v = rand(sum(lens_k), hkv, d), rand(sum(lens_k), hkv, dv)
+    else:
+        lens_q, lens_k = [sq] * b, [sk] * b
+        q, dout = rand(b, sq, hq, d), rand(b, sq, hq, dv)
+        k, v = rand(b, sk, hkv, d), rand(b, sk, hkv, dv)
+    slopes = None
+    if case["alibi"] == "h":
+        slopes = (torch.rand(hq, generator=gen) * 0.5).to(device)
+    elif case["alibi"] == "bh":
+        slopes = (torch.rand(b, hq, generator=gen) * 0.5).to(device)
+    sinks = (torch.randn(hq, generator=gen)).to(device) if case["sink"] else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sinks.clone().requires_grad_()] if case["sink"] else [])
+    kwargs = dict(softmax_scale=case["scale"], causal=case["causal"], window_size=case["window"],
+                  softcap=case["softcap"], alibi_slopes=slopes, return_attn_probs=True,
+                  learnable_sink=leaves[3] if case["sink"] else None)
+    if case["varlen"]:
+        cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        out, lse, _ = flashtriton.flash_attn_varlen_func(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), **kwargs)
+    else:
+        out, lse, _ = flashtriton.flash_attn_func(*leaves[:3], **kwargs)
+    (out.float() * dout.float()).sum().backward()
+    got = [out, *(t.grad for t in leaves)]
+
+    # the references: float64 and the inputs' dtype, per sequence
+    results = {}
+    for ref_dtype in (torch.float64, dt if dt != torch.float32 else torch.float32):
+        ref_leaves = [t.detach().to(ref_dtype).requires_grad_() for t in (q, k, v)]
+        ref_sinks = sinks.detach().double().requires_grad_() if case["sink"] else None
+        outs, lses, loss = [], [], 0
+        oq = ok = 0
+        for i in range(b):
+            sl = (lambda t, o, n: t[o:o + n][None]) if case["varlen"] else (lambda t, o, n, i=i: t[i:i + 1])
+            qs = sl(ref_leaves[0], oq, lens_q[i])
+            ks, vs = sl(ref_leaves[1], ok, lens_k[i]), sl(ref_leaves[2], ok, lens_k[i])
+            sl_slopes = None if slopes is None else (slopes[i] if slopes.dim() == 2 else slopes)
+            o, ls = dense_reference(qs, ks, vs, case, sl_slopes, ref_sinks, ref_dtype)
+            do = sl(dout.to(ref_dtype), oq, lens_q[i])
+            loss = loss + (o * do).sum()
+            outs.append(o[0] if case["varlen"] else o)
+            lses.append(ls[0] if case["varlen"] else ls)
+            oq, ok = oq + lens_q[i], ok + lens_k[i]
+        loss.backward()
+        grads = [t.grad for t in ref_leaves] + ([ref_sinks.grad] if case["sink"] else [])
+        ref_out = torch.cat(outs, 0)
+        ref_lse = torch.cat(lses, 1 if case["varlen"] else 0)
+        results[ref_dtype] = [ref_out, *grads], ref_lse
+    (exact, exact_lse), (low, _) = results[torch.float64], results[dt if dt != torch.float32 else torch.float32]
+    names = ["out", "dq", "dk", "dv", "dsink"]
+    # The backward's dS = P (dP - rowsum(dO O)) cancels where a row sees one key (exactly 0 in the reference's
+    # algebra): allow rounding of the size of its terms, |dP| |k| |scale| (dq), |dP| |q| |scale| (dk).
+    mag = lambda t: t.abs().max().item() if t.numel() else 0.0  # noqa: E731
+    s_eff = abs(case["scale"] if case["scale"] is not None else d ** -0.5)
+    dp = mag(dout) * mag(v) * math.sqrt(dv)
+    cancel = {"dq": dp * mag(k) * s_eff * math.sqrt(d), "dk": dp * mag(q) * s_eff * math.sqrt(d)}
+    for name, g, ex, lo in zip(names, got, exact, low):
+        g, ex, lo = g.double(), ex.double(), lo.double()
+        if not torch.isfinite(g).all():
+            raise AssertionError(f"{name}: non-finite values")
+        err = (g - ex).abs().max().item() if g.numel() else 0.0
+        err_lo = (lo - ex).abs().max().item() if g.numel() else 0.0
+        scale = max(ex.abs().max().item(), 1.0) if ex.numel() else 1.0
+        bound = 2 * err_lo + 8 * FLOOR[dt] * max(scale, cancel.get(name, 0.0))
+        if err > bound:
+            raise AssertionError(f"{name}: error {err:.3e} > bound {bound:.3e} (torch's {err_lo:.3e})")
+    fin = torch.isfinite(exact_lse)
+    if not torch.equal(torch.isfinite(lse), fin.to(lse.device)):
+        raise AssertionError("lse: -inf where the reference has a finite value, or the reverse")
+    if fin.any() and (lse[fin].double() - exact_lse[fin]).abs().max().item() > 1e-2 + 1e-3 * exact_lse[fin].abs().max():
+        raise AssertionError("lse: error")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=120)
+    ap.add_argument("--cases", type=int, default=10**9)
+    ap.add_argument("--seed", type=int, default=None, help="first case's seed (default: from the clock)")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else int(time.time()) % 10**6
+    end = time.monotonic() + args.seconds
+    failures = n = 0
+    while time.monotonic() < end and n < args.cases:
+        case = draw(random.Random(seed), args.device)
+        try:
+            run_case(case, seed, args.device)
+        except NotImplementedError as e:
+            print(f"seed {seed}: refused ({e})", flush=True)
+        except Exception:  # report every failure with its seed, go on
+            failures += 1
+            print(f"FAILED seed {seed}: {case}\n{traceback.format_exc(limit=3)}", flush=True)
+        n += 1
+        seed += 1
+    print(f"{n} cases, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
