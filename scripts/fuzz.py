@@ -1,5 +1,6 @@
-"""Random calls of flash_attn_func and flash_attn_varlen_func (forward and backward, every variant together)
-against the float64 reference: a search for inputs the test suite's grid misses.
+"""Random calls of flash_attn_func and flash_attn_varlen_func (forward and backward, every variant together) and
+flash_attn_with_kvcache (paged or not, appends, cache_batch_idx, the variants) against the float64 reference: a
+search for inputs the test suite's grid misses.
 
     TRITON_INTERPRET=1 .venv/bin/python scripts/fuzz.py --seconds 600       # CPU (fp32 and fp16)
     .venv/bin/python scripts/fuzz.py --seconds 300 --device cuda            # a GPU (fp16 and bf16 too)
@@ -140,20 +141,98 @@ def run_case(case: dict, seed: int, device: str) -> None:
         raise AssertionError("lse: error")
 
 
+def run_decode_case(case: dict, seed: int, device: str) -> None:
+    """flash_attn_with_kvcache: a contiguous or paged cache, cache_batch_idx, appended keys, the variants; the
+    cache after the call and out / lse against float64 over each sequence's logical keys."""
+    from flashtriton import flash_attn_with_kvcache
+
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    dt = case["dtype"]
+    b, hq, hkv, d = case["batch"], case["hq"], case["hkv"], case["d"]
+    sq, new = rng.choice([1, 1, 2, 4]), rng.choice([0, 0, 1, 3])
+    capacity = rng.choice([16, 40, 100, 300])
+    page = rng.choice([None, None, 16, 32, 64])  # (decoding takes pages of a multiple of 16 keys)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+    block_table = batch_idx = None
+    if page is not None:
+        per = -(-capacity // page)
+        capacity = per * page
+        pages = b * per + 2
+        block_table = torch.randperm(pages, generator=gen)[:b * per].reshape(b, per).to(device=device,
+                                                                                        dtype=torch.int32)
+        k_cache, v_cache = rand(pages, page, hkv, d), rand(pages, page, hkv, d)
+    else:
+        rows = b + rng.choice([0, 2])
+        k_cache, v_cache = rand(rows, capacity, hkv, d), rand(rows, capacity, hkv, d)
+        if rows > b or rng.random() < 0.5:
+            batch_idx = torch.randperm(rows, generator=gen)[:b].to(device=device, dtype=torch.int32)
+    seqlens = [rng.randint(0, capacity - new) for _ in range(b)]
+    q = rand(b, sq, hq, d)
+    k, v = (rand(b, new, hkv, d), rand(b, new, hkv, d)) if new else (None, None)
+    slopes = None
+    if case["alibi"] == "h":
+        slopes = (torch.rand(hq, generator=gen) * 0.5).to(device)
+    elif case["alibi"] == "bh":
+        slopes = (torch.rand(b, hq, generator=gen) * 0.5).to(device)
+    sinks = torch.randn(hq, generator=gen).to(device) if case["sink"] else None
+
+    def logical(cache):  # (B, capacity, Hkv, D) of each sequence, in key order
+        if block_table is not None:
+            return cache[block_table.long()].flatten(1, 2)
+        return cache[batch_idx.long() if batch_idx is not None else torch.arange(b, device=cache.device)]
+
+    want_k, want_v = logical(k_cache).clone(), logical(v_cache).clone()
+    for i in range(b):
+        if new:
+            want_k[i, seqlens[i]:seqlens[i] + new], want_v[i, seqlens[i]:seqlens[i] + new] = k[i], v[i]
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device),
+        cache_batch_idx=batch_idx, block_table=block_table, softmax_scale=case["scale"], causal=case["causal"],
+        window_size=case["window"], softcap=case["softcap"], alibi_slopes=slopes, num_splits=rng.choice([0, 1, 3]),
+        return_softmax_lse=True, learnable_sink=sinks)
+    got_k, got_v = logical(k_cache), logical(v_cache)
+    for i in range(b):
+        n = seqlens[i] + new
+        if not (torch.equal(got_k[i, :n], want_k[i, :n]) and torch.equal(got_v[i, :n], want_v[i, :n])):
+            raise AssertionError(f"cache of sequence {i}: not what the append should leave")
+        variant = Variant(causal=case["causal"], window=case["window"], softcap=case["softcap"],
+                          alibi_slopes=None if slopes is None else (slopes[i] if slopes.dim() == 2 else slopes),
+                          sinks=sinks)
+        args = (q[i:i + 1], want_k[i:i + 1, :n], want_v[i:i + 1, :n], case["scale"])
+        ex, ex_lse = attention_reference(*args, dtype=torch.float64, return_lse=True, variant=variant)
+        lo = attention_reference(*args, dtype=dt if dt != torch.float32 else torch.float32, variant=variant)
+        err, err_lo = (out[i:i + 1].double() - ex).abs().max().item(), (lo.double() - ex).abs().max().item()
+        bound = 2 * err_lo + 8 * FLOOR[dt] * max(ex.abs().max().item(), 1.0)
+        if not torch.isfinite(out[i]).all() or err > bound:
+            raise AssertionError(f"out of sequence {i} ({n} keys): error {err:.3e} > bound {bound:.3e}")
+        fin = torch.isfinite(ex_lse)
+        if not torch.equal(torch.isfinite(lse[i:i + 1]), fin):
+            raise AssertionError(f"lse of sequence {i}: -inf rows differ")
+        if fin.any() and (lse[i:i + 1][fin].double() - ex_lse[fin]).abs().max().item() > 1e-2:
+            raise AssertionError(f"lse of sequence {i}: error")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--cases", type=int, default=10**9)
     ap.add_argument("--seed", type=int, default=None, help="first case's seed (default: from the clock)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--decode", type=float, default=0.3, help="the share of flash_attn_with_kvcache cases")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int(time.time()) % 10**6
     end = time.monotonic() + args.seconds
     failures = n = 0
     while time.monotonic() < end and n < args.cases:
         case = draw(random.Random(seed), args.device)
+        decode = random.Random(-seed).random() < args.decode
+        case["decode"] = decode
         try:
-            run_case(case, seed, args.device)
+            (run_decode_case if decode else run_case)(case, seed, args.device)
         except NotImplementedError as e:
             print(f"seed {seed}: refused ({e})", flush=True)
         except Exception:  # report every failure with its seed, go on
