@@ -101,7 +101,7 @@ def sharded_loss(model, input_ids: torch.Tensor, group=None) -> torch.Tensor:
     labels = labels_of(input_ids)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     ids, lab, pos = (parallel.shard(t, group, LAYOUT) for t in (input_ids, labels, positions))
-    logits = model(input_ids=ids, position_ids=pos, group=group).logits
+    logits = model(input_ids=ids, position_ids=pos, group=group, use_cache=False).logits
     total = (labels != IGNORE).sum()
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), lab.flatten(), ignore_index=IGNORE,
                                              reduction="sum")
