@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -173,6 +174,85 @@ def test_providers_and_skips():
     assert P.skip_reason("seed", gpu, 1, 2, 64, 32, "bwd", args) == "forward only"
 
 
+def test_head_dims_take_a_v_head_dim_of_its_own():
+    """--head-dims QK/V: v's head dim its own (H = hidden // D still); a bad form names --head-dims."""
+    args = parse(["--head-dims", "128,192/128", "--seqlens", "4k"])
+    assert args.shapes == [C.Shape(4, 16, 4096, 128), C.Shape(4, 10, 4096, 192, 128)]
+    assert [s.head_dims for s in args.shapes] == ["128", "192/128"] and args.shapes[0].Dv == 128
+    assert parse(["--shape", "1,2,64,40/24"]).shapes == [C.Shape(1, 2, 64, 40, 24)]
+    assert C.parse_head_dims("256/1, 64/64") == [(256, 1), (64, 64)]
+    for bad in ("192/", "/128", "0/64", "64/0", "a/b", "64/257", "257", "192/128/64", ",", "-1"):
+        with pytest.raises(ValueError, match="--head-dims wants head dims D or QK/V .* from 1 to 256"):
+            parse(["--head-dims", bad])
+    with pytest.raises(ValueError, match="--shape wants"):
+        parse(["--shape", "1,2,64,40/"])
+
+
+def test_flops_count_v_head_dim():
+    """fwd 2·B·H·T²·(D + Dv) (QKᵀ at D, PV at Dv), halved when causal; bwd 2.5x, fwd_bwd 3.5x; 4·B·H·T²·D at Dv = D."""
+    mla = C.Shape(B=2, H=3, T=128, D=192, Dv=128)
+    fwd = 2 * 2 * 3 * 128 * 128 * (192 + 128)
+    assert C.mode_flops(mla, False, "fwd") == fwd and C.mode_flops(mla, True, "fwd") == fwd / 2
+    assert C.mode_flops(mla, False, "bwd") == 2.5 * fwd and C.mode_flops(mla, True, "fwd_bwd") == 3.5 * fwd / 2
+    assert C.mode_flops(C.Shape(2, 3, 128, 64, 64), False, "bwd") == C.mode_flops(C.Shape(2, 3, 128, 64), False, "bwd")
+
+
+def test_old_rows_without_dv_merge_as_dv_equal_d(tmp_path):
+    """A bench.json written before rows had Dv loads with Dv = D: the same measurement made now replaces it, and a
+    Dv != D one sits beside it; tables show D as QK/V where v's differs."""
+    old = {k: v for k, v in _row("flashtriton", 100.0).items() if k != "Dv"}
+    (tmp_path / "bench.json").write_text(json.dumps([old]))
+    assert R.read_rows(str(tmp_path))[0]["Dv"] == 128 and list(R.read_rows(str(tmp_path))[0]) == C.ROW_FIELDS
+    results = R.Results(str(tmp_path), append=True)
+    same = _row("flashtriton", 200.0)
+    assert same["Dv"] == 128  # make_row: Dv = D unless given
+    mla = dict(_row("flashtriton", 300.0), D=192, Dv=128)
+    results.add([same, mla])
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert sorted((r["D"], r["Dv"], r["tflops"]) for r in rows) == [(128, 128, 200.0), (192, 128, 300.0)]
+    lines = [l for l in R.standard_table(rows).splitlines() if l.startswith("|")]
+    column = [c.strip() for c in lines[0].strip("|").split("|")].index("D")
+    assert sorted(l.strip("|").split("|")[column].strip() for l in lines[2:]) == ["128", "192/128"]
+
+
+def test_sdpa_backends_that_refuse_dv_are_skipped_with_torch_reason(monkeypatch):
+    """On a GPU each SDPA backend is asked (torch.backends.cuda.can_use_*) whether it takes Dv != D; a refusal becomes a
+    skip whose reason is torch's own (the warnings of a call under that backend alone), never a padded v."""
+    messages = ["Memory efficient kernel not used because: (Triggered internally at sdp_utils.cpp:1.)",
+                "Flash attention kernel not used because: (Triggered internally at sdp_utils.cpp:2.)",
+                "Flash attention requires q,k,v to have the same last dimension and to be less than or equal to 256. "
+                "Got Query.size(-1): 192, Key.size(-1): 192, Value.size(-1): 128 instead. (Triggered internally at "
+                "/pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:282.)",
+                "cuDNN attention kernel not used because: (Triggered internally at sdp_utils.cpp:3.)",
+                "cuDNN attention has been runtime disabled. (Triggered internally at sdp_utils.cpp:4.)"]
+    assert P.torch_reasons(messages, "Flash attention kernel not used because") == [messages[2].split(" (Trig")[0]]
+    asked = []
+
+    def refuse(params, debug):
+        asked.append((params.query.shape[-1], params.value.shape[-1], params.query.requires_grad))
+        return False
+
+    def no_kernel(q, k, v, **kw):
+        for m in messages:
+            warnings.warn(m)
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", refuse)
+    monkeypatch.setattr(P.F, "scaled_dot_product_attention", no_kernel)
+    reason = P.sdpa_refusal("sdpa_flash", torch.device("cpu"), 16, 192, 128, True, torch.bfloat16, True)
+    assert asked == [(192, 128, True)]
+    assert reason.startswith("torch SDPA's FLASH_ATTENTION backend refuses this problem (q, k head dim 192, v 128, "
+                             "bfloat16, backward): Flash attention requires q,k,v to have the same last dimension")
+    monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", lambda params, debug: True)
+    assert P.sdpa_refusal("sdpa_efficient", torch.device("cpu"), 16, 192, 128, False, torch.float16, False) is None
+    gpu = torch.device("cuda")
+    assert "flash-attn 2 needs v's head dim equal to q's" in P.head_dim_v_refusal("flash_attn", gpu, 64, 192, 128,
+                                                                                  "fwd", torch.float16, False)
+    assert "one head dim" in P.head_dim_v_refusal("seed", gpu, 64, 64, 32, "fwd", torch.float16, False)
+    for name in ("flashtriton", "sdpa_math", "flex"):  # take any Dv (Flex checks only q's and k's match)
+        assert P.head_dim_v_refusal(name, gpu, 64, 192, 128, "bwd", torch.float16, True) is None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # smoke runs (CPU: the interpreter; on a GPU the same code paths with real kernels)
 # ----------------------------------------------------------------------------------------------------------
@@ -189,6 +269,22 @@ def test_standard_suite_checks_then_times():
         if not CUDA:
             assert by[("sdpa_cudnn", mode)]["status"] == "skipped" and "CUDA" in by[("sdpa_cudnn", mode)]["error"]
             assert by[("flex", mode)]["status"] == "skipped" and by[("flex", mode)]["tflops"] is None
+
+
+def test_standard_suite_runs_a_v_head_dim_of_its_own():
+    """--head-dims D/Dv on the CPU: flashtriton and MATH get v (and dout) of head dim Dv, are checked against the
+    reference with that v (output and dq, dk, dv), and count 2·B·H·T²·(D + Dv) FLOPs."""
+    args = parse(["--head-dims", "32/16", "--seqlens", "32", "--tokens", "32", "--hidden", "64", "--modes", "fwd,bwd",
+                  "--causal", "1", *TINY])
+    shape = C.Shape(1, 2, 32, 32, 16)
+    assert args.shapes == [shape]
+    rows = bench.run_standard(args, C.environment(), ["flashtriton", "sdpa_math"])
+    assert len(rows) == 4
+    for r in rows:
+        assert (r["D"], r["Dv"], r["status"], r["check_passed"]) == (32, 16, "ok", True), r
+        assert r["tflops"] == pytest.approx(C.mode_flops(shape, True, r["mode"]) / r["ms_p50"] / 1e9)
+    assert C.mode_flops(shape, True, "fwd") == 2 * 1 * 2 * 32 * 32 * (32 + 16) / 2
+    assert "32/16" in R.standard_table(rows)
 
 
 def test_wrong_or_raising_provider_is_marked_not_timed(monkeypatch):

@@ -2,6 +2,7 @@
 
     flashtriton bench                                   # the standard sweep: fwd+bwd, fp16, D 64/128, causal 0/1
     flashtriton bench --modes fwd --dtypes bf16 --head-dims 128,256 --out benchmarks/DATE-h200 --append
+    flashtriton bench --head-dims 128,192/128                # QK/V: v with a head dim of its own (DeepSeek's MLA)
     flashtriton bench --suite varlen | decode | all     # serving features (varlen packing, KV-cache decode)
     flashtriton bench --suite variants --out DIR        # window / softcap / ALiBi / sinks beside Flex, dense, cuDNN
     python -m flashtriton.tools.bench --quick           # a small subset
@@ -41,11 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtypes", default=None, help="comma list of fp16,bf16,fp32 (default fp16; variants bf16)")
     a("--causal", default=None, help="comma list of 0,1 (default 0,1)")
     a("--head-dims", default=None,
-      help="standard sweep head dims (default 64,128,256; quick 128; e.g. 64,80,96,128,192,256: H = hidden // D)")
+      help="standard sweep head dims (default 64,128,256; quick 128; e.g. 64,80,96,128,192,256: H = hidden // D); "
+           f"QK/V gives v a head dim of its own (e.g. 128,192/128: q, k 192, v 128), each 1..{C.MAX_HEAD_DIM}")
     a("--seqlens", default=None, help="standard sweep T values (default 512,...,16384; 1k style allowed)")
     a("--tokens", type=int, default=16384, help="standard sweep: B*T (default 16384)")
     a("--hidden", type=int, default=2048, help="standard sweep: H*D (default 2048)")
-    a("--shape", action="append", default=None, metavar="B,H,T,D", help="explicit shape (repeatable); replaces the sweep")
+    a("--shape", action="append", default=None, metavar="B,H,T,D",
+      help="explicit shape (repeatable; D may be QK/V, e.g. 4,16,4096,192/128); replaces the sweep")
     a("--quick", action="store_true", help="a small subset: T 1k,4k, D 128; shorter timing; smaller varlen/decode")
     a("--warmup", type=int, default=None,
       help="do_bench warmup in ms (default 100, quick 25): a GPU runs faster for a moment after a pause (up to 10 %% "
@@ -95,7 +98,7 @@ def resolve(args: argparse.Namespace, interpreter: bool = False) -> argparse.Nam
     args.causal_list = [bool(c) for c in causal]
     if args.append and not args.out:
         raise ValueError("--append merges into --out DIR's bench.json: give --out")
-    head_dims = (C.parse_int_list(args.head_dims, "--head-dims") if args.head_dims
+    head_dims = (C.parse_head_dims(args.head_dims) if args.head_dims
                  else ([128] if quick else [64, 128, 256]))  # the FlashAttention papers' sweep
     seqlens = (C.parse_int_list(args.seqlens, "--seqlens") if args.seqlens
                else ([1024, 4096] if quick else STANDARD_SEQLENS))
@@ -137,10 +140,11 @@ def run_standard(args, env, providers, bar=None, sink=None) -> list[dict]:
     for dt, shape, causal in standard_problems(args):
         dtype = C.DTYPES[dt]
         gen = torch.Generator(device=device).manual_seed(args.seed)
-        q, k, v, dout = (torch.randn(shape.B, shape.T, shape.H, shape.D, device=device, dtype=dtype, generator=gen)
-                         for _ in range(4))  # (B, T, H, D)
+        # (B, T, H, D) for q and k, (B, T, H, Dv) for v and dout (drawn in this order: Dv = D draws as before)
+        q, k, v, dout = (torch.randn(shape.B, shape.T, shape.H, d, device=device, dtype=dtype, generator=gen)
+                         for d in (shape.D, shape.D, shape.Dv, shape.Dv))
         base = dict(op="attention", suite="standard", B=shape.B, H=shape.H, H_kv=shape.H, T=shape.T, T_k=shape.T,
-                    D=shape.D, causal=int(causal), dtype=dt)
+                    D=shape.D, Dv=shape.Dv, causal=int(causal), dtype=dt)
         try:
             ref = C.reference_slices(q, k, v, dout, causal, args.check_heads, any(m != "fwd" for m in args.modes_list))
         except Exception as exc:  # noqa: BLE001  (timed without a check; the rows say so)
@@ -148,7 +152,7 @@ def run_standard(args, env, providers, bar=None, sink=None) -> list[dict]:
             C.free_memory()
         for name in providers:
             if bar is not None:
-                bar.set_postfix_str(f"{dt} D={shape.D} T={shape.T} c={int(causal)} {name}", refresh=False)
+                bar.set_postfix_str(f"{dt} D={shape.head_dims} T={shape.T} c={int(causal)} {name}", refresh=False)
 
             def prepare_fn(grad, name=name):
                 return P.prepare(name, q, k, v, causal, grad)
@@ -161,7 +165,8 @@ def run_standard(args, env, providers, bar=None, sink=None) -> list[dict]:
 
             new = measure_rows(
                 name, args.modes_list,
-                lambda mode, name=name: P.skip_reason(name, device, shape.B, shape.H, shape.T, shape.D, mode, args),
+                lambda mode, name=name: P.skip_reason(name, device, shape.B, shape.H, shape.T, shape.D, mode, args,
+                                                      Dv=shape.Dv, dtype=dtype, causal=causal),
                 prepare_fn, ref, to_ref, make_dout, dtype,
                 lambda mode: C.mode_flops(shape, causal, mode), env, base, args,
             )

@@ -21,6 +21,7 @@ import torch
 
 from ..kernels.variant import Variant
 from ..reference import attention_flops, attention_reference
+from ..validation import MAX_HEAD_DIM
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -30,51 +31,102 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 RTOL = {torch.float16: 2e-2, torch.bfloat16: 8e-2, torch.float32: 1e-4}
 
 ROW_FIELDS = [
-    "op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "causal", "dtype", "variant",
+    "op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "Dv", "causal", "dtype", "variant",
     "ms_p20", "ms_p50", "ms_p80", "tflops", "gbps", "status", "check_passed", "max_err", "rel_err", "error",
     "extra", "gpu", "torch", "triton", "cudnn", "flashtriton", "git_sha", "date",
 ]
 # What identifies a measurement (rows with the same key replace each other when results are appended). `variant`
 # names the score change of the variants suite (window1024, softcap50, ...; None elsewhere): two variants of one
-# shape are two measurements.
-ROW_KEY = ("op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "causal", "dtype", "variant")
+# shape are two measurements. `Dv` is v's head dim (= D unless the shape gives v its own); rows written before it
+# existed read as Dv = D (`upgrade_row`).
+ROW_KEY = ("op", "suite", "mode", "provider", "B", "H", "H_kv", "T", "T_k", "D", "Dv", "causal", "dtype", "variant")
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One attention problem: (B, H, T, D), self-attention (Tq = Tk), H query and key heads."""
+    """One attention problem: (B, H, T, D), self-attention (Tq = Tk), H query and key heads; v (and the output) of
+    head dim Dv (None: D), q and k of D."""
 
     B: int
     H: int
     T: int
     D: int
+    Dv: int | None = None
+
+    def __post_init__(self):
+        if self.Dv is None:
+            object.__setattr__(self, "Dv", self.D)
+
+    @property
+    def head_dims(self) -> str:
+        """'128', or '192/128' where v's head dim is not q and k's (`head_dim_label`)."""
+        return head_dim_label(self.D, self.Dv)
+
+
+def head_dim_label(d, dv=None) -> str:
+    """How tables show a head dim: D, or QK/V ('192/128') where v's differs."""
+    return str(d) if dv is None or dv == d else f"{d}/{dv}"
+
+
+def parse_head_dim(text: str, option: str = "--head-dims") -> tuple[int, int]:
+    """'128' -> (128, 128); '192/128' -> (192, 128): q and k's head dim, then v's. Each 1..MAX_HEAD_DIM (the
+    kernels' limit); a bad form raises ValueError naming `option`."""
+    part = str(text).strip()
+    pieces = part.split("/")
+    want = _head_dims_wanted(option, part)
+    if len(pieces) > 2 or not all(p.strip() for p in pieces):
+        raise ValueError(want)
+    try:
+        dims = [int(p) for p in pieces]
+    except ValueError:
+        raise ValueError(want) from None
+    if not all(1 <= d <= MAX_HEAD_DIM for d in dims):
+        raise ValueError(want)
+    return dims[0], dims[-1]
+
+
+def parse_head_dims(text: str) -> list[tuple[int, int]]:
+    """--head-dims: '64,128,192/128' -> [(64, 64), (128, 128), (192, 128)]."""
+    out = [parse_head_dim(part) for part in str(text).split(",") if part.strip()]
+    if not out:
+        raise ValueError(_head_dims_wanted("--head-dims", str(text)))
+    return out
+
+
+def _head_dims_wanted(option: str, got: str) -> str:
+    return (f"{option} wants head dims D or QK/V (e.g. 128 or 192/128), each an integer from 1 to {MAX_HEAD_DIM}, "
+            f"got {got!r}")
 
 
 def standard_shapes(seqlens, head_dims, tokens: int = 16384, hidden: int = 2048) -> list[Shape]:
     """The FlashAttention papers' sweep: B·T = tokens, H·D = hidden, for each D then each T. A head dim that does
     not divide the hidden size takes the heads that fit (H = hidden // D: D=80 25 heads, D=96 21, as the
-    anchors' runs of those head dims)."""
+    anchors' runs of those head dims). `head_dims`: ints, or (D, Dv) pairs whose v has a head dim of its own (H
+    still counts q's, hidden // D)."""
     shapes = []
-    for d in head_dims:
+    for dims in head_dims:
+        d, dv = (dims, dims) if isinstance(dims, int) else dims
         if d > hidden:
             raise ValueError(f"head dim {d} is larger than the hidden size {hidden}")
         for t in seqlens:
-            shapes.append(Shape(B=max(1, tokens // t), H=hidden // d, T=t, D=d))
+            shapes.append(Shape(B=max(1, tokens // t), H=hidden // d, T=t, D=d, Dv=dv))
     return shapes
 
 
 def parse_shape(text: str) -> Shape:
-    """'B,H,T,D' -> Shape."""
+    """'B,H,T,D' or 'B,H,T,D/Dv' (v's head dim its own) -> Shape."""
     parts = [p for p in text.replace("x", ",").split(",") if p.strip()]
+    want = f"--shape wants B,H,T,D (four integers; D may be QK/V, e.g. 192/128), got {text!r}"
     if len(parts) != 4:
-        raise ValueError(f"--shape wants B,H,T,D (four integers), got {text!r}")
+        raise ValueError(want)
     try:
-        b, h, t, d = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"--shape wants B,H,T,D (four integers), got {text!r}") from None
+        b, h, t = (int(p) for p in parts[:3])
+        d, dv = parse_head_dim(parts[3], "--shape") if "/" in parts[3] else (int(parts[3]),) * 2
+    except ValueError as exc:
+        raise ValueError(str(exc) if str(exc).startswith("--shape wants head dims") else want) from None
     if min(b, h, t, d) < 1:
         raise ValueError(f"--shape values must be positive, got {text!r}")
-    return Shape(b, h, t, d)
+    return Shape(b, h, t, d, dv)
 
 
 def parse_int_list(text: str, option: str = "a list option") -> list[int]:
@@ -92,7 +144,15 @@ def parse_int_list(text: str, option: str = "a list option") -> list[int]:
 
 
 def mode_flops(shape: Shape, causal: bool, mode: str) -> float:
-    return attention_flops(shape.B, shape.H, shape.T, shape.D, causal, mode)
+    """FlashAttention's count with v's head dim (FlashAttention-3's benchmark): forward 2·B·H·T²·(D + Dv), QKᵀ at q
+    and k's head dim and PV at v's, halved when causal; backward 2.5× the forward, forward+backward 3.5×. With
+    Dv = D it is 4·B·H·T²·D (`reference.attention_flops`)."""
+    if shape.Dv == shape.D:
+        return attention_flops(shape.B, shape.H, shape.T, shape.D, causal, mode)
+    flops = 2.0 * shape.B * shape.H * shape.T * shape.T * (shape.D + shape.Dv)
+    if causal:
+        flops /= 2
+    return flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
 
 
 def tflops(flops: float, ms: float | None) -> float | None:
@@ -177,8 +237,26 @@ def make_row(env: dict, **fields) -> dict:
         else:
             extra[name] = value
     row["extra"] = extra
+    if row["Dv"] is None:
+        row["Dv"] = row["D"]  # v's head dim is q's unless the problem gives it its own
     row.update({k: env.get(k) for k in ("gpu", "torch", "triton", "cudnn", "flashtriton", "git_sha", "date")})
     return row
+
+
+def upgrade_row(row: dict) -> dict:
+    """A row read from a bench.json, in this schema's field order: one written before `Dv` existed reads Dv = D
+    (its v had q's head dim), so that it merges with (and is replaced by) the same measurement made now. Fields
+    the schema does not know are kept, after the others."""
+    out = {f: row.get(f) for f in ROW_FIELDS}
+    if out["Dv"] is None:
+        out["Dv"] = out["D"]
+    out.update({k: v for k, v in row.items() if k not in out})
+    return out
+
+
+def row_key(row: dict) -> tuple:
+    """The ROW_KEY values of a row (Dv = D where the row has none)."""
+    return tuple(row.get(k) if k != "Dv" or row.get("Dv") is not None else row.get("D") for k in ROW_KEY)
 
 
 def short_error(exc: BaseException, limit: int = 300) -> str:
@@ -247,10 +325,11 @@ def reference_slices(q, k, v, dout, causal: bool, heads: int, with_grad: bool, b
                      variant: Variant | None = None) -> dict:
     """float32 attention (and gradients) on batch `batch_index`, the first `heads` query heads.
 
-    q: (B, T, H, D), k, v: (B, T, Hkv, D), dout like q, flash-attn's layout. With GQA the slice keeps the
+    q: (B, T, H, D), k: (B, T, Hkv, D), v: (B, T, Hkv, Dv) (Dv may differ from D), dout like the output
+    (B, T, H, Dv), flash-attn's layout. With GQA the slice keeps the
     kv heads those query heads read. Heads are independent, so the slice is exact for outputs and
     gradients alike; computing it one head at a time keeps the T x T float32 scores at 1 GiB for T = 16k.
-    Returns {"out": (1, T, heads', D)} and with_grad also "dq", "dk", "dv" for the same slices, where heads'
+    Returns {"out": (1, T, heads', Dv)} and with_grad also "dq", "dk", "dv" for the same slices, where heads'
     is `heads` rounded up to whole GQA groups (so that dk, dv sum over all their query heads);
     `slice_like` cuts a provider's full tensors the same way. `variant` (for all H query heads; it replaces
     `causal`): the mask and score changes, its ALiBi slopes and sinks cut to the same heads.

@@ -227,7 +227,7 @@ def report_problems(rows, bar=None) -> None:
         if row["status"] in ("error", "check_failed"):
             what = row["error"] if row["status"] == "error" else f"check failed, max err {row['max_err']:.3g}"
             msg = (f"  {row['provider']} {row['mode']} {row['dtype']} B={row['B']} H={row['H']} T={row['T']} "
-                   f"D={row['D']} causal={row['causal']}: {what}")
+                   f"D={C.head_dim_label(row['D'], row.get('Dv'))} causal={row['causal']}: {what}")
             if bar is not None:
                 bar.write(msg)
             else:

@@ -12,12 +12,20 @@ layout converters the runner needs to feed it `dout` and read back outputs and g
     flex            torch FlexAttention under torch.compile(dynamic=False); a causal BlockMask
     flash_attn      the flash-attn package (only when importable)
     seed            the notebook's kernel, benchmarks/seed_kernel.py (forward only; not in the default set)
+
+v may have a head dim of its own (Dv != D, `--head-dims 192/128`): every provider gets v as it is, never padded. One
+that cannot run it is skipped with the reason (`skip_reason`): the torch SDPA backends that torch's own check refuses
+for the problem (FLASH always: q, k and v must share one head dim; EFFICIENT and cuDNN take Dv != D within their
+alignment and head-dim limits; MATH anything), flash-attn 2 and the seed kernel (one head dim). FlexAttention takes
+it (it requires only q's and k's to match).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -85,8 +93,18 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def skip_reason(name: str, device: torch.device, B: int, H: int, T: int, D: int, mode: str, opts) -> str | None:
-    """Why `name` cannot run this problem here (None when it can)."""
+def skip_reason(name: str, device: torch.device, B: int, H: int, T: int, D: int, mode: str, opts, Dv: int | None = None,
+                dtype: torch.dtype | None = None, causal: bool = False) -> str | None:
+    """Why `name` cannot run this problem here (None when it can). `Dv`: v's head dim (None: D); where it differs
+    from D, a provider that refuses it says so here (`head_dim_v_refusal`), so that its rows are skipped, not
+    errors."""
+    reason = _skip_reason(name, device, B, H, T, D, mode, opts)
+    if reason is None and Dv is not None and Dv != D:
+        reason = head_dim_v_refusal(name, device, T, D, Dv, mode, dtype or torch.float16, causal)
+    return reason
+
+
+def _skip_reason(name: str, device: torch.device, B: int, H: int, T: int, D: int, mode: str, opts) -> str | None:
     cuda = device.type == "cuda"
     if name.startswith("sdpa_") and name != "sdpa_math" and not cuda:
         return "CUDA only"
@@ -114,6 +132,82 @@ def skip_reason(name: str, device: torch.device, B: int, H: int, T: int, D: int,
         if T % 64 or D not in (16, 32, 64, 128):
             return "needs T % 64 == 0 and D in 16/32/64/128"
     return None
+
+
+# torch's own check of each fused SDPA backend (torch.backends.cuda), and the header torch's dispatcher puts before
+# that backend's reasons when no kernel can run a call
+_SDPA_CHECKS = {"sdpa_flash": ("can_use_flash_attention", "Flash attention kernel not used because"),
+                "sdpa_efficient": ("can_use_efficient_attention", "Memory efficient kernel not used because"),
+                "sdpa_cudnn": ("can_use_cudnn_attention", "cuDNN attention kernel not used because")}
+
+
+def head_dim_v_refusal(name: str, device: torch.device, T: int, D: int, Dv: int, mode: str, dtype: torch.dtype,
+                       causal: bool) -> str | None:
+    """Why provider `name` cannot run q and k of head dim D with v of head dim Dv (None when it can). The torch SDPA
+    backends answer for themselves (`sdpa_refusal`); flash-attn 2 and the seed kernel have one head dim for all three;
+    MATH, FlexAttention and flashtriton take any Dv."""
+    if name == "flash_attn":
+        return f"flash-attn 2 needs v's head dim equal to q's (its mha_fwd checks v's shape), got {D}/{Dv}"
+    if name == "seed":
+        return f"the seed kernel has one head dim for q, k and v, got {D}/{Dv}"
+    if name in _SDPA_CHECKS and device.type == "cuda":
+        return sdpa_refusal(name, device, T, D, Dv, mode != "fwd", dtype, causal)
+    return None
+
+
+def sdpa_refusal(name: str, device: torch.device, T: int, D: int, Dv: int, grad: bool, dtype: torch.dtype,
+                 causal: bool) -> str | None:
+    """Whether torch SDPA's backend `name` takes (1, 1, T, D) q and k with (1, 1, T, Dv) v (requiring grad when
+    `grad`: some backends refuse the backward's head dims only), asked of torch itself
+    (`torch.backends.cuda.can_use_*_attention`). Refused: the reason in torch's words, from the warnings a call
+    under that backend alone raises (no kernel runs). None when it takes them, or when this torch cannot be asked
+    (then the call itself tells, as an error row)."""
+    check_name, header = _SDPA_CHECKS[name]
+    check = getattr(torch.backends.cuda, check_name, None)
+    params_type = getattr(torch.backends.cuda, "SDPAParams", None)
+    if check is None or params_type is None:
+        return None
+    q, k = (torch.zeros(1, 1, T, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(2))
+    v = torch.zeros(1, 1, T, Dv, device=device, dtype=dtype, requires_grad=grad)
+    try:
+        try:
+            params = params_type(q, k, v, None, 0.0, causal, False)
+        except TypeError:  # a torch before enable_gqa
+            params = params_type(q, k, v, None, 0.0, causal)
+        if check(params, False):
+            return None
+    except Exception:  # noqa: BLE001  (this torch's check cannot be asked: the call itself tells)
+        return None
+    said = []
+    from torch.nn.attention import sdpa_kernel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with sdpa_kernel([_sdpa_backend(name)]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        except Exception:  # noqa: BLE001  ("No available kernel": the reasons are in the warnings)
+            pass
+        said = torch_reasons([str(w.message) for w in caught], header)
+    what = f"q, k head dim {D}, v {Dv}, {str(dtype).replace('torch.', '')}" + (", backward" if grad else "")
+    return (f"torch SDPA's {SDPA_BACKENDS[name]} backend refuses this problem ({what})"
+            + (": " + "; ".join(said) if said else f" (torch.backends.cuda.{check_name})"))
+
+
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)\.?\s*$")
+
+
+def torch_reasons(messages: list[str], header: str) -> list[str]:
+    """The reasons torch's SDPA dispatcher gave for one backend: the warnings after `header` ("Flash attention kernel
+    not used because:") up to the next backend's header, without torch's "(Triggered internally at ...)" suffix."""
+    out, inside = [], False
+    for text in messages:
+        text = _TRIGGERED.sub("", text).strip()
+        if text.endswith("not used because:"):
+            inside = text.startswith(header)
+        elif inside and text and not text.startswith("No available kernel"):
+            out.append(text)
+    return out
 
 
 def _sdpa_backend(name: str):

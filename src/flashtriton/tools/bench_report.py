@@ -16,7 +16,7 @@ import statistics
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .bench_core import MODES, ROW_FIELDS, ROW_KEY
+from .bench_core import MODES, ROW_FIELDS, head_dim_label, row_key, upgrade_row
 from .bench_providers import PROVIDERS
 
 OURS = "flashtriton"
@@ -71,6 +71,11 @@ def _notes(rows) -> str:
     return "\n".join(f"- {p} {status} ×{n}: {text}" for (p, status, text), n in seen.items())
 
 
+def _dims(r) -> str:
+    """A row's head dim as the tables show it: D, or QK/V ('192/128') where v's is its own."""
+    return head_dim_label(r["D"], r.get("Dv"))
+
+
 def _order(providers) -> list[str]:
     known = [p for p in PROVIDERS if p in providers]
     return known + sorted(p for p in providers if p not in known)
@@ -83,9 +88,12 @@ def standard_table(rows) -> str:
         return "(no attention rows)"
     providers = _order({r["provider"] for r in rows})
     groups: OrderedDict = OrderedDict()
-    order = lambda r: (MODES.index(r["mode"]), r["dtype"], r["D"], r["causal"], r["T"], r["B"], r["H"])  # noqa: E731
+
+    def order(r):
+        return MODES.index(r["mode"]), r["dtype"], r["D"], r.get("Dv") or r["D"], r["causal"], r["T"], r["B"], r["H"]
+
     for r in sorted(rows, key=order):
-        groups.setdefault((r["mode"], r["dtype"], r["causal"], r["D"], r["B"], r["H"], r["T"]), {})[r["provider"]] = r
+        groups.setdefault((r["mode"], r["dtype"], r["causal"], _dims(r), r["B"], r["H"], r["T"]), {})[r["provider"]] = r
     body = []
     for key, by_provider in groups.items():
         cells = [by_provider.get(p) for p in providers]
@@ -96,7 +104,8 @@ def standard_table(rows) -> str:
                     + [_ratio(ours, max(others) if others else None), _ratio(ours, speeds.get("sdpa_cudnn"))])
     header = ["mode", "dtype", "causal", "D", "B", "H", "T"] + providers + ["ours/best_other", "ours/cudnn"]
     notes = _notes(rows)
-    return (_cpu_banner(rows) + "TFLOP/s (FlashAttention count: fwd 4·B·H·T²·D, /2 causal; bwd ×2.5; fwd_bwd ×3.5), median\n"
+    return (_cpu_banner(rows) + "TFLOP/s (FlashAttention count: fwd 4·B·H·T²·D, 2·B·H·T²·(D + Dv) where D is QK/V; "
+            "/2 causal; bwd ×2.5; fwd_bwd ×3.5), median\n"
             + _markdown(header, body) + ("\n\n" + notes if notes else ""))
 
 
@@ -361,11 +370,12 @@ def _clean(value):
 
 
 def read_rows(out_dir: str) -> list[dict]:
+    """The rows of out_dir/bench.json, in this schema (`upgrade_row`: older files read Dv = D)."""
     path = os.path.join(out_dir, "bench.json")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return json.load(f)
+        return [upgrade_row(r) for r in json.load(f)]
 
 
 def write_results(rows, out_dir: str, existing=()) -> tuple[list[str], list[dict]]:
@@ -375,7 +385,7 @@ def write_results(rows, out_dir: str, existing=()) -> tuple[list[str], list[dict
     os.makedirs(out_dir, exist_ok=True)
     merged: OrderedDict = OrderedDict()
     for r in [*existing, *(_clean(r) for r in rows)]:
-        merged[tuple(r.get(k) for k in ROW_KEY)] = r
+        merged[row_key(r)] = r
     rows = list(merged.values())
     json_path, csv_path = os.path.join(out_dir, "bench.json"), os.path.join(out_dir, "bench.csv")
     for path, write in ((json_path, _write_json), (csv_path, _write_csv)):
@@ -432,20 +442,21 @@ def write_plots(rows, out_dir: str) -> list[str]:
     attention = [r for r in ok if r["op"] == "attention" and r["tflops"]]
     for mode, dtype in sorted({(r["mode"], r["dtype"]) for r in attention}, key=lambda x: (MODES.index(x[0]), x[1])):
         sel = [r for r in attention if r["mode"] == mode and r["dtype"] == dtype]
-        dims, causals = sorted({r["D"] for r in sel}), sorted({r["causal"] for r in sel})
+        dims = sorted({(r["D"], r.get("Dv") or r["D"]) for r in sel})
+        causals = sorted({r["causal"] for r in sel})
         fig, axes = plt.subplots(len(dims), len(causals), figsize=(5.5 * len(causals), 3.8 * len(dims)),
                                  squeeze=False)
         for i, d in enumerate(dims):
             for j, c in enumerate(causals):
                 ax = axes[i][j]
-                panel = [r for r in sel if r["D"] == d and r["causal"] == c]
+                panel = [r for r in sel if (r["D"], r.get("Dv") or r["D"]) == d and r["causal"] == c]
                 for p in _order({r["provider"] for r in panel}):
                     pts = sorted((r["T"], r["tflops"]) for r in panel if r["provider"] == p)
                     ax.plot([t for t, _ in pts], [y for _, y in pts], marker="o", label=p,
                             linewidth=2.5 if p == OURS else 1.2)
                 ax.set_xscale("log", base=2)
                 ax.set_ylim(bottom=0)
-                ax.set_title(f"{mode} {dtype} D={d} causal={c}")
+                ax.set_title(f"{mode} {dtype} D={head_dim_label(*d)} causal={c}")
                 ax.set_xlabel("T (sequence length)")
                 ax.set_ylabel("TFLOP/s")
                 ax.grid(alpha=0.3)
