@@ -2,7 +2,7 @@
 SDPA cuDNN's per head dim and causal mode, the geometric mean over T (lowest-highest point), forward and backward,
 fp16 and bf16; the lowest ratio to SDPA's FLASH backend and the best forward; then every point's TFLOP/s and ratios
 (fp16 | bf16 per cell) with the geometric means per head dim; then the forward at the 12 points where the anchors
-file has Triton's tutorial kernel.
+file has Triton's tutorial kernel. Rows whose V head dim differs from QK's are left out.
 
     python scripts/readme_tables.py benchmarks/2026-11-29-h200/runs/6e71801/final/bench.json
 """
@@ -53,7 +53,9 @@ def main(path: str) -> None:
     tf = defaultdict(dict)  # (mode, D, causal, T) -> {(provider, dtype): TFLOP/s}
     warmups = set()
     for r in rows:
-        if r.get("suite", "standard") == "standard" and r.get("tflops"):
+        # (rows with a V head dim of their own, `--head-dims 192/128`, are not the README's: left out, never mixed
+        # into their QK head dim's)
+        if r.get("suite", "standard") == "standard" and r.get("tflops") and r.get("Dv", r["D"]) == r["D"]:
             tf[(r["mode"], r["D"], int(r["causal"]), r["T"])][(r["provider"], r["dtype"])] = r["tflops"]
             warmups.add((r.get("extra") or {}).get("warmup_ms"))
 
