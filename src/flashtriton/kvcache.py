@@ -26,7 +26,7 @@ from . import validation as V
 from .kernels.decode_launch import Rotary, append_kv, decode_attention
 from .kernels.launch import on_inputs_device
 from .kvcache_checks import check_call, check_values
-from .kvcache_plan import PLANS, CallPlan, Unplanned, call_key, remember
+from .kvcache_plan import PLANS, CallPlan, Unplanned, call_key, contiguous_inputs, remember
 from .kvcache_plan import _TRANSFORMS_ACTIVE
 
 _is_compiling = torch.compiler.is_compiling
@@ -251,29 +251,22 @@ def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bloc
     window_left / window_right, softcap, alibi_slopes, learnable_sink: the checked variant (-1, -1, 0.0, None,
     None: off). rotary_cos / rotary_sin (contiguous), rotary_interleaved, rotary_per_query (`rotary.per_query`):
     the checked rotary embedding (None: off); cache_leftpad: the checked left pads (None: none)."""
+    (q, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes, learnable_sink, rotary_cos, rotary_sin,
+     cache_leftpad) = contiguous_inputs(q, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                                        learnable_sink, rotary_cos, rotary_sin, cache_leftpad)
     rotary = None
     if rotary_cos is not None:
         needed = R.positions_needed(q.shape[1], seqlen_new, rotary_per_query)
         rotary = Rotary(rotary_cos, rotary_sin, bool(rotary_interleaved), bool(rotary_per_query),
                         rotary_cos.shape[0] - needed)
-    if cache_leftpad is not None and cache_leftpad.stride(0) != 1:
-        cache_leftpad = cache_leftpad.contiguous()
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if paging.CHECK_VALUES and q.shape[0] and not capturing:
         page_size = k_cache.shape[1]
         capacity = block_table.shape[1] * page_size if block_table is not None else page_size
         check_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new, capacity, k_cache.shape[0],
                      cache_leftpad, rotary)
-    if cache_seqlens.stride(0) != 1:
-        cache_seqlens = cache_seqlens.contiguous()
-    q = V.last_dim_contiguous(q)
-    if cache_batch_idx is not None and cache_batch_idx.stride(0) != 1:
-        cache_batch_idx = cache_batch_idx.contiguous()
-    if block_table is not None and block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
     if seqlen_new and q.shape[0]:  # append the new keys/values in place (through the page table when paged)
-        append_kv(V.last_dim_contiguous(k), V.last_dim_contiguous(v), k_cache, v_cache, cache_seqlens,
-                  cache_batch_idx, block_table, rotary, cache_leftpad)
+        append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary, cache_leftpad)
     return decode_attention(
         q, k_cache, v_cache, cache_seqlens, max_seqlen_k, softmax_scale, causal, cache_batch_idx=cache_batch_idx,
         block_table=block_table, num_splits=num_splits, seqlen_new=seqlen_new, return_lse=return_lse,

@@ -95,10 +95,11 @@ def remember(key, plan: "CallPlan") -> None:
     PLANS[key] = plan
 
 
-def _contiguous(q, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes, learnable_sink, rotary_cos,
+def contiguous_inputs(q, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes, learnable_sink, rotary_cos,
                 rotary_sin, cache_leftpad):
     """The tensors as the kernels take them: copies only where the layout asks (the last dim contiguous; 1-D
-    index tensors, the sinks and the rotary tables contiguous)."""
+    index tensors, the sinks and the rotary tables contiguous). A planned call and the checked one
+    (`kvcache._decode_step`) alike."""
     if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:  # the kernels read a row's slopes in a row
         alibi_slopes = alibi_slopes.contiguous()
     if learnable_sink is not None and learnable_sink.stride(0) != 1:
@@ -147,7 +148,7 @@ class CallPlan:
         self.kept_launches = self.cuda and not INTERPRET  # kept compiled kernels, workspace kept per stream
         given = (q, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes, learnable_sink, rotary_cos,
                  rotary_sin, cache_leftpad)
-        prepared = _contiguous(*given)
+        prepared = contiguous_inputs(*given)
         self.copies = any(a is not b for a, b in zip(prepared, given))  # (a function of the strides: keyed)
         (q, k, v, _, cache_batch_idx, block_table, alibi_slopes, learnable_sink, rotary_cos, rotary_sin,
          cache_leftpad) = prepared
@@ -187,9 +188,9 @@ class CallPlan:
                             cache_leftpad, block_table, softmax_scale, alibi_slopes, learnable_sink)
         if self.copies:
             (q, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes, learnable_sink, rotary_cos,
-             rotary_sin, cache_leftpad) = _contiguous(q, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                                      alibi_slopes, learnable_sink, rotary_cos, rotary_sin,
-                                                      cache_leftpad)
+             rotary_sin, cache_leftpad) = contiguous_inputs(q, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                                            alibi_slopes, learnable_sink, rotary_cos, rotary_sin,
+                                                            cache_leftpad)
         scale = self.default_scale if softmax_scale is None else float(softmax_scale)
         if self.negate:
             q, scale = -q, -scale
