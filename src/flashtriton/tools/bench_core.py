@@ -244,8 +244,8 @@ def make_row(env: dict, **fields) -> dict:
 
 
 def upgrade_row(row: dict) -> dict:
-    """A row read from a bench.json, in this schema's field order: one written before `Dv` existed reads Dv = D
-    (its v had q's head dim), so that it merges with (and is replaced by) the same measurement made now. Fields
+    """A row read from a bench.json, in this schema's field order: a row without `Dv` reads Dv = D (its v has q's
+    head dim), so that it merges with (and is replaced by) a row of the same measurement that has the field. Fields
     the schema does not know are kept, after the others."""
     out = {f: row.get(f) for f in ROW_FIELDS}
     if out["Dv"] is None:
