@@ -59,6 +59,17 @@ for step in "$@"; do
       timeout 120 python -m flashtriton tune -B 4 -H 16 -T 4096 -D 128 --causal --out $R/tune_d128 2>&1 | tail -25 | tee $R/tune_d128.txt ;;
     eco) timeout 200 python -m pytest -v -n 4 -p no:cacheprovider --tb=short -rs tests/test_notebook.py tests/test_compile.py \
         tests/test_transformers.py > $R/pytest_eco.txt 2>&1; grep -E "FAILED|ERROR|SKIPPED|passed|failed" $R/pytest_eco.txt | head -20 ;;
+    variants) timeout 300 python -m flashtriton bench --suite variants --rounds ${ROUNDS:-2} ${VARIANT_ARGS:-} --out $R/variants --no-plots \
+        > $R/variants.txt 2>&1; grep -v "it/s" $R/variants.txt | tail -60 ;;
+    alibi_patch) P=benchmarks/2026-12-01-h200/variants-hopper/alibi_shifted_191c78c.patch; (git apply $P || patch -p1 < $P) && echo applied  # changes this tree: last
+      timeout 200 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py -k "alibi or all" \
+        > $R/pytest_alibi_patch.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_alibi_patch.txt | head
+      timeout 200 python -m flashtriton bench --suite variants --variants alibi --modes fwd --rounds 3 --out $R/variants_alibi_patch \
+        --no-plots > $R/variants_alibi_patch.txt 2>&1; grep -v "it/s" $R/variants_alibi_patch.txt | tail -30 ;;
+    decode_host) timeout 120 python benchmarks/decode_host.py --out $R/decode_host.txt > /dev/null 2>&1; head -40 $R/decode_host.txt ;;
+    headdims) timeout 240 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
+        --dtypes bf16 --head-dims ${HEAD_DIMS:-80,96,192/128,256} --seqlens 1024,4096 --causal 1 --out $R/headdims --no-plots \
+        > $R/headdims.txt 2>&1; grep -v "it/s" $R/headdims.txt | tail -40 ;;
     explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; decode_schedule) echo 300;; tma) echo 400;; gluon) echo 360;; gluon_bwd) echo 300;; varlen) echo 150;; varlen_bwd) echo 220;; bwd_host) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
   esac
