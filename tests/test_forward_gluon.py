@@ -368,6 +368,7 @@ GLUON_VARIANTS = {  # (causal, window, softcap, ALiBi, sinks)
     "window left only": (False, (300, -1), 0.0, False, False),
     "softcap": (True, (-1, -1), 20.0, False, False),
     "alibi": (False, (-1, -1), 0.0, True, False),
+    "causal alibi": (True, (-1, -1), 0.0, True, False),  # the flat loop's column bias and shifted max
     "sinks": (True, (-1, -1), 0.0, False, True),
     "all": (True, (150, 0), 15.0, True, True),
 }

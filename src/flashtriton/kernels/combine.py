@@ -42,19 +42,20 @@ def _combine(
     row_ok = rows < seqlen
     rows = rows.to(tl.int64)
 
-    # the splits' lse: running max and sum of exp(lse_s - max), in base 2
+    # the splits' lse: running max and sum of exp(lse_s - max); each difference is taken before its scaling to
+    # base 2 (the split at the max weighs exactly 1: a product folded into the subtraction would not cancel)
     l_ptrs = L_part + batch * stride_lb + head * stride_lh + rows * stride_lm
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for _ in range(num_splits):
-        lse_s = tl.load(l_ptrs, mask=row_ok, other=float("-inf")) * LOG2E
+        lse_s = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
         m_new = tl.maximum(m_i, lse_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: every term is 0
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.exp2(lse_s - m_safe)
+        l_i = l_i * tl.exp2((m_i - m_safe) * LOG2E) + tl.exp2((lse_s - m_safe) * LOG2E)
         m_i = m_new
         l_ptrs += stride_ls
     seen = l_i > 0
-    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)) / LOG2E, float("-inf"))
 
     # the splits' out, each weighted by exp(lse_s - lse)
     l_ptrs = L_part + batch * stride_lb + head * stride_lh + rows * stride_lm
@@ -63,8 +64,8 @@ def _combine(
     tile_ok = row_ok[:, None] & (cols[None, :] < head_dim)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for _ in range(num_splits):
-        lse_s = tl.load(l_ptrs, mask=row_ok, other=float("-inf")) * LOG2E
-        w = tl.where(seen & (lse_s > float("-inf")), tl.exp2(lse_s - tl.where(seen, lse2, 0.0)), 0.0)
+        lse_s = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
+        w = tl.where(seen & (lse_s > float("-inf")), tl.exp2((lse_s - tl.where(seen, lse, 0.0)) * LOG2E), 0.0)
         o_s = tl.load(o_ptrs, mask=tile_ok & (w[:, None] > 0), other=0.0)
         acc += w[:, None] * o_s
         l_ptrs += stride_ls
@@ -74,7 +75,7 @@ def _combine(
                 + cols[None, :] * stride_out_d)
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=tile_ok)
     lse_ptrs = Lse + batch * stride_lse_b + head * stride_lse_h + rows * stride_lse_m
-    tl.store(lse_ptrs, lse2 / LOG2E, mask=row_ok)
+    tl.store(lse_ptrs, lse, mask=row_ok)
 
 
 def _blocks(seqlen: int, head_dim: int) -> tuple[int, int]:

@@ -135,11 +135,11 @@ def _attn_fwd(
 
     q_ptrs = Q + batch_q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     if PAGED or HAS_SEQUSED_K:  # (paged: K, V (num_pages, PAGE_SIZE, Hkv, D), stride_kb the page stride)
-        bt_row, seqlen_k, keys_ok = sequence_keys(BLOCK_TABLE, stride_btb, SEQUSED_K, off_b, seqlen_k, capacity,
-                                                  num_pages, PAGED, PAGE_SIZE, HAS_SEQUSED_K)
-    else:
-        bt_row = BLOCK_TABLE
+        seqlen_k, keys_ok = sequence_keys(BLOCK_TABLE, stride_btb, SEQUSED_K, off_b, seqlen_k, capacity, num_pages,
+                                          PAGED, PAGE_SIZE, HAS_SEQUSED_K)
+    bt_row = BLOCK_TABLE
     if PAGED:  # each tile's rows come from the block table
+        bt_row = BLOCK_TABLE + off_b.to(tl.int64) * stride_btb
         k_ptrs = K + off_hk * stride_kh + offs_d[None, :] * stride_kd  # (1, BLOCK_D)
         v_ptrs = V + off_hk * stride_vh + offs_dv[None, :] * stride_vd
     else:

@@ -70,6 +70,18 @@ def _alibi_rows(m_i, slope, IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, SCO
 
 
 @gluon.jit
+def _consumer_scores(scores, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, SCORES: gl.constexpr):
+    """A consumer's `scores`: the kernel's, and with causal ALiBi the columns 0 .. BLOCK_N - 1 of a score tile in
+    fp32 (this thread's), made once: `_softmax_tile` scales them by the slope (the conversion is not hoisted out
+    of the loops by the compiler)."""
+    if (SCORES & SC_ALIBI) and IS_CAUSAL:
+        cols_f = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, wgmma_layout(BLOCK_N))).to(gl.float32)
+        return scores[0], scores[1], scores[2], scores[3], cols_f
+    else:
+        return scores
+
+
+@gluon.jit
 def _sink(scores, off_h, SCORES: gl.constexpr):
     """A head's sink logit in base 2 (unused without sinks), loaded when its item starts so that the epilogue does
     not wait for it."""
@@ -90,16 +102,28 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
     instructions per score, which the softmax's overlap with the matmuls hides only in part, so they take their
     shortest forms: softcap alone keeps t = tanh(scale · s) (`variant.tanh`) as the scores, with the cap in the
     scale's place (the cap is > 0: it commutes with the max); ALiBi is `variant.alibi_bias` (after softcap), or,
-    causal (every visible key at or left of the diagonal), one fused multiply-add per score with the bias
-    -slope · (row0 + d - j) of the tile's first row: the rest, -slope · (i - row0), is a row's constant, which
-    the softmax ignores and `_alibi_rows` adds to m once the row is done."""
+    causal (every visible key at or left of the diagonal), the bias -slope · (row0 + d - j) of the tile's first
+    row: the rest, -slope · (i - row0), is a row's constant, which the softmax ignores and `_alibi_rows` adds to m
+    once the row is done."""
     HAS_WINDOW: gl.constexpr = (SCORES & SC_WINDOW) != 0
     FOLD_CAP: gl.constexpr = (SCORES & (SC_SOFTCAP | SC_ALIBI)) == SC_SOFTCAP
     SCALED: gl.constexpr = (SCORES & SC_ALIBI) != 0
+    # Causal ALiBi in the loop of `_consume_flat` (COMPACT): -slope · (row0 + d - j) = slope · (j - n) + shift,
+    # shift = slope · (n - row0 - d), the column part per score (one fused multiply-add with the scale, columns
+    # made once by `_consumer_scores`), the tile's constant in m: 1.5 instructions per score fewer than the whole
+    # bias per score (which the item-by-item loops keep: there the shorter form spills)
+    SHIFTED: gl.constexpr = SCALED and IS_CAUSAL and COMPACT
     if FOLD_CAP:
         s = tanh(s * qk_scale, True)
         qk_scale = scores[0]
-    if SCALED:  # s in base 2, scaled
+    if SHIFTED:
+        col_bias = (slope * scores[4])[None, :]
+        if SCORES & SC_SOFTCAP:
+            s = softcap_scores(s, qk_scale, scores[0], True) + col_bias
+        else:
+            s = gl.fma(s, gl.full(s.shape, qk_scale, gl.float32, s_layout), gl.broadcast(col_bias, s)[0])
+        shift = slope * (n - row0 - diag).to(gl.float32)
+    elif SCALED:  # s in base 2, scaled
         if SCORES & SC_SOFTCAP:
             s = softcap_scores(s, qk_scale, scores[0], True)
         else:
@@ -123,7 +147,11 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
             keep = visible(cols[None, :] < seqlen_k, rows[:, None], cols[None, :], diag, IS_CAUSAL, HAS_WINDOW,
                            window[0], window[1])
         s = gl.where(keep, s, float("-inf"))
-    if SCALED:
+    if SHIFTED:  # the scores are shift below the row's frame: its max and m_new - shift for the exponent
+        m_new = gl.maximum(m_i, gl.max(s, 1) + shift)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - (m_safe - shift)[:, None])
+    elif SCALED:
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_safe[:, None])
@@ -379,6 +407,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     (explore16/ab/ab_flat3.txt)."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, desc_o, O, LSE,
      items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
+    scores = _consumer_scores(scores, IS_CAUSAL, BLOCK_N, SCORES)
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)

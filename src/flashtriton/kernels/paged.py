@@ -27,9 +27,10 @@ PAGE_CHECK_BLOCK = tl.constexpr(256)
 @triton.jit
 def sequence_keys(BLOCK_TABLE, stride_btb, SEQUSED_K, off_b, seqlen_k, capacity, num_pages,
                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
-    """(block-table row, key count, ok) of sequence off_b, whose cu_seqlens_k length is `seqlen_k`: the count is
-    seqused_k's value where HAS_SEQUSED_K; `capacity` (the row's pages × PAGE_SIZE) and `num_pages` bound a paged
-    sequence. A sequence that is not ok has key count 0 (the caller poisons its rows)."""
+    """(key count, ok) of sequence off_b, whose cu_seqlens_k length is `seqlen_k`: the count is seqused_k's value
+    where HAS_SEQUSED_K; `capacity` (the row's pages × PAGE_SIZE) and `num_pages` bound a paged sequence, whose
+    block-table row is checked from BLOCK_TABLE. A sequence that is not ok has key count 0 (the caller poisons its
+    rows). (A compiled Triton function cannot return None, so the block-table row is the caller's to make.)"""
     limit = capacity if PAGED else seqlen_k
     if HAS_SEQUSED_K:
         seqlen_k = tl.load(SEQUSED_K + off_b)
@@ -39,9 +40,7 @@ def sequence_keys(BLOCK_TABLE, stride_btb, SEQUSED_K, off_b, seqlen_k, capacity,
         bt_row = BLOCK_TABLE + off_b.to(tl.int64) * stride_btb
         ok = ok & (_bad_pages(bt_row, tl.cdiv(seqlen_k, PAGE_SIZE), num_pages) == 0)
         seqlen_k = tl.where(ok, seqlen_k, 0)
-    else:
-        bt_row = BLOCK_TABLE
-    return bt_row, seqlen_k, ok
+    return seqlen_k, ok
 
 
 @triton.jit
