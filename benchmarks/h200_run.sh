@@ -2,7 +2,7 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite; ~600 s), tests1 / tests2 (its files in two halves), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
@@ -16,8 +16,13 @@ git rev-parse HEAD > $R/git_sha.txt 2>/dev/null || echo unknown > $R/git_sha.txt
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests) timeout 420 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests > $R/pytest.txt 2>&1
+    tests) timeout 560 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests > $R/pytest.txt 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest.txt | head -40 ;;
+    tests1|tests2) # the suite in two halves (about 600 s together on the H200: a call holds one)
+      files=$(ls tests/test_*.py | sort); n=$(echo "$files" | wc -l)
+      half=$([ $step = tests1 ] && echo "$files" | head -n $((n / 2)) || echo "$files" | tail -n +$((n / 2 + 1)))
+      timeout 560 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf --durations=20 $half > $R/pytest_$step.txt 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_$step.txt | head -40 ;;
     check) timeout 40 python -m flashtriton check --out $R/check 2>&1 | tail -12 | tee $R/check.txt ;;
     bench_std) timeout 130 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn,seed --rep 60 --warmup 15 \
         --modes fwd,bwd --head-dims 64,128 --out $R/bench_std --no-plots > $R/bench_std.txt 2>&1; grep -v "it/s" $R/bench_std.txt | tail -56 ;;
