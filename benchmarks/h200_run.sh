@@ -75,6 +75,12 @@ for step in "$@"; do
     headdims) timeout 240 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
         --dtypes bf16 --head-dims ${HEAD_DIMS:-80,96,192/128,256} --seqlens 1024,4096 --causal 1 --out $R/headdims --no-plots \
         > $R/headdims.txt 2>&1; grep -v "it/s" $R/headdims.txt | tail -40 ;;
+    paged_prefill) timeout 240 python benchmarks/paged_prefill.py --out $R/paged_prefill > $R/paged_prefill.txt 2>&1
+      tail -8 $R/paged_prefill.txt ;;
+    context_parallel) timeout 300 python benchmarks/context_parallel.py --out $R/context_parallel > $R/context_parallel.txt 2>&1
+      tail -14 $R/context_parallel.txt ;;
+    decode_window) timeout 200 python benchmarks/decode_window.py --out $R/decode_window > $R/decode_window.txt 2>&1
+      tail -14 $R/decode_window.txt ;;
     explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; decode_schedule) echo 300;; tma) echo 400;; gluon) echo 360;; gluon_bwd) echo 300;; varlen) echo 150;; varlen_bwd) echo 220;; bwd_host) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
   esac
