@@ -130,12 +130,12 @@ def _attn_bwd_dkdv_tile(
     BLOCK_M: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slopes=None,  # the group's first query head's ALiBi slope (a pointer)
-    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0, dropout_scale=1.0,
+    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0, dropout_scale=1.0, start_n=0,
 ):
     """Add the contribution of query rows [start_m, end_m) of each of the group's `group_size` query heads
     to the resident key tile's dK, dV. One flat loop over (head, row tile): a nested loop over heads costs
     the compiler far more registers. Works on transposed scores (keys x queries): no P tile is transposed.
-    HAS_DROPOUT: `bh` is the group's first query head's batch · Hq + head, and with keep-mask Z (`variant.
+    HAS_DROPOUT (the key tile starts at start_n): `bh` is the group's first query head's batch · Hq + head, and with keep-mask Z (`variant.
     dropout_keep`, the forward's bits) dV = (P ∘ Z / (1 - p))ᵀ dO and dS = P ∘ (dP ∘ Z / (1 - p) - delta)."""
     n_tiles = tl.cdiv(end_m - start_m, BLOCK_M)
     # max(.., 1): an empty stage must not divide by zero, even in the addresses the software pipeline
@@ -167,7 +167,7 @@ def _attn_bwd_dkdv_tile(
             p_t = tl.where(visible(True, rows[None, :], offs_n[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
                            p_t, 0.0)
         if HAS_DROPOUT:
-            keep_t = dropout_keep(seed, offset, bh + g, rows[None, :], offs_n[:, None], dropout_threshold)
+            keep_t = dropout_keep(seed, offset, bh + g, rows, start_n, dropout_threshold, offs_n.shape[0], True)
             dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv,
                         input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_DV)
         else:
@@ -263,7 +263,7 @@ def _attn_bwd_dkdv(
             stage != 1, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI,
             ALIBI + off_b * stride_alibi_b + off_hk * GROUP_SIZE if HAS_ALIBI else None,
-            HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale,
+            HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale, start_n,
         )
 
     n_ok = offs_n[:, None] < seqlen_k
@@ -319,7 +319,7 @@ def _attn_bwd_dq_tile(
                                  HAS_WINDOW, left, right), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if HAS_DROPOUT:
-            dp = tl.where(dropout_keep(seed, offset, bh, offs_m[:, None], cols[None, :], dropout_threshold),
+            dp = tl.where(dropout_keep(seed, offset, bh, offs_m, n, dropout_threshold, BLOCK_N),
                           dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:

@@ -77,7 +77,7 @@ def _attn_fwd_tile(
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, diag, qk_scale,
                                       MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION, HAS_WINDOW, left, right,
                                       HAS_SOFTCAP, softcap, HAS_ALIBI, slope, HAS_DROPOUT, seed, offset, bh,
-                                      dropout_threshold)
+                                      dropout_threshold, n)
         if not PAGED:
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn

@@ -463,15 +463,28 @@ def dropout_state(rng):
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, q_idx, k_idx, threshold):
-    """The dropout keep-mask of scores (q_idx, k_idx) of sequence-and-head `bh` (batch b · Hq + query head h):
-    True where the score is kept. Counter-based, so that the forward, both backward kernels and
-    `flashtriton.testing.dropout_mask` regenerate the same bits from the same indices, whatever their tiles:
-    Philox4x32-10 (`tl.philox`) keyed by the call's 64-bit seed, on the counter (key index, query row, bh, offset)
-    (`dropout_state`), both indices within the sequence (varlen: its own rows and keys). q_idx and k_idx broadcast
-    against each other ((M, 1) and (1, N), or transposed for key-major tiles); the first of Philox's four outputs
-    decides: kept iff its top 31 bits >= threshold (`dropout_threshold`)."""
-    rows = q_idx + k_idx * 0  # both full tiles, int32
-    cols = k_idx + q_idx * 0
-    r, _, _, _ = tl.philox(seed, cols, rows, cols * 0 + bh, cols * 0 + offset)
-    return (r >> 1).to(tl.int32, bitcast=True) >= threshold
+def dropout_keep(seed, offset, bh, rows, k0, threshold, BLOCK_K: tl.constexpr, KEYS_FIRST: tl.constexpr = False):
+    """The dropout keep-mask of a tile of scores of sequence-and-head `bh` (batch b · Hq + query head h): query
+    rows `rows` (M,) against keys k0 .. k0 + BLOCK_K - 1, both indices within the sequence (varlen: its own rows and
+    keys); (M, BLOCK_K), or (BLOCK_K, M) for KEYS_FIRST (key-major tiles); True where the score is kept.
+    Counter-based, so that the forward, both backward kernels and `flashtriton.testing.dropout_mask` regenerate the
+    same bits from the same indices, whatever their tiles: one Philox4x32-10 call (`tl.philox`, keyed by the call's
+    64-bit seed) on the counter (key group, query row, bh, offset) (`dropout_state`) gives the four keys of a group
+    4g .. 4g + 3 their four outputs, in order (Philox costs about 60 integer instructions a call: one per four scores,
+    not one per score). k0 is a multiple of 4 (every kernel's key tiles start at multiples of BLOCK_N). A score is
+    kept iff the top 31 bits of its output are >= threshold (`dropout_threshold`)."""
+    M: tl.constexpr = rows.shape[0]
+    groups = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+    if KEYS_FIRST:
+        c0 = groups[:, None] + rows[None, :] * 0  # (BLOCK_K / 4, M)
+        c1 = rows[None, :] + groups[:, None] * 0
+    else:
+        c0 = groups[None, :] + rows[:, None] * 0  # (M, BLOCK_K / 4)
+        c1 = rows[:, None] + groups[None, :] * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c0 * 0 + bh, c0 * 0 + offset)
+    bits = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [..., i, j]: output 2i + j, key 4g + 2i + j
+    if KEYS_FIRST:
+        bits = tl.reshape(tl.permute(bits, (0, 2, 3, 1)), (BLOCK_K, M))
+    else:
+        bits = tl.reshape(bits, (M, BLOCK_K))
+    return (bits >> 1).to(tl.int32, bitcast=True) >= threshold
