@@ -142,13 +142,29 @@ def packed_case(fn, layout, causal, hq, hkv, window=(-1, -1), sink=False):
 
 
 def ring_lse(rank, world):
-    """return_lse: the shard of the whole call's lse (dense and packed)."""
-    q, k, v, _ = inputs(world, 2, 1, seed=4)
-    out, lse = parallel.ring_attention(*(parallel.shard(t, None, "zigzag") for t in (q, k, v)), causal=True,
-                                       return_lse=True)
-    full_out, full_lse = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2]
-    torch.testing.assert_close(parallel.unshard(lse, None, "zigzag", dim=2), full_lse, atol=3e-5, rtol=1e-5)
-    torch.testing.assert_close(parallel.unshard(out, None, "zigzag"), full_out, atol=3e-5, rtol=1e-5)
+    """return_lse: the shard of the whole call's lse, and the gradients of a loss of out and lse together (with
+    sinks: dsink takes the lse's gradient too), against the whole call's."""
+    q, k, v, dout = inputs(world, 2, 1, seed=4)
+    dlse = torch.randn(1, 2, q.shape[1], generator=torch.Generator().manual_seed(5))
+    sinks = sink_of(2, True)
+    local = [parallel.shard(t, None, "zigzag").detach().requires_grad_() for t in (q, k, v)]
+    leaf = sink_leaf(sinks)
+    out, lse = parallel.ring_attention(*local, causal=True, return_lse=True, learnable_sink=leaf)
+    torch.autograd.backward([out, lse], [parallel.shard(dout, None, "zigzag"),
+                                         parallel.shard(dlse, None, "zigzag", dim=2)])
+    got = [parallel.unshard(t, None, "zigzag") for t in (out.detach(), *(t.grad for t in local))]
+    got += summed_grad(leaf)
+    got_lse = parallel.unshard(lse.detach(), None, "zigzag", dim=2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [sink_leaf(sinks)]
+    full_out, full_lse = flashtriton.flash_attn_func(*leaves[:3], causal=True, learnable_sink=leaves[3],
+                                                     return_attn_probs=True)[:2]
+    torch.autograd.backward([full_out, full_lse], [dout, dlse])
+    torch.testing.assert_close(got_lse, full_lse.detach(), atol=3e-5, rtol=1e-5)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), got, (full_out, *(t.grad for t in leaves))):
+        torch.testing.assert_close(a, b.detach(), atol=3e-5, rtol=1e-5, msg=f"ring lse gradient: {name}")
+    only_lse = parallel.ring_attention(*(t.detach().requires_grad_() for t in local), causal=True,
+                                       return_lse=True)[1]
+    only_lse.sum().backward()  # out unused: its gradient is None, the backward takes zeros
 
 
 def llama_training(rank, world):

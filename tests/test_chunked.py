@@ -125,6 +125,8 @@ def test_chunk_results_without_a_kernel_and_refusals(device):
         chunked.chunk_backward(q, q, k, v, q, lse, dk=torch.zeros(1, 7, 2, 16, device=device))
     with pytest.raises(ValueError, match="lse must have shape"):
         chunked.chunk_backward(q, q, k, v, q, lse.transpose(1, 2))
+    with pytest.raises(TypeError, match="dlse must be a float32"):
+        chunked.chunk_backward(q, q, k, v, q, lse, dlse=lse.half())
     with pytest.raises(ValueError, match="outs and lses"):
         chunked.merge_chunks([out], [])
 

@@ -192,7 +192,8 @@ def chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    lse: torch.Tensor, q_start: int = 0, k_start: int = 0, causal: bool = False,
                    window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None, softcap: float = 0.0,
                    dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
-                   accumulate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   accumulate: bool = False, dlse: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pair's share of the gradients of the merged attention (FlashAttention-2's backward on the pair).
 
     Arguments:
@@ -204,6 +205,8 @@ def chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             larger accumulators are fine) to write the gradients into, else new tensors of q's dtype.
         accumulate: add into dq, dk, dv (all three given) instead of overwriting them: in the kernels, fp32 when
             the buffers are, and deterministic (each element has one writer).
+        dlse: optional (batch, nheads, seqlen_q) fp32, the gradient of the merged lse (d lse_i / d s_ij = P_ij:
+            it joins rowsum(dO ∘ O) in the kernels); the same for every key chunk of the rows.
     Returns:
         (dq, dk, dv): the buffers (or new tensors). GQA: dk, dv are summed over each kv head's query heads. The sum
         of the pairs' gradients over every key chunk is the gradient of the merged attention.
@@ -224,6 +227,12 @@ def chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {(batch, heads, seqlen_q)}, "
                          f"got {tuple(lse.shape)}")
     V.check_device(("q", "dout", "out", "lse"), (q, dout, out, lse))
+    if dlse is not None:
+        if not isinstance(dlse, torch.Tensor) or dlse.dtype != torch.float32 or tuple(dlse.shape) != tuple(lse.shape):
+            raise TypeError(f"dlse must be a float32 torch.Tensor shaped like lse {tuple(lse.shape)}, got "
+                            + (f"{dlse.dtype} {tuple(dlse.shape)}" if isinstance(dlse, torch.Tensor)
+                               else type(dlse).__name__))
+        V.check_device(("lse", "dlse"), (lse, dlse))
     if not isinstance(accumulate, bool):
         raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
@@ -241,7 +250,8 @@ def chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     # (A negative scale needs no care here: the backward recomputes P from lse, with no running maximum.)
     attention_backward(dout[:, rows:], q[:, rows:], k[:, keys:], v[:, keys:], out[:, rows:], lse[:, :, rows:],
                        scale, kernel_causal, bottom_right, window_size=kernel_window, softcap=softcap,
-                       dq=dq[:, rows:], dk=dk[:, keys:], dv=dv[:, keys:], accumulate=accumulate)
+                       dq=dq[:, rows:], dk=dk[:, keys:], dv=dv[:, keys:], accumulate=accumulate,
+                       dlse=None if dlse is None else dlse[:, :, rows:])
     return dq, dk, dv
 
 

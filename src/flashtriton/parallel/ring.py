@@ -197,7 +197,9 @@ def _ring_forward(q, k, v, sink, spec: _Spec):
     return out.to(q.dtype), lse.clone()
 
 
-def _ring_backward(dout, q, k, v, out, lse, sink, spec: _Spec):
+def _ring_backward(dout, dlse, q, k, v, out, lse, sink, spec: _Spec):
+    """dq, dk, dv (and dsink) of this rank's shards from the gradients of its rows' out and lse (dlse: None, or
+    (batch, nheads, n) fp32: d lse_i / d s_ij = P_ij joins rowsum(dO ∘ O) in every chunk's kernels)."""
     n = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     ring = RingExchange(spec.group, spec.rank, spec.world) if spec.world > 1 else None
@@ -215,11 +217,12 @@ def _ring_backward(dout, q, k, v, out, lse, sink, spec: _Spec):
         dk_t, dv_t = _unpack(target, k.shape, v.shape)
         for c in calls:
             if isinstance(c, DocCall):
-                _docs_backward(c, dout, q, k_s, v_s, out, lse, spec, dq, dk_t, dv_t)
+                _docs_backward(c, dout, dlse, q, k_s, v_s, out, lse, spec, dq, dk_t, dv_t)
                 continue
             chunk_backward(dout[:, c.q_rows], q[:, c.q_rows], k_s[:, c.k_rows], v_s[:, c.k_rows], out[:, c.q_rows],
                            lse[:, :, c.q_rows], c.q_pos, c.k_pos, c.causal, c.window, spec.scale, spec.softcap,
-                           dq=dq[:, c.q_rows], dk=dk_t[:, c.k_rows], dv=dv_t[:, c.k_rows], accumulate=True)
+                           dq=dq[:, c.q_rows], dk=dk_t[:, c.k_rows], dv=dv_t[:, c.k_rows], accumulate=True,
+                           dlse=None if dlse is None else dlse[:, :, c.q_rows])
         if step > 0:
             wait(dkv_requests)  # dkv_spare: src's accumulator, from the previous rank
             if calls:
@@ -235,20 +238,24 @@ def _ring_backward(dout, q, k, v, out, lse, sink, spec: _Spec):
         dkv = dkv_spare
     dk, dv = _unpack(dkv, k.shape, v.shape)
     dsink = None
-    if sink is not None:  # this rank's rows' share: dsink_h = -sum_{b,i} exp(sink_h - lse) rowsum(dO * O)
+    if sink is not None:  # this rank's rows' share: dsink_h = -sum_{b,i} exp(sink_h - lse) (rowsum(dO * O) - dlse)
         delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta = delta - torch.where(torch.isinf(lse), 0.0, dlse)
         dsink = sink_grad(lse, delta, sink, varlen=False)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
 
 
-def _docs_backward(c: DocCall, dout, q, k, v, out, lse, spec: _Spec, dq, dk, dv) -> None:
-    """Add a DocCall's gradients into dq, dk, dv ((1, n, H, D) fp32; the rest (1, n, ...) too, lse (1, H, n))."""
+def _docs_backward(c: DocCall, dout, dlse, q, k, v, out, lse, spec: _Spec, dq, dk, dv) -> None:
+    """Add a DocCall's gradients into dq, dk, dv ((1, n, H, D) fp32; the rest (1, n, ...) too, lse and dlse
+    (1, H, n), dlse None where lse has no gradient)."""
     cu = torch.tensor(c.cuts, dtype=torch.int32, device=q.device)
     causal, window = spec.kernel_mask()
     r = c.rows
     attention_backward(dout[0, r], q[0, r], k[0, r], v[0, r], out[0, r], lse[0, :, r], spec.scale, causal, True, cu,
                        cu, c.max_len, c.max_len, zero_fill=False, window_size=window, softcap=spec.softcap,
-                       dq=dq[0, r], dk=dk[0, r], dv=dv[0, r], accumulate=True)
+                       dq=dq[0, r], dk=dk[0, r], dv=dv[0, r], accumulate=True,
+                       dlse=None if dlse is None else dlse[0, :, r])
 
 
 class _RingAttention(torch.autograd.Function):
@@ -257,13 +264,16 @@ class _RingAttention(torch.autograd.Function):
         out, lse = _ring_forward(q, k, v, sink, spec)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.spec = spec
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused out or lse has no gradient: None, no zeros to read
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = _ring_backward(dout, q, k, v, out, lse, sink, ctx.spec)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dlse = None if dlse is None else dlse.float()
+        dq, dk, dv, dsink = _ring_backward(dout, dlse, q, k, v, out, lse, sink, ctx.spec)
         return dq, dk, dv, dsink, None
 
 
@@ -294,7 +304,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             row's softmax denominator), the same on every rank; differentiable: each rank's gradient is its rows'
             share (a replicated parameter's, which data-parallel training sums or averages over the ranks).
         return_lse: also return the log-sum-exp (natural log, fp32; (batch, nheads, seqlen / world), with
-            cu_seqlens (nheads, total / world)), not differentiable.
+            cu_seqlens (nheads, total / world)), differentiable (its gradient joins every chunk's backward).
     Returns:
         out: (batch, seqlen / world, nheads, headdim_v) (with cu_seqlens: (total / world, nheads, headdim_v)),
         this rank's shard of the output (`unshard` rebuilds it); (out, lse) with return_lse.
