@@ -7,4 +7,4 @@ check:  ## set up and run `flashtriton check` (the notebook's checks) on this ma
 
 test:  ## set up and run the test suite (through Triton's interpreter when there is no GPU)
 	scripts/setup-venv.sh test
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n auto --maxprocesses=8
