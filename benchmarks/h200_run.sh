@@ -89,6 +89,7 @@ for step in "$@"; do
       timeout 200 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd --rep 40 --warmup 25 \
         --dtypes bf16 --head-dims 80,96,192,256 --seqlens 1024,4096,16384 --causal 0,1 --out $R/headdims_gluon --no-plots \
         > $R/headdims_gluon.txt 2>&1; grep -v "it/s" $R/headdims_gluon.txt | tail -30 ;;
+    dropout) timeout 300 python benchmarks/dropout.py --out $R/dropout > $R/dropout.txt 2>&1; tail -34 $R/dropout.txt ;;
     explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; decode_schedule) echo 300;; tma) echo 400;; gluon) echo 360;; gluon_bwd) echo 300;; varlen) echo 150;; varlen_bwd) echo 220;; bwd_host) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
   esac
