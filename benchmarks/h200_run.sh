@@ -83,10 +83,11 @@ for step in "$@"; do
       tail -14 $R/decode_window.txt ;;
     gluon_head_dims_patch) P=benchmarks/2026-12-02-h200/gluon-head-dims/gluon_head_dims.patch  # changes this tree: last
       (git apply $P || patch -p1 < $P) && echo applied
-      timeout 240 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py tests/test_dispatch.py \
-        tests/test_configs.py tests/test_forward.py tests/test_varlen.py > $R/pytest_gluon_head_dims.txt 2>&1
+      timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py tests/test_dispatch.py \
+        tests/test_configs.py tests/test_forward.py tests/test_varlen.py tests/test_backward_gluon.py tests/test_backward.py \
+        > $R/pytest_gluon_head_dims.txt 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon_head_dims.txt | head -20
-      timeout 200 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd --rep 40 --warmup 25 \
+      timeout 240 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
         --dtypes bf16 --head-dims 80,96,192,256 --seqlens 1024,4096,16384 --causal 0,1 --out $R/headdims_gluon --no-plots \
         > $R/headdims_gluon.txt 2>&1; grep -v "it/s" $R/headdims_gluon.txt | tail -30 ;;
     dropout) timeout 300 python benchmarks/dropout.py --out $R/dropout > $R/dropout.txt 2>&1; tail -34 $R/dropout.txt ;;
