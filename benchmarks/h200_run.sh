@@ -92,12 +92,13 @@ for step in "$@"; do
         > $R/headdims_gluon.txt 2>&1; grep -v "it/s" $R/headdims_gluon.txt | tail -30 ;;
     dropout) timeout 300 python benchmarks/dropout.py --out $R/dropout > $R/dropout.txt 2>&1; tail -34 $R/dropout.txt ;;
     softcap_exp2_patch) P=benchmarks/2026-12-02-h200/softcap-exp2/softcap_exp2_split.patch  # changes this tree: last
-      timeout 200 python -m flashtriton bench --suite variants --variants softcap50 --modes fwd --rounds 3 \
-        --out $R/softcap_before --no-plots > $R/softcap_before.txt 2>&1; grep -v "it/s" $R/softcap_before.txt | grep -E "softcap50" | head -4
+      timeout 200 python -m flashtriton bench --suite variants --variants softcap50 --modes fwd,bwd --rounds 3 \
+        --out $R/softcap_before --no-plots > $R/softcap_before.txt 2>&1; grep -v "it/s" $R/softcap_before.txt | grep -E "softcap50" | head -8
       (git apply $P || patch -p1 < $P) && echo applied
-      timeout 200 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py -k "softcap or all" \
-        > $R/pytest_softcap_exp2.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_softcap_exp2.txt | head
-      timeout 200 python -m flashtriton bench --suite variants --variants softcap50 --modes fwd --rounds 3 \
+      timeout 200 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py \
+        tests/test_backward_gluon.py tests/test_features.py -k "softcap or all" > $R/pytest_softcap_exp2.txt 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_softcap_exp2.txt | head
+      timeout 200 python -m flashtriton bench --suite variants --variants softcap50 --modes fwd,bwd --rounds 3 \
         --out $R/softcap_after --no-plots > $R/softcap_after.txt 2>&1; grep -v "it/s" $R/softcap_after.txt | tail -16 ;;
     explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; decode_schedule) echo 300;; tma) echo 400;; gluon) echo 360;; gluon_bwd) echo 300;; varlen) echo 150;; varlen_bwd) echo 220;; bwd_host) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
