@@ -6,7 +6,8 @@ search for inputs the test suite's grid misses.
     .venv/bin/python scripts/fuzz.py --seconds 300 --device cuda            # a GPU (fp16 and bf16 too)
 
 Each case draws shapes (GQA / MQA, Sq != Sk, head dims 1..256 with a V head dim of its own, empty sequences),
-causal, a window, softcap, ALiBi ((H,) or (B, H)), sinks and a softmax scale; judges out, lse and the gradients
+causal, a window, softcap, ALiBi ((H,) or (B, H)), sinks, dropout (the reference on the call's recovered mask) and a
+softmax scale; judges out, lse and the gradients
 as tests/accuracy.py does (against torch's own error in the dtype); prints every failure with the seed that
 reproduces it (`--seed N --cases 1`), and exits 1 if any failed.
 """
@@ -27,6 +28,7 @@ if "--device" not in sys.argv or "cpu" in sys.argv:
 import torch  # noqa: E402
 
 import flashtriton  # noqa: E402
+from flashtriton import testing  # noqa: E402
 from flashtriton.kernels.variant import Variant  # noqa: E402
 from flashtriton.reference import attention_reference  # noqa: E402
 
@@ -44,17 +46,20 @@ def draw(rng: random.Random, device: str) -> dict:
         window=(rng.choice([-1, -1, 0, 3, 20]), rng.choice([-1, -1, 0, 5])),
         softcap=rng.choice([0.0, 0.0, 0.0, 5.0, 30.0]), alibi=rng.choice([None, None, "h", "bh"]),
         sink=rng.random() < 0.3, scale=rng.choice([None, None, 0.3, -0.2, 1.7]),
+        dropout=rng.choice([0.0, 0.0, 0.0, 0.1, 0.4]),
     )
     if case["causal"]:
         case["window"] = (case["window"][0], 0)
     return case
 
 
-def dense_reference(q, k, v, case, slopes, sinks, dtype):
-    """(out, lse) of one (B, S, H, D) call in `dtype`; q, k, v leaves of that dtype."""
+def dense_reference(q, k, v, case, slopes, sinks, dtype, keep=None):
+    """(out, lse) of one (B, S, H, D) call in `dtype`; q, k, v leaves of that dtype; keep: the call's dropout
+    keep-mask (B, H, Sq, Sk), or None."""
     variant = Variant(causal=case["causal"], window=case["window"], softcap=case["softcap"], alibi_slopes=slopes,
                       sinks=sinks)
-    return attention_reference(q, k, v, case["scale"], dtype=dtype, return_lse=True, variant=variant)
+    return attention_reference(q, k, v, case["scale"], dtype=dtype, return_lse=True, variant=variant,
+                               dropout_mask=keep, dropout_p=case["dropout"] if keep is not None else None)
 
 
 def run_case(case: dict, seed: int, device: str) -> None:
@@ -83,13 +88,18 @@ def run_case(case: dict, seed: int, device: str) -> None:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sinks.clone().requires_grad_()] if case["sink"] else [])
     kwargs = dict(softmax_scale=case["scale"], causal=case["causal"], window_size=case["window"],
                   softcap=case["softcap"], alibi_slopes=slopes, return_attn_probs=True,
-                  learnable_sink=leaves[3] if case["sink"] else None)
-    if case["varlen"]:
-        cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        out, lse, _ = flashtriton.flash_attn_varlen_func(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), **kwargs)
-    else:
-        out, lse, _ = flashtriton.flash_attn_func(*leaves[:3], **kwargs)
+                  learnable_sink=leaves[3] if case["sink"] else None, dropout_p=case["dropout"])
+    with testing.record_dropout() as calls:
+        if case["varlen"]:
+            cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            out, lse, _ = flashtriton.flash_attn_varlen_func(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k),
+                                                             **kwargs)
+        else:
+            out, lse, _ = flashtriton.flash_attn_func(*leaves[:3], **kwargs)
+    keep = None  # the keep-mask the call drew: (B, Hq, longest Sq, longest Sk), sequence i's [i, :, :lq, :lk]
+    if case["dropout"] > 0:
+        keep = testing.dropout_mask(calls[0], b, hq, max(lens_q), max(lens_k), case["dropout"], device="cpu")
     (out.float() * dout.float()).sum().backward()
     got = [out, *(t.grad for t in leaves)]
 
@@ -105,7 +115,8 @@ def run_case(case: dict, seed: int, device: str) -> None:
             qs = sl(ref_leaves[0], oq, lens_q[i])
             ks, vs = sl(ref_leaves[1], ok, lens_k[i]), sl(ref_leaves[2], ok, lens_k[i])
             sl_slopes = None if slopes is None else (slopes[i] if slopes.dim() == 2 else slopes)
-            o, ls = dense_reference(qs, ks, vs, case, sl_slopes, ref_sinks, ref_dtype)
+            sl_keep = None if keep is None else keep[i:i + 1, :, :lens_q[i], :lens_k[i]].to(qs.device)
+            o, ls = dense_reference(qs, ks, vs, case, sl_slopes, ref_sinks, ref_dtype, sl_keep)
             do = sl(dout.to(ref_dtype), oq, lens_q[i])
             loss = loss + (o * do).sum()
             outs.append(o[0] if case["varlen"] else o)

@@ -406,4 +406,11 @@ def test_attn_probs_as_flash_attn_returns_them():
     for b in range(2):
         keep, attn = _softmax_from_s_dmask(s_var[b], q[b], kr[b], sq, sk, allowed, block_n)
         assert torch.equal(keep[:, allowed], keep_var[b][:, allowed])
+    # an empty sequence and one without keys: their rows stay 0 (scripts/fuzz.py found them raising)
+    cu_gap, cu_k_gap = (torch.tensor(c, dtype=torch.int32, device=q.device) for c in ([0, 0, sq, 2 * sq],
+                                                                                     [0, sk, sk, 2 * sk]))
+    s_gap = flashtriton.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_gap, cu_k_gap,
+                                               sq, sk, dropout_p=p, causal=causal, window_size=window,
+                                               return_attn_probs=True)[2]
+    assert s_gap.shape[0] == 3 and not s_gap[:2].any() and s_gap[2].any()
     assert flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[2] is None  # no dropout

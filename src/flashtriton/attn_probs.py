@@ -70,6 +70,8 @@ def dropout_probs(q, k, rng_state, softmax_scale: float, causal: bool, window_si
         else:
             qb, kb = q[None, qs[0]:qs[1]], k[None, ks[0]:ks[1]]
         n_q, n_k = qb.shape[1], kb.shape[1]
+        if n_q == 0 or n_k == 0:  # an empty sequence (or one without keys): its rows of S_dmask stay 0
+            continue
         probs = _unnormalised(masked_scores(qb, kb, variant, softmax_scale, torch.float32))[0]  # (H, n_q, n_k)
         signed = torch.where(keep[b, :, :n_q, :n_k], probs, -probs)
         out[b, :, :n_q, :n_k] = signed.to(q.dtype)
