@@ -6,7 +6,7 @@ causal and not, bf16. Every flashtriton call is first checked against float64 wi
 (`flashtriton.testing.record_dropout` / `dropout_mask`, on the first batch and heads of a shortened copy of the
 point: T ≤ 1024), and every provider's output for finiteness and its mean against the call without dropout (the
 masks of different libraries differ; each is unbiased: E[out] is the same). Timing: `triton.testing.do_bench`
-(median, L2 flushed) in `--rounds` rounds of rotating provider order after 100 ms of warmup; TFLOP/s with the
+(median, L2 flushed) in `--rounds` rounds of rotating order after 100 ms of warmup (`bench_core.time_in_rounds`); TFLOP/s with the
 FlashAttention count (fwd 4·B·H·T²·D, /2 causal; bwd ×2.5). The table gives ours / ours without dropout and ours
 / cuDNN per point, the geometric means, and the bars last; `--out DIR` writes DIR/dropout.json.
 
@@ -111,17 +111,12 @@ def main() -> int:
                 errors[name] = C.short_error(e)
                 del calls[name]
         fwd_flops = 4.0 * B * H * T * T * D / (2 if causal else 1)
-        times = {(name, mode): [] for name in calls for mode in ("fwd", "bwd")}
-        for r in range(args.rounds):
-            order = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
-            for name in order:
-                fn = calls[name]
-                C.time_fn(fn, warmup=100, rep=1)
-                times[(name, "fwd")].append(C.time_fn(fn, warmup=5, rep=3 if args.quick else 100)[1])
-                out = fn()
-                bwd = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-                times[(name, "bwd")].append(C.time_fn(bwd, warmup=5, rep=3 if args.quick else 100)[1])
-                del out
+        timed = {}
+        for name, fn in calls.items():  # the backward alone: one forward's graph, re-run
+            timed[(name, "fwd")] = fn
+            timed[(name, "bwd")] = lambda out=fn(): torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        times = C.time_in_rounds(timed, args.rounds, rep=3 if args.quick else 100)
+        del timed
         for mode in ("fwd", "bwd"):
             flops = fwd_flops * (2.5 if mode == "bwd" else 1.0)
             ms = {name: statistics.median(times[(name, mode)]) for name in calls}

@@ -9,10 +9,10 @@ sequence (the new tokens are the last rows of their sequence). Shape: 64 sequenc
 256 keys (`--pages`).
 
 Each call is first checked against the float64 reference on the first sequences (and the two against each
-other on all), then both are timed in `--rounds` rounds of alternating order after 100 ms of warmup
-(`triton.testing.do_bench`, median, L2 flushed). TFLOP/s over the visible area (4·D·Hq per visible score); the
-table gives paged / dense per page size, the bar last; `--out DIR` writes DIR/paged_prefill.json with the GPU,
-torch, triton and git sha. On a CPU (interpreter) `--quick` runs a small shape to exercise the script.
+other on all), then both are timed in `--rounds` rounds of rotating order after 100 ms of warmup
+(`bench_core.time_in_rounds`: `triton.testing.do_bench`, median, L2 flushed). TFLOP/s over the visible area
+(4·D·Hq per visible score); the table gives paged / dense per page size, the bar last; `--out DIR` writes
+DIR/paged_prefill.json with the GPU, torch, triton and git sha. On a CPU (interpreter) `--quick` runs a small shape to exercise the script.
 
     python benchmarks/paged_prefill.py --out DIR
 """
@@ -132,12 +132,7 @@ def main() -> int:
         calls = {"paged": paged_call(c), "dense": dense_call(c)}
         checked = check(c, calls["paged"](), calls["dense"](), dtype)
         kernels = {name: launched_kernels(fn) for name, fn in calls.items()}
-        times = {name: [] for name in calls}
-        rep = 3 if args.quick else 100
-        for r in range(args.rounds):
-            for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
-                C.time_fn(calls[name], warmup=100, rep=1)  # 100 ms of warmup: a GPU that idled runs faster
-                times[name].append(C.time_fn(calls[name], warmup=5, rep=rep)[1])
+        times = C.time_in_rounds(calls, args.rounds, rep=3 if args.quick else 100)
         flops = visible_flops(c, shape["heads_q"], shape["head_dim"])
         ms = {name: statistics.median(t) for name, t in times.items()}
         ratio = statistics.median(d / p for p, d in zip(times["paged"], times["dense"]))  # each round's pair

@@ -33,9 +33,10 @@ def _interpreter_breaks() -> str:
     return ""
 
 
+_BROKEN = _interpreter_breaks()
 pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                  reason="torch.distributed with gloo is needed"),
-              pytest.mark.skipif(bool(_interpreter_breaks()), reason=_interpreter_breaks() or "-")]
+              pytest.mark.skipif(bool(_BROKEN), reason=_BROKEN or "-")]
 
 
 # examples/context_parallel_llama.py's one-step check needs transformers (the `test` extra has it)

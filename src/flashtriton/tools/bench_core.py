@@ -293,6 +293,20 @@ def time_fn(fn, warmup: int = 25, rep: int = 100, grad_to_none=None) -> tuple[fl
     return qs[1], statistics.median(times), qs[7]
 
 
+def time_in_rounds(calls: dict, rounds: int, rep: int = 100, warmup_ms: int = 100) -> dict:
+    """{key: [median ms of each round]} of callables `calls` timed in `rounds` rounds, each round starting one
+    entry later (the moment of extra speed a GPU has after a pause goes to a different one each time), each timing
+    after `warmup_ms` of the call running (steady state)."""
+    keys = list(calls)
+    times = {key: [] for key in keys}
+    for r in range(max(1, rounds)):
+        start = r % len(keys) if keys else 0
+        for key in keys[start:] + keys[:start]:
+            time_fn(calls[key], warmup=warmup_ms, rep=1)
+            times[key].append(time_fn(calls[key], warmup=5, rep=rep)[1])
+    return times
+
+
 def free_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
