@@ -87,7 +87,8 @@ CONFIGS = {
 @hopper_only
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
-@pytest.mark.parametrize("head_dim,dtype", [(128, torch.float16), (64, torch.bfloat16), (128, torch.bfloat16)])
+@pytest.mark.parametrize("head_dim,dtype", [(128, torch.float16), (64, torch.bfloat16), (128, torch.bfloat16),
+                                           (80, torch.float16), (96, torch.bfloat16)])  # (80, 96: tiles of 128)
 def test_gluon_backward_against_float64(name, causal, bottom_right, head_dim, dtype, device, monkeypatch):
     for shape in SHAPES:
         q, k, v, dout = make_qkv(*shape, head_dim, dtype, device)
@@ -221,7 +222,9 @@ def test_dispatch_config():
     assert [standard(64, t, True) for t in (512, 1024)] == [False, True]
     assert configs.gluon_bwd_config(128, 4096, 4096, False, varlen=True) == configs.gluon_bwd_config(128, 4096, 4096, False)
     assert configs.gluon_bwd_config(256, 4096, 4096, False) is None
-    assert configs.gluon_bwd_config(96, 4096, 4096, False) is None
+    # 80 / 96 / 112 take D=128's rows (128-column tiles); head dims no Gluon kernel takes, none
+    assert configs.gluon_bwd_config(96, 4096, 4096, False) == configs.gluon_bwd_config(128, 4096, 4096, False)
+    assert configs.gluon_bwd_config(72, 4096, 4096, False) is None
 
 
 @hopper_only
@@ -238,7 +241,7 @@ def test_dispatch_takes_the_gluon_kernels_for_large_problems_only(device, monkey
 @hopper_only
 @pytest.mark.parametrize("order", ["dispatch", "as_given", "largest_first", "grid"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 112, 128])
 def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     """Packed sequences (empty ones, one token, Sq != Sk, GQA) with rows of other data before and after them:
     per-sequence gradients against float64, and the rows outside every sequence left alone. Programs from the work
@@ -255,7 +258,7 @@ def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     k, cu_k = pack(lengths_k, 2, head_dim, dtype, device, gen)
     v, _ = pack(lengths_k, 2, head_dim, dtype, device, gen)
     dout, _ = pack(lengths_q, 4, head_dim, dtype, device, gen)
-    config = _DEFAULT if head_dim == 128 else {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+    config = _DEFAULT if head_dim > 64 else {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                                                "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
     monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
     ran = record_gluon_launches(monkeypatch)

@@ -117,6 +117,42 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, head_di
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim", [80, 96, 112, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gluon_kernel_pads_other_head_dims(head_dim, causal, varlen, device):
+    """Head dims between the tiles' 64 / 128 / 256 columns: the descriptors' blocks reach past the head, the TMA
+    loads the missing columns as zeros and stores none of them (dense), the masked stores skip them (varlen), so the
+    next head's output is untouched. Against float64 through flash_attn_func, whose dispatch takes the Gluon kernel
+    (dense: its plan says so; varlen: where `configs.gluon_varlen_config` has the tiles' row)."""
+    from test_varlen import pack
+
+    dtype = torch.bfloat16
+    if varlen:
+        if configs.gluon_varlen_config(head_dim, 1000, 1000, causal) is None:
+            pytest.skip("no Gluon varlen config for these tiles")
+        gen = torch.Generator().manual_seed(head_dim)
+        lengths = [300, 1, 517, 64]
+        q, cu = pack(lengths, 8, head_dim, dtype, device, gen)
+        k, _ = pack(lengths, 2, head_dim, dtype, device, gen)
+        v, _ = pack(lengths, 2, head_dim, dtype, device, gen)
+        out = flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+        for b in range(len(lengths)):
+            rows = slice(cu[b], cu[b + 1])
+            qb, kb, vb = q[None, rows], k[None, rows], v[None, rows]
+            assert_close_to_exact(out[None, rows], torch_attention(qb, kb, vb, None, causal),
+                                  attention_reference(qb, kb, vb, None, causal), dtype, f"sequence {b}")
+        return
+    q, k, v = make_qkv(2, 700, 900, 8, 2, head_dim, dtype, device)
+    plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
+                           Variant.of(causal), True, True)
+    assert plan is not None and plan.gluon and plan.meta["HEAD_DIM"] == gluon_common.head_block(head_dim)
+    out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+    assert_close_to_exact(out, torch_attention(q, k, v, None, causal), attention_reference(q, k, v, None, causal),
+                          dtype)
+
+
+@hopper_only
 @pytest.mark.parametrize("name", ["default", "three consumers", "two Q buffers",
                                   "causal items one at a time", "varlen dispatch", "varlen, static schedule",
                                   "varlen, dynamic schedule, two Q slots", "varlen dispatch, overlap",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import triton
 
-from .table import ANY, CAUSAL, FULL, H200, H200_DEC, SM80, SM90, Table, padded_head_dims, tiles, variant_class, width
+from .table import ANY, CAUSAL, FULL, H200, H200_DEC, H200_HEADS, SM80, SM90, Table, padded_head_dims, tiles, variant_class, width
 
 FWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "IS_VARLEN"]
 
@@ -115,6 +115,10 @@ GLUON_SHORT_D64 = dict(GLUON_SHORT, NUM_BUFFERS=3)
 GLUON_THREE = dict(GLUON_BASE, N_CONSUMERS=3, CONSUMER_REGS=160, OVERLAP=True)
 # Packed batches: items drawn from a global counter, one Q slot.
 GLUON_DYNAMIC = dict(GLUON_BASE, CAUSAL_PAIRS=False, DYNAMIC=True)
+# D=256 (and 192 in its tiles): 32-key tiles, so that two stages of K and V fit beside Q and O (64-key tiles need
+# one stage, and spill). H200, bf16: D=256 at 0.75-0.85x cuDNN and D=192 at 0.59-0.67x (the portable kernels:
+# 0.19-0.38x), above FLASH at every point; D=80 / 96 (D=128's configs) at 0.92-1.08x.
+GLUON_D256 = dict(GLUON_BASE, BLOCK_N=32)
 NO_GLUON = "why: no Gluon config for the shape: the TMA kernel runs it"
 
 # D=64 and D=128 take the Gluon forward at every dense length: it is ahead of the TMA kernel at every point of the
@@ -127,6 +131,7 @@ GLUON_FWD = Table(("gpu", "dtype", "head_dim", "variant", "seqlen_k"), rows=[
     (SM90, "16", 64,       CAUSAL,  (None, 4096), GLUON_SHORT_D64,   H200 + "explore17/ab_steady.txt"),
     (SM90, "16", 64,       FULL,    (None, 1024), GLUON_SHORT_D64,   H200 + "explore17/ab_steady.txt"),
     (SM90, "16", 64,       ANY,     ANY,          GLUON_THREE,       H200 + "explore17/ab_steady.txt"),
+    (SM90, "16", 256,      ANY,     ANY,          GLUON_D256,        H200_HEADS + "headdims_gluon/bench.json"),
     (ANY,  ANY,  ANY,      ANY,     ANY,          None,              NO_GLUON),
 ])
 
@@ -144,10 +149,25 @@ GLUON_WINDOW_FWD = Table(("gpu", "dtype", "head_dim", "band"), rows=[
 ])
 
 
+# The Gluon forward's head dims: its tiles span 64, 128 or 256 columns (`kernels.gluon_common.head_block`), the TMA
+# loading a narrower head's missing columns as zeros (rows of 16-byte multiples: the TMA's stride rule).
+GLUON_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+
+
+def gluon_head_block(head_dim: int) -> int | None:
+    """The head dim the Gluon forward's tiles span for D (the tables' row), None for a D it does not take."""
+    if head_dim not in GLUON_HEAD_DIMS:
+        return None
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
 def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, band: int = 0) -> dict | None:
     """The Gluon forward's config for a dense call (`GLUON_FWD`), or None (the TMA kernel). `band`: the most keys
     a query row sees under a sliding window (0: no window), which picks `GLUON_WINDOW_FWD`'s rule where it is
-    shorter than the keys."""
+    shorter than the keys. Head dims take the rows of their tiles' (`gluon_head_block`: D=80 those of 128)."""
+    head_dim = gluon_head_block(head_dim)
+    if head_dim is None:
+        return None
     if 0 < band < seqlen_k:
         config = GLUON_WINDOW_FWD.lookup(SM90, "16", head_dim, band)
         if config is not None:
@@ -167,7 +187,8 @@ GLUON_VARLEN_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
 
 def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> dict | None:
     """The Gluon forward's config for packed (varlen) batches (`GLUON_VARLEN_FWD`), or None (the TMA kernel)."""
-    return GLUON_VARLEN_FWD.lookup(SM90, "16", head_dim)
+    head_dim = gluon_head_block(head_dim)
+    return None if head_dim is None else GLUON_VARLEN_FWD.lookup(SM90, "16", head_dim)
 
 
 def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:

@@ -37,7 +37,8 @@ VARIANTS = (CAUSAL, FULL)
 # The H200 runs (benchmarks/README.md) whose files the rules cite.
 H200 = "benchmarks/2026-11-29-h200/"
 H200_DEC = "benchmarks/2026-12-01-h200/"
-RUNS = (H200, H200_DEC)
+H200_HEADS = "benchmarks/2026-12-02-h200/gluon-head-dims/h200/"
+RUNS = (H200, H200_DEC, H200_HEADS)
 
 
 def gpu_class(device: torch.device) -> str:

@@ -104,13 +104,14 @@ def _work_item(WORK):
 
 
 @gluon.jit
-def _store_rows(base, stride_n, first, n_valid, vals, layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _store_rows(base, stride_n, first, n_valid, vals, layout: gl.constexpr, HEAD_DIM: gl.constexpr, d_valid):
     """Varlen epilogue: rows first + i (i < n_valid) of a packed (total, H, D) tensor, from registers; `base`
-    points at (token 0, this head). A TMA store would also write the rows past the sequence, the next one's."""
+    points at (token 0, this head). A TMA store would also write the rows past the sequence, the next one's.
+    Columns from d_valid (the head's own D, below the tiles' HEAD_DIM) are not the head's: not stored."""
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     ptrs = base + (first + rows)[:, None].to(gl.int64) * stride_n + cols[None, :]
-    gl.store(ptrs, vals, mask=(rows < n_valid)[:, None])
+    gl.store(ptrs, vals, mask=(rows < n_valid)[:, None] & (cols < d_valid)[None, :])
 
 
 @gluon.jit
@@ -149,7 +150,7 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores.
     `variant`: (window left, right, softcap, the group's first query head's ALiBi slope pointer), None where off."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
-     stride_dkn, stride_dkh, stride_dvn, stride_dvh) = shared
+     stride_dkn, stride_dkh, stride_dvn, stride_dvh, d_valid) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
     left, right, softcap, slopes = variant
@@ -219,8 +220,10 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
     dv = dv.to(dtype)
     n_valid = seqlen_k - first_key
     if IS_VARLEN and n_valid < ROWS:  # the sequence ends in this block: a TMA store would write the next one's keys
-        _store_rows(DK + off_hk * stride_dkh, stride_dkn, k_start + first_key, n_valid, dk, acc_layout, HEAD_DIM)
-        _store_rows(DV + off_hk * stride_dvh, stride_dvn, k_start + first_key, n_valid, dv, acc_layout, HEAD_DIM)
+        _store_rows(DK + off_hk * stride_dkh, stride_dkn, k_start + first_key, n_valid, dk, acc_layout, HEAD_DIM,
+                    d_valid)
+        _store_rows(DV + off_hk * stride_dvh, stride_dvn, k_start + first_key, n_valid, dv, acc_layout, HEAD_DIM,
+                    d_valid)
     else:  # dense: rows past Sk are clipped
         k.store(dk)  # the buffers are this warpgroup's alone, its last wgmma done
         v.store(dv)
@@ -241,7 +244,7 @@ def _attn_bwd_dkdv_gluon(
     stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 128), Hkv, B) (varlen: Sk the longest sequence's); varlen with WORK_TABLE: one program per
@@ -296,7 +299,7 @@ def _attn_bwd_dkdv_gluon(
                      lse_bufs, delta_bufs, kv_ready, ready, empty)
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv,
                      DK, DV, gl.to_tensor(stride_dkn), gl.to_tensor(stride_dkh), gl.to_tensor(stride_dvn),
-                     gl.to_tensor(stride_dvh))
+                     gl.to_tensor(stride_dvh), gl.to_tensor(D_VALID))
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
     variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,
@@ -340,7 +343,8 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. `variant`:
     (window left, right, softcap, pointer at the head's ALiBi slope), None where off."""
-    (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh) = shared
+    (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh,
+     d_valid) = shared
     off_b, off_h, off_hk, start_m, n_tiles, key_lo = place
     q_start, seqlen_q, k_start, seqlen_k = seq
     left, right, softcap, slopes = variant
@@ -399,7 +403,8 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
 
     dq = (dq * softmax_scale).to(dtype)
     if IS_VARLEN and seqlen_q - row0 < ROWS:  # the sequence ends in this block: no TMA store (the next one's rows)
-        _store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq, acc_layout, HEAD_DIM)
+        _store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq, acc_layout, HEAD_DIM,
+                    d_valid)
     else:  # dense: rows past Sq are clipped
         q.store(dq)  # this warpgroup's Q buffer, its last wgmma done
         fence_async_shared()
@@ -417,7 +422,7 @@ def _attn_bwd_dq_gluon(
     ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride, None without ALiBi
     stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
@@ -474,7 +479,7 @@ def _attn_bwd_dq_gluon(
     place = (gl.to_tensor(off_b), gl.to_tensor(off_h), gl.to_tensor(off_hk), gl.to_tensor(start_m), n_tiles, key_lo)
     producer_args = (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty)
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ,
-                     gl.to_tensor(stride_dqm), gl.to_tensor(stride_dqh))
+                     gl.to_tensor(stride_dqm), gl.to_tensor(stride_dqh), gl.to_tensor(D_VALID))
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     lse_ptr = LSE + rows_base
     delta_ptr = DELTA + rows_base

@@ -16,7 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import configs
 from .backward_gluon import BLOCK_M, KEYS, ROWS, _attn_bwd_dkdv_gluon, _attn_bwd_dq_gluon
-from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor
+from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, head_block
 from .host import cdiv
 from .launch import hooks_installed, launch, launch_and_keep
 from .memo import remembered
@@ -90,13 +90,14 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     (window, softcap, ALiBi: `Variant.score_constexprs`); None: causal or not, nothing else."""
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
+    block_d = head_block(head_dim)  # the tiles' head dim (HEAD_DIM); D_VALID the head's own
     if varlen:
         seqlen_q, seqlen_k, pad = max_seqlen_q, max_seqlen_k, padded_rows(q_shape[0], True, batch)
     else:
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         pad = padded_rows(seqlen_q, False)
-    if shared_memory_bytes(config, head_dim, kernel) > SHARED_MEMORY_LIMIT:
-        raise ValueError(f"Gluon {kernel} config {config} needs {shared_memory_bytes(config, head_dim, kernel)} bytes "
+    if shared_memory_bytes(config, block_d, kernel) > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"Gluon {kernel} config {config} needs {shared_memory_bytes(config, block_d, kernel)} bytes "
                          f"of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if kernel == "dkdv":
         grid = (cdiv(seqlen_k, KEYS.value), heads_kv, batch)
@@ -106,7 +107,7 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     if variant is None:
         variant = Variant.of(causal, causal_bottom_right)
     meta = dict(**variant.constexprs, **variant.score_constexprs, IS_VARLEN=varlen,
-                HEAD_DIM=head_dim, num_warps=4, WORK_TABLE=False, **config)
+                HEAD_DIM=block_d, D_VALID=head_dim, num_warps=4, WORK_TABLE=False, **config)
     return grid, ints, meta
 
 
@@ -245,10 +246,10 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
     variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes)
     grid, ints, meta, work, plan = _launch_parts_for("dkdv", q, k, variant, config, cu_seqlens_q, cu_seqlens_k,
                                                      max_seqlen_q, max_seqlen_k)
-    rows = ROWS.value
+    rows, d = ROWS.value, head_block(q.shape[-1])
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
-    args = (descriptor(q, rows, varlen), descriptor(k, rows, varlen), descriptor(v, rows, varlen),
-            descriptor(dout, rows, varlen), descriptor(dk, rows, varlen), descriptor(dv, rows, varlen),
+    args = (descriptor(q, rows, varlen, d), descriptor(k, rows, varlen, d), descriptor(v, rows, varlen, d),
+            descriptor(dout, rows, varlen, d), descriptor(dk, rows, varlen, d), descriptor(dv, rows, varlen, d),
             row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, work, softmax_scale,
             *scalars, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
     _launch(_attn_bwd_dkdv_gluon, plan, grid, args, meta)
@@ -262,10 +263,10 @@ def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal
     variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes)
     grid, ints, meta, work, plan = _launch_parts_for("dq", q, k, variant, config, cu_seqlens_q, cu_seqlens_k,
                                                      max_seqlen_q, max_seqlen_k)
-    rows, block_n = ROWS.value, config["BLOCK_N"]
+    rows, block_n, d = ROWS.value, config["BLOCK_N"], head_block(q.shape[-1])
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
-    args = (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
-            descriptor(dout, rows, varlen), descriptor(dq, rows, varlen), lse_pad, delta_pad, dq, cu_q, cu_k, work,
+    args = (descriptor(q, rows, varlen, d), descriptor(k, block_n, varlen, d), descriptor(v, block_n, varlen, d),
+            descriptor(dout, rows, varlen, d), descriptor(dq, rows, varlen, d), lse_pad, delta_pad, dq, cu_q, cu_k, work,
             softmax_scale, *scalars, dq.stride(-3), dq.stride(-2), *ints)
     _launch(_attn_bwd_dq_gluon, plan, grid, args, meta)
 
@@ -294,7 +295,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     rows = ROWS.value
     fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
     kv_rows = rows if kernel == "dkdv" else config["BLOCK_N"]
-    descriptors = {name: descriptor(t, kv_rows if name in ("desc_k", "desc_v") else rows, varlen)
+    descriptors = {name: descriptor(t, kv_rows if name in ("desc_k", "desc_v") else rows, varlen, head_block(head_dim))
                    for name in ("desc_q", "desc_k", "desc_v", "desc_do", "desc_dk", "desc_dv", "desc_dq")}
     descriptors.update(desc_lse=row_descriptor(rows_t), desc_delta=row_descriptor(rows_t))
     element = "*bf16" if dtype == torch.bfloat16 else "*fp16"

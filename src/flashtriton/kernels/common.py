@@ -132,7 +132,7 @@ def tma_tile(desc, off_b, row, off_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexp
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the Hopper TMA kernels take these tensors: on unless the switch says `portable` (`dispatch.allows("tma")`), on
-    sm_90, fp16/bf16, a head dim the TMA forward declares (`dispatch.KERNELS`), base addresses and strides 16-byte aligned (TMA's
+    sm_90, fp16/bf16, a head dim a TMA kernel declares (`TMA_HEAD_DIMS`), base addresses and strides 16-byte aligned (TMA's
     rules), nothing empty, no broadcast (stride-0) dimension. Off under the interpreter unless a test calls the TMA
     launchers directly."""
     t0 = tensors[0]
@@ -141,12 +141,17 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+# The head dims a TMA kernel (the TMA forward, or the Gluon kernels' padded tiles) declares; each caller asks the
+# dispatch for its own kernel too.
+TMA_HEAD_DIMS = tuple(sorted(set(dispatch.BY_NAME["tma_fwd"].head_dims) | set(dispatch.BY_NAME["gluon_fwd"].head_dims)))
+
+
 def tma_layout_ok(device: torch.device, dtype: torch.dtype, *shapes_and_strides) -> bool:
     """`tma_ok` without the base addresses: what the shapes, strides, dtype and device decide."""
     if (INTERPRET or not dispatch.allows("tma") or TensorDescriptor is None or device.type != "cuda"
             or dtype not in (torch.float16, torch.bfloat16) or capability(device)[0] != 9):
         return False
-    return _tma_shapes_ok(dispatch.BY_NAME["tma_fwd"].head_dims, dtype.itemsize, shapes_and_strides)
+    return _tma_shapes_ok(TMA_HEAD_DIMS, dtype.itemsize, shapes_and_strides)
 
 
 @functools.lru_cache(maxsize=4096)

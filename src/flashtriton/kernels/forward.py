@@ -387,16 +387,19 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
                                         (v_shape, v_strides), (q_shape, out_strides)):
         return None
     major = capability(device)[0]
-    if not dispatch.supports("tma_fwd", dtype, head_dim, major, False, False, variant.fields(), separate_v):
-        return None
+    tma = dispatch.supports("tma_fwd", dtype, head_dim, major, False, False, variant.fields(), separate_v)
     use_gluon = use_gluon and dispatch.supports("gluon_fwd", dtype, head_dim, major, False, False, variant.fields(),
                                                 separate_v)
+    if not (tma or use_gluon):
+        return None
     gluon_config = (configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal, variant.band(k_shape[1]))
                     if use_gluon else None)
     if gluon_config is not None:
         grid, ints, meta = forward_gluon_launch.launch_parts(q_shape, k_shape, causal, causal_bottom_right,
                                                              gluon_config, sm_count(device.index), variant=variant)
         return _DenseTmaPlan(forward_gluon_launch.KERNEL, grid, ints, meta, None, gluon_config["BLOCK_N"], True)
+    if not tma:  # a head dim only the Gluon kernel's padded tiles take, without a config: the portable kernel
+        return None
     config = configs.default_fwd_tma_config(head_dim, seqlen_q, k_shape[1], causal)
     grid, ints, meta = _tma_launch_parts(q_shape, k_shape, dtype, out_strides, (heads_q * seqlen_q, seqlen_q), causal,
                                          causal_bottom_right, config, variant=variant)
@@ -504,8 +507,10 @@ def launch_forward(
             _launch_dense_tma(plan, q, k, v, out, lse,
                               variant.forward_args(softmax_scale, alibi_slopes, learnable_sink))
             return out, lse, None
+    varlen_tma = dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(), separate_v)
     if (config is None and varlen and tma_ok(q, k, v, out)
-            and dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(), separate_v)):
+            and (varlen_tma or dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(),
+                                                 separate_v))):
         gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal))
                         if dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0
                         and dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(),
@@ -520,11 +525,12 @@ def launch_forward(
                                                       gluon_config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                       max_seqlen_k, variant, alibi_slopes, learnable_sink)
             return out, lse, None
-        tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
-        _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config,
-                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant, alibi_slopes,
-                            learnable_sink)
-        return out, lse, None
+        if varlen_tma:
+            tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))
+            _launch_forward_tma(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, tma_config,
+                                cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant, alibi_slopes,
+                                learnable_sink)
+            return out, lse, None
 
     if varlen:  # a zero batch stride, so that one kernel signature serves both layouts
         q_strides, k_strides, v_strides, o_strides = ((0, *t.stride()) for t in (q, k, v, out))

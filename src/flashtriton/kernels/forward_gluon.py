@@ -292,7 +292,8 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
         o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = (O + (q_start + o_rows)[:, None].to(gl.int64) * stride_om + off_h * stride_oh
                   + o_cols[None, :])
-        gl.store(o_ptrs, out, mask=(o_rows < seqlen_q)[:, None])
+        # (stride_oh is the head dim of the contiguous out: the tiles' columns past it belong to the next head)
+        gl.store(o_ptrs, out, mask=(o_rows < seqlen_q)[:, None] & (o_cols < stride_oh)[None, :])
     else:
         o_smem = o_bufs.index(WG)
         o_smem.reshape([ROWS, HEAD_DIM]).store(out)

@@ -13,7 +13,7 @@ import triton
 
 from .common import sm_count
 from .forward_gluon import ROWS, _attn_fwd_gluon
-from .gluon_common import SHARED_MEMORY_LIMIT, descriptor
+from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, head_block
 from .host import cdiv
 from .launch import launch
 from .variant import Variant
@@ -62,13 +62,14 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     config = kernel_config(config)
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
+    block_d = head_block(head_dim)  # the tiles' head dim (the kernel's HEAD_DIM); strides keep the tensors' own
     if varlen:
         seqlen_q, seqlen_k, lse_strides = max_seqlen_q, max_seqlen_k, (0, q_shape[0])
     else:
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         lse_strides = (heads_q * seqlen_q, seqlen_q)
-    if shared_memory_bytes(config, head_dim, 2, varlen) > SHARED_MEMORY_LIMIT:
-        raise ValueError(f"Gluon forward config {config} needs {shared_memory_bytes(config, head_dim, 2, varlen)} "
+    if shared_memory_bytes(config, block_d, 2, varlen) > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"Gluon forward config {config} needs {shared_memory_bytes(config, block_d, 2, varlen)} "
                          f"bytes of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if config["DYNAMIC"] and causal and config["CAUSAL_PAIRS"]:
         raise ValueError(f"Gluon forward config {config}: the dynamic schedule takes items one at a time")
@@ -77,7 +78,7 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
     grid = (min(units, sms), 1, 1)
     ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
-    meta = dict(**variant.forward_constexprs, IS_VARLEN=varlen, HEAD_DIM=head_dim, num_warps=4, **config)
+    meta = dict(**variant.forward_constexprs, IS_VARLEN=varlen, HEAD_DIM=block_d, num_warps=4, **config)
     return grid, ints, meta
 
 
@@ -88,8 +89,10 @@ def launch_args(q, k, v, out, lse, scalars: tuple, block_n: int, ints: tuple, cu
     (`Variant.forward_args`: the scale first), then `ints`."""
     varlen = cu_seqlens_q is not None
     rows = ROWS.value
-    return (descriptor(q, rows, varlen), descriptor(k, block_n, varlen), descriptor(v, block_n, varlen),
-            descriptor(out, rows, varlen), out, lse, cu_seqlens_q if varlen else lse,
+    block_d = head_block(q.shape[-1])
+    return (descriptor(q, rows, varlen, block_d), descriptor(k, block_n, varlen, block_d),
+            descriptor(v, block_n, varlen, block_d), descriptor(out, rows, varlen, block_d), out, lse,
+            cu_seqlens_q if varlen else lse,
             cu_seqlens_k if varlen else lse, lse if counter is None else counter, *scalars, *ints)
 
 
@@ -98,7 +101,8 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
                          alibi_slopes=None, learnable_sink=None) -> None:
     """Dense q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), out like q, lse (B, Hq, Sq); or varlen q (total_q, Hq, D),
     k/v (total_k, Hkv, D), out like q, lse (Hq, total_q), cu_seqlens int32 (B + 1,). out and lse contiguous,
-    fp16/bf16, D 64 or 128, inputs that pass `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks).
+    fp16/bf16, D of `dispatch`'s gluon_fwd (tiles of `gluon_common.head_block(D)`), inputs that pass
+    `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks).
     `variant` (default: causal or not) with its ALiBi slopes and sinks, as `forward.launch_forward` takes them."""
     batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
@@ -133,8 +137,10 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
             meta[name] = None  # off: a constexpr
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
-    descriptors = {"desc_q": descriptor(t, rows, varlen), "desc_o": descriptor(t, rows, varlen),
-                   "desc_k": descriptor(t, config["BLOCK_N"], varlen), "desc_v": descriptor(t, config["BLOCK_N"], varlen)}
+    block_d = head_block(head_dim)
+    descriptors = {"desc_q": descriptor(t, rows, varlen, block_d), "desc_o": descriptor(t, rows, varlen, block_d),
+                   "desc_k": descriptor(t, config["BLOCK_N"], varlen, block_d),
+                   "desc_v": descriptor(t, config["BLOCK_N"], varlen, block_d)}
     pointers = {"O": "*bf16" if dtype == torch.bfloat16 else "*fp16", "LSE": "*fp32",
                 "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
                 "COUNTER": "*i32" if config["DYNAMIC"] else "*fp32", "ALIBI": "*fp32", "SINKS": "*fp32"}

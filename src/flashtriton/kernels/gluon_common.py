@@ -77,10 +77,18 @@ FAST_DESCRIPTOR = [f.name for f in dataclasses.fields(TensorDescriptor)] == \
     ["base", "shape", "strides", "block_shape", "layout", "padding"]
 
 
-def descriptor(t: torch.Tensor, rows: int, varlen: bool = False) -> TensorDescriptor:
-    """Descriptor of one (rows, head) slab: of a (B, S, H, D) tensor, rank 4 with block (1, rows, 1, D), or of
-    a packed (total, H, D) one, rank 3 with block (rows, 1, D). `t` must pass `common.tma_ok`."""
-    head_dim = t.shape[-1]
+def head_block(head_dim: int) -> int:
+    """The head dim a Gluon kernel's tiles span: D rounded up to 64, 128 or 256 (tensor shapes are powers of two).
+    A descriptor's block reaches past a narrower head: the TMA loads those columns as zeros (exact scores and a zero
+    output there) and stores none of them."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def descriptor(t: torch.Tensor, rows: int, varlen: bool = False, block_d: int = 0) -> TensorDescriptor:
+    """Descriptor of one (rows, head) slab: of a (B, S, H, D) tensor, rank 4 with block (1, rows, 1, block_d), or
+    of a packed (total, H, D) one, rank 3 with block (rows, 1, block_d); block_d D by default, or `head_block(D)`.
+    `t` must pass `common.tma_ok`."""
+    head_dim = block_d or t.shape[-1]
     block = (rows, 1, head_dim) if varlen else (1, rows, 1, head_dim)
     layout = smem_layout(block, t.dtype)
     if not FAST_DESCRIPTOR:
