@@ -82,6 +82,12 @@ for step in "$@"; do
       CUDA_LAUNCH_BLOCKING=1 timeout ${BLOCKING_S:-400} python -m pytest -v -n 14 -p no:cacheprovider --tb=short -rf \
         ${BLOCKING_FILES:-$(echo "$files" | head -n $((n / 2)))} > $R/pytest_blocking.txt 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_blocking.txt | head -20 ;;
+    memcheck) # compute-sanitizer over the Gluon variant tests; torch's caching allocator off, or an access past a
+      # tensor but inside the allocator's segment goes unseen (MEMCHECK_K narrows the tests)
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_S:-400} compute-sanitizer --tool memcheck --print-limit 20 \
+        python -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py tests/test_backward_gluon.py \
+        -k "${MEMCHECK_K:-variants}" > $R/memcheck.txt 2>&1
+      grep -E "Invalid|ERROR SUMMARY|passed|failed" $R/memcheck.txt | head -20 ;;
     dropout) timeout 300 python benchmarks/dropout.py --out $R/dropout > $R/dropout.txt 2>&1; tail -34 $R/dropout.txt ;;
     explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; decode_schedule) echo 300;; tma) echo 400;; gluon) echo 360;; gluon_bwd) echo 300;; varlen) echo 150;; varlen_bwd) echo 220;; bwd_host) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;

@@ -52,9 +52,12 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 
 @gluon.jit
 def _slope(scores, off_b, off_h, SCORES: gl.constexpr):
-    """An item's ALiBi slope in base 2 (0 without ALiBi); `scores` = (softcap, ALIBI, stride_alibi_b, SINKS)."""
+    """An item's ALiBi slope in base 2 (0 without ALiBi); `scores` = (softcap, ALIBI, stride_alibi_b, SINKS).
+    The consumers ask for it at every item they read, the end marker's too (off_b = -1, `post_end`), whose slope
+    goes unused: its row is clamped to 0 so that the load stays inside the slopes (row -1 of (B, Hq) slopes lies
+    before the tensor, and faults where no memory is mapped there)."""
     if SCORES & SC_ALIBI:
-        return gl.load(scores[1] + off_b * scores[2] + off_h) * 1.4426950408889634
+        return gl.load(scores[1] + gl.maximum(off_b, 0) * scores[2] + off_h) * 1.4426950408889634
     else:
         return 0.0
 
