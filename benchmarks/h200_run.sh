@@ -2,7 +2,7 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite; ~600 s), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_separate_v_patch (applies the patch: last), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite; ~600 s), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_separate_v_patch (applies the patch: last), gluon_paged_patch (applies it and the paged-prefill patch on top: last; also times 192/128), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
@@ -93,6 +93,17 @@ for step in "$@"; do
       timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py -k "separate_v or test_head_dim_v or test_dispatch or test_configs" \
         tests/test_head_dim_v.py tests/test_dispatch.py tests/test_configs.py > $R/pytest_gluon_separate_v.txt 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon_separate_v.txt | head -20
+      timeout 200 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
+        --dtypes bf16 --head-dims 192/128 --seqlens 1024,4096,16384 --causal 0,1 --out $R/separate_v --no-plots \
+        > $R/separate_v.txt 2>&1; grep -v "it/s" $R/separate_v.txt | tail -16 ;;
+    gluon_paged_patch) for P in benchmarks/2026-12-02-h200/gluon-separate-v/gluon_separate_v.patch \
+          benchmarks/2026-12-02-h200/gluon-paged-prefill/gluon_paged_prefill.patch; do  # changes this tree: last
+        (git apply $P || patch -p1 < $P) && echo applied $P; done
+      timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_paged_prefill.py tests/test_varlen.py \
+        tests/test_forward_gluon.py tests/test_head_dim_v.py tests/test_dispatch.py tests/test_configs.py > $R/pytest_gluon_paged.txt 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon_paged.txt | head -20
+      timeout 240 python benchmarks/paged_prefill.py --out $R/paged_prefill_gluon > $R/paged_prefill_gluon.txt 2>&1
+      tail -8 $R/paged_prefill_gluon.txt
       timeout 200 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
         --dtypes bf16 --head-dims 192/128 --seqlens 1024,4096,16384 --causal 0,1 --out $R/separate_v --no-plots \
         > $R/separate_v.txt 2>&1; grep -v "it/s" $R/separate_v.txt | tail -16 ;;
