@@ -276,15 +276,21 @@ def test_bad_arguments_are_refused_by_name(device):
         call(seqused_k=torch.tensor([1, 2, 3], dtype=torch.int32, device=device))
     with pytest.raises(TypeError, match="seqused_k must be an int32 torch.Tensor"):
         call(seqused_k=[1, 2])
-    for name, t in (("q", q), ("k", k), ("v", v)):  # no backward: refused before the forward runs
+    with torch.no_grad():
+        plain = call()
+    for name, t in (("q", q), ("k", k), ("v", v)):  # the forward runs (as flash-attn's), its backward raises
+        out = call(**{name: t.clone().requires_grad_()})
+        assert out.requires_grad and torch.equal(torch.nan_to_num(out.detach(), 7.0), torch.nan_to_num(plain, 7.0))
         with pytest.raises(NotImplementedError, match=f"block_table is forward-only .* {name} requires grad"):
-            call(**{name: t.clone().requires_grad_()})
+            out.sum().backward()
+    cu_k8 = torch.tensor([0, 8, 16], dtype=torch.int32, device=device)
+    used = torch.tensor([8, 6], dtype=torch.int32, device=device)
+    out, lse, _ = flashtriton.flash_attn_varlen_func(q.clone().requires_grad_(), k[0], v[0], cu_q, cu_k8, 3, 8,
+                                                     seqused_k=used, return_attn_probs=True)
     with pytest.raises(NotImplementedError, match="seqused_k is forward-only"):
-        flashtriton.flash_attn_varlen_func(q.clone().requires_grad_(), k[0], v[0], cu_q, torch.tensor(
-            [0, 8, 16], dtype=torch.int32, device=device), 3, 8, seqused_k=torch.tensor([8, 6], dtype=torch.int32,
-                                                                                       device=device))
-    with torch.no_grad():  # the same tensors without grad mode: runs
-        call(q=q.clone().requires_grad_())
+        (out.sum() + lse.nan_to_num().sum()).backward()
+    with torch.no_grad():  # the same tensors without grad mode: no autograd record
+        assert not call(q=q.clone().requires_grad_()).requires_grad
 
 
 def test_compiles_fullgraph_like_eager(device):

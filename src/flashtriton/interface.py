@@ -8,6 +8,7 @@ All are exact attention, differentiable, and never build an (Sq, Sk) matrix.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -171,8 +172,8 @@ def flash_attn_varlen_func(
             or more than its block_table row holds (pages x page_size; without pages, more than its cu_seqlens_k
             length), or one of whose used pages is not in 0..num_pages - 1, reads nothing out of bounds and gets
             NaN in its out and lse rows (FLASHTRITON_CHECK_VALUES=1: a host check that raises a ValueError
-            instead). With either of them no input may require grad (NotImplementedError: there is no backward,
-            as in flash-attn). Both run on the portable kernel with GQA and every variant (window_size, softcap,
+            instead). Both are forward-only, as in flash-attn: with inputs that require grad the forward runs and
+            a backward through its out or lse raises NotImplementedError. Both run on the portable kernel with GQA and every variant (window_size, softcap,
             alibi_slopes, learnable_sink, dropout_p, a V head dim of its own).
         Other arguments as `flash_attn_func`. cu_seqlens are checked on the host (non-decreasing, inside the
         tensor, max_seqlen large enough): one small device-to-host copy, which waits for the GPU, per cu_seqlens
@@ -200,8 +201,8 @@ def flash_attn_varlen_func(
     V.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", batch, q.device)
     block_table = P.check_block_table(block_table, batch, k) if paged else None
     seqused_k = P.check_seqused_k(seqused_k, batch, q.device)
-    if paged or seqused_k is not None:
-        P.check_no_grad(block_table, seqused_k, q=q, k=k, v=v, learnable_sink=learnable_sink)
+    no_grad_message = (P.grad_message(block_table, seqused_k, q=q, k=k, v=v, learnable_sink=learnable_sink)
+                       if paged or seqused_k is not None else None)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # kernels index them densely
     q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
     rows_k = k.shape[1] if paged else max_seqlen_k  # paged: a page's rows (pages are addressed in 64 bits)
@@ -212,9 +213,12 @@ def flash_attn_varlen_func(
     q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
     # (paged calls and seqused_k: no S_dmask, which is rebuilt from contiguous keys; their lse is returned)
     rng_state = None if paged or seqused_k is not None else _probs_state(return_attn_probs, dropout_p, q.device)
-    out, lse = attention(q, k, v, scale, bool(causal), True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         window_size, softcap, alibi_slopes, learnable_sink, dropout_p, block_table, seqused_k,
-                         rng_state=rng_state)
+    with torch.no_grad() if no_grad_message else contextlib.nullcontext():
+        out, lse = attention(q, k, v, scale, bool(causal), True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, window_size, softcap, alibi_slopes, learnable_sink, dropout_p, block_table,
+                             seqused_k, rng_state=rng_state)
+    if no_grad_message:  # flash-attn runs the forward; its backward is the one that cannot be
+        out, lse = P.ForwardOnly.apply(no_grad_message, out, lse, q, k, v, learnable_sink)
     if not return_attn_probs:
         return out
     probs = None if rng_state is None else dropout_probs(q, k, rng_state, scale, bool(causal), window_size, softcap,

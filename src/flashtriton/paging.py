@@ -81,18 +81,34 @@ def check_seqused_k(seqused_k, batch: int, device: torch.device) -> torch.Tensor
     return seqused_k.contiguous()
 
 
-def check_no_grad(block_table, seqused_k, **tensors) -> None:
-    """NotImplementedError when autograd would need a gradient of a paged or seqused_k call: there is no backward
-    for them (flash-attn has none either), and none is ever silently wrong."""
+def grad_message(block_table, seqused_k, **tensors) -> str | None:
+    """None where autograd needs no gradient of a paged or seqused_k call; else what its backward raises (there is
+    none: flash-attn has none either), naming the tensors that require grad."""
     if not torch.is_grad_enabled():
-        return
+        return None
     needing = [n for n, t in tensors.items() if t is not None and t.requires_grad]
-    if needing:
-        given = " and ".join(n for n, t in (("block_table", block_table), ("seqused_k", seqused_k)) if t is not None)
-        raise NotImplementedError(
-            f"flash_attn_varlen_func with {given} is forward-only (no backward, as in flash-attn), but "
-            f"{', '.join(needing)} require{'s' if len(needing) == 1 else ''} grad: call it under torch.no_grad() or "
-            "torch.inference_mode(), or pass detached tensors")
+    if not needing:
+        return None
+    given = " and ".join(n for n, t in (("block_table", block_table), ("seqused_k", seqused_k)) if t is not None)
+    return (f"flash_attn_varlen_func with {given} is forward-only (no backward, as in flash-attn), but "
+            f"{', '.join(needing)} require{'s' if len(needing) == 1 else ''} grad: its forward ran, a gradient "
+            "through it cannot be computed; call it under torch.no_grad() or torch.inference_mode(), or pass "
+            "detached tensors")
+
+
+class ForwardOnly(torch.autograd.Function):
+    """(out, lse) of a forward-only call whose inputs require grad, as flash-attn returns them: the forward's
+    results (views, no copy), and a backward that raises `message` (never a silently wrong or missing
+    gradient)."""
+
+    @staticmethod
+    def forward(ctx, message: str, out: torch.Tensor, lse: torch.Tensor, *inputs):
+        ctx.message = message
+        return out.view_as(out), lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(ctx.message)
 
 
 def check_values(block_table, seqused_k, cu_seqlens_k: torch.Tensor, page_size: int, num_pages: int) -> None:
