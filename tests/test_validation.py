@@ -28,13 +28,29 @@ def test_a_bad_dropout_p_is_refused_by_name(dropout_p, error, device):
 
 
 @pytest.mark.parametrize("window,error", [((-2, 0), ValueError), ((1.5, 0), TypeError), ((True, 0), TypeError),
-                                          (3, TypeError), ((1, 2, 3), TypeError), (torch.tensor([1, 1]), TypeError)])
+                                          (3, TypeError), ((1, 2, 3), TypeError), (torch.tensor([1.0, 1.0]), TypeError),
+                                          (torch.tensor([1, 2, 3]), TypeError), (torch.tensor([[1, 1]]), TypeError),
+                                          (torch.tensor([-2, 1]), ValueError), (torch.tensor([True, False]), TypeError),
+                                          ((torch.tensor(1.5), 0), TypeError)])
 def test_a_bad_window_is_refused_by_name(window, error, device):
     for call in (lambda: flashtriton.flash_attn_func(*qkv(device), window_size=window),
                  lambda: flashtriton.flash_attn_varlen_func(*(t[0] for t in qkv(device)), *_cu(device), 8, 8,
                                                             window_size=window)):
         with pytest.raises(error, match="window_size"):
             call()
+
+
+def test_a_window_as_flash_attn_tests_draw_it(device):
+    """flash-attn's own tests pass window_size = torch.randint(0, seqlen_k, (2,)): a 1-D integer tensor of two
+    (or a pair of 0-d ones) is the window of its values, on any device."""
+    q, k, v = qkv(device)
+    expected = flashtriton.flash_attn_func(q, k, v, window_size=(3, 1))
+    for window in (torch.tensor([3, 1]), torch.tensor([3, 1], dtype=torch.int32, device=device),
+                   (torch.tensor(3), torch.tensor(1)), [3, torch.tensor(1, device=device)]):
+        assert torch.equal(flashtriton.flash_attn_func(q, k, v, window_size=window), expected), window
+        out = flashtriton.flash_attn_varlen_func(*(t[0] for t in (q, k, v)), *_cu(device), 8, 8, window_size=window)
+        assert torch.equal(out, flashtriton.flash_attn_varlen_func(*(t[0] for t in (q, k, v)), *_cu(device), 8, 8,
+                                                                     window_size=(3, 1)))
 
 
 @pytest.mark.parametrize("softcap,error", [(-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),

@@ -123,10 +123,19 @@ def check_scale(name: str, scale, allow_negative: bool = False) -> None:
                          f"the unscaled scores), got {scale}")
 
 
+def _integer_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def check_window(window_size) -> tuple[int, int]:
-    """flash-attn's window_size: two ints >= -1 (a tuple or list; -1 = unbounded on that side) -> a tuple."""
-    if isinstance(window_size, torch.Tensor) or not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    """flash-attn's window_size: two ints >= -1 (-1 = unbounded on that side) -> a tuple. As flash-attn indexes
+    it, a tuple or list, or a 1-D integer tensor of two (flash-attn's tests draw it with torch.randint; its values
+    are read on the host: a sync for a GPU tensor); sides may be 0-d integer tensors."""
+    if _integer_tensor(window_size) and window_size.dim() == 1 and window_size.numel() == 2:
+        window_size = window_size.tolist()
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a tuple of two ints (left, right), -1 for unbounded, got {window_size!r}")
+    window_size = [side.item() if _integer_tensor(side) and side.dim() == 0 else side for side in window_size]
     for side in window_size:
         if isinstance(side, bool) or not isinstance(side, numbers.Integral):
             raise TypeError(f"window_size must hold two ints, got {window_size!r}")
