@@ -167,6 +167,40 @@ def ring_lse(rank, world):
     only_lse.sum().backward()  # out unused: its gradient is None, the backward takes zeros
 
 
+def ulysses_lse(rank, world):
+    """ulysses_attention's return_lse, zigzag GQA causal with sinks and packed documents contiguous: the shard of
+    the whole call's lse, and the gradients of a loss of out and lse together, against the whole call's."""
+    q, k, v, dout = inputs(world, 4, 2, seed=6)
+    dlse = torch.randn(1, 4, q.shape[1], generator=torch.Generator().manual_seed(7))
+    sinks = sink_of(4, True)
+    local = [parallel.shard(t, None, "zigzag").detach().requires_grad_() for t in (q, k, v)]
+    leaf = sink_leaf(sinks)
+    out, lse = parallel.ulysses_attention(*local, causal=True, layout="zigzag", return_lse=True,
+                                          learnable_sink=leaf)
+    assert lse.shape == (1, 4, q.shape[1] // world), lse.shape
+    torch.autograd.backward([out, lse], [parallel.shard(dout, None, "zigzag"),
+                                         parallel.shard(dlse, None, "zigzag", dim=2)])
+    got = [parallel.unshard(t, None, "zigzag") for t in (out.detach(), *(t.grad for t in local))]
+    got += summed_grad(leaf)
+    got_lse = parallel.unshard(lse.detach(), None, "zigzag", dim=2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [sink_leaf(sinks)]
+    full_out, full_lse = flashtriton.flash_attn_func(*leaves[:3], causal=True, learnable_sink=leaves[3],
+                                                     return_attn_probs=True)[:2]
+    torch.autograd.backward([full_out, full_lse], [dout, dlse])
+    torch.testing.assert_close(got_lse, full_lse.detach(), atol=3e-5, rtol=1e-5)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), got, (full_out, *(t.grad for t in leaves))):
+        torch.testing.assert_close(a, b.detach(), atol=3e-5, rtol=1e-5, msg=f"ulysses lse gradient: {name}")
+    # packed documents: lse (nheads, total / world), this rank's contiguous shard of the whole call's
+    cu = torch.tensor([0, 5, 5 + 3 * world, 16 * world], dtype=torch.int32)
+    packed = [t[0] for t in (q, k, v)]
+    rows = slice(rank * 16, (rank + 1) * 16)
+    out, lse = parallel.ulysses_attention(*(t[rows] for t in packed), causal=True, cu_seqlens=cu, return_lse=True)
+    full_lse = flashtriton.flash_attn_varlen_func(*packed, cu, cu, 16 * world, 16 * world, causal=True,
+                                                  return_attn_probs=True)[1]
+    assert lse.shape == (4, 16), lse.shape
+    torch.testing.assert_close(lse, full_lse[:, rows], atol=3e-5, rtol=1e-5)
+
+
 def llama_training(rank, world):
     """examples/context_parallel_llama.py: one step of the tiny Llama on the sharded sequence (ring attention,
     DistributedDataParallel) gives the loss and the gradients of the same model on the whole sequence (eager)."""
@@ -279,6 +313,7 @@ CHECKS = {
                                                           window=(9, 0), sink=True),
     "ulysses_packed_zigzag_causal": packed_case(parallel.ulysses_attention, "zigzag", True, 4, 2),
     "ring_lse": ring_lse,
+    "ulysses_lse": ulysses_lse,
     "llama_training": llama_training,
     "deterministic_and_subgroups": deterministic_and_subgroups,
     "bad_inputs": bad_inputs,

@@ -76,7 +76,7 @@ def test_group_of_two(tmp_path):
     run_group(2, ["ring_zigzag_causal_gqa", "ring_contiguous_causal_window_sink", "ring_zigzag_full",
                   "ring_contiguous_full", "ulysses_causal_gqa_sink", "ulysses_full", "ring_packed_zigzag_causal_gqa",
                   "ring_packed_zigzag_full", "ring_packed_contiguous_window", "ulysses_packed_zigzag_causal",
-                  "ring_lse", *LLAMA, "bad_inputs"], tmp_path)
+                  "ring_lse", "ulysses_lse", *LLAMA, "bad_inputs"], tmp_path)
 
 
 def test_group_of_four(tmp_path):

@@ -102,7 +102,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       layout: str = "contiguous", softmax_scale: float | None = None,
                       window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                       cu_seqlens: torch.Tensor | None = None,
-                      learnable_sink: torch.Tensor | None = None) -> torch.Tensor:
+                      learnable_sink: torch.Tensor | None = None, return_lse: bool = False):
     """Exact attention over a sequence sharded over the ranks of `group`, by all-to-all over the heads.
 
     Arguments:
@@ -118,9 +118,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             rank); the local kernel is `flash_attn_varlen_func` over the gathered sequence.
         learnable_sink: (nheads,) attention sinks, as `ring_attention`'s (each rank uses its heads' and gives
             their gradient over the whole sequence).
+        return_lse: also return the log-sum-exp, as `ring_attention`'s (natural log, fp32; (batch, nheads,
+            seqlen / world), with cu_seqlens (nheads, total / world)): the local kernel's, sent back to its
+            positions' ranks with the output; differentiable.
     Returns:
         out: (batch, seqlen / world, nheads, headdim_v) (with cu_seqlens (total / world, nheads, headdim_v)),
-        this rank's shard of the output.
+        this rank's shard of the output; (out, lse) with return_lse.
 
     Collective, checked on every rank as `ring_attention` is (one small all_gather first); differentiable through
     the all-to-alls and flashtriton's kernels; deterministic.
@@ -142,6 +145,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             raise ValueError(f"k and v's heads ({k.shape[2]}) must be a multiple of the world size ({world}) or "
                              "divide it for ulysses_attention (ring_attention takes any)")
         learnable_sink = V.check_sink(learnable_sink, q.shape[2], q.dtype, q.device)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
         error = e
     fields = {} if error else {**shard_fields(q, k, v, causal, window, softcap, scale, layout, learnable_sink),
@@ -153,12 +158,24 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     kh, vh = (_SeqToHeads.apply(t, group, world, order, repeat) for t in (k, v))
     heads = q.shape[2] // world
     sink = None if learnable_sink is None else learnable_sink[rank * heads:(rank + 1) * heads]
+    # (with return_lse the kernel's lse too: asked for only then, so that a call without it does no lse work)
     if bounds is None:
-        out = flash_attn_func(qh, kh, vh, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
-                              learnable_sink=sink)
-        return _HeadsToSeq.apply(out, group, world, order)
+        result = flash_attn_func(qh, kh, vh, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                                 learnable_sink=sink, return_attn_probs=return_lse)
+        out = _HeadsToSeq.apply(result[0] if return_lse else result, group, world, order)
+        if not return_lse:
+            return out
+        # lse (B, h, S) -> (B, S, h, 1), sent as the output is -> (B, S / world, H, 1) -> (B, H, S / world)
+        lse = _HeadsToSeq.apply(result[1].transpose(1, 2)[..., None].contiguous(), group, world, order)
+        return out, lse[..., 0].transpose(1, 2)
     cu = cu_seqlens.to(q.device, non_blocking=True)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    out = flash_attn_varlen_func(qh[0], kh[0], vh[0], cu, cu, longest, longest, softmax_scale=scale, causal=causal,
-                                 window_size=window, softcap=softcap, learnable_sink=sink)
-    return _HeadsToSeq.apply(out[None], group, world, order)[0]
+    result = flash_attn_varlen_func(qh[0], kh[0], vh[0], cu, cu, longest, longest, softmax_scale=scale,
+                                    causal=causal, window_size=window, softcap=softcap, learnable_sink=sink,
+                                    return_attn_probs=return_lse)
+    out = _HeadsToSeq.apply((result[0] if return_lse else result)[None], group, world, order)[0]
+    if not return_lse:
+        return out
+    # lse (h, total) -> (1, total, h, 1) -> (1, total / world, H, 1) -> (H, total / world)
+    lse = _HeadsToSeq.apply(result[1].transpose(0, 1)[None, :, :, None].contiguous(), group, world, order)
+    return out, lse[0, :, :, 0].transpose(0, 1)
