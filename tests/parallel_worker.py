@@ -141,15 +141,17 @@ def packed_case(fn, layout, causal, hq, hkv, window=(-1, -1), sink=False):
     return run
 
 
-def ring_lse(rank, world):
-    """return_lse: the shard of the whole call's lse, and the gradients of a loss of out and lse together (with
-    sinks: dsink takes the lse's gradient too), against the whole call's."""
-    q, k, v, dout = inputs(world, 2, 1, seed=4)
-    dlse = torch.randn(1, 2, q.shape[1], generator=torch.Generator().manual_seed(5))
-    sinks = sink_of(2, True)
+def check_lse_zigzag(attention, what, world, hq, hkv, seed):
+    """`attention` (ring or Ulysses) with return_lse on zigzag shards, causal with sinks: the shard of the whole
+    call's lse, and the gradients of a loss of out and lse together (dsink takes the lse's gradient too), against
+    the whole call's. Returns (q, k, v, local shards) for further checks."""
+    q, k, v, dout = inputs(world, hq, hkv, seed=seed)
+    dlse = torch.randn(1, hq, q.shape[1], generator=torch.Generator().manual_seed(seed + 1))
+    sinks = sink_of(hq, True)
     local = [parallel.shard(t, None, "zigzag").detach().requires_grad_() for t in (q, k, v)]
     leaf = sink_leaf(sinks)
-    out, lse = parallel.ring_attention(*local, causal=True, return_lse=True, learnable_sink=leaf)
+    out, lse = attention(*local, causal=True, layout="zigzag", return_lse=True, learnable_sink=leaf)
+    assert lse.shape == (1, hq, q.shape[1] // world), lse.shape
     torch.autograd.backward([out, lse], [parallel.shard(dout, None, "zigzag"),
                                          parallel.shard(dlse, None, "zigzag", dim=2)])
     got = [parallel.unshard(t, None, "zigzag") for t in (out.detach(), *(t.grad for t in local))]
@@ -161,35 +163,22 @@ def ring_lse(rank, world):
     torch.autograd.backward([full_out, full_lse], [dout, dlse])
     torch.testing.assert_close(got_lse, full_lse.detach(), atol=3e-5, rtol=1e-5)
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), got, (full_out, *(t.grad for t in leaves))):
-        torch.testing.assert_close(a, b.detach(), atol=3e-5, rtol=1e-5, msg=f"ring lse gradient: {name}")
+        torch.testing.assert_close(a, b.detach(), atol=3e-5, rtol=1e-5, msg=f"{what} lse gradient: {name}")
+    return q, k, v, local
+
+
+def ring_lse(rank, world):
+    """ring_attention's return_lse (`check_lse_zigzag`, GQA 2/1); a loss of the lse alone trains too."""
+    *_, local = check_lse_zigzag(parallel.ring_attention, "ring", world, 2, 1, seed=4)
     only_lse = parallel.ring_attention(*(t.detach().requires_grad_() for t in local), causal=True,
                                        return_lse=True)[1]
     only_lse.sum().backward()  # out unused: its gradient is None, the backward takes zeros
 
 
 def ulysses_lse(rank, world):
-    """ulysses_attention's return_lse, zigzag GQA causal with sinks and packed documents contiguous: the shard of
-    the whole call's lse, and the gradients of a loss of out and lse together, against the whole call's."""
-    q, k, v, dout = inputs(world, 4, 2, seed=6)
-    dlse = torch.randn(1, 4, q.shape[1], generator=torch.Generator().manual_seed(7))
-    sinks = sink_of(4, True)
-    local = [parallel.shard(t, None, "zigzag").detach().requires_grad_() for t in (q, k, v)]
-    leaf = sink_leaf(sinks)
-    out, lse = parallel.ulysses_attention(*local, causal=True, layout="zigzag", return_lse=True,
-                                          learnable_sink=leaf)
-    assert lse.shape == (1, 4, q.shape[1] // world), lse.shape
-    torch.autograd.backward([out, lse], [parallel.shard(dout, None, "zigzag"),
-                                         parallel.shard(dlse, None, "zigzag", dim=2)])
-    got = [parallel.unshard(t, None, "zigzag") for t in (out.detach(), *(t.grad for t in local))]
-    got += summed_grad(leaf)
-    got_lse = parallel.unshard(lse.detach(), None, "zigzag", dim=2)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [sink_leaf(sinks)]
-    full_out, full_lse = flashtriton.flash_attn_func(*leaves[:3], causal=True, learnable_sink=leaves[3],
-                                                     return_attn_probs=True)[:2]
-    torch.autograd.backward([full_out, full_lse], [dout, dlse])
-    torch.testing.assert_close(got_lse, full_lse.detach(), atol=3e-5, rtol=1e-5)
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), got, (full_out, *(t.grad for t in leaves))):
-        torch.testing.assert_close(a, b.detach(), atol=3e-5, rtol=1e-5, msg=f"ulysses lse gradient: {name}")
+    """ulysses_attention's return_lse: zigzag GQA 4/2 causal with sinks (`check_lse_zigzag`), and packed
+    documents in the contiguous layout."""
+    q, k, v, _ = check_lse_zigzag(parallel.ulysses_attention, "ulysses", world, 4, 2, seed=6)
     # packed documents: lse (nheads, total / world), this rank's contiguous shard of the whole call's
     cu = torch.tensor([0, 5, 5 + 3 * world, 16 * world], dtype=torch.int32)
     packed = [t[0] for t in (q, k, v)]
