@@ -96,6 +96,25 @@ def test_gluon_backward_against_float64(name, causal, bottom_right, head_dim, dt
         check_grads(ours, q, k, v, dout, causal, bottom_right, what=f"{name}, shape {shape}: ")
 
 
+WIDE_CONFIGS = {
+    "dispatch": None,
+    "dK/dV 1 stage, Triton dQ": {"dkdv": dict(NUM_STAGES=1, CONSUMER_REGS=240), "dq": None},
+}
+
+
+@hopper_only
+@pytest.mark.parametrize("name", list(WIDE_CONFIGS))
+@pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("head_dim,dtype", [(256, torch.bfloat16), (256, torch.float16), (192, torch.bfloat16)])
+def test_gluon_backward_wide_head_dims_against_float64(name, causal, bottom_right, head_dim, dtype, device,
+                                                       monkeypatch):
+    """D = 256 (and 192 in its tiles): dK/dV programs of 64 keys whose two warpgroups split the columns."""
+    for shape in SHAPES:
+        q, k, v, dout = make_qkv(*shape, head_dim, dtype, device)
+        ours = backward(q, k, v, dout, causal, bottom_right, True, monkeypatch, config=WIDE_CONFIGS[name])
+        check_grads(ours, q, k, v, dout, causal, bottom_right, what=f"{name}, shape {shape}: ")
+
+
 @hopper_only
 def test_gluon_backward_equals_the_triton_kernels_closely(device, monkeypatch):
     """Same inputs, the Gluon and the Triton kernels: the same sums in another order, so close to a few ulps."""
@@ -199,7 +218,7 @@ def test_preprocess_writes_the_padded_layout(dtype, device):
 
 
 def test_dispatch_config():
-    for head_dim in (64, 128):
+    for head_dim in (64, 128, 256):
         for causal in (False, True):
             config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal)
             assert set(config) == {"dkdv", "dq"}
@@ -221,10 +240,16 @@ def test_dispatch_config():
     assert [standard(64, t, False) for t in (512, 1024)] == [False, True]
     assert [standard(64, t, True) for t in (512, 1024)] == [False, True]
     assert configs.gluon_bwd_config(128, 4096, 4096, False, varlen=True) == configs.gluon_bwd_config(128, 4096, 4096, False)
-    assert configs.gluon_bwd_config(256, 4096, 4096, False) is None
-    # 80 / 96 / 112 take D=128's rows (128-column tiles); head dims no Gluon kernel takes, none
+    # 80 / 96 / 112 take D=128's rows (128-column tiles), 192 D=256's; head dims no Gluon kernel takes, none
     assert configs.gluon_bwd_config(96, 4096, 4096, False) == configs.gluon_bwd_config(128, 4096, 4096, False)
+    assert configs.gluon_bwd_config(192, 4096, 4096, True) == configs.gluon_bwd_config(256, 4096, 4096, True)
     assert configs.gluon_bwd_config(72, 4096, 4096, False) is None
+    assert configs.gluon_bwd_config(160, 4096, 4096, False) is None
+    # D = 256: dK/dV programs of 64 keys (K and V 64 KB, per stage Q, dO 64 KB and lse, delta 512 B)
+    assert BG.program_block("dkdv", 256) == 64 and BG.program_block("dkdv", 128) == 128
+    assert BG.shared_memory_bytes(dict(NUM_STAGES=2), 256) == 65536 + 2 * 66048
+    grid, _, _ = BG.launch_parts((2, 300, 8, 256), (2, 300, 2, 256), False, True, configs.GLUON_BWD_D256["dkdv"])
+    assert grid == (5, 2, 2)
 
 
 @hopper_only
@@ -241,7 +266,7 @@ def test_dispatch_takes_the_gluon_kernels_for_large_problems_only(device, monkey
 @hopper_only
 @pytest.mark.parametrize("order", ["dispatch", "as_given", "largest_first", "grid"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 112, 128])
+@pytest.mark.parametrize("head_dim", [64, 112, 128, 256])
 def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     """Packed sequences (empty ones, one token, Sq != Sk, GQA) with rows of other data before and after them:
     per-sequence gradients against float64, and the rows outside every sequence left alone. Programs from the work
@@ -258,8 +283,9 @@ def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     k, cu_k = pack(lengths_k, 2, head_dim, dtype, device, gen)
     v, _ = pack(lengths_k, 2, head_dim, dtype, device, gen)
     dout, _ = pack(lengths_q, 4, head_dim, dtype, device, gen)
-    config = _DEFAULT if head_dim > 64 else {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
-                                               "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
+    config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal) if head_dim > 128 else _DEFAULT \
+        if head_dim > 64 else {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+                               "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
     monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
     ran = record_gluon_launches(monkeypatch)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -375,7 +401,8 @@ def test_gluon_backward_compiles_for_sm90_without_a_gpu():
         "from flashtriton import configs\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
         "for head_dim, causal, dtype in ((128, False, torch.float16), (128, True, torch.bfloat16),\n"
-        "                                (64, False, torch.bfloat16), (64, True, torch.float16)):\n"
+        "                                (64, False, torch.bfloat16), (64, True, torch.float16),\n"
+        "                                (256, True, torch.bfloat16), (192, False, torch.float16)):\n"
         "    config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal)\n"
         "    for kernel in ('dkdv', 'dq'):\n"
         "        compiled = compile_for_sm90(head_dim, causal, config[kernel], dtype, kernel, varlen=causal)\n"
@@ -383,7 +410,7 @@ def test_gluon_backward_compiles_for_sm90_without_a_gpu():
         "        assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
         "        print('compiled', kernel, head_dim, causal, compiled.metadata.shared)\n"
     )
-    assert compile_in_fresh_process(script).count("compiled") == 8
+    assert compile_in_fresh_process(script).count("compiled") == 12
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -474,7 +501,7 @@ def assert_variant_grads(ours, portable, exact, dtype, what):
 
 @hopper_only
 @pytest.mark.parametrize("name", list(GLUON_VARIANTS))
-@pytest.mark.parametrize("head_dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+@pytest.mark.parametrize("head_dim,dtype", [(128, torch.bfloat16), (64, torch.float16), (256, torch.bfloat16)])
 def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, monkeypatch):
     for shape in VARIANT_SHAPES:
         q, k, v, dout = make_qkv(*shape, head_dim, dtype, device, seed=shape[1])
@@ -610,6 +637,8 @@ VARIANT_BUILDS = {
     ("dkdv", 64, False, False, True, True, True): 0,
     ("dq", 64, False, False, True, True, True): 0,
     ("dq", 128, True, True, True, False, True): 0,
+    ("dkdv", 256, True, True, True, True, True): 4,
+    ("dq", 256, False, False, True, True, True): 0,
 }
 
 

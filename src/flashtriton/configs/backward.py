@@ -96,14 +96,20 @@ GLUON_BWD_D128 = {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240),
                   "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
 GLUON_BWD_D64 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                  "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
-# Head dims the Gluon backward runs in D=128's tiles (`kernels.gluon_common.head_block`: the TMA loads the missing
-# columns as zeros and stores none of them). H200, bf16: 0.88-0.98x cuDNN, above FLASH at every point
-# (benchmarks/2026-12-02-h200/gluon-head-dims/h200/headdims_gluon/bench.json).
-GLUON_BWD_PADDED = (80, 96, 112)
+# D = 256 (and 192 in its tiles): dK/dV programs of 64 keys whose two warpgroups split the columns
+# (`backward_gluon.dkdv_keys`), 2 stages of Q / dO (197 KB of shared memory with K / V); dQ by 32-key tiles, 2
+# stages (Q / dO of 128 rows take 128 KB). Both compile without spills (tests/test_backward_gluon.py).
+GLUON_BWD_D256 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+                  "dq": dict(BLOCK_N=32, NUM_STAGES=2, CONSUMER_REGS=240)}
+# Head dims the Gluon backward runs in wider tiles (`kernels.gluon_common.head_block`: the TMA loads the missing
+# columns as zeros and stores none of them): 80, 96, 112 in D=128's (H200, bf16: 0.88-0.98x cuDNN, above FLASH at
+# every point, benchmarks/2026-12-02-h200/gluon-head-dims/h200/headdims_gluon/bench.json), 192 in D=256's.
+GLUON_BWD_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
 GLUON_BWD = Table(("gpu", "dtype", "head_dim"), rows=[
     # gpu dtype  head dim  config          source
     (SM90, "16", 128,      GLUON_BWD_D128, H200 + "explore10/gluon_bwd_8c6167939b66.json"),
     (SM90, "16", 64,       GLUON_BWD_D64,  H200 + "explore10/gluon_bwd_8c6167939b66.json"),
+    (SM90, "16", 256,      GLUON_BWD_D256, "why: UNMEASURED: the configs that fit shared memory without spills"),
     (ANY,  ANY,  ANY,      None,           "why: no Gluon config for the head dim: the Triton kernels run it"),
 ])
 
@@ -114,8 +120,9 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
     None with less work than GLUON_BWD_MIN_FLOPS, or at D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS."""
     if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
         return None
-    if head_dim in GLUON_BWD_PADDED:  # tiles of 128 columns: the rows of D=128
-        head_dim = 128
+    if head_dim not in GLUON_BWD_HEAD_DIMS:
+        return None
+    head_dim = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256  # the tiles' columns: their table row
     return GLUON_BWD.lookup(SM90, "16", head_dim)
 
 

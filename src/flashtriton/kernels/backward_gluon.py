@@ -56,6 +56,15 @@ from .variant import (alibi_bias, diagonal, key_blocks, key_end_before, key_tile
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
 BLOCK_M = gl.constexpr(64)  # query rows per streamed tile
 KEYS = gl.constexpr(2 * 64)  # keys per program
+WIDE_HEAD_DIM = gl.constexpr(256)  # dK/dV tiles this wide: 64 keys a program, split by columns (`dkdv_keys`)
+
+
+@gluon.constexpr_function
+def dkdv_keys(head_dim):
+    """Keys per dK/dV program: 128 (two warpgroups of 64, each holding its keys' dK and dV whole), or 64 at
+    WIDE_HEAD_DIM, where one key's fp32 dK and dV take 512 of a warpgroup's registers: two warpgroups then share
+    64 keys, each holding half of the columns (`_consumer`, WARPS_N = 2)."""
+    return 64 if head_dim >= WIDE_HEAD_DIM else 128
 
 
 @gluon.jit
@@ -116,15 +125,15 @@ def _store_rows(base, stride_n, first, n_valid, vals, layout: gl.constexpr, HEAD
 
 @gluon.jit
 def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
-    """K/V of the program's keys once, then for each (query head g of the group, query tile) its Q, dO, lse and
-    delta into stage it % NUM_STAGES, once both consumers released the tile it held."""
+              NUM_STAGES: gl.constexpr, KV_BLOCKS: gl.constexpr):
+    """K/V of the program's keys once (KV_BLOCKS blocks of 64), then for each (query head g of the group, query
+    tile) its Q, dO, lse and delta into stage it % NUM_STAGES, once the consumers released the tile it held."""
     (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
      kv_ready, ready, empty) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
-    mbarrier.expect(kv_ready, 4 * desc_k.block_type.nbytes)
-    for w in gl.static_range(2):
+    mbarrier.expect(kv_ready, 2 * KV_BLOCKS * desc_k.block_type.nbytes)
+    for w in gl.static_range(KV_BLOCKS):
         tma_load(desc_k, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, k_bufs.index(w))
         tma_load(desc_v, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, v_bufs.index(w))
     TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes + 2 * desc_lse.block_type.nbytes  # Q, dO, lse, delta
@@ -146,9 +155,12 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
               NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-              HAS_ALIBI: gl.constexpr):
+              HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores.
-    `variant`: (window left, right, softcap, the group's first query head's ALiBi slope pointer), None where off."""
+    `variant`: (window left, right, softcap, the group's first query head's ALiBi slope pointer), None where off.
+    WARPS_N = 2 (WIDE): the partition is two warpgroups that split every tile by columns (`wgmma_layout`): Sᵀ
+    and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
+    between them through shared memory in `gl.convert_layout`."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
      stride_dkn, stride_dkh, stride_dvn, stride_dvh, d_valid) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
@@ -157,8 +169,8 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
     # A variant's score tile takes more registers (the softcap's gradient, ALiBi's and the window's indices): its
     # dPᵀ is issued once Pᵀ is on its way to dV, so that the dPᵀ accumulator is not live while Pᵀ is computed.
     LATE_DP: gl.constexpr = HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI
-    s_layout: gl.constexpr = wgmma_layout(BLOCK_M)
-    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_M, WARPS_N)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, WARPS_N)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_bufs.dtype
@@ -247,17 +259,20 @@ def _attn_bwd_dkdv_gluon(
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
 ):
-    """Grid (cdiv(Sk, 128), Hkv, B) (varlen: Sk the longest sequence's); varlen with WORK_TABLE: one program per
-    row of WORK (`work_table`: only the (sequence, head, key block)s that exist, in the table's order).
-    num_warps=4: the producer; two consumer warpgroups as workers. Causal: the second warpgroup's first query tile
-    lies wholly before its keys (P = 0); it is computed anyway: skipping it cost registers (spills) and 12-15 %
-    (explore11/run_04538af9a0df)."""
+    """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
+    varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
+    exist, in the table's order). num_warps=4: the producer; two consumer warpgroups as workers, each with its 64
+    keys, or at WIDE_HEAD_DIM one worker of two warpgroups sharing 64 keys. Causal: the second warpgroup's first
+    query tile lies wholly before its keys (P = 0); it is computed anyway: skipping it cost registers (spills) and
+    12-15 % (explore11/run_04538af9a0df)."""
+    PROGRAM_KEYS: gl.constexpr = dkdv_keys(HEAD_DIM)
+    WIDE: gl.constexpr = PROGRAM_KEYS == ROWS
     if IS_VARLEN and WORK_TABLE:
         off_b, off_hk, start_n, seq = _work_item(WORK)
         if off_b < 0:  # the table's padding past its last item
             return
     else:
-        start_n = gl.program_id(0) * KEYS  # causal: the first keys see the most queries and start first
+        start_n = gl.program_id(0) * PROGRAM_KEYS  # causal: the first keys see the most queries and start first
         off_hk = gl.program_id(1)
         off_b = gl.program_id(2)
         seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
@@ -265,7 +280,7 @@ def _attn_bwd_dkdv_gluon(
     q_start, seqlen_q, k_start, seqlen_k = seq
     diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
     if HAS_WINDOW:  # the query tiles with a row that sees one of the program's keys: [lo, q_end)
-        lo, _, _, q_end = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, KEYS, HAS_WINDOW, window_left,
+        lo, _, _, q_end = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, PROGRAM_KEYS, HAS_WINDOW, window_left,
                                        window_right)
         n_m = gl.cdiv(q_end - lo, BLOCK_M)  # query tiles per head; 0: dK = dV = 0
     else:
@@ -278,8 +293,8 @@ def _attn_bwd_dkdv_gluon(
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + desc_q.block_type.shape, desc_q.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + desc_do.block_type.shape, desc_do.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [2] + desc_k.block_type.shape, desc_k.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [2] + desc_v.block_type.shape, desc_v.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [PROGRAM_KEYS // ROWS] + desc_k.block_type.shape, desc_k.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [PROGRAM_KEYS // ROWS] + desc_v.block_type.shape, desc_v.layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + desc_lse.block_type.shape, desc_lse.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + desc_delta.block_type.shape,
                                            desc_delta.layout)
@@ -289,7 +304,7 @@ def _attn_bwd_dkdv_gluon(
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(empty.index(i), count=1 if WIDE else 2)  # one arrive per consumer partition
     fence_async_shared()
 
     # Worker partitions take tensors, not Python numbers: gl.to_tensor.
@@ -305,14 +320,26 @@ def _attn_bwd_dkdv_gluon(
     variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,
                gl.to_tensor(softcap) if HAS_SOFTCAP else None,
                ALIBI + off_b * stride_alibi_b + off_hk * group_size if HAS_ALIBI else None)  # the group's first head
-    gl.warp_specialize([
-        (_producer, (producer_args, place, seq, group_size, gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD),
-                     IS_VARLEN, NUM_STAGES)),
-        (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0), IS_CAUSAL,
-                     IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)),
-        (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1), IS_CAUSAL,
-                     IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)),
-    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    heads_pad = (gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD))
+    if WIDE:
+        gl.warp_specialize([
+            (_producer, (producer_args, place, seq, group_size, heads_pad[0], heads_pad[1], IS_VARLEN, NUM_STAGES,
+                         gl.constexpr(1))),
+            (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
+                         IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                         gl.constexpr(2))),
+        ], [8], [CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_producer, (producer_args, place, seq, group_size, heads_pad[0], heads_pad[1], IS_VARLEN, NUM_STAGES,
+                         gl.constexpr(2))),
+            (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
+                         IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                         gl.constexpr(1))),
+            (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
+                         IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                         gl.constexpr(1))),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 @gluon.jit

@@ -15,7 +15,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import configs
-from .backward_gluon import BLOCK_M, KEYS, ROWS, _attn_bwd_dkdv_gluon, _attn_bwd_dq_gluon
+from .backward_gluon import BLOCK_M, KEYS, ROWS, WIDE_HEAD_DIM, _attn_bwd_dkdv_gluon, _attn_bwd_dq_gluon
 from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, head_block
 from .host import cdiv
 from .launch import hooks_installed, launch, launch_and_keep
@@ -70,10 +70,16 @@ def unpadded_rows(lse_pad: torch.Tensor, delta_pad: torch.Tensor, cu_seqlens_q: 
     return lse, delta
 
 
+def program_block(kernel: str, head_dim: int) -> int:
+    """Keys (dK/dV) or query rows (dQ) of one program at tiles `head_dim` wide (`backward_gluon.dkdv_keys`)."""
+    return ROWS.value if kernel == "dkdv" and head_dim >= WIDE_HEAD_DIM.value else KEYS.value
+
+
 def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2) -> int:
-    """Shared memory of a kernel's tiles (barriers aside). dK/dV: K and V of 128 keys, and per stage a 64-row Q and
-    dO tile with their lse and delta. dQ: Q and dO of 128 rows, and per stage a K and a V tile."""
-    resident = 2 * KEYS.value * head_dim * elem_bytes
+    """Shared memory of a kernel's tiles (barriers and layout conversions aside). dK/dV: K and V of the program's
+    keys, and per stage a 64-row Q and dO tile with their lse and delta. dQ: Q and dO of 128 rows, and per stage a
+    K and a V tile."""
+    resident = 2 * program_block(kernel, head_dim) * head_dim * elem_bytes
     if kernel == "dkdv":
         per_stage = 2 * BLOCK_M.value * (head_dim * elem_bytes + 4)
     else:
@@ -100,7 +106,7 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         raise ValueError(f"Gluon {kernel} config {config} needs {shared_memory_bytes(config, block_d, kernel)} bytes "
                          f"of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if kernel == "dkdv":
-        grid = (cdiv(seqlen_k, KEYS.value), heads_kv, batch)
+        grid = (cdiv(seqlen_k, program_block(kernel, block_d)), heads_kv, batch)
     else:
         grid = (cdiv(seqlen_q, KEYS.value), heads_q, batch)
     ints = (heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k, pad)
@@ -112,19 +118,19 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
 
 
 def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: int, kernel: str, causal: bool,
-               longest_first: bool, total: int) -> torch.Tensor:
+               longest_first: bool, total: int, block: int = KEYS.value) -> torch.Tensor:
     """int32 (rows, 8) on cu_seqlens' device, one row per program of a varlen dK/dV (kernel "dkdv": key blocks,
     `heads` the kv heads) or dQ ("dq": query blocks, the query heads) launch: (sequence b, head, first key / query
-    row of its 128, q_start, seqlen_q, k_start, seqlen_k, 0). Only blocks that exist get a row (a grid over the
+    row of its `block` (`program_block`), q_start, seqlen_q, k_start, seqlen_k, 0). Only blocks that exist get a row (a grid over the
     longest sequence's blocks is half empty programs on mixed lengths); rows past the last block hold b = −1.
     Order: the sequences as given, or by seqlen_q · seqlen_k, largest first (`longest_first`), so that the last
     programs to start are short ones; within a sequence its heads, within a head its blocks in the order the dense
     grid runs them (dQ causal: the last rows, which see the most keys, first), so that a head's blocks run together
     and share its Q / dO (dK/dV) or K / V (dQ) in L2. `total`: the packed tokens along the blocked axis (total_k
-    for dK/dV, total_q for dQ), a host-side bound on the rows (heads · (total // 128 + B)): built with GPU ops
+    for dK/dV, total_q for dQ), a host-side bound on the rows (heads · (total // block + B)): built with GPU ops
     only, no copy to the host."""
     batch = cu_seqlens_q.numel() - 1
-    keys = KEYS.value
+    keys = block
     dev = cu_seqlens_q.device
     if batch == 0:  # no sequences: no program (a launch of an empty grid does nothing)
         return torch.empty(0, 8, dtype=torch.int32, device=dev)
@@ -158,13 +164,14 @@ def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: in
 _WORK_TABLES: dict = {}  # (ids, heads, kernel, causal, order, total) -> (stamp, weakrefs to the cu_seqlens, table)
 
 
-def cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total) -> torch.Tensor:
+def cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total,
+                      block: int = KEYS.value) -> torch.Tensor:
     """`work_table`, reused while the same cu_seqlens tensors are unchanged (as `validation.check_cu_seqlens_values`
     reuses its check): a model's layers share one batch's tables. Not kept while a CUDA graph is captured."""
-    key = (id(cu_seqlens_q), id(cu_seqlens_k), heads, kernel, bool(causal), bool(longest_first), total)
+    key = (id(cu_seqlens_q), id(cu_seqlens_k), heads, kernel, bool(causal), bool(longest_first), total, block)
     capturing = cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()
     return remembered(_WORK_TABLES, key, (cu_seqlens_q, cu_seqlens_k), lambda: work_table(
-        cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total), keep=not capturing)
+        cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, longest_first, total, block), keep=not capturing)
 
 
 def _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid):
@@ -175,7 +182,8 @@ def _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid):
         return grid, cu_seqlens_q, False
     heads = k.shape[-2] if kernel == "dkdv" else q.shape[-2]
     total = k.shape[0] if kernel == "dkdv" else q.shape[0]
-    table = cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, order == "largest_first", total)
+    table = cached_work_table(cu_seqlens_q, cu_seqlens_k, heads, kernel, causal, order == "largest_first", total,
+                              program_block(kernel, head_block(q.shape[-1])))
     return (table.shape[0],), table, True
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..configs import GLUON_HEAD_DIMS
+from ..configs import GLUON_BWD_HEAD_DIMS, GLUON_HEAD_DIMS
 
 LEVELS = ("portable", "tma", "gluon")  # each level allows the ones before it
 CHOICES = ("auto", "gluon", "tma", "portable")
@@ -59,7 +59,7 @@ KERNELS = (
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
     Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", paged=True, fields=TRAINING, separate_v=True),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF,
-           (64, 80, 96, 112, 128), fields=SCORES),
+           GLUON_BWD_HEAD_DIMS, fields=SCORES),
     Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=TRAINING,
            separate_v=True),
     Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True, fields=SCORES,

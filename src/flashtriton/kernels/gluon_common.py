@@ -17,10 +17,12 @@ SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90 (H100 / H2
 
 
 @gluon.constexpr_function
-def wgmma_layout(n):
-    """Registers of a (64, n) wgmma accumulator held by one warpgroup (4 warps along the rows): the layout of
-    the scores (n = a tile's keys or rows) and of the output / gradient accumulators (n = the head dim)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+def wgmma_layout(n, warps_n=1):
+    """Registers of a (64, n) wgmma accumulator: held by one warpgroup (4 warps along the rows; warps_n = 1), the
+    layout of the scores (n = a tile's keys or rows) and of the output / gradient accumulators (n = the head dim);
+    or split by columns over `warps_n` warpgroups of one partition, each holding (64, n / warps_n) (the wide
+    head dims' backward: `backward_gluon`, WIDE)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warps_n], instr_shape=[16, n // warps_n, 16])
 
 
 @gluon.jit
