@@ -75,7 +75,7 @@ def test_candidates_follow_the_table_and_the_switch():
     assert dispatch.candidates("fwd", half, 128, 8) == ["portable_fwd"]
     assert dispatch.candidates("bwd", half, 64, 9, varlen=True) == ["gluon_bwd", "portable_bwd"]
     assert dispatch.candidates("decode", half, 128, 9, paged=True) == ["decode_stream", "decode_split"]
-    assert dispatch.candidates("fwd", half, 128, 9, paged=True) == ["portable_fwd"]  # paged prefill
+    assert dispatch.candidates("fwd", half, 128, 9, paged=True) == ["gluon_fwd", "portable_fwd"]  # paged prefill
     assert dispatch.candidates("bwd", half, 128, 9, varlen=True, paged=True) == []
     with dispatch.force("tma"):
         assert dispatch.candidates("fwd", half, 128, 9) == ["tma_fwd", "portable_fwd"]
@@ -112,18 +112,20 @@ def test_the_tma_gate_reads_the_table():
     assert not _tma_shapes_ok(dispatch.BY_NAME["tma_fwd"].head_dims, 2, (((2, 64, 4, 96), (1, 1, 1, 1)),))
 
 
-def test_a_separate_v_head_dim_takes_the_portable_kernels():
-    """v.shape[-1] != q.shape[-1]: only the kernels that declare `separate_v` (the portable ones, decode's) take
-    the call."""
+def test_a_separate_v_head_dim_takes_the_kernels_that_declare_it():
+    """v.shape[-1] != q.shape[-1]: only the kernels that declare `separate_v` (the Gluon forward on sm_90, the
+    portable ones, decode's) take the call; the Gluon forward's configs then decide per pair of head dims."""
     half = torch.float16
     for capability in (0, 8, 9):
         for varlen in (False, True):
-            assert dispatch.candidates("fwd", half, 128, capability, varlen, separate_v=True) == ["portable_fwd"]
+            gluon = ["gluon_fwd"] if capability == 9 else []
+            fwd = dispatch.candidates("fwd", half, 128, capability, varlen, separate_v=True)
+            assert fwd == gluon + ["portable_fwd"]
             assert dispatch.candidates("bwd", half, 64, capability, varlen, separate_v=True) == ["portable_bwd"]
     assert dispatch.candidates("fwd", half, 192, 9, fields=frozenset({"causal", "softcap"}), separate_v=True) == \
-        ["portable_fwd"]
+        ["gluon_fwd", "portable_fwd"]
     assert dispatch.candidates("decode", half, 128, 9, separate_v=True) == ["decode_stream", "decode_split"]
-    assert not dispatch.supports("gluon_fwd", half, 128, 9, separate_v=True)
+    assert dispatch.supports("gluon_fwd", half, 128, 9, separate_v=True)
     assert not dispatch.supports("tma_fwd", half, 128, 9, True, False, frozenset(), True)
     assert not dispatch.supports("gluon_bwd", half, 128, 9, separate_v=True)
     with dispatch.force("portable"):
@@ -148,7 +150,30 @@ def test_the_dense_hopper_plan_refuses_a_separate_v_head_dim(monkeypatch):
         assert same is not None and same.fn is forward._attn_fwd_tma
         v_shape, v_strides = (2, 256, 2, 64), (256 * 2 * 64, 2 * 64, 64, 1)
         assert plan(q_shape, strides, k_shape, kv_strides, v_strides, torch.float16, device, variant, True, True,
-                    v_shape) is None
+                    v_shape) is None  # V's tiles (64) narrower than QK's (128): no Gluon rule, no TMA kernel
+
+
+def test_the_dense_hopper_plan_takes_the_gluon_kernel_for_mla_head_dims(monkeypatch):
+    """QK 192 / V 128 (DeepSeek's MLA) with the layout faked to pass: the Gluon kernel's plan, QK in 256-column
+    tiles and V and O in 128 (`configs.GLUON_SEPARATE_V_FWD`), out strides of V's head dim."""
+    from flashtriton.kernels import forward
+
+    monkeypatch.setattr(forward, "tma_layout_ok", lambda *a: True)
+    monkeypatch.setattr(forward, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    if forward.forward_gluon_launch is None:
+        pytest.skip("no Gluon in this Triton")
+    plan = forward._dense_tma_plan.__wrapped__
+    device, variant = torch.device("cuda", 0), Variant(causal=True)
+    q_shape, k_shape, v_shape = (2, 256, 8, 192), (2, 256, 2, 192), (2, 256, 2, 128)
+    strides, kv_strides = (256 * 8 * 192, 8 * 192, 192, 1), (256 * 2 * 192, 2 * 192, 192, 1)
+    v_strides = (256 * 2 * 128, 2 * 128, 128, 1)
+    with dispatch.force("auto"):
+        mla = plan(q_shape, strides, k_shape, kv_strides, v_strides, torch.bfloat16, device, variant, True, True,
+                   v_shape)
+    assert mla is not None and mla.gluon
+    assert (mla.meta["HEAD_DIM"], mla.meta["HEAD_DIM_V"]) == (256, 128)
+    assert mla.ints[:2] == (8 * 128, 128)  # out's row and head strides: V's head dim
 
 
 class _HopperPathTaken(Exception):

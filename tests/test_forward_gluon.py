@@ -153,6 +153,33 @@ def test_gluon_kernel_pads_other_head_dims(head_dim, causal, varlen, device):
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (256, 128), (192, 96), (128, 96), (96, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_kernel_separate_v_head_dim(head_dim, head_dim_v, causal, dtype, device):
+    """V (and out) with a head dim of its own (DeepSeek's MLA: QK 192, V 128): the V and O tiles span V's tile
+    width, Q and K's theirs. Against float64 through flash_attn_func, whose plan takes the Gluon kernel where
+    `configs.gluon_fwd_config` has a rule for the pair of tile widths (192 / 128, 256 / 128; V in QK's width:
+    128 / 96), and the portable kernel elsewhere (96 / 64: no rule); with GQA, Sq != Sk and lengths off the tiles."""
+    gen = torch.Generator().manual_seed(head_dim + head_dim_v)
+    q = torch.randn(2, 700, 8, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(2, 900, 2, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(2, 900, 2, head_dim_v, generator=gen).to(device, dtype)
+    plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
+                           Variant.of(causal), True, True, v.shape)
+    block, block_v = gluon_common.head_block(head_dim), gluon_common.head_block(head_dim_v)
+    expected = configs.gluon_fwd_config(head_dim, 700, 900, causal, 0, head_dim_v) is not None
+    assert (plan is not None and plan.gluon) == expected, plan
+    if expected:
+        assert (plan.meta["HEAD_DIM"], plan.meta["HEAD_DIM_V"]) == (block, block_v)
+    out, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == (2, 700, 8, head_dim_v)
+    exact, exact_lse = attention_reference(q, k, v, None, causal, return_lse=True)
+    assert_close_to_exact(out, torch_attention(q, k, v, None, causal), exact, dtype)
+    torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=1e-3)
+
+
+@hopper_only
 @pytest.mark.parametrize("name", ["default", "three consumers", "two Q buffers",
                                   "causal items one at a time", "varlen dispatch", "varlen, static schedule",
                                   "varlen, dynamic schedule, two Q slots", "varlen dispatch, overlap",
@@ -394,6 +421,90 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
                 _, d, causal, varlen, keys, _, spill, _ = line.split()
                 key = (int(d), causal == "True", varlen == "True", int(keys))
                 assert int(spill) <= SPILL_BUDGET.get(key, 0), f"{line}: more spills than {SPILL_BUDGET.get(key, 0)} bytes"
+
+
+@hopper_only
+@pytest.mark.parametrize("head_dim_v", [96, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_kernel_varlen_separate_v_head_dim(head_dim_v, causal, device):
+    """Packed sequences with V's head dim of its own, QK at 128: V in QK's tile width (96) takes the Gluon varlen
+    kernel, whose masked stores write V's columns only; 64 (narrower tiles) the portable kernel. Against float64
+    per sequence; an empty sequence and one of one token among them."""
+    from test_varlen import pack
+
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(head_dim_v)
+    lengths = [300, 0, 1, 517, 64]
+    q, cu = pack(lengths, 8, 128, dtype, device, gen)
+    k, _ = pack(lengths, 2, 128, dtype, device, gen)
+    v, _ = pack(lengths, 2, head_dim_v, dtype, device, gen)
+    assert (configs.gluon_varlen_config(128, 517, 517, causal, head_dim_v) is not None) == (head_dim_v == 96)
+    out = flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+    assert out.shape == (q.shape[0], 8, head_dim_v)
+    for b in range(len(lengths)):
+        if lengths[b] == 0:
+            continue
+        rows = slice(cu[b], cu[b + 1])
+        qb, kb, vb = q[None, rows], k[None, rows], v[None, rows]
+        assert_close_to_exact(out[None, rows], torch_attention(qb, kb, vb, None, causal),
+                              attention_reference(qb, kb, vb, None, causal), dtype, f"sequence {b}")
+
+
+def test_gluon_separate_v_builds_compile_for_sm90_without_spills():
+    """QK 192 / V 128 (and V in QK's tile width, 128 / 96, dense and varlen) compile offline with V and O in their
+    own tiles:
+    wgmma chains on both widths, shared memory under sm_90's, no spill (in a fresh process, as above)."""
+    script = (
+        "import re, subprocess, tempfile\n"
+        "from triton.backends.nvidia.compiler import get_ptxas\n"
+        "from flashtriton import configs\n"
+        "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
+        "from flashtriton.kernels.gluon_common import SHARED_MEMORY_LIMIT\n"
+        "for head_dim, head_dim_v, causal, keys, varlen in ((192, 128, True, 16384, False),\n"
+        "                                                   (192, 128, False, 1024, False),\n"
+        "                                                   (128, 96, True, 4096, False),\n"
+        "                                                   (128, 96, True, 4096, True)):\n"
+        "    config = (configs.gluon_varlen_config(head_dim, keys, keys, causal, head_dim_v) if varlen else\n"
+        "              configs.gluon_fwd_config(head_dim, keys, keys, causal, 0, head_dim_v))\n"
+        "    compiled = compile_for_sm90(head_dim, causal, config, varlen=varlen, head_dim_v=head_dim_v)\n"
+        "    assert 'wgmma.mma_async' in compiled.asm['ptx'] and compiled.metadata.shared <= SHARED_MEMORY_LIMIT\n"
+        "    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:\n"
+        "        f.write(compiled.asm['ptx']); f.flush()\n"
+        "        report = subprocess.run([get_ptxas(90).path, '-arch=sm_90a', '-v', f.name, '-o', '/dev/null'],\n"
+        "                                capture_output=True, text=True, check=True).stderr\n"
+        "    spill = max(int(n) for n in re.findall(r'(\\d+) bytes spill stores', report))\n"
+        "    print('compiled', head_dim, head_dim_v, causal, 'spill', spill)\n"
+    )
+    out = compile_in_fresh_process(script)
+    lines = [line for line in out.splitlines() if line.startswith("compiled")]
+    assert len(lines) == 4, out
+    assert all(line.endswith("spill 0") for line in lines), lines
+
+
+def test_gluon_paged_builds_compile_for_sm90_without_spills():
+    """The varlen forward over pages of 128 and 256 keys (each K/V tile one page's rows, its page read from the
+    block table by the producer) compiles offline within its spill budget (in a fresh process, as above): 8
+    bytes causal with triton 3.6's ptxas, in the producer's tile loop (its block-table row pointer), which waits
+    on the consumers most of its time."""
+    script = (
+        "import re, subprocess, tempfile\n"
+        "from triton.backends.nvidia.compiler import get_ptxas\n"
+        "from flashtriton import configs\n"
+        "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
+        "for page_size, causal in ((128, True), (256, False)):\n"
+        "    config = configs.gluon_varlen_config(128, 4096, 4096, causal)\n"
+        "    compiled = compile_for_sm90(128, causal, config, varlen=True, page_size=page_size)\n"
+        "    assert 'wgmma.mma_async' in compiled.asm['ptx']\n"
+        "    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:\n"
+        "        f.write(compiled.asm['ptx']); f.flush()\n"
+        "        report = subprocess.run([get_ptxas(90).path, '-arch=sm_90a', '-v', f.name, '-o', '/dev/null'],\n"
+        "                                capture_output=True, text=True, check=True).stderr\n"
+        "    spill = max(int(n) for n in re.findall(r'(\\d+) bytes spill stores', report))\n"
+        "    print('compiled', page_size, causal, 'spill', spill)\n"
+    )
+    lines = [line.split() for line in compile_in_fresh_process(script).splitlines() if line.startswith("compiled")]
+    assert len(lines) == 2, lines
+    assert all(int(spill) <= (8 if causal == "True" else 0) for _, _, causal, _, spill in lines), lines
 
 
 VARIANT_CONFIGS = ["default", "64-key tiles, 4 stages", "causal items one at a time", "three consumers", "overlap",

@@ -329,3 +329,52 @@ def test_large_paged_prefill(page_size, device):
     assert_same((out, lse), packed_call(p, lengths_k, p.dense_k, p.dense_v, causal=True), device)
     few = dataclasses.replace(p, lengths_q=p.lengths_q[:4], lengths_k=p.lengths_k[:4])
     check_against_reference(few, out, lse, Variant(causal=True))
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forward over pages: sm_90 only (no interpreter)")
+@pytest.mark.parametrize("page_size", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gluon_paged_prefill(page_size, causal, dtype, device, monkeypatch):
+    """Pages of whole key tiles on Hopper take the Gluon forward (counted): ragged sequences (no queries, no
+    cached keys, a chunk after a long prefix, one token) over a pool whose unused rows are NaN and whose unused
+    block-table entries are past the pool, GQA 8/2, D=128: against float64 per sequence and the packed call on
+    the gathered keys; seqused_k shorter than cu_seqlens_k's counts; bad values (a used page past the pool, a
+    negative one, seqused_k past the row or negative) give that sequence NaN rows, the others as without them."""
+    from flashtriton.kernels import forward_gluon_launch as G
+
+    monkeypatch.setattr(paging, "CHECK_VALUES", False)
+    calls = []
+    launch = G.launch_forward_gluon
+    monkeypatch.setattr(G, "launch_forward_gluon", lambda *a, **kw: (calls.append(kw or a[-1]), launch(*a, **kw)))
+    lengths_q = [300, 0, 17, 129, 1, 640]
+    lengths_k = [300, 50, 17, 1200, 700, 640]
+    p = make_paged(lengths_q, lengths_k, page_size, 8, 2, 128, dtype, device, seed=page_size + causal)
+    out, lse = paged_call(p, causal=causal)
+    assert len(calls) == 1, "the Gluon forward did not take the call"
+    check_against_reference(p, out, lse, Variant(causal=causal))
+    assert_same((out, lse), packed_call(p, lengths_k, p.dense_k, p.dense_v, causal=causal), device)
+
+    used = [max(lq, min(lk, lk - 100)) for lq, lk in zip(lengths_q, lengths_k)]
+    seqused = torch.tensor(used, dtype=torch.int32, device=device)
+    out_used, lse_used = paged_call(p, causal=causal, seqused_k=seqused)
+    check_against_reference(p, out_used, lse_used, Variant(causal=causal), lengths_k=used)
+
+    table = p.block_table.clone()
+    table[0, 1] = p.k_pool.shape[0]  # a used page past the pool
+    table[3, 0] = -1  # negative
+    bad_used = torch.tensor([300, 50, table.shape[1] * page_size + 1, 1200, -1, 640], dtype=torch.int32,
+                            device=device)
+    out_bad, lse_bad, _ = flashtriton.flash_attn_varlen_func(
+        p.q, p.k_pool, p.v_pool, p.cu_q, p.cu_k, max(lengths_q), max(lengths_k), causal=causal,
+        return_attn_probs=True, block_table=table, seqused_k=bad_used)
+    bad = torch.zeros(p.q.shape[0], dtype=torch.bool, device=device)
+    for b in (0, 2, 3, 4):
+        bad[int(p.cu_q[b]):int(p.cu_q[b + 1])] = True
+    assert out_bad[bad].isnan().all() and lse_bad[:, bad].isnan().all()
+    assert torch.equal(out_bad[~bad], out[~bad]) and torch.equal(lse_bad[:, ~bad], lse[:, ~bad])

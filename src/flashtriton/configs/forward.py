@@ -119,6 +119,9 @@ GLUON_DYNAMIC = dict(GLUON_BASE, CAUSAL_PAIRS=False, DYNAMIC=True)
 # one stage, and spill). H200, bf16: D=256 at 0.75-0.85x cuDNN and D=192 at 0.59-0.67x (the portable kernels:
 # 0.19-0.38x), above FLASH at every point; D=80 / 96 (D=128's configs) at 0.92-1.08x.
 GLUON_D256 = dict(GLUON_BASE, BLOCK_N=32)
+# QK in 256-column tiles with V (and O) in 128 (DeepSeek's MLA, QK 192 / V 128): K and V of 64-key tiles take
+# 2 · 64 · (256 + 128) values a stage, so two stages fit beside Q and O (192 KB of 227).
+GLUON_D256_V128 = dict(GLUON_BASE, BLOCK_N=64)
 NO_GLUON = "why: no Gluon config for the shape: the TMA kernel runs it"
 
 # D=64 and D=128 take the Gluon forward at every dense length: it is ahead of the TMA kernel at every point of the
@@ -161,13 +164,26 @@ def gluon_head_block(head_dim: int) -> int | None:
     return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
-def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, band: int = 0) -> dict | None:
+# V's head dim where it is not QK's (`head_dim_v`): a V in tiles as wide as QK's takes QK's rule; otherwise
+# the rule of the pair of tile widths, here.
+GLUON_SEPARATE_V_FWD = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
+    # gpu dtype  QK tiles  V tiles  config            source
+    (SM90, "16", 256,      128,     GLUON_D256_V128,  "why: UNMEASURED (branch gluon-separate-v)"),
+    (ANY,  ANY,  ANY,      ANY,     None,             "why: no Gluon config for the pair: the portable kernel runs it"),
+])
+
+
+def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, band: int = 0,
+                     head_dim_v: int | None = None) -> dict | None:
     """The Gluon forward's config for a dense call (`GLUON_FWD`), or None (the TMA kernel). `band`: the most keys
     a query row sees under a sliding window (0: no window), which picks `GLUON_WINDOW_FWD`'s rule where it is
-    shorter than the keys. Head dims take the rows of their tiles' (`gluon_head_block`: D=80 those of 128)."""
-    head_dim = gluon_head_block(head_dim)
-    if head_dim is None:
+    shorter than the keys. Head dims take the rows of their tiles' (`gluon_head_block`: D=80 those of 128).
+    `head_dim_v`: V's head dim (default: D), `GLUON_SEPARATE_V_FWD` where its tiles are narrower than QK's."""
+    head_dim, block_v = gluon_head_block(head_dim), gluon_head_block(head_dim if head_dim_v is None else head_dim_v)
+    if head_dim is None or block_v is None:
         return None
+    if block_v != head_dim:
+        return GLUON_SEPARATE_V_FWD.lookup(SM90, "16", head_dim, block_v)
     if 0 < band < seqlen_k:
         config = GLUON_WINDOW_FWD.lookup(SM90, "16", head_dim, band)
         if config is not None:
@@ -185,10 +201,12 @@ GLUON_VARLEN_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
 ])
 
 
-def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> dict | None:
-    """The Gluon forward's config for packed (varlen) batches (`GLUON_VARLEN_FWD`), or None (the TMA kernel)."""
-    head_dim = gluon_head_block(head_dim)
-    return None if head_dim is None else GLUON_VARLEN_FWD.lookup(SM90, "16", head_dim)
+def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                        head_dim_v: int | None = None) -> dict | None:
+    """The Gluon forward's config for packed (varlen) batches (`GLUON_VARLEN_FWD`), or None (the TMA kernel).
+    `head_dim_v`: V's head dim (default: D); a V in tiles of another width than QK's has no varlen rule."""
+    block, block_v = gluon_head_block(head_dim), gluon_head_block(head_dim if head_dim_v is None else head_dim_v)
+    return None if block is None or block_v != block else GLUON_VARLEN_FWD.lookup(SM90, "16", block)
 
 
 def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:

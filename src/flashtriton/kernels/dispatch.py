@@ -55,7 +55,8 @@ class Kernel:
 
 
 KERNELS = (
-    Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, GLUON_HEAD_DIMS, fields=SCORES),
+    Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, GLUON_HEAD_DIMS, paged=True,
+           fields=SCORES, separate_v=True),
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
     Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", paged=True, fields=TRAINING, separate_v=True),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF,

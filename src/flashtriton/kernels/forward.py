@@ -382,9 +382,11 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
     v_shape = k_shape if v_shape is None else v_shape
     separate_v = v_shape[-1] != head_dim
     causal, causal_bottom_right = variant.causal, variant.bottom_right
-    out_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim, 1)
+    head_dim_v = v_shape[-1]
+    out_shape = (batch, seqlen_q, heads_q, head_dim_v)
+    out_strides = (seqlen_q * heads_q * head_dim_v, heads_q * head_dim_v, head_dim_v, 1)
     if not use_tma or not tma_layout_ok(device, dtype, (q_shape, q_strides), (k_shape, k_strides),
-                                        (v_shape, v_strides), (q_shape, out_strides)):
+                                        (v_shape, v_strides), (out_shape, out_strides)):
         return None
     major = capability(device)[0]
     tma = dispatch.supports("tma_fwd", dtype, head_dim, major, False, False, variant.fields(), separate_v)
@@ -392,11 +394,12 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
                                                 separate_v)
     if not (tma or use_gluon):
         return None
-    gluon_config = (configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal, variant.band(k_shape[1]))
-                    if use_gluon else None)
+    gluon_config = (configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal, variant.band(k_shape[1]),
+                                             head_dim_v) if use_gluon else None)
     if gluon_config is not None:
         grid, ints, meta = forward_gluon_launch.launch_parts(q_shape, k_shape, causal, causal_bottom_right,
-                                                             gluon_config, sm_count(device.index), variant=variant)
+                                                             gluon_config, sm_count(device.index), variant=variant,
+                                                             head_dim_v=head_dim_v)
         return _DenseTmaPlan(forward_gluon_launch.KERNEL, grid, ints, meta, None, gluon_config["BLOCK_N"], True)
     if not tma:  # a head dim only the Gluon kernel's padded tiles take, without a config: the portable kernel
         return None
@@ -425,6 +428,54 @@ def _paged_args(block_table, k, seqused_k) -> tuple:
     if block_table is None:
         return None, None, None, None, seqused_k
     return block_table, block_table.stride(0), block_table.shape[1] * k.shape[1], k.shape[0], seqused_k
+
+
+def _paged_gluon_keys(cu_seqlens_k, seqused_k, block_table, page_size: int, num_pages: int):
+    """(cu_seqlens int32 (B + 1,) whose differences are the sequences' key counts, bad bool (B,)) for the Gluon
+    forward over pages, from the device tensors without a sync: a sequence is bad where its key count (seqused_k's,
+    else cu_seqlens_k's difference) is negative or more than its block-table row holds, or one of the entries its
+    keys use is not a page (`kernels.paged`'s rules); a bad sequence gets 0 keys here and NaN rows after."""
+    lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    ok = (lens >= 0) & (lens <= block_table.shape[1] * page_size)
+    pages = torch.where(ok, (lens + page_size - 1) // page_size, 0)
+    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] < pages[:, None]
+    ok &= ~(((block_table < 0) | (block_table >= num_pages)) & used).any(1)
+    cu = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+    cu[1:] = torch.where(ok, lens, 0).cumsum(0)  # (int32 wraps past 2^31: the kernel takes differences only)
+    return cu, ~ok
+
+
+def _launch_paged_gluon(q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, alibi_slopes, learnable_sink, block_table, seqused_k) -> bool:
+    """Paged varlen prefill on the Gluon forward where it takes the call (Hopper, fp16/bf16, a head dim with a
+    varlen config, no dropout, pages of whole key tiles, pools whose pages are evenly spaced rows, TMA-aligned):
+    launched, with bad sequences' rows set to NaN as the portable kernel does (`_paged_gluon_keys`); True. Else
+    False (the portable kernel runs it)."""
+    if (INTERPRET or not q.is_cuda or softmax_scale <= 0 or forward_gluon_launch is None
+            or not dispatch.allows("gluon")
+            or not dispatch.supports("gluon_fwd", q.dtype, q.shape[-1], capability(q.device)[0], True, True,
+                                     variant.fields(), v.shape[-1] != q.shape[-1])):
+        return False
+    config = configs.gluon_varlen_config(q.shape[-1], max_seqlen_q, max_seqlen_k, variant.causal, v.shape[-1])
+    page_size = k.shape[1]
+    k_rows, v_rows = forward_gluon_launch.flat_pages(k), forward_gluon_launch.flat_pages(v)
+    batch = cu_seqlens_q.numel() - 1
+    if (config is None or page_size % config["BLOCK_N"] or k_rows is None or v_rows is None
+            or not tma_ok(q, k_rows, v_rows, out)
+            or forward_gluon_launch.work_units(max_seqlen_q, q.shape[1], batch, config, variant.causal)
+            >= forward_gluon_launch.UNIT_LIMIT):
+        return False
+    cu_k, bad = _paged_gluon_keys(cu_seqlens_k, seqused_k, block_table, page_size, k.shape[0])
+    forward_gluon_launch.launch_forward_gluon(q, k_rows, v_rows, out, lse, softmax_scale, variant.causal,
+                                              variant.bottom_right, config, cu_seqlens_q, cu_k, max_seqlen_q,
+                                              max_seqlen_k, variant, alibi_slopes, learnable_sink, block_table,
+                                              page_size)
+    tokens = torch.arange(q.shape[0], dtype=cu_seqlens_q.dtype, device=q.device)
+    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)  # B past the last sequence
+    bad_token = torch.cat([bad, bad.new_zeros(1)])[seq]
+    out.masked_fill_(bad_token[:, None, None], float("nan"))
+    lse.masked_fill_(bad_token[None, :], float("nan"))
+    return True
 
 
 def attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,8 +514,9 @@ def launch_forward(
     Hkv, D), v (num_pages, page_size, Hkv, Dv), sequence b's keys from its row's pages; seqused_k int32 (B,),
     contiguous, with or without pages: sequence b's key count (else cu_seqlens_k's). Values out of range give the
     sequence NaN (`paged`). The portable kernel runs these calls (the dispatch's `paged` layout).
-    Any strides with a contiguous last dim. Dv (V's head dim) may differ from D: the portable kernel runs such
-    calls (the Hopper kernels declare Dv == D only). `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
+    Any strides with a contiguous last dim. Dv (V's head dim) may differ from D: the Gluon kernel runs such calls
+    where `configs.gluon_fwd_config` / `gluon_varlen_config` have a rule for the pair, the portable kernel the
+    rest (the TMA kernel declares Dv == D only). `config` forces {"BLOCK_M", "BLOCK_N", "num_warps",
     "num_stages"} of the portable kernel instead of autotuning (always so under the interpreter). Without
     one, on Hopper, fp16/bf16 inputs (dense or varlen) with head dim 64 or 128 take the TMA kernel
     (`_attn_fwd_tma`; FLASHTRITON_KERNEL=portable turns it off), or where `configs.gluon_fwd_config` (dense) or
@@ -507,11 +559,15 @@ def launch_forward(
             _launch_dense_tma(plan, q, k, v, out, lse,
                               variant.forward_args(softmax_scale, alibi_slopes, learnable_sink))
             return out, lse, None
+    if config is None and block_table is not None and _launch_paged_gluon(
+            q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            alibi_slopes, learnable_sink, block_table, seqused_k):
+        return out, lse, None
     varlen_tma = dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(), separate_v)
-    if (config is None and varlen and tma_ok(q, k, v, out)
+    if (config is None and varlen and not paged and tma_ok(q, k, v, out)
             and (varlen_tma or dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(),
                                                  separate_v))):
-        gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal))
+        gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal), head_dim_v)
                         if dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0
                         and dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(),
                                               separate_v)

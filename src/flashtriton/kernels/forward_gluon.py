@@ -170,11 +170,12 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
 
 @gluon.jit
 def _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, IS_CAUSAL: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, dtype: gl.constexpr, SCORES: gl.constexpr = 0):
+                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, dtype: gl.constexpr,
+                   SCORES: gl.constexpr = 0):
     """An item's first tile of scores s (ROWS, BLOCK_N), of keys from `first`, from a fresh softmax state:
     (p_op, m_i, l_i), p_op the P operand of its P V."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(HEAD_DIM), k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(HEAD_DIM_V), k_width=2)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -185,7 +186,8 @@ def _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slo
 
 @gluon.jit
 def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_scale, window, scores, slope,
-                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_BUFFERS: gl.constexpr,
                 SCORES: gl.constexpr = 0):
     """Tile c of the ring, an item's first: its scores and softmax (its P V goes out with the next tile's
     scores): (p_op, m_i, l_i)."""
@@ -197,26 +199,27 @@ def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(stage), count=1)
     p_op, m_i, l_i = _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, IS_CAUSAL,
-                                    HEAD_DIM, BLOCK_N, q.dtype, SCORES)
+                                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, q.dtype, SCORES)
     return p_op, m_i, l_i
 
 
 @gluon.jit
 def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
                 first, seqlen_k, diag, qk_scale, window, scores, slope, IS_CAUSAL: gl.constexpr,
-                IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_BUFFERS: gl.constexpr,
                 SCORES: gl.constexpr = 0):
     """Tiles c + 1 .. c + n_tiles - 1 of an item whose first tile (c) left (p_op, m_i, l_i): per tile j, S_j and
     P_{j-1} V_{j-1} as asynchronous wgmmas, S_j's softmax while the second runs (FlashAttention-3's
     intra-warpgroup overlap). Returns (acc, p_op, m_i, l_i): acc holds P V of all but the last tile,
     whose P is p_op."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q.dtype
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
     stage = c % NUM_BUFFERS
     for j in range(1, n_tiles):
         prev = stage
@@ -225,7 +228,7 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
         _wait_v(v_ready, v_fixed, prev, ((c + j - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
         s_tok = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
-        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first + j * BLOCK_N, row0, rows, seqlen_k, diag, qk_scale,
@@ -239,11 +242,12 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
 
 @gluon.jit
 def _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+             HEAD_DIM_V: gl.constexpr,
              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
     """acc += P V of ring tile c, an item's last, alone on the tensor cores."""
     stage = c % NUM_BUFFERS
     _wait_v(v_ready, v_fixed, stage, (c // NUM_BUFFERS) & 1, IS_VARLEN)
-    acc_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    acc_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
     mbarrier.arrive(v_empty.index(stage), count=1)
     return acc
@@ -252,15 +256,17 @@ def _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c, IS_VARLEN: gl.cons
 @gluon.jit
 def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0, first, seqlen_k, diag,
             qk_scale, window, scores, slope, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+            HEAD_DIM_V: gl.constexpr,
             BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
     """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1), keys from
     `first`: (acc, m_i, l_i, next tile)."""
     p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_scale, window,
-                                 scores, slope, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, SCORES)
+                                 scores, slope, IS_CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
     acc, p_op, m_i, l_i = _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty,
                                       c, n_tiles, row0, first, seqlen_k, diag, qk_scale, window, scores, slope,
-                                      IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, SCORES)
-    acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c + n_tiles - 1, IS_VARLEN, HEAD_DIM, BLOCK_N,
+                                      IS_CAUSAL, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
+    acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c + n_tiles - 1, IS_VARLEN, HEAD_DIM, HEAD_DIM_V,
+                   BLOCK_N,
                    NUM_BUFFERS)
     return acc, m_i, l_i, c + n_tiles
 
@@ -268,6 +274,7 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n
 @gluon.jit
 def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
                 stride_lb, stride_lh, sink, WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                HEAD_DIM_V: gl.constexpr,
                 BLOCK_N: gl.constexpr, COMPACT: gl.constexpr = False, SCORES: gl.constexpr = 0):
     """out = acc / l, lse = m + log(l) of one warpgroup's 64 rows (rows that saw no key: out 0, lse -inf). Dense:
     through o_bufs[WG] and a TMA store (the caller has waited for the previous one to leave); varlen: masked
@@ -275,7 +282,7 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
     instructions each), for `_consume_flat`, whose loop holds the store. SINKS: the head's `sink` (`_sink`) joins
     the denominator first, as `variant.add_sink` does (rows that saw no key: out 0, lse = the sink)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
     if SCORES & SC_SINKS:
         m_new = gl.maximum(m_i, sink)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -292,14 +299,14 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
         out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
     if IS_VARLEN:
         o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = (O + (q_start + o_rows)[:, None].to(gl.int64) * stride_om + off_h * stride_oh
                   + o_cols[None, :])
         # (stride_oh is the head dim of the contiguous out: the tiles' columns past it belong to the next head)
         gl.store(o_ptrs, out, mask=(o_rows < seqlen_q)[:, None] & (o_cols < stride_oh)[None, :])
     else:
         o_smem = o_bufs.index(WG)
-        o_smem.reshape([ROWS, HEAD_DIM]).store(out)
+        o_smem.reshape([ROWS, HEAD_DIM_V]).store(out)
         fence_async_shared()
         tma.async_copy_shared_to_global(desc_o, [off_b, row0, off_h, 0], o_smem)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
@@ -311,6 +318,7 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
 @gluon.jit
 def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles,
                   WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  HEAD_DIM_V: gl.constexpr,
                   BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr,
                   SCORES: gl.constexpr = 0):
     """One item's rows of this warpgroup, its Q landed in slot qs: attend, release the slot, store out and lse.
@@ -319,7 +327,7 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
      items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
     row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
     q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
     sink = _sink(scores, off_h, SCORES)
@@ -327,15 +335,15 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
     if n_tiles > 0:
         acc, m_i, l_i, c = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
                                    first, seqlen_k, diag, qk_scale, items[7], scores, slope, IS_CAUSAL, IS_VARLEN,
-                                   HEAD_DIM, BLOCK_N, NUM_BUFFERS, SCORES)
+                                   HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
         m_i = _alibi_rows(m_i, slope, IS_CAUSAL, s_layout, SCORES)
     else:  # rows that see no key (causal with Sq > Sk, a window past the keys)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.arrive(q_empty.index(qs), count=1)
     _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
-                stride_lb, stride_lh, sink, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, False, SCORES)
+                stride_lb, stride_lh, sink, WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCORES)
     return c
 
 
@@ -356,7 +364,8 @@ def _following_item(qi, slots, q_ready, window, IS_CAUSAL: gl.constexpr, CAUSAL_
 
 @gluon.jit
 def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-                    IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr,
+                    IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                    N_CONSUMERS: gl.constexpr,
                     Q_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
     """The first item from Q slot qi on whose rows see a key: (qi, valid, off_b, off_h, start_m, q_start, seqlen_q,
     seqlen_k, diag, first, n_tiles). Items before it (rows that see no key: causal with Sq > Sk, a window past
@@ -369,11 +378,11 @@ def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
     while valid & (n_tiles == 0):
         if not IS_VARLEN:
             tma.store_wait(0)  # the previous output has left o_smem
-        _store_item(gl.zeros([ROWS, HEAD_DIM], gl.float32, wgmma_layout(HEAD_DIM)),
+        _store_item(gl.zeros([ROWS, HEAD_DIM_V], gl.float32, wgmma_layout(HEAD_DIM_V)),
                     gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout)),
                     gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout)), o_bufs, desc_o, O, LSE, off_b, off_h,
                     start_m * ROWS * N_CONSUMERS + WG * ROWS, q_start, seqlen_q, stride_om, stride_oh, stride_lb,
-                    stride_lh, _sink(scores, off_h, SCORES), WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
+                    stride_lh, _sink(scores, off_h, SCORES), WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, SCORES)
         mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
         qi += 1
         valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _following_item(
@@ -383,19 +392,21 @@ def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
 
 @gluon.jit
 def _item_after(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-                IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, N_CONSUMERS: gl.constexpr,
+                IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                N_CONSUMERS: gl.constexpr,
                 Q_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
     """The item in Q slot qi has had its last S: give its slot back, then `_item_with_keys` from slot qi + 1."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, desc_o, O, LSE,
      items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
     mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
-    return _item_with_keys(qi + 1, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N,
+    return _item_with_keys(qi + 1, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
                            N_CONSUMERS, Q_BUFFERS, SCORES)
 
 
 @gluon.jit
 def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-                  IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                  IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_BUFFERS: gl.constexpr,
                   N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
     """OVERLAP: one loop over the K/V tiles of all this program's items. Each step issues S of the next tile (the
     current item's, or the next item's first) with P V of the tile before (whichever item that belongs to), then
@@ -414,18 +425,19 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     scores = _consumer_scores(scores, IS_CAUSAL, BLOCK_N, SCORES)
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
     # The S side: the item in Q slot qi, tile j of its n_tiles; the output side (o_*): the item accumulated in acc.
     qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _item_with_keys(
-        gl.to_tensor(0), shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS,
+        gl.to_tensor(0), shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+        N_CONSUMERS, Q_BUFFERS,
         SCORES)
     slope = _slope(scores, off_b, off_h, SCORES)
     sink = _sink(scores, off_h, SCORES)
     c = gl.to_tensor(0)  # K/V tiles consumed, over all items
     j = gl.to_tensor(0)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
     p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -439,12 +451,14 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     if valid:  # the program's first S, with no P V beside it
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
         p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, o_row0, first, seqlen_k, diag, qk_scale,
-                                     items[7], scores, slope, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_BUFFERS, SCORES)
+                                     items[7], scores, slope, IS_CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS,
+                                     SCORES)
         c = 1
         j = 1
         if n_tiles == 1:
             qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _item_after(
-                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS,
+                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, N_CONSUMERS,
+                Q_BUFFERS,
                 SCORES)
             slope = _slope(scores, off_b, off_h, SCORES)
             sink = _sink(scores, off_h, SCORES)
@@ -459,7 +473,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         _wait_v(v_ready, v_fixed, prev, ((c - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
         s_tok = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                               gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S done; the P V before it may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         starts = j == 0  # S is an item's first tile
@@ -475,8 +489,9 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
                 tma.store_wait(0)  # the previous output has left o_smem
             _store_item(acc, _alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
                         o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
-                        stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+                        stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True,
+                        SCORES)
+            acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
             o_b = off_b
             o_h = off_h
             o_row0 = row0
@@ -493,41 +508,47 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         j += 1
         if j == n_tiles:  # the item's last S is done: its Q slot may take the next Q
             qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _item_after(
-                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, N_CONSUMERS, Q_BUFFERS,
+                qi, shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, N_CONSUMERS,
+                Q_BUFFERS,
                 SCORES)
             slope = _slope(scores, off_b, off_h, SCORES)
             sink = _sink(scores, off_h, SCORES)
             j = 0
     if c > 0:  # the last item's last P V, alone
-        acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c - 1, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS)
+        acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c - 1, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                       NUM_BUFFERS)
         if not IS_VARLEN:
             tma.store_wait(0)
         _store_item(acc, _alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
                     o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
-                    stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, BLOCK_N, True, SCORES)
+                    stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, SCORES)
     if not IS_VARLEN:
         tma.store_wait(0)  # the last item's output has left o_smem
 
 
 @gluon.jit
 def _consumer(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-              IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+              IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_BUFFERS: gl.constexpr,
               N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr,
               OVERLAP: gl.constexpr, SCORES: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each of this program's items; `shared` holds what every consumer takes (the
     kernel's `consumer_args`): item by item (`_consume_in_turn`) or, OVERLAP, with each item's end overlapped
     with the next one's start (`_consume_flat`)."""
     if OVERLAP:
-        _consume_flat(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
+        _consume_flat(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                      NUM_BUFFERS, N_CONSUMERS,
                       Q_BUFFERS, SCORES)
     else:
-        _consume_in_turn(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+        _consume_in_turn(shared, WG, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                         NUM_BUFFERS,
                          N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, SCORES)
 
 
 @gluon.jit
 def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
-                     IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                     IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_BUFFERS: gl.constexpr,
                      N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr,
                      DYNAMIC: gl.constexpr, SCORES: gl.constexpr = 0):
     """This warpgroup's rows of each item in turn. The output leaves through o_smem and a TMA store (dense: rows
@@ -552,7 +573,8 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
                 diag, first, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, items[7], IS_CAUSAL,
                                                              CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N, SCORES)
                 c = _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first,
-                                  n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
+                                  n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS,
+                                  N_CONSUMERS,
                                   SCORES)
             qi += 1
     else:
@@ -569,7 +591,8 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
                 qs = qi % Q_BUFFERS
                 mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
                 c = _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first,
-                                  n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
+                                  n_tiles, WG, IS_CAUSAL, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS,
+                                  N_CONSUMERS,
                                   SCORES)
                 qi += 1
     if not IS_VARLEN:
@@ -577,16 +600,18 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
 
 
 @gluon.jit(do_not_specialize=["stride_om", "stride_oh", "stride_lb", "stride_lh", "HEADS", "BATCH", "GROUP_SIZE",
-                              "SEQLEN_Q", "SEQLEN_K", "window_left", "window_right", "stride_alibi_b"])
+                              "SEQLEN_Q", "SEQLEN_K", "window_left", "window_right", "stride_alibi_b", "stride_btb"])
 def _attn_fwd_gluon(
     desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
     qk_scale, window_left, window_right, softcap, ALIBI, stride_alibi_b, SINKS,  # as `forward._attn_fwd` takes them
     stride_om, stride_oh, stride_lb, stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
+    BLOCK_TABLE, stride_btb,  # PAGE_SIZE > 0: int32 (B, pages per sequence) and its row stride; else unused
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, N_CONSUMERS: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr,
     HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False, HAS_ALIBI: gl.constexpr = False,
-    HAS_SINKS: gl.constexpr = False,
+    HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -655,28 +680,35 @@ def _attn_fwd_gluon(
     scores = (gl.to_tensor(softcap) if HAS_SOFTCAP else NONE, ALIBI if HAS_ALIBI else NONE,
               gl.to_tensor(stride_alibi_b) if HAS_ALIBI else NONE, SINKS if HAS_SINKS else NONE)
     items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, window)  # what `work` hands out
+    paging = (BLOCK_TABLE, gl.to_tensor(stride_btb))  # PAGE_SIZE > 0: the producer reads each tile's page there
     producer_args = (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,
-                     k_empty, v_empty, items, n_items, group_size, slots, COUNTER)
+                     k_empty, v_empty, items, n_items, group_size, slots, COUNTER, paging)
     consumer_args = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
-                     desc_o, O, LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores)
+                     desc_o, O, LSE, items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots,
+                     scores)
     # One list per consumer count (a kernel cannot hold a function in a variable, nor grow a list in a loop).
     if N_CONSUMERS == 3:
         gl.warp_specialize([
             (producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
-                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP, SCORES)),
-            (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP, SCORES, PAGE_SIZE)),
+            (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                         NUM_BUFFERS,
                          N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
-            (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+            (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                         NUM_BUFFERS,
                          N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
-            (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+            (_consumer, (consumer_args, WG2, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                         NUM_BUFFERS,
                          N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (producer, (producer_args, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, BLOCK_N, NUM_BUFFERS, N_CONSUMERS,
-                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP, SCORES)),
-            (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+                         Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, DYNAMIC or OVERLAP, SCORES, PAGE_SIZE)),
+            (_consumer, (consumer_args, WG0, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                         NUM_BUFFERS,
                          N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
-            (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_BUFFERS,
+            (_consumer, (consumer_args, WG1, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                         NUM_BUFFERS,
                          N_CONSUMERS, Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, SCORES)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

@@ -33,13 +33,16 @@ def work_units(seqlen_q: int, heads_q: int, batch: int, config: dict, causal: bo
     return ((n_m + 1) // 2 if causal and config["CAUSAL_PAIRS"] else n_m) * heads_q * batch
 
 
-def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen: bool = False) -> int:
+def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen: bool = False,
+                        head_dim_v: int | None = None) -> int:
     """Shared memory of the kernel's tiles under `config` (barriers aside): Q slots, the K/V ring and, dense, the O
-    staging tiles. Three consumers with two Q slots at D = 128 need 272 KB: more than sm_90 has."""
+    staging tiles, for tiles of `head_dim` columns (V and O: `head_dim_v`'s, default the same). Three consumers
+    with two Q slots at D = 128 need 272 KB: more than sm_90 has."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     rows = ROWS.value * config["N_CONSUMERS"]
     q = config["Q_BUFFERS"] * rows * head_dim
-    kv = 2 * config["NUM_BUFFERS"] * config["BLOCK_N"] * head_dim
-    o = 0 if varlen else rows * head_dim
+    kv = config["NUM_BUFFERS"] * config["BLOCK_N"] * (head_dim + head_dim_v)
+    o = 0 if varlen else rows * head_dim_v
     return elem_bytes * (q + kv + o)
 
 
@@ -53,82 +56,111 @@ def kernel_config(config: dict) -> dict:
 
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,
                  batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                 variant: Variant | None = None):
+                 variant: Variant | None = None, head_dim_v: int | None = None):
     """(grid, int arguments after the variant's, constexprs and options) of a launch. Dense (batch None):
     q (B, Sq, Hq, D), k (B, Sk, Hkv, D), contiguous out like q and lse (B, Hq, Sq). Varlen: q (total_q, Hq, D),
     k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens, contiguous out like q
-    and lse (Hq, total_q). `variant` (default: causal or not) overrides causal and causal_bottom_right."""
+    and lse (Hq, total_q). `variant` (default: causal or not) overrides causal and causal_bottom_right.
+    `head_dim_v`: V's (and out's) head dim, default D."""
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     config = kernel_config(config)
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     block_d = head_block(head_dim)  # the tiles' head dim (the kernel's HEAD_DIM); strides keep the tensors' own
+    block_dv = head_block(head_dim_v)  # V's and O's (HEAD_DIM_V)
     if varlen:
         seqlen_q, seqlen_k, lse_strides = max_seqlen_q, max_seqlen_k, (0, q_shape[0])
     else:
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         lse_strides = (heads_q * seqlen_q, seqlen_q)
-    if shared_memory_bytes(config, block_d, 2, varlen) > SHARED_MEMORY_LIMIT:
-        raise ValueError(f"Gluon forward config {config} needs {shared_memory_bytes(config, block_d, 2, varlen)} "
-                         f"bytes of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
+    smem = shared_memory_bytes(config, block_d, 2, varlen, block_dv)
+    if smem > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"Gluon forward config {config} needs {smem} bytes of shared memory at head dims "
+                         f"{head_dim} / {head_dim_v}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if config["DYNAMIC"] and causal and config["CAUSAL_PAIRS"]:
         raise ValueError(f"Gluon forward config {config}: the dynamic schedule takes items one at a time")
     units = work_units(seqlen_q, heads_q, batch, config, causal)  # pairs of items, or items
     if units >= UNIT_LIMIT:
         raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
     grid = (min(units, sms), 1, 1)
-    ints = (heads_q * head_dim, head_dim, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
-    meta = dict(**variant.forward_constexprs, IS_VARLEN=varlen, HEAD_DIM=block_d, num_warps=4, **config)
+    ints = (heads_q * head_dim_v, head_dim_v, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
+    meta = dict(**variant.forward_constexprs, IS_VARLEN=varlen, HEAD_DIM=block_d, HEAD_DIM_V=block_dv, PAGE_SIZE=0,
+                num_warps=4, **config)
     return grid, ints, meta
 
 
 def launch_args(q, k, v, out, lse, scalars: tuple, block_n: int, ints: tuple, cu_seqlens_q=None,
-                cu_seqlens_k=None, counter=None) -> tuple:
+                cu_seqlens_k=None, counter=None, block_table=None) -> tuple:
     """The kernel's runtime arguments: the four descriptors, out, lse, cu_seqlens (varlen; else lse stands in),
     the dynamic schedule's counter (a zeroed int32; else lse stands in), the variant's arguments
-    (`Variant.forward_args`: the scale first), then `ints`."""
+    (`Variant.forward_args`: the scale first), `ints`, then the block table and its row stride (paged; else lse
+    and 0). Paged: k and v are the page pools flattened to (pages · page_size, Hkv, D) (`flat_pages`)."""
     varlen = cu_seqlens_q is not None
     rows = ROWS.value
-    block_d = head_block(q.shape[-1])
+    block_d, block_dv = head_block(q.shape[-1]), head_block(v.shape[-1])
     return (descriptor(q, rows, varlen, block_d), descriptor(k, block_n, varlen, block_d),
-            descriptor(v, block_n, varlen, block_d), descriptor(out, rows, varlen, block_d), out, lse,
+            descriptor(v, block_n, varlen, block_dv), descriptor(out, rows, varlen, block_dv), out, lse,
             cu_seqlens_q if varlen else lse,
-            cu_seqlens_k if varlen else lse, lse if counter is None else counter, *scalars, *ints)
+            cu_seqlens_k if varlen else lse, lse if counter is None else counter, *scalars, *ints,
+            lse if block_table is None else block_table, 0 if block_table is None else block_table.stride(0))
+
+
+def flat_pages(pool: torch.Tensor) -> torch.Tensor | None:
+    """A page pool (num_pages, page_size, Hkv, D) as the (num_pages · page_size, Hkv, D) view the TMA reads
+    rows of, or None where its pages are not evenly spaced rows (no such view)."""
+    if pool.stride(0) != pool.shape[1] * pool.stride(1):
+        return None
+    return pool.view(pool.shape[0] * pool.shape[1], *pool.shape[2:])
 
 
 def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config, cu_seqlens_q=None,
                          cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, variant: Variant | None = None,
-                         alibi_slopes=None, learnable_sink=None) -> None:
-    """Dense q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), out like q, lse (B, Hq, Sq); or varlen q (total_q, Hq, D),
-    k/v (total_k, Hkv, D), out like q, lse (Hq, total_q), cu_seqlens int32 (B + 1,). out and lse contiguous,
+                         alibi_slopes=None, learnable_sink=None, block_table=None, page_size: int = 0) -> None:
+    """Dense q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), out (B, Sq, Hq, Dv), lse (B, Hq, Sq); or
+    varlen q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), out (total_q, Hq, Dv), lse (Hq,
+    total_q), cu_seqlens int32 (B + 1,). out and lse contiguous,
     fp16/bf16, D of `dispatch`'s gluon_fwd (tiles of `gluon_common.head_block(D)`), inputs that pass
     `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks).
-    `variant` (default: causal or not) with its ALiBi slopes and sinks, as `forward.launch_forward` takes them."""
+    `variant` (default: causal or not) with its ALiBi slopes and sinks, as `forward.launch_forward` takes them.
+    Paged (varlen): k, v the flattened page pools (`flat_pages`), block_table int32 (B, pages per sequence) whose
+    used entries are pages, `page_size` a multiple of the config's BLOCK_N, cu_seqlens_k's differences each
+    sequence's key count (`forward._paged_gluon_keys` makes them)."""
     batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, sm_count(q.device.index),
-                                    batch, max_seqlen_q, max_seqlen_k, variant)
+                                    batch, max_seqlen_q, max_seqlen_k, variant, v.shape[-1])
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config["DYNAMIC"] else None  # one per launch
     # `launch` skips Triton's argument binding for a call shape seen before: ~0.2 ms of host time per varlen call
     # on the H200 machine's CPU, which a benchmark that idles the GPU between calls sees as GPU idle time.
     scalars = variant.forward_args(softmax_scale, alibi_slopes, learnable_sink)
+    if block_table is not None:
+        if page_size % config["BLOCK_N"]:
+            raise ValueError(f"Gluon forward: pages of {page_size} keys are not whole tiles of {config['BLOCK_N']}")
+        meta = dict(meta, PAGE_SIZE=page_size)
     launch(_attn_fwd_gluon, grid, launch_args(q, k, v, out, lse, scalars, config["BLOCK_N"], ints, cu_seqlens_q,
-                                              cu_seqlens_k, counter), meta)
+                                              cu_seqlens_k, counter, block_table), meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
-                     varlen: bool = False, variant: Variant | None = None):
+                     varlen: bool = False, variant: Variant | None = None, head_dim_v: int | None = None,
+                     page_size: int = 0):
     """Compile the kernel for sm_90 without a GPU (Triton's frontend and Hopper passes, then its bundled ptxas):
     compiled.asm["ptx"] / ["cubin"], compiled.metadata.shared. For tests and for looking at what a change does
-    to registers and spills (`ptxas -v` on the PTX) before spending device time. Not under the interpreter."""
+    to registers and spills (`ptxas -v` on the PTX) before spending device time. Not under the interpreter.
+    `head_dim_v`: V's head dim (default: head_dim); `page_size` > 0: paged K/V (varlen)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
+    tv = torch.empty(*t.shape[:-1], head_dim_v, dtype=dtype)
     batch = 2 if varlen else None
     variant = Variant.of(causal, True) if variant is None else variant
-    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256, variant)
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256, variant, head_dim_v)
+    if page_size:
+        meta["PAGE_SIZE"] = page_size
     slopes = torch.empty(4) if variant.has_alibi else None
     sinks = torch.empty(4) if variant.has_sinks else None
     for name, value in zip(("qk_scale", "window_left", "window_right", "softcap", "ALIBI", "stride_alibi_b", "SINKS"),
@@ -137,13 +169,14 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
             meta[name] = None  # off: a constexpr
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
-    block_d = head_block(head_dim)
-    descriptors = {"desc_q": descriptor(t, rows, varlen, block_d), "desc_o": descriptor(t, rows, varlen, block_d),
+    block_d, block_dv = head_block(head_dim), head_block(head_dim_v)
+    descriptors = {"desc_q": descriptor(t, rows, varlen, block_d), "desc_o": descriptor(tv, rows, varlen, block_dv),
                    "desc_k": descriptor(t, config["BLOCK_N"], varlen, block_d),
-                   "desc_v": descriptor(t, config["BLOCK_N"], varlen, block_d)}
+                   "desc_v": descriptor(tv, config["BLOCK_N"], varlen, block_dv)}
     pointers = {"O": "*bf16" if dtype == torch.bfloat16 else "*fp16", "LSE": "*fp32",
                 "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
-                "COUNTER": "*i32" if config["DYNAMIC"] else "*fp32", "ALIBI": "*fp32", "SINKS": "*fp32"}
+                "COUNTER": "*i32" if config["DYNAMIC"] else "*fp32", "ALIBI": "*fp32", "SINKS": "*fp32",
+                "BLOCK_TABLE": "*i32" if page_size else "*fp32"}
     names = _attn_fwd_gluon.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
                  else pointers[name] if name in pointers else "fp32" if name in ("qk_scale", "softcap") else "i32"

@@ -30,12 +30,15 @@ def zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 @gluon.jit
 def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARLEN: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
-              POSTED: gl.constexpr):
+              POSTED: gl.constexpr, PAGE_SIZE: gl.constexpr = 0):
     """One item's loads (see `producer`): its Q into slot qi % Q_BUFFERS (POSTED: the item posted there too),
-    its n_tiles K/V tiles from key `first` on into the ring from tile c on. Returns (qi + 1, c + n_tiles)."""
+    its n_tiles K/V tiles from key `first` on into the ring from tile c on. Returns (qi + 1, c + n_tiles).
+    PAGE_SIZE > 0 (varlen, a multiple of BLOCK_N): K and V are pools of pages flattened to (pages · PAGE_SIZE,
+    Hkv, D) and tile t is rows [first + t · BLOCK_N, + BLOCK_N) of one page, block_table[b, key // PAGE_SIZE]
+    (the host has checked the entries a sequence uses and cut the bad sequences' keys to 0)."""
     (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
-     items, n_items, group_size, slots, COUNTER) = shared
-    HEAD_DIM: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 1]
+     items, n_items, group_size, slots, COUNTER, paging) = shared
+    HEAD_DIM_V: gl.constexpr = desc_v.block_type.shape[len(desc_v.block_type.shape) - 1]  # V's tiles' head dim
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     q_start, seqlen_q, k_start, seqlen_k = seq
     off_hk = off_h // group_size
@@ -47,22 +50,28 @@ def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARL
     for h in gl.static_range(N_CONSUMERS):
         tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m * BLOCK_M + h * ROWS, off_h, q_ready.index(qs),
                   q_bufs.index(qs * N_CONSUMERS + h))
+    if PAGE_SIZE > 0:
+        gl.static_assert(IS_VARLEN and PAGE_SIZE % BLOCK_N == 0, "pages: varlen, a multiple of the key tile")
+        bt_row = paging[0] + off_b.to(gl.int64) * paging[1]
     for t in range(n_tiles):
         stage = c % NUM_BUFFERS
         phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
+        key = first + t * BLOCK_N
+        if PAGE_SIZE > 0:
+            row = gl.load(bt_row + key // PAGE_SIZE) * PAGE_SIZE + key % PAGE_SIZE
+        else:
+            row = k_start + key
         mbarrier.wait(k_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
         mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-        tma_load(desc_k, IS_VARLEN, off_b, k_start + first + t * BLOCK_N, off_hk, k_ready.index(stage),
-                 k_bufs.index(stage))
+        tma_load(desc_k, IS_VARLEN, off_b, row, off_hk, k_ready.index(stage), k_bufs.index(stage))
         mbarrier.wait(v_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
         mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        tma_load(desc_v, IS_VARLEN, off_b, k_start + first + t * BLOCK_N, off_hk, v_ready.index(stage),
-                 v_bufs.index(stage))
+        tma_load(desc_v, IS_VARLEN, off_b, row, off_hk, v_ready.index(stage), v_bufs.index(stage))
         if IS_VARLEN:
             if first + (t + 1) * BLOCK_N > seqlen_k:
                 mbarrier.wait(v_ready.index(stage), phase ^ 1)
-                zero_rows_from(v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - first - t * BLOCK_N,
-                                BLOCK_N, HEAD_DIM)
+                zero_rows_from(v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM_V]), seqlen_k - first - t * BLOCK_N,
+                                BLOCK_N, HEAD_DIM_V)
                 fence_async_shared()  # the generic stores, before the wgmma (async proxy) reads
             mbarrier.arrive(v_fixed.index(stage), count=1)
         c += 1
@@ -72,7 +81,8 @@ def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARL
 @gluon.jit
 def producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
-              CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, POSTED: gl.constexpr, SCORES: gl.constexpr = 0):
+              CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, POSTED: gl.constexpr, SCORES: gl.constexpr = 0,
+              PAGE_SIZE: gl.constexpr = 0):
     """TMA loads of this program's items: Q into slot qi % Q_BUFFERS once the consumers are done with the item
     that held it (with two slots, an item's Q lands while the one before runs); K/V tile c
     (counted over all items) into stage c % NUM_BUFFERS once they all released the tile it held (K and V have
@@ -84,7 +94,7 @@ def producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
     schedule left the busiest program 5-11 % above the mean on mixed lengths); items without rows are skipped
     here, and the consumers learn each item from its Q slot."""
     (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
-     items, n_items, group_size, slots, COUNTER) = shared
+     items, n_items, group_size, slots, COUNTER, paging) = shared
     HEAD_DIM: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 1]
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     c = 0  # K/V tiles issued, over all items
@@ -100,17 +110,18 @@ def producer(shared, IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr,
                                                          CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N, SCORES)
             if has_rows:
                 qi, c = load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARLEN, BLOCK_N,
-                                  NUM_BUFFERS, N_CONSUMERS, Q_BUFFERS, POSTED)
+                                  NUM_BUFFERS, N_CONSUMERS, Q_BUFFERS, POSTED, PAGE_SIZE)
             unit = next_unit
         post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)
     else:
         ahead = work_ahead(0, items, IS_CAUSAL, CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M)
         for i in range(0, n_items):
             off_b, off_h, start_m, seq, bounds, ahead = work(i, n_items, ahead, items, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT,
-                                                              CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N, SCORES)
+                                                              CAUSAL_PAIRS, IS_VARLEN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                              SCORES)
             diag, first, n_tiles, has_rows = bounds
             if has_rows:
                 qi, c = load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARLEN, BLOCK_N,
-                                  NUM_BUFFERS, N_CONSUMERS, Q_BUFFERS, POSTED)
+                                  NUM_BUFFERS, N_CONSUMERS, Q_BUFFERS, POSTED, PAGE_SIZE)
         if POSTED:
             post_end(slots, q_ready, q_empty, qi, Q_BUFFERS)
