@@ -2,7 +2,7 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite; ~600 s), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_separate_v_patch (applies the patch: last), gluon_paged_patch (applies it and the paged-prefill patch on top: last; also times 192/128), wide_bwd (applies the wide-head-dim backward patch: last; test_backward_gluon.py, then D=256/192 beside cuDNN), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite; ~600 s), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
@@ -88,17 +88,7 @@ for step in "$@"; do
         python -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py tests/test_backward_gluon.py \
         -k "${MEMCHECK_K:-variants}" > $R/memcheck.txt 2>&1
       grep -E "Invalid|ERROR SUMMARY|passed|failed" $R/memcheck.txt | head -20 ;;
-    gluon_separate_v_patch) P=benchmarks/2026-12-02-h200/gluon-separate-v/gluon_separate_v.patch  # changes this tree: last
-      (git apply $P || patch -p1 < $P) && echo applied
-      timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py -k "separate_v or test_head_dim_v or test_dispatch or test_configs" \
-        tests/test_head_dim_v.py tests/test_dispatch.py tests/test_configs.py > $R/pytest_gluon_separate_v.txt 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon_separate_v.txt | head -20
-      timeout 200 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
-        --dtypes bf16 --head-dims 192/128 --seqlens 1024,4096,16384 --causal 0,1 --out $R/separate_v --no-plots \
-        > $R/separate_v.txt 2>&1; grep -v "it/s" $R/separate_v.txt | tail -16 ;;
-    gluon_paged_patch) for P in benchmarks/2026-12-02-h200/gluon-separate-v/gluon_separate_v.patch \
-          benchmarks/2026-12-02-h200/gluon-paged-prefill/gluon_paged_prefill.patch; do  # changes this tree: last
-        (git apply $P || patch -p1 < $P) && echo applied $P; done
+    gluon_paged) # the Gluon forward's separate V head dim and paged prefill: their tests, paged_prefill.py, (192, 128) beside cuDNN
       timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_paged_prefill.py tests/test_varlen.py \
         tests/test_forward_gluon.py tests/test_head_dim_v.py tests/test_dispatch.py tests/test_configs.py > $R/pytest_gluon_paged.txt 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon_paged.txt | head -20
@@ -107,13 +97,10 @@ for step in "$@"; do
       timeout 200 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
         --dtypes bf16 --head-dims 192/128 --seqlens 1024,4096,16384 --causal 0,1 --out $R/separate_v --no-plots \
         > $R/separate_v.txt 2>&1; grep -v "it/s" $R/separate_v.txt | tail -16 ;;
-    wide_bwd) # the Gluon backward at D = 256 / 192 (64-key dK/dV programs split by columns; changes this tree: last)
-      P=benchmarks/2026-12-02-h200/gluon-bwd-wide/gluon_bwd_wide.patch; (git apply $P || patch -p1 < $P) && echo applied
-      timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_backward_gluon.py \
-        > $R/pytest_wide_bwd.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_wide_bwd.txt | head -20
-      timeout 240 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
-        --dtypes bf16 --head-dims ${HEAD_DIMS:-256,192} --seqlens 1024,4096,16384 --causal 0,1 --out $R/wide_bwd --no-plots \
-        > $R/wide_bwd.txt 2>&1; grep -v "it/s" $R/wide_bwd.txt | tail -40 ;;
+    wide) # D = 256 / 192 (and 192/128) beside cuDNN and FLASH, fwd and bwd, fp16 and bf16 (DTYPES narrows)
+      timeout 400 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
+        --dtypes ${DTYPES:-fp16,bf16} --head-dims ${HEAD_DIMS:-256,192} --seqlens 1024,4096,16384 --causal 0,1 --out $R/wide --no-plots \
+        > $R/wide.txt 2>&1; grep -v "it/s" $R/wide.txt | tail -60 ;;
     graphs) timeout 200 python -m pytest -v -p no:cacheprovider --tb=short -rf tests/test_cuda_graphs.py \
         tests/test_kvcache.py -k "graph" > $R/pytest_graphs.txt 2>&1; grep -E "PASSED|FAILED|ERROR|passed|failed" $R/pytest_graphs.txt | tail -16 ;;
     dropout) timeout 300 python benchmarks/dropout.py --out $R/dropout > $R/dropout.txt 2>&1; tail -34 $R/dropout.txt ;;
