@@ -686,7 +686,7 @@ def sweep_tma(opts):
 
 
 _G = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, N_CONSUMERS=2, Q_BUFFERS=1, CAUSAL_PAIRS=True,
-          DYNAMIC=False, OVERLAP=False)
+          DYNAMIC=False, OVERLAP=False, STORE_FROM_REGS=False)
 _G3 = dict(_G, N_CONSUMERS=3, CONSUMER_REGS=160)  # 192-row items, as FlashAttention-3 at D = 64
 GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.py)
     # explore7/gluon_2b6137fa8c9f.json also tried one program per item, 64-key tiles, ping-pong
@@ -698,7 +698,12 @@ GLUON_CONFIGS = {  # name -> the Gluon forward's config (kernels/forward_gluon.p
     # explore14/run_549e8e775c38 also tried one Q slot, with and without OVERLAP (behind two slots everywhere)
     64: {"q2": dict(_G, Q_BUFFERS=2), "c3": _G3, "q2_overlap": dict(_G, Q_BUFFERS=2, OVERLAP=True),
          "q2_overlap_s3": dict(_G, Q_BUFFERS=2, OVERLAP=True, NUM_BUFFERS=3),
-         "q2_overlap_n64": dict(_G, Q_BUFFERS=2, OVERLAP=True, BLOCK_N=64, NUM_BUFFERS=4)}}
+         "q2_overlap_n64": dict(_G, Q_BUFFERS=2, OVERLAP=True, BLOCK_N=64, NUM_BUFFERS=4)},
+    # tiles of 256 columns (192 in them): 32-key tiles beside the O staging tiles, or 64-key tiles with the output
+    # stored from registers (two stages fit without the staging tiles)
+    256: {"n32": dict(_G, BLOCK_N=32), "n64_regs": dict(_G, BLOCK_N=64, STORE_FROM_REGS=True)}}
+GLUON_CONFIGS[192] = GLUON_CONFIGS[256]
+GLUON_CONFIGS[128]["regs_s3"] = dict(_G, STORE_FROM_REGS=True, NUM_BUFFERS=3)  # a third stage where O was staged
 GLUON_CHECKS = [  # (B, Sq, Sk, Hq, Hkv): odd lengths, one token, Sq != Sk (bottom-right causal, rows with no key),
     # GQA, and more items than SMs (persistent programs take several)
     (2, 1, 1, 2, 2), (2, 17, 17, 2, 1), (1, 128, 128, 4, 2), (2, 200, 333, 2, 2), (1, 333, 200, 2, 2),

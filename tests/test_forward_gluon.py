@@ -32,7 +32,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 hopper_only = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: sm_90 only (no interpreter)")
 
 _BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, N_CONSUMERS=2, Q_BUFFERS=1, CAUSAL_PAIRS=True,
-             DYNAMIC=False, OVERLAP=False)
+             DYNAMIC=False, OVERLAP=False, STORE_FROM_REGS=False)
 CONFIGS = {
     "default": _BASE,
     "64-key tiles, 4 stages": {**_BASE, "BLOCK_N": 64, "NUM_BUFFERS": 4},
@@ -57,7 +57,14 @@ CONFIGS = {
                                      "Q_BUFFERS": 2},
     "varlen, static schedule, overlap": {**configs.gluon_varlen_config(128, 4096, 4096, True), "DYNAMIC": False,
                                          "OVERLAP": True},
+    # the output stored from registers (no staging tiles), with the shared memory that frees taken by a stage more
+    "store from registers": {**_BASE, "STORE_FROM_REGS": True},
+    "store from registers, 3 stages": {**_BASE, "STORE_FROM_REGS": True, "NUM_BUFFERS": 3},
 }
+# The wide head dims' (tiles of 256 columns): 32-key tiles beside the O staging tiles, or 64-key tiles with the
+# output stored from registers.
+WIDE_CONFIGS = {"32-key tiles": {**_BASE, "BLOCK_N": 32},
+                "64-key tiles, store from registers": {**_BASE, "BLOCK_N": 64, "STORE_FROM_REGS": True}}
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): one token, odd lengths, Sq != Sk both ways (bottom-right causal
 # leaves rows with no key), GQA, more items than SMs (a persistent program takes several, some with no key), and
 # keys long enough that the causal schedule splits the heads into groups (the last one smaller).
@@ -85,6 +92,26 @@ def test_gluon_kernel_against_float64(name, causal, bottom_right, head_dim, dtyp
     for batch, seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
         q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
         out, lse = run_gluon(q, k, v, causal, bottom_right, CONFIGS[name])
+        exact, exact_lse = attention_reference(q, k, v, None, causal, bottom_right, return_lse=True)
+        where = f"{name}, shape {(batch, seqlen_q, seqlen_k, heads_q, heads_kv)}"
+        assert_close_to_exact(out, torch_attention(q, k, v, None, causal, bottom_right), exact, dtype, where)
+        seen = torch.isfinite(exact_lse)
+        assert torch.equal(torch.isfinite(lse), seen), f"{where}: lse -inf exactly on rows that see no key"
+        torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=1e-3, rtol=1e-3)
+        assert torch.all(out[~seen.transpose(1, 2)] == 0), where
+
+
+@hopper_only
+@pytest.mark.parametrize("name", list(WIDE_CONFIGS))
+@pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("head_dim,dtype", [(256, torch.bfloat16), (192, torch.float16)])
+def test_gluon_wide_configs_against_float64(name, causal, bottom_right, head_dim, dtype, device):
+    """Every wide-tile schedule on odd shapes, one token, Sq != Sk and GQA: out against float64, lse finite
+    exactly where a row sees a key, and zero rows (dense out stored from registers: the masked stores write only
+    the head's own columns and rows)."""
+    for batch, seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES[:6]:
+        q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
+        out, lse = run_gluon(q, k, v, causal, bottom_right, WIDE_CONFIGS[name])
         exact, exact_lse = attention_reference(q, k, v, None, causal, bottom_right, return_lse=True)
         where = f"{name}, shape {(batch, seqlen_q, seqlen_k, heads_q, heads_kv)}"
         assert_close_to_exact(out, torch_attention(q, k, v, None, causal, bottom_right), exact, dtype, where)

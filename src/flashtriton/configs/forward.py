@@ -104,9 +104,10 @@ def varlen_fwd_tma_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, c
 # Hopper's Gluon forward (kernels/forward_gluon.py: FlashAttention-3's schedule, a TMA producer and consumer
 # warpgroups, persistent), on sm_90 where its table names the shape (fp16 / bf16, softmax_scale > 0). Base: two
 # consumer warpgroups of 64 rows, 128-key tiles, 2 stages, one persistent program per SM, causal items in pairs of
-# equal work, one Q slot.
+# equal work, one Q slot, the output staged in shared memory for a TMA store (STORE_FROM_REGS: masked stores from
+# registers, which frees the staging tiles' shared memory).
 GLUON_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, N_CONSUMERS=2, Q_BUFFERS=1, CAUSAL_PAIRS=True,
-                  DYNAMIC=False, OVERLAP=False)
+                  DYNAMIC=False, OVERLAP=False, STORE_FROM_REGS=False)
 # Short items (up to 4k keys causal, 1k non-causal) spend much of their time starting and ending: two Q slots and
 # OVERLAP (each item's last P V issued with the next item's first S, one loop over the program's K/V tiles).
 GLUON_SHORT = dict(GLUON_BASE, Q_BUFFERS=2, OVERLAP=True)

@@ -277,10 +277,11 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
                 HEAD_DIM_V: gl.constexpr,
                 BLOCK_N: gl.constexpr, COMPACT: gl.constexpr = False, SCORES: gl.constexpr = 0):
     """out = acc / l, lse = m + log(l) of one warpgroup's 64 rows (rows that saw no key: out 0, lse -inf). Dense:
-    through o_bufs[WG] and a TMA store (the caller has waited for the previous one to leave); varlen: masked
-    stores. COMPACT: one reciprocal per row, then multiplies (acc / l is 64 full-range divisions per thread, ~4
-    instructions each), for `_consume_flat`, whose loop holds the store. SINKS: the head's `sink` (`_sink`) joins
-    the denominator first, as `variant.add_sink` does (rows that saw no key: out 0, lse = the sink)."""
+    through o_bufs[WG] and a TMA store (the caller has waited for the previous one to leave); varlen, or o_bufs
+    NONE (STORE_FROM_REGS): masked stores from registers. COMPACT: one reciprocal per row, then multiplies (acc / l
+    is 64 full-range divisions per thread, ~4 instructions each), for `_consume_flat`, whose loop holds the store.
+    SINKS: the head's `sink` (`_sink`) joins the denominator first, as `variant.add_sink` does (rows that saw no
+    key: out 0, lse = the sink)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
     if SCORES & SC_SINKS:
@@ -292,15 +293,16 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     if SCORES & SC_SINKS:
-        out = (acc * gl.convert_layout(alpha / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
+        out = (acc * gl.convert_layout(alpha / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
     elif COMPACT:
-        out = (acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
+        out = (acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
     else:
-        out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(o_bufs.dtype)
-    if IS_VARLEN:
+        out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
+    if not isinstance(o_bufs, gl.shared_memory_descriptor):  # no staging tiles (varlen, STORE_FROM_REGS)
         o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = (O + (q_start + o_rows)[:, None].to(gl.int64) * stride_om + off_h * stride_oh
+        o_base = q_start if IS_VARLEN else off_b * seqlen_q  # the dense out is contiguous (B, Sq, Hq, Dv)
+        o_ptrs = (O + (o_base + o_rows)[:, None].to(gl.int64) * stride_om + off_h * stride_oh
                   + o_cols[None, :])
         # (stride_oh is the head dim of the contiguous out: the tiles' columns past it belong to the next head)
         gl.store(o_ptrs, out, mask=(o_rows < seqlen_q)[:, None] & (o_cols < stride_oh)[None, :])
@@ -610,8 +612,8 @@ def _attn_fwd_gluon(
     HEAD_DIM_V: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, N_CONSUMERS: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr,
-    HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False, HAS_ALIBI: gl.constexpr = False,
-    HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
+    STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
+    HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -629,8 +631,8 @@ def _attn_fwd_gluon(
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
-    if IS_VARLEN:  # the output is stored from registers: no staging buffers
-        o_bufs = q_bufs
+    if IS_VARLEN or STORE_FROM_REGS:  # the output is stored from registers: no staging tiles
+        o_bufs = NONE
     else:
         o_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS] + desc_o.block_type.shape, desc_o.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)

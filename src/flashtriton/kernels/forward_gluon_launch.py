@@ -3,7 +3,8 @@ the grid (one persistent program per SM, at most one per work unit), the runtime
 launch, and an offline compile for sm_90 that needs no GPU.
 
 A config is a dict of the kernel's schedule constexprs (BLOCK_N, NUM_BUFFERS, CONSUMER_REGS, N_CONSUMERS,
-Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP), as `configs.gluon_fwd_config` and `configs.gluon_varlen_config` give.
+Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, STORE_FROM_REGS), as `configs.gluon_fwd_config` and
+`configs.gluon_varlen_config` give.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .variant import Variant
 KERNEL = _attn_fwd_gluon
 # The keys of a Gluon forward config (configs/forward.py GLUON_BASE says what each means).
 CONFIG_KEYS = frozenset({"BLOCK_N", "NUM_BUFFERS", "CONSUMER_REGS", "N_CONSUMERS", "Q_BUFFERS", "CAUSAL_PAIRS",
-                         "DYNAMIC", "OVERLAP"})
+                         "DYNAMIC", "OVERLAP", "STORE_FROM_REGS"})
 # Work units are counted in int32, and a program's last draw (or static slot) runs up to one grid past the end.
 UNIT_LIMIT = 2**31 - 2**20
 
@@ -36,13 +37,13 @@ def work_units(seqlen_q: int, heads_q: int, batch: int, config: dict, causal: bo
 def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen: bool = False,
                         head_dim_v: int | None = None) -> int:
     """Shared memory of the kernel's tiles under `config` (barriers aside): Q slots, the K/V ring and, dense, the O
-    staging tiles, for tiles of `head_dim` columns (V and O: `head_dim_v`'s, default the same). Three consumers
-    with two Q slots at D = 128 need 272 KB: more than sm_90 has."""
+    staging tiles (none with STORE_FROM_REGS), for tiles of `head_dim` columns (V and O: `head_dim_v`'s, default
+    the same). Three consumers with two Q slots at D = 128 need 272 KB: more than sm_90 has."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     rows = ROWS.value * config["N_CONSUMERS"]
     q = config["Q_BUFFERS"] * rows * head_dim
     kv = config["NUM_BUFFERS"] * config["BLOCK_N"] * (head_dim + head_dim_v)
-    o = 0 if varlen else rows * head_dim_v
+    o = 0 if varlen or config["STORE_FROM_REGS"] else rows * head_dim_v
     return elem_bytes * (q + kv + o)
 
 
