@@ -170,13 +170,15 @@ def test_gluon_kernel_pads_other_head_dims(head_dim, causal, varlen, device):
             assert_close_to_exact(out[None, rows], torch_attention(qb, kb, vb, None, causal),
                                   attention_reference(qb, kb, vb, None, causal), dtype, f"sequence {b}")
         return
-    q, k, v = make_qkv(2, 700, 900, 8, 2, head_dim, dtype, device)
-    plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-                           Variant.of(causal), True, True)
-    assert plan is not None and plan.gluon and plan.meta["HEAD_DIM"] == gluon_common.head_block(head_dim)
-    out = flashtriton.flash_attn_func(q, k, v, causal=causal)
-    assert_close_to_exact(out, torch_attention(q, k, v, None, causal), attention_reference(q, k, v, None, causal),
-                          dtype)
+    # 256-column tiles: up to 1k keys and beyond take different configs (32- and 64-key tiles)
+    for seqlen_k in (900, 2100) if head_dim > 128 else (900,):
+        q, k, v = make_qkv(2, 700, seqlen_k, 8, 2, head_dim, dtype, device)
+        plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
+                               Variant.of(causal), True, True)
+        assert plan is not None and plan.gluon and plan.meta["HEAD_DIM"] == gluon_common.head_block(head_dim)
+        out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+        assert_close_to_exact(out, torch_attention(q, k, v, None, causal),
+                              attention_reference(q, k, v, None, causal), dtype, f"{seqlen_k} keys")
 
 
 @hopper_only
@@ -369,12 +371,12 @@ def test_shared_memory_estimate_and_limit():
         G.launch_parts((1, 256, 2, 128), (1, 256, 2, 128), False, True, too_big, 132)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_dispatched_dense_config_launches(head_dim, causal):
     """Whatever `configs.gluon_fwd_config` returns for a dense shape passes `launch_parts` (shared memory within sm_90's,
     no schedule it refuses), for query and key lengths from one token to 64k, equal or not: the dispatch takes the
-    Gluon kernel at D = 64 and 128 for every length (benchmarks/2026-11-29-h200/explore17/ab_steady.txt), so a config
+    Gluon kernel at D = 64, 128, 192 and 256 for every length (benchmarks/2026-11-29-h200/explore17/ab_steady.txt), so a config
     it returns for some length that the kernel refuses would fail users' calls, not fall back."""
     lengths = [1, 17, 128, 512, 1000, 1024, 2048, 3000, 4096, 8192, 16384, 65536]
     windows = [(-1, -1), (127, 0), (1023, 0), (4095, 0), (64, 64), (3000, 3000)]
@@ -384,8 +386,9 @@ def test_every_dispatched_dense_config_launches(head_dim, causal):
         assert config is not None, (head_dim, seqlen_q, seqlen_k, causal, window)
         grid, _, meta = G.launch_parts((2, seqlen_q, 8, head_dim), (2, seqlen_k, 2, head_dim), causal, True, config,
                                        sms=132, variant=variant)
-        assert 1 <= grid[0] <= 132 and meta["HEAD_DIM"] == head_dim
-        assert G.shared_memory_bytes(config, head_dim) <= gluon_common.SHARED_MEMORY_LIMIT
+        block = gluon_common.head_block(head_dim)
+        assert 1 <= grid[0] <= 132 and meta["HEAD_DIM"] == block
+        assert G.shared_memory_bytes(config, block) <= gluon_common.SHARED_MEMORY_LIMIT
 
 
 def test_launch_keys_tell_gluon_descriptor_layouts_apart():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import triton
 
-from .table import ANY, CAUSAL, FULL, H200, H200_DEC, H200_HEADS, SM80, SM90, Table, padded_head_dims, tiles, variant_class, width
+from .table import ANY, CAUSAL, FULL, H200, H200_DEC, H200_MERGED, SM80, SM90, Table, padded_head_dims, tiles, variant_class, width
 
 FWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "IS_VARLEN"]
 
@@ -116,12 +116,16 @@ GLUON_SHORT_D64 = dict(GLUON_SHORT, NUM_BUFFERS=3)
 GLUON_THREE = dict(GLUON_BASE, N_CONSUMERS=3, CONSUMER_REGS=160, OVERLAP=True)
 # Packed batches: items drawn from a global counter, one Q slot.
 GLUON_DYNAMIC = dict(GLUON_BASE, CAUSAL_PAIRS=False, DYNAMIC=True)
-# D=256 (and 192 in its tiles): 32-key tiles, so that two stages of K and V fit beside Q and O (64-key tiles need
-# one stage, and spill). H200, bf16: D=256 at 0.75-0.85x cuDNN and D=192 at 0.59-0.67x (the portable kernels:
-# 0.19-0.38x), above FLASH at every point; D=80 / 96 (D=128's configs) at 0.92-1.08x.
+# D=256 (and 192 in its tiles) up to 1k keys: 32-key tiles, so that two stages of K and V fit beside Q and the O
+# staging tiles. Beyond: 64-key tiles with the output stored from registers (STORE_FROM_REGS: no O tiles, so two
+# stages fit), which halves the softmax rounds per key: H200, D=256 fp16 at 16k keys 643 TFLOP/s non-causal and
+# 658 causal against 32-key tiles' 533 / 488 (cuDNN 707 / 617); at 1k keys and below the 64-key tiles lose
+# (448 / 300 against 469 / 369), their fewer, longer items filling the SMs worse.
 GLUON_D256 = dict(GLUON_BASE, BLOCK_N=32)
+GLUON_D256_N64 = dict(GLUON_BASE, BLOCK_N=64, STORE_FROM_REGS=True)
 # QK in 256-column tiles with V (and O) in 128 (DeepSeek's MLA, QK 192 / V 128): K and V of 64-key tiles take
-# 2 · 64 · (256 + 128) values a stage, so two stages fit beside Q and O (192 KB of 227).
+# 2 · 64 · (256 + 128) values a stage, so two stages fit beside Q and O (192 KB of 227). H200, bf16: 0.82-0.94 of
+# cuDNN at 1k-16k keys.
 GLUON_D256_V128 = dict(GLUON_BASE, BLOCK_N=64)
 NO_GLUON = "why: no Gluon config for the shape: the TMA kernel runs it"
 
@@ -135,7 +139,8 @@ GLUON_FWD = Table(("gpu", "dtype", "head_dim", "variant", "seqlen_k"), rows=[
     (SM90, "16", 64,       CAUSAL,  (None, 4096), GLUON_SHORT_D64,   H200 + "explore17/ab_steady.txt"),
     (SM90, "16", 64,       FULL,    (None, 1024), GLUON_SHORT_D64,   H200 + "explore17/ab_steady.txt"),
     (SM90, "16", 64,       ANY,     ANY,          GLUON_THREE,       H200 + "explore17/ab_steady.txt"),
-    (SM90, "16", 256,      ANY,     ANY,          GLUON_D256,        H200_HEADS + "headdims_gluon/bench.json"),
+    (SM90, "16", 256,      ANY,     (None, 1024), GLUON_D256,        H200_MERGED + "explore/explore/gluon.json"),
+    (SM90, "16", 256,      ANY,     ANY,          GLUON_D256_N64,    H200_MERGED + "explore/explore/gluon.json"),
     (ANY,  ANY,  ANY,      ANY,     ANY,          None,              NO_GLUON),
 ])
 
@@ -169,7 +174,7 @@ def gluon_head_block(head_dim: int) -> int | None:
 # the rule of the pair of tile widths, here.
 GLUON_SEPARATE_V_FWD = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
     # gpu dtype  QK tiles  V tiles  config            source
-    (SM90, "16", 256,      128,     GLUON_D256_V128,  "why: UNMEASURED (branch gluon-separate-v)"),
+    (SM90, "16", 256,      128,     GLUON_D256_V128,  H200_MERGED + "h200/separate_v/bench.json"),
     (ANY,  ANY,  ANY,      ANY,     None,             "why: no Gluon config for the pair: the portable kernel runs it"),
 ])
 
