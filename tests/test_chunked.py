@@ -184,3 +184,42 @@ def test_flash_attn_private_varlen_aliases(device):
     with pytest.raises(NotImplementedError, match="seqused_k"):
         _flash_attn_varlen_forward(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 15, 18, 0.0, 0.25, True,
                                    seqused_k=torch.tensor([9, 15], dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_low_precision_pairs_accumulate_to_the_gradient(causal, device, monkeypatch):
+    """bf16 at D=64, GQA, keys in three chunks of odd sizes: every pair's chunk_backward accumulated into fp32
+    buffers is the gradient, against float64 and judged by torch's error in bf16. On Hopper the Gluon backward
+    computes each pair (in bf16, then added: counted here), elsewhere the Triton kernels add in fp32."""
+    from accuracy import assert_close_to_exact, torch_attention
+    from flashtriton.kernels import backward_gluon_launch as BG
+
+    gluon_calls = []
+    if BG is not None:
+        real = BG.launch_dkdv_gluon
+        monkeypatch.setattr(BG, "launch_dkdv_gluon", lambda *a, **kw: gluon_calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(1)
+    batch, seqlen, hq, hkv, dim, dtype = 2, 320, 4, 2, 64, torch.bfloat16
+    q = torch.randn(batch, seqlen, hq, dim, generator=gen).to(device, dtype)
+    k, v = (torch.randn(batch, seqlen, hkv, dim, generator=gen).to(device, dtype) for _ in range(2))
+    dout = torch.randn(batch, seqlen, hq, dim, generator=gen).to(device, dtype)
+    out, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=device) for t in (q, k, v))
+    cuts = (0, 128, 200, 320)
+    for ks in (slice(a, b) for a, b in zip(cuts[:-1], cuts[1:])):
+        chunked.chunk_backward(dout, q, k[:, ks], v[:, ks], out, lse, 0, ks.start, causal=causal,
+                               dq=dq, dk=dk[:, ks], dv=dv[:, ks], accumulate=True)
+
+    def grads(x_q, x_k, x_v, attention):
+        leaves = [t.detach().requires_grad_() for t in (x_q, x_k, x_v)]
+        attention(*leaves).backward(dout.to(leaves[0].dtype))
+        return [t.grad for t in leaves]
+
+    exact = grads(q.double(), k.double(), v.double(),
+                  lambda a, b, c: attention_reference(a, b, c, None, causal))
+    same_dtype = grads(q, k, v, lambda a, b, c: torch_attention(a, b, c, None, causal))
+    for name, got, want, theirs in zip("dq dk dv".split(), (dq, dk, dv), exact, same_dtype):
+        assert_close_to_exact(got, theirs, want, dtype, name)
+    hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    assert len(gluon_calls) == (3 if hopper else 0)

@@ -203,8 +203,10 @@ def chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         q, k, v, q_start, k_start, causal, window_size, softmax_scale, softcap: as `chunk_forward`.
         dq, dk, dv: optional buffers shaped like q, k, v (float32 / float16 / bfloat16, any strides: views into
             larger accumulators are fine) to write the gradients into, else new tensors of q's dtype.
-        accumulate: add into dq, dk, dv (all three given) instead of overwriting them: in the kernels, fp32 when
-            the buffers are, and deterministic (each element has one writer).
+        accumulate: add into dq, dk, dv (all three given) instead of overwriting them, deterministically (each
+            element has one writer). Where Hopper's Gluon backward takes the pair, it computes the pair's gradients
+            in q's dtype and they are added to the buffers (one rounding per pair); the Triton kernels add their
+            fp32 sums in the kernels.
         dlse: optional (batch, nheads, seqlen_q) fp32, the gradient of the merged lse (d lse_i / d s_ij = P_ij:
             it joins rowsum(dO ∘ O) in the kernels); the same for every key chunk of the rows.
     Returns:

@@ -528,8 +528,9 @@ def attention_backward(
     dropout_p, rng_state: the forward's (its keep-mask is regenerated, never stored); the Triton kernels run them.
     dq, dk, dv: where to write the gradients (shaped like q, k, v; any float dtype, any strides, e.g. fp32 views
     into a caller's accumulators), else new tensors like q, k, v. `accumulate`: add to their contents instead
-    (each element has one writer: still deterministic). Buffers of another dtype than q's, and `accumulate`, run
-    the Triton kernels (the Gluon ones write q's dtype, and overwrite).
+    (each element has one writer: still deterministic). Buffers of another dtype than q's run the Triton kernels
+    (the Gluon ones write q's dtype, and overwrite); `accumulate` where the Gluon kernels take the call runs them
+    into new tensors of q's dtype and adds those (the Triton kernels add their fp32 sums directly).
     """
     varlen = cu_seqlens_q is not None
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
@@ -559,10 +560,20 @@ def attention_backward(
                          learnable_sink is not None, dropout_p)
     if dropout_p and rng_state is None:
         raise ValueError("dropout_p > 0 needs rng_state, the forward's int64 (seed, offset) tensor")
-    if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
-            and not accumulate and not (given and {dq.dtype, dk.dtype, dv.dtype} != {q.dtype})
-            and tma_ok(q, k, v, dout, dq, dk, dv)  # (no broadcast, stride-0, dimension among them)
-            and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields(), separate_v)):
+    gluon_ok = (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
+                and tma_ok(q, k, v, dout)  # (no broadcast, stride-0, dimension among them)
+                and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields(), separate_v))
+    if gluon_ok and accumulate:
+        # The Gluon kernels overwrite, in q's dtype: the call's gradients in new tensors, added to the accumulators
+        # (each call's share rounded once, as ring-flash-attention's partials are; the sum in the buffers' dtype).
+        grads = attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, zero_fill, dlse, window_size,
+                                   softcap, alibi_slopes, learnable_sink, dropout_p, rng_state)
+        for buffer, grad in zip((dq, dk, dv), grads):
+            buffer.add_(grad)
+        return (dq, dk, dv, *grads[3:])
+    if (gluon_ok and not accumulate and not (given and {dq.dtype, dk.dtype, dv.dtype} != {q.dtype})
+            and tma_ok(q, dq, dk, dv)):
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         if "window_size" in variant.fields():  # the band's FLOPs (a varlen row: as many as a longest sequence's)
             fwd_flops = rows * _visible_fwd_flops_per_row(variant, heads_q, seqlen_q, seqlen_k, head_dim)
