@@ -192,8 +192,11 @@ def test_low_precision_pairs_accumulate_to_the_gradient(causal, device, monkeypa
     buffers is the gradient, against float64 and judged by torch's error in bf16. On Hopper the Gluon backward
     computes each pair (in bf16, then added: counted here), elsewhere the Triton kernels add in fp32."""
     from accuracy import assert_close_to_exact, torch_attention
+    from flashtriton import configs
     from flashtriton.kernels import backward_gluon_launch as BG
 
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_MIN_FLOPS", 0)  # the Gluon kernels at this size too
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_D64_MIN_KEYS", 0)
     gluon_calls = []
     if BG is not None:
         real = BG.launch_dkdv_gluon

@@ -560,20 +560,9 @@ def attention_backward(
                          learnable_sink is not None, dropout_p)
     if dropout_p and rng_state is None:
         raise ValueError("dropout_p > 0 needs rng_state, the forward's int64 (seed, offset) tensor")
-    gluon_ok = (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
-                and tma_ok(q, k, v, dout)  # (no broadcast, stride-0, dimension among them)
-                and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields(), separate_v))
-    if gluon_ok and accumulate:
-        # The Gluon kernels overwrite, in q's dtype: the call's gradients in new tensors, added to the accumulators
-        # (each call's share rounded once, as ring-flash-attention's partials are; the sum in the buffers' dtype).
-        grads = attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
-                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, zero_fill, dlse, window_size,
-                                   softcap, alibi_slopes, learnable_sink, dropout_p, rng_state)
-        for buffer, grad in zip((dq, dk, dv), grads):
-            buffer.add_(grad)
-        return (dq, dk, dv, *grads[3:])
-    if (gluon_ok and not accumulate and not (given and {dq.dtype, dk.dtype, dv.dtype} != {q.dtype})
-            and tma_ok(q, dq, dk, dv)):
+    if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
+            and tma_ok(q, k, v, dout)  # (no broadcast, stride-0, dimension among them)
+            and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields(), separate_v)):
         rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
         if "window_size" in variant.fields():  # the band's FLOPs (a varlen row: as many as a longest sequence's)
             fwd_flops = rows * _visible_fwd_flops_per_row(variant, heads_q, seqlen_q, seqlen_k, head_dim)
@@ -583,6 +572,18 @@ def attention_backward(
         pad = backward_gluon_launch.padded_rows(q.shape[0] if varlen else seqlen_q, varlen, batch)
         if heads_q * (1 if varlen else batch) * pad >= 2**31:  # the padded lse / delta's TMA coordinates are int32
             gluon_config = None
+    if gluon_config is not None and accumulate:
+        # The Gluon kernels overwrite, in q's dtype: the call's gradients in new tensors, added to the accumulators
+        # (each call's share rounded once, as ring-flash-attention's partials are; the sum in the buffers' dtype).
+        grads = attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, zero_fill, dlse, window_size,
+                                   softcap, alibi_slopes, learnable_sink, dropout_p, rng_state)
+        for buffer, grad in zip((dq, dk, dv), grads):
+            buffer.add_(grad)
+        return (dq, dk, dv, *grads[3:])
+    if gluon_config is not None and ((given and {dq.dtype, dk.dtype, dv.dtype} != {q.dtype})
+                                     or not tma_ok(q, dq, dk, dv)):
+        gluon_config = None  # buffers the Gluon kernels cannot write: the Triton kernels
 
     if gluon_config is not None and varlen and gluon_config["dq"] is None:
         raise ValueError("the Triton dQ kernel cannot read the Gluon kernels' varlen lse / delta layout: a varlen "
