@@ -38,15 +38,15 @@ from .decode import (DECODE_AUTOTUNE_KEY, DECODE_CANDIDATES, DECODE_CONFIGS, DEC
                      SPLIT_DECODE, decode_programs_per_sm, decode_shared_memory, default_decode_config,
                      prune_decode_configs)
 from .forward import (FWD_AUTOTUNE_KEY, FWD_CANDIDATES, FWD_CONFIGS, FWD_INTERPRETER_CONFIG, GLUON_FWD,
-                      GLUON_HEAD_DIMS, GLUON_SEPARATE_V_FWD, GLUON_VARLEN_FWD, GLUON_WINDOW_FWD, PORTABLE_FWD, TMA_FWD,
+                      GLUON_HEAD_DIMS, GLUON_PAGED_FWD, GLUON_SEPARATE_V_FWD, GLUON_VARLEN_FWD, GLUON_WINDOW_FWD, PORTABLE_FWD, TMA_FWD,
                       VARLEN_TMA_FWD, default_fwd_config, default_fwd_tma_config, gluon_fwd_config, gluon_head_block,
-                      gluon_varlen_config, prune_fwd_configs, varlen_fwd_tma_config)
+                      gluon_paged_config, gluon_varlen_config, prune_fwd_configs, varlen_fwd_tma_config)
 from .table import Table, seqlen_bucket
 
 # Every rule table, by name (tests/test_configs.py checks them).
 TABLES = {"PORTABLE_FWD": PORTABLE_FWD, "TMA_FWD": TMA_FWD, "VARLEN_TMA_FWD": VARLEN_TMA_FWD, "GLUON_FWD": GLUON_FWD,
           "GLUON_WINDOW_FWD": GLUON_WINDOW_FWD, "GLUON_SEPARATE_V_FWD": GLUON_SEPARATE_V_FWD,
-          "GLUON_VARLEN_FWD": GLUON_VARLEN_FWD, "TRITON_BWD": TRITON_BWD, "GLUON_BWD": GLUON_BWD,
+          "GLUON_VARLEN_FWD": GLUON_VARLEN_FWD, "GLUON_PAGED_FWD": GLUON_PAGED_FWD, "TRITON_BWD": TRITON_BWD, "GLUON_BWD": GLUON_BWD,
           "SPLIT_DECODE": SPLIT_DECODE}
 
 AUTOTUNE: bool = os.environ.get("FLASHTRITON_AUTOTUNE", "0") == "1"

@@ -215,6 +215,28 @@ def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, cau
     return None if block is None or block_v != block else GLUON_VARLEN_FWD.lookup(SM90, "16", block)
 
 
+# Paged prefill with pages smaller than GLUON_VARLEN_FWD's 128-key tiles: tiles of one page each (the producer
+# reads each tile's page from the block table), more stages for the smaller tiles. Pages of whole 128-key tiles
+# take GLUON_VARLEN_FWD's rule.
+GLUON_PAGED_FWD = Table(("gpu", "dtype", "head_dim", "page_size"), rows=[
+    # gpu dtype  head dim  page size  config                                           source
+    (SM90, "16", 128,      64,        dict(GLUON_DYNAMIC, BLOCK_N=64, NUM_BUFFERS=4),  "why: UNMEASURED: one page a tile"),
+    (SM90, "16", 128,      32,        dict(GLUON_DYNAMIC, BLOCK_N=32, NUM_BUFFERS=6),  "why: UNMEASURED: one page a tile"),
+    (SM90, "16", 128,      16,        dict(GLUON_DYNAMIC, BLOCK_N=16, NUM_BUFFERS=8),  "why: UNMEASURED: one page a tile"),
+    (ANY,  ANY,  ANY,      ANY,       None,  "why: pages of whole 128-key tiles: GLUON_VARLEN_FWD's rule; others portable"),
+])
+
+
+def gluon_paged_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool, page_size: int,
+                       head_dim_v: int | None = None) -> dict | None:
+    """The Gluon forward's config for paged varlen prefill over pages of `page_size` keys, or None (the portable
+    kernel): `gluon_varlen_config`'s where its key tiles divide a page, else `GLUON_PAGED_FWD`'s."""
+    config = gluon_varlen_config(head_dim, max_seqlen_q, max_seqlen_k, causal, head_dim_v)
+    if config is None or page_size % config["BLOCK_N"] == 0:
+        return config
+    return GLUON_PAGED_FWD.lookup(SM90, "16", gluon_head_block(head_dim), page_size)
+
+
 def _fwd_fits(config: triton.Config, head_dim_padded: int, elem_bytes: int) -> bool:
     bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
     warps, stages = config.num_warps, config.num_stages

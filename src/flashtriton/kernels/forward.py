@@ -448,7 +448,7 @@ def _paged_gluon_keys(cu_seqlens_k, seqused_k, block_table, page_size: int, num_
 def _launch_paged_gluon(q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, alibi_slopes, learnable_sink, block_table, seqused_k) -> bool:
     """Paged varlen prefill on the Gluon forward where it takes the call (Hopper, fp16/bf16, a head dim with a
-    varlen config, no dropout, pages of whole key tiles, pools whose pages are evenly spaced rows, TMA-aligned):
+    varlen config, no dropout, pages of whole key tiles (`configs.gluon_paged_config`), pools whose pages are evenly spaced rows, TMA-aligned):
     launched, with bad sequences' rows set to NaN as the portable kernel does (`_paged_gluon_keys`); True. Else
     False (the portable kernel runs it)."""
     if (INTERPRET or not q.is_cuda or softmax_scale <= 0 or forward_gluon_launch is None
@@ -456,8 +456,9 @@ def _launch_paged_gluon(q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q,
             or not dispatch.supports("gluon_fwd", q.dtype, q.shape[-1], capability(q.device)[0], True, True,
                                      variant.fields(), v.shape[-1] != q.shape[-1])):
         return False
-    config = configs.gluon_varlen_config(q.shape[-1], max_seqlen_q, max_seqlen_k, variant.causal, v.shape[-1])
     page_size = k.shape[1]
+    config = configs.gluon_paged_config(q.shape[-1], max_seqlen_q, max_seqlen_k, variant.causal, page_size,
+                                        v.shape[-1])
     k_rows, v_rows = forward_gluon_launch.flat_pages(k), forward_gluon_launch.flat_pages(v)
     batch = cu_seqlens_q.numel() - 1
     if (config is None or page_size % config["BLOCK_N"] or k_rows is None or v_rows is None

@@ -33,7 +33,7 @@ def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARL
               POSTED: gl.constexpr, PAGE_SIZE: gl.constexpr = 0):
     """One item's loads (see `producer`): its Q into slot qi % Q_BUFFERS (POSTED: the item posted there too),
     its n_tiles K/V tiles from key `first` on into the ring from tile c on. Returns (qi + 1, c + n_tiles).
-    PAGE_SIZE > 0 (varlen, a multiple of BLOCK_N): K and V are pools of pages flattened to (pages · PAGE_SIZE,
+    PAGE_SIZE > 0 (varlen, a multiple of BLOCK_N: BLOCK_N is a page's keys for smaller pages): K and V are pools of pages flattened to (pages · PAGE_SIZE,
     Hkv, D) and tile t is rows [first + t · BLOCK_N, + BLOCK_N) of one page, block_table[b, key // PAGE_SIZE]
     (the host has checked the entries a sequence uses and cut the bad sequences' keys to 0)."""
     (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
