@@ -36,6 +36,7 @@ KEY_OK = {
     "variant": lambda k: k is T.ANY or k in T.VARIANTS,
     "head_dim": lambda k: _range_ok(k, 1),
     "head_dim_v": lambda k: _range_ok(k, 1),
+    "page_size": lambda k: _range_ok(k, 1),
     "seqlen_q": lambda k: _range_ok(k, 0) and not isinstance(k, int),
     "seqlen_k": lambda k: _range_ok(k, 0) and not isinstance(k, int),
     "longest": lambda k: _range_ok(k, 0) and not isinstance(k, int),
