@@ -74,6 +74,10 @@ for step in "$@"; do
       tail -8 $R/paged_prefill.txt ;;
     context_parallel) timeout 300 python benchmarks/context_parallel.py --out $R/context_parallel > $R/context_parallel.txt 2>&1
       tail -14 $R/context_parallel.txt ;;
+    variant_host) timeout 200 python benchmarks/variant_host.py --out $R/variant_host > /dev/null 2>&1
+      head -150 $R/variant_host/variant_host.txt ;;
+    chunked) timeout 300 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_chunked.py tests/test_parallel.py \
+        > $R/pytest_chunked.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_chunked.txt | head -30 ;;
     decode_window) timeout 200 python benchmarks/decode_window.py --out $R/decode_window > $R/decode_window.txt 2>&1
       tail -14 $R/decode_window.txt ;;
     blocking) # the first half of the suite with launches synchronous and each worker's order kept (-v): an illegal

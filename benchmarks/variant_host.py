@@ -1,0 +1,155 @@
+"""Where a short variant call spends its time: host work, GPU kernels, and synchronizations (issue 25's sinks with
+a 128-key window, whose cost against the window alone is larger than its kernels').
+
+For each case (window128 with and without sinks, D = 64 and 128, B=4 H=16 T=4096 bf16 causal, as the variants
+suite runs them; `--cases` to choose) and each mode (forward with the gradient's leaves, backward of that forward):
+- wall: the call's time per call in a loop of `--calls` calls between two synchronizations (the launch queue
+  kept full, as a training step keeps it), median over `--repeats` loops;
+- host: the time until the call returns, per call, with the GPU idle before each call (a synchronization before
+  the call, none inside the timed span): the host path's Python and torch work and the launches;
+- gpu: the sum of the call's kernels' device times (torch.profiler), and their names;
+- syncs: the CUDA synchronizations and device-to-host copies the call makes (profiler events), which serialize
+  host work behind the GPU's.
+
+    python benchmarks/variant_host.py --out DIR        # DIR/variant_host.json and DIR/variant_host.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not torch.cuda.is_available():
+    sys.exit("variant_host.py measures the GPU's host path: run it on a CUDA GPU without TRITON_INTERPRET")
+
+import flashtriton  # noqa: E402
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
+               "cudaEventSynchronize")
+
+
+def make_case(name: str, head_dim: int, B: int = 4, H: int = 16, T: int = 4096):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+               .requires_grad_() for _ in range(3))
+    sink = (torch.randn(H, device="cuda", dtype=torch.float32, generator=gen).requires_grad_()
+            if "sinks" in name else None)
+    window = (127, 0) if "window128" in name else (-1, -1)
+
+    def forward():
+        return flashtriton.flash_attn_func(q, k, v, causal=True, window_size=window, learnable_sink=sink)
+
+    leaves = [t for t in (q, k, v, sink) if t is not None]
+    return forward, leaves
+
+
+def measure(name: str, head_dim: int, calls: int, repeats: int) -> dict:
+    forward, leaves = make_case(name, head_dim)
+    out = forward()
+    dout = torch.randn_like(out)
+
+    def backward():
+        out.backward(dout, retain_graph=True)
+
+    result = {"case": name, "head_dim": head_dim}
+    for mode, fn in (("fwd", forward), ("bwd", backward)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        walls = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) / calls * 1e6)
+        hosts = []
+        for _ in range(repeats * calls):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            hosts.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        kernels, syncs, gpu_us = [], [], 0.0
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels.append(f"{e.name[:60]} {e.device_time:.1f}us")
+                gpu_us += e.device_time
+            elif e.name in SYNC_EVENTS:
+                syncs.append(e.name)
+        result[mode] = {"wall_us": statistics.median(walls), "host_us": statistics.median(hosts), "gpu_us": gpu_us,
+                        "kernels": kernels, "syncs": syncs}
+        for t in leaves:
+            t.grad = None
+    return result
+
+
+def profile_backward(name: str, head_dim: str, calls: int = 50) -> list[str]:
+    """cProfile's top functions by own time over `calls` backward calls of one case."""
+    import cProfile
+    import io
+    import pstats
+
+    forward, _ = make_case(name, int(head_dim))
+    out = forward()
+    dout = torch.randn_like(out)
+    for _ in range(3):
+        out.backward(dout, retain_graph=True)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        out.backward(dout, retain_graph=True)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    return [f"cProfile, {calls} backward calls of {name} D={head_dim} (by own time):", *buf.getvalue().splitlines()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="window128,sinks+window128,sinks")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--profile", default="sinks+window128:128",
+                   help="CASE:D whose backward's host path cProfile lists (by own time); empty: none")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    rows, lines = [], []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for name in args.cases.split(","):
+            r = measure(name, d, args.calls, args.repeats)
+            rows.append(r)
+            for mode in ("fwd", "bwd"):
+                m = r[mode]
+                lines.append(f"{name:>16} D={d:<4} {mode}: wall {m['wall_us']:8.1f} us  host {m['host_us']:8.1f} us  "
+                             f"gpu {m['gpu_us']:8.1f} us  syncs {len(m['syncs'])} {sorted(set(m['syncs']))}")
+                lines.extend(f"{'':>24}{k}" for k in m["kernels"])
+    if args.profile:
+        lines.extend(profile_backward(*args.profile.split(":")))
+    text = "\n".join([f"{torch.cuda.get_device_name()} torch {torch.__version__}", *lines])
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "variant_host.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(os.path.join(args.out, "variant_host.txt"), "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
