@@ -576,31 +576,35 @@ def test_gluon_backward_variants_varlen(name, causal_order, device, monkeypatch)
         assert_close_to_exact(ours[3], portable[3], dsink_exact, torch.float32, f"{name}: dsink")
 
 
-def test_unpadded_rows_read_the_padded_layout(device):
-    """The varlen lse / delta back from the Gluon kernels' padded layout (for `backward.sink_grad`): each sequence's
-    rows in place, rows outside every sequence (before the first, after the last) lse -inf and delta 0; and the
-    sinks' gradient from them equals the one from the unpadded layout. Runs everywhere (the preprocess is Triton)."""
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_preprocess_sink_gradient(device, padded, with_dlse):
+    """The preprocess' sink gradient (its per-tile parts, summed) against `backward.sink_grad` on the unpadded
+    layout, varlen with tokens before, between (an empty sequence) and after the sequences, in both layouts
+    (padded: the Gluon kernels'), and with dlse; and dense. Runs everywhere (the preprocess is Triton)."""
     gen = torch.Generator().manual_seed(2)
     lengths, lead, tail = [5, 0, 1, 70, 3, 8], 6, 9
     cu = torch.tensor([lead] + (lead + torch.tensor(lengths).cumsum(0)).tolist(), dtype=torch.int32, device=device)
     total = lead + sum(lengths) + tail
     out, dout = (torch.randn(total, 3, 64, generator=gen).to(device, torch.float16) for _ in range(2))
     lse = torch.randn(3, total, generator=gen).to(device)
-    lse_pad, delta_pad = B.preprocess(out, dout, lse, cu, max(lengths), padded=True)
-    _, delta_ref = B.preprocess(out, dout, lse, cu, max(lengths))
-    lse_back, delta_back = BG.unpadded_rows(lse_pad, delta_pad, cu, total)
+    lse[1, lead + 7] = float("-inf")  # a row that sees nothing (and a sink of -inf): adds 0
+    dlse = torch.randn(3, total, generator=gen).to(device) if with_dlse else None
+    sink = torch.randn(3, generator=gen).to(device, torch.bfloat16)
+    _, delta_ref, none = B.preprocess(out, dout, lse, cu, max(lengths), dlse=dlse)
+    assert none is None
+    _, _, dsink = B.preprocess(out, dout, lse, cu, max(lengths), padded=padded, dlse=dlse, sink=sink)
     inside = torch.zeros(total, dtype=torch.bool, device=device)
     inside[lead:lead + sum(lengths)] = True
-    torch.testing.assert_close(lse_back[:, inside], lse[:, inside], rtol=0, atol=0)
-    torch.testing.assert_close(delta_back[:, inside], delta_ref[:, inside], rtol=0, atol=0)
-    assert torch.all(lse_back[:, ~inside] == float("-inf")) and torch.all(delta_back[:, ~inside] == 0)
-    sink = torch.randn(3, generator=gen).to(device)
-    lse_ref = torch.where(inside, lse, float("-inf"))
-    delta_ref = torch.where(inside, delta_ref, 0.0)  # (the unpadded layout leaves rows outside every sequence unwritten)
-    torch.testing.assert_close(B.sink_grad(lse_back, delta_back, sink, True), B.sink_grad(lse_ref, delta_ref, sink, True))
-    empty = torch.full((1,), 4, dtype=torch.int32, device=device)  # no sequences at all
-    lse_none, delta_none = BG.unpadded_rows(lse_pad, delta_pad, empty, total)
-    assert torch.all(lse_none == float("-inf")) and torch.all(delta_none == 0) and lse_none.shape == (3, total)
+    expected = B.sink_grad(torch.where(inside, lse, float("-inf")), torch.where(inside, delta_ref, 0.0), sink, True)
+    assert dsink.dtype == sink.dtype and dsink.shape == (3,)
+    torch.testing.assert_close(dsink.float(), expected.float(), rtol=1e-2, atol=1e-3)
+    # dense (B, Sq, H, D), rows past Sq in the padded layout adding nothing
+    out_d, dout_d = out[:80].reshape(2, 40, 3, 64), dout[:80].reshape(2, 40, 3, 64)
+    lse_d = torch.randn(2, 3, 40, generator=gen).to(device)
+    _, delta_d, _ = B.preprocess(out_d, dout_d, lse_d)
+    _, _, dsink_d = B.preprocess(out_d, dout_d, lse_d, padded=padded, sink=sink.float())
+    torch.testing.assert_close(dsink_d, B.sink_grad(lse_d, delta_d, sink.float(), False), rtol=1e-5, atol=1e-5)
 
 
 def test_variant_launch_parts_and_dispatch():

@@ -302,9 +302,9 @@ def test_preprocess_subtracts_dlse_in_both_layouts(device):
     lse[:, :, :4] = float("-inf")
     dlse = rand(1, 3, 1, dt=torch.float32).expand(2, 3, 70)
     want = (out.float() * dout.float()).sum(-1).transpose(1, 2) - torch.where(lse == float("-inf"), 0, dlse)
-    _, plain = B.preprocess(out, dout, lse, dlse=dlse)
+    _, plain, _ = B.preprocess(out, dout, lse, dlse=dlse)
     torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
-    _, padded = B.preprocess(out, dout, lse, padded=True, dlse=dlse)
+    _, padded, _ = B.preprocess(out, dout, lse, padded=True, dlse=dlse)
     torch.testing.assert_close(padded[..., :70], want, rtol=1e-5, atol=1e-5)
     assert torch.all(padded[..., 70:] == 0)
 
@@ -314,9 +314,9 @@ def test_preprocess_subtracts_dlse_in_both_layouts(device):
     out, dout, lse = rand(total, 3, 32), rand(total, 3, 32), rand(3, total, dt=torch.float32)
     dlse = rand(total, 3, dt=torch.float32).t()  # strided
     want = (out.float() * dout.float()).sum(-1).t() - dlse
-    _, plain = B.preprocess(out, dout, lse, cu, max(lengths), dlse=dlse)
+    _, plain, _ = B.preprocess(out, dout, lse, cu, max(lengths), dlse=dlse)
     torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
-    _, padded = B.preprocess(out, dout, lse, cu, max(lengths), padded=True, dlse=dlse)
+    _, padded, _ = B.preprocess(out, dout, lse, cu, max(lengths), padded=True, dlse=dlse)
     for b, n in enumerate(lengths):
         start = 4 * (-(-int(cu[b]) // 4) + b)  # backward_gluon._lse_rows
         torch.testing.assert_close(padded[:, start:start + n], want[:, cu[b]:cu[b + 1]], rtol=1e-5, atol=1e-5)

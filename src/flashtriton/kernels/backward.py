@@ -47,7 +47,7 @@ PREPROCESS_BLOCK_M = 64
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, LSE, DELTA, LSE_PAD, CU_SEQLENS_Q, DLSE,
+    O, DO, LSE, DELTA, LSE_PAD, CU_SEQLENS_Q, DLSE, SINK, SINK_PART,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_dob, stride_dom, stride_doh, stride_dod,
     stride_lb, stride_lh,  # lse (and unpadded delta)
@@ -55,7 +55,7 @@ def _attn_bwd_preprocess(
     stride_db, stride_dh, stride_dm,  # dlse (any strides: autograd may hand an expanded one)
     SEQLEN_Q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    PADDED: tl.constexpr, HAS_DLSE: tl.constexpr,
+    PADDED: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_SINK: tl.constexpr = False,
 ):
     """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32 (d over O's head dim, V's: HEAD_DIM here),
     minus dlse[b, h, i] with HAS_DLSE (the gradient of the returned lse: d lse_i / d s_ij = P_ij, so
@@ -64,7 +64,11 @@ def _attn_bwd_preprocess(
     PADDED=False (the Triton kernels): delta laid out like lse. PADDED (the Gluon kernels, `backward_gluon.
     _lse_rows`): delta and a copy of lse in the padded layout. Dense (B, Hq, Sq_pad), the grid covering Sq_pad:
     rows past Sq get lse -inf and delta 0. Varlen (Hq, padded_rows): sequence b at row 4 · (ceil(start / 4) + b);
-    the gaps between sequences stay unwritten (the kernels mask them)."""
+    the gaps between sequences stay unwritten (the kernels mask them).
+    HAS_SINK: each program also writes its rows' share of the sink's gradient, -Σ_i exp(sink_h − lse_i) · delta_i
+    (delta after dlse; rows of lse -inf and rows past the sequence add 0), to SINK_PART[b, h, pid_m], contiguous
+    (batch, heads, grid's first dimension): a program past the sequence writes 0, so that the host's sum over
+    the parts is dsink_h, in a fixed order (the same bits every run)."""
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -74,6 +78,8 @@ def _attn_bwd_preprocess(
     batch_do = b64 * stride_dob + q_start * stride_dom
     batch_l = b64 * stride_lb + q_start
     if (not PADDED or IS_VARLEN) and pid_m * BLOCK_M >= seqlen_q:
+        if HAS_SINK:
+            tl.store(SINK_PART + (off_b * tl.num_programs(1) + off_h) * tl.num_programs(0) + pid_m, 0.0)
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -84,12 +90,16 @@ def _attn_bwd_preprocess(
     do = tl.load(DO + batch_do + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=mask, other=0.0)  # (BLOCK_M, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BLOCK_M,) 0 past the sequence
-    if PADDED or HAS_DLSE:
+    if PADDED or HAS_DLSE or HAS_SINK:
         lse = tl.load(LSE + batch_l + off_h * stride_lh + offs_m, mask=in_seq, other=float("-inf"))
     if HAS_DLSE:
         dlse = tl.load(DLSE + b64 * stride_db + off_h * stride_dh + (q_start + offs_m) * stride_dm, mask=in_seq,
                        other=0.0)
         delta -= tl.where(lse == float("-inf"), 0.0, dlse)
+    if HAS_SINK:
+        p_sink = tl.where(lse == float("-inf"), 0.0, tl.exp(tl.load(SINK + off_h).to(tl.float32) - lse))
+        tl.store(SINK_PART + (off_b * tl.num_programs(1) + off_h) * tl.num_programs(0) + pid_m,
+                 -tl.sum(p_sink * delta, axis=0))
     if PADDED:
         if IS_VARLEN:  # the same row as backward_gluon._lse_rows
             padded = off_h * stride_ph + ((q_start + 3) // 4 + off_b) * 4 + offs_m
@@ -445,12 +455,14 @@ _attn_bwd_dq_tuned = triton.autotune(
 )(_attn_bwd_dq)
 
 
-def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=False, dlse=None):
-    """(lse, delta) for the backward kernels; delta = rowsum(dO ∘ O) in fp32. out, dout (B, Sq, Hq, Dv) with lse
+def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=False, dlse=None, sink=None):
+    """(lse, delta, dsink) for the backward kernels; delta = rowsum(dO ∘ O) in fp32. out, dout (B, Sq, Hq, Dv) with lse
     (B, Hq, Sq), or varlen (total_q, Hq, Dv) with lse (Hq, total_q) and cu_seqlens_q. Not padded: delta like lse,
     lse itself. Padded (the Gluon kernels, which load whole 16-byte aligned tiles): both in
     `backward_gluon_launch.padded_rows`' layout, written by the one preprocess launch (no fill, no copy).
-    dlse (shaped like lse, fp32, any strides): the gradient of lse, subtracted from delta in the same launch."""
+    dlse (shaped like lse, fp32, any strides): the gradient of lse, subtracted from delta in the same launch.
+    sink ((Hq,), the forward's learnable_sink): dsink, its gradient in its dtype, from the same launch's per-tile
+    parts and one torch sum over them (None without a sink)."""
     varlen = cu_seqlens_q is not None
     heads_q, head_dim = out.shape[-2], out.shape[-1]
     if varlen:
@@ -477,11 +489,17 @@ def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=Fals
         d_s = (0, *dlse.stride())
     else:
         d_s = dlse.stride()
-    launch(_attn_bwd_preprocess, (cdiv(rows, PREPROCESS_BLOCK_M), heads_q, batch),
-           (out, dout, lse, delta, lse_out, cu_seqlens_q, dlse, *o_s, *do_s, *l_s, *p_s, *d_s, seqlen_q),
-           dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), IS_VARLEN=varlen,
-                BLOCK_M=PREPROCESS_BLOCK_M, PADDED=padded, HAS_DLSE=dlse is not None))
-    return lse_out, delta
+    grid = (cdiv(rows, PREPROCESS_BLOCK_M), heads_q, batch)
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), IS_VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
+                PADDED=padded, HAS_DLSE=dlse is not None)
+    part = None
+    if sink is not None:
+        part = torch.empty((batch, heads_q, grid[0]), dtype=torch.float32, device=out.device)
+        meta.update(HAS_SINK=True)  # (absent otherwise: the kernel's default, and the sink-free calls' launch key)
+    launch(_attn_bwd_preprocess, grid,
+           (out, dout, lse, delta, lse_out, cu_seqlens_q, dlse, sink, part, *o_s, *do_s, *l_s, *p_s, *d_s, seqlen_q),
+           meta)
+    return lse_out, delta, None if part is None else part.sum(dim=(0, 2)).to(sink.dtype)
 
 
 def attention_backward(
@@ -589,7 +607,8 @@ def attention_backward(
         raise ValueError("the Triton dQ kernel cannot read the Gluon kernels' varlen lse / delta layout: a varlen "
                          "Gluon config needs a 'dq' config too")
     lse = lse.contiguous()  # already so as the forward returns it
-    lse, delta = preprocess(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None, dlse)
+    lse, delta, dsink = preprocess(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None, dlse,
+                                   learnable_sink)
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if gluon_config is not None:
         backward_gluon_launch.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
@@ -599,11 +618,7 @@ def attention_backward(
             backward_gluon_launch.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal,
                                                   causal_bottom_right, gluon_config["dq"], *varlen_args, window_size,
                                                   softcap, alibi_slopes)
-            if learnable_sink is None:
-                return dq, dk, dv
-            if varlen:  # lse / delta in the padded layout, whose gaps between sequences were never written
-                lse, delta = backward_gluon_launch.unpadded_rows(lse, delta, cu_seqlens_q, q.shape[0])
-            return dq, dk, dv, sink_grad(lse, delta, learnable_sink, varlen)
+            return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
     # The Triton kernels: dK/dV unless the Gluon kernel ran it, then dQ.
     if varlen:
@@ -654,9 +669,7 @@ def attention_backward(
         _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
     else:
         launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"]})
-    if learnable_sink is not None:
-        return dq, dk, dv, sink_grad(lse, delta, learnable_sink, varlen)
-    return dq, dk, dv
+    return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -37,7 +37,7 @@ query tiles of `variant.query_blocks` for its 128 keys, a dQ program only the ke
 (`key_tile_masked` / `tile_masked`, `visible`). Softcap: the capped scores and 1 − tanh², which multiplies dS
 (`softcap_scores_and_grad`; folded into P once dV has its copy); ALiBi: `alibi_bias` before exp2, the slopes (B or 1,
 Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after its Pᵀ (fewer live registers: `_consumer`). Sinks
-need nothing here: lse includes them, and their gradient is a torch reduction (`backward.sink_grad`).
+need nothing here: lse includes them, and their gradient comes from the preprocess (`backward.preprocess`).
 D 64 or 128, fp16/bf16; sm_90. `backward.attention_backward` launches these (`backward_gluon_launch.launch_dkdv_gluon`
 / `launch_dq_gluon`) where `configs.gluon_bwd_config` says.
 """

@@ -52,24 +52,6 @@ def padded_rows(seqlen_q: int, varlen: bool, batch: int = 0) -> int:
     return 4 * (cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
 
 
-def unpadded_rows(lse_pad: torch.Tensor, delta_pad: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int):
-    """(lse, delta) (Hq, total_q) of a varlen call, from the padded layout (Hq, `padded_rows`; sequence b at
-    `backward_gluon._lse_rows`): what `backward.sink_grad` reads. Rows outside every sequence get lse −inf and
-    delta 0 (the layout's gaps were never written). GPU ops only, no copy to the host."""
-    cu = cu_seqlens_q.long()
-    if cu.numel() == 1:  # no sequences
-        return (torch.full((lse_pad.shape[0], total_q), float("-inf"), device=cu.device),
-                torch.zeros(delta_pad.shape[0], total_q, device=cu.device))
-    tokens = torch.arange(total_q, device=cu.device)
-    b = torch.searchsorted(cu[1:], tokens, right=True).clamp(max=cu.numel() - 2)  # each token's sequence
-    start = cu[b]
-    valid = (tokens >= start) & (tokens < cu[b + 1])
-    rows = torch.where(valid, 4 * ((start + 3) // 4 + b) + tokens - start, 0)
-    lse = torch.where(valid, lse_pad[:, rows], float("-inf"))
-    delta = torch.where(valid, delta_pad[:, rows], 0.0)
-    return lse, delta
-
-
 def program_block(kernel: str, head_dim: int) -> int:
     """Keys (dK/dV) or query rows (dQ) of one program at tiles `head_dim` wide (`backward_gluon.dkdv_keys`)."""
     return ROWS.value if kernel == "dkdv" and head_dim >= WIDE_HEAD_DIM.value else KEYS.value
