@@ -2,7 +2,7 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite; ~600 s), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite; ~600 s), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
@@ -74,7 +74,10 @@ for step in "$@"; do
       tail -8 $R/paged_prefill.txt ;;
     context_parallel) timeout 300 python benchmarks/context_parallel.py --out $R/context_parallel > $R/context_parallel.txt 2>&1
       tail -14 $R/context_parallel.txt ;;
-    variant_host) timeout 200 python benchmarks/variant_host.py --out $R/variant_host > /dev/null 2>&1
+    pyk) # PYK_FILES (tests/... paths) filtered by -k "$PYK_K"
+      timeout ${PYK_S:-240} python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf ${PYK_FILES:-tests} -k "${PYK_K:-}" \
+        > $R/pytest_k.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_k.txt | head -30 ;;
+    variant_host) timeout 300 python benchmarks/variant_host.py --out $R/variant_host > /dev/null 2>&1
       head -150 $R/variant_host/variant_host.txt ;;
     chunked) timeout 300 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_chunked.py tests/test_parallel.py \
         > $R/pytest_chunked.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_chunked.txt | head -30 ;;

@@ -9,7 +9,12 @@ suite runs them; `--cases` to choose) and each mode (forward with the gradient's
   the call, none inside the timed span): the host path's Python and torch work and the launches;
 - gpu: the sum of the call's kernels' device times (torch.profiler), and their names;
 - syncs: the CUDA synchronizations and device-to-host copies the call makes (profiler events), which serialize
-  host work behind the GPU's.
+  host work behind the GPU's;
+- breakdown: the host path's functions (`HOST_PATH`), each wrapped in a timer, with their inclusive host time per
+  call (the wrappers add ~0.3 us each); what the backward's total has beyond `ops._gradients` is the autograd
+  engine's own work.
+Cases: `window128`, `sinks`, `sinks+window128`, `dense` (causal, no variant), with `@T` for another sequence
+length at the same B·T (e.g. `dense@512`: B=32). Gradients are set to None between calls, as the bench does.
 
     python benchmarks/variant_host.py --out DIR        # DIR/variant_host.json and DIR/variant_host.txt
 """
@@ -34,7 +39,10 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "
                "cudaEventSynchronize")
 
 
-def make_case(name: str, head_dim: int, B: int = 4, H: int = 16, T: int = 4096):
+def make_case(name: str, head_dim: int, H: int = 16, tokens: int = 16384):
+    name, _, seqlen = name.partition("@")
+    T = int(seqlen or 4096)
+    B = max(tokens // T, 1)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, T, H, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                .requires_grad_() for _ in range(3))
@@ -56,6 +64,8 @@ def measure(name: str, head_dim: int, calls: int, repeats: int) -> dict:
 
     def backward():
         out.backward(dout, retain_graph=True)
+        for t in leaves:
+            t.grad = None
 
     result = {"case": name, "head_dim": head_dim}
     for mode, fn in (("fwd", forward), ("bwd", backward)):
@@ -95,13 +105,91 @@ def measure(name: str, head_dim: int, calls: int, repeats: int) -> dict:
     return result
 
 
+# (module, attribute) of the functions on a call's host path whose inclusive time the breakdown reports.
+HOST_PATH = (
+    ("flashtriton", "flash_attn_func"), ("flashtriton.interface", "attention"), ("flashtriton.ops", "_forward_impl"),
+    ("flashtriton.ops", "attention_forward"), ("flashtriton.kernels.forward", "launch_forward"),
+    ("flashtriton.validation", "check_tensors"), ("flashtriton.validation", "check_sink"),
+    ("flashtriton.validation", "check_alibi"), ("flashtriton.validation", "check_heads_and_dims"),
+    ("flashtriton.validation", "check_int32_offsets"), ("flashtriton.validation", "plain_tensors"),
+    ("flashtriton.ops", "plain_tensors"), ("flashtriton.ops", "_setup_context"),
+    ("flashtriton.ops", "_gradients"), ("flashtriton.ops", "_backward_impl"), ("flashtriton.ops", "_not_differentiable"),
+    ("flashtriton.kernels.backward", "attention_backward"), ("flashtriton.kernels.backward", "preprocess"),
+    ("flashtriton.kernels.backward", "launch"), ("flashtriton.kernels.backward", "tma_ok"),
+    ("flashtriton.kernels.backward", "_visible_fwd_flops_per_row"), ("flashtriton.kernels.dispatch", "supports"),
+    ("flashtriton.kernels.dispatch", "gluon_bwd_allowed"), ("flashtriton.configs", "gluon_bwd_config"),
+    ("flashtriton.configs", "default_bwd_configs"),
+    ("flashtriton.kernels.backward_gluon_launch", "launch_dkdv_gluon"),
+    ("flashtriton.kernels.backward_gluon_launch", "launch_dq_gluon"),
+    ("flashtriton.kernels.backward_gluon_launch", "_launch"), ("flashtriton.kernels.forward", "launch"),
+    ("flashtriton.kernels.forward", "_launch_dense_tma"), ("flashtriton.kernels.forward", "_dense_tma_plan"),
+    ("flashtriton.kernels.forward_gluon_launch", "launch"),
+)
+
+
+def breakdown(name: str, head_dim: int, calls: int = 100) -> dict:
+    """Per mode, the inclusive host time per call (us) of each `HOST_PATH` function the call reaches, and the
+    call's own total, with the GPU idle before each call."""
+    import importlib
+
+    totals: dict = {}
+    saved = []
+
+    def timed(label, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    for module_name, attr in HOST_PATH:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        fn = getattr(module, attr, None)
+        if callable(fn):
+            saved.append((module, attr, fn))
+            setattr(module, attr, timed(f"{module_name.replace('flashtriton.', '')}.{attr}", fn))
+    try:
+        forward, leaves = make_case(name, head_dim)
+        out = forward()
+        dout = torch.randn_like(out)
+
+        def backward():
+            out.backward(dout, retain_graph=True)
+            for t in leaves:
+                t.grad = None
+
+        result = {}
+        for mode, fn in (("fwd", forward), ("bwd", backward)):
+            for _ in range(3):
+                fn()
+            totals.clear()
+            total = 0.0
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                total += time.perf_counter() - t0
+            torch.cuda.synchronize()
+            result[mode] = {"total": total / calls * 1e6,
+                            **{k: v / calls * 1e6 for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}
+        return result
+    finally:
+        for module, attr, fn in saved:
+            setattr(module, attr, fn)
+
+
 def profile_backward(name: str, head_dim: str, calls: int = 50) -> list[str]:
-    """cProfile's top functions by own time over `calls` backward calls of one case."""
+    """cProfile's top functions by cumulative time over `calls` backward calls of one case."""
     import cProfile
     import io
     import pstats
 
-    forward, _ = make_case(name, int(head_dim))
+    forward, leaves = make_case(name, int(head_dim))
     out = forward()
     dout = torch.randn_like(out)
     for _ in range(3):
@@ -111,21 +199,24 @@ def profile_backward(name: str, head_dim: str, calls: int = 50) -> list[str]:
     prof.enable()
     for _ in range(calls):
         out.backward(dout, retain_graph=True)
+        for t in leaves:
+            t.grad = None
     prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
-    return [f"cProfile, {calls} backward calls of {name} D={head_dim} (by own time):", *buf.getvalue().splitlines()]
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+    return [f"cProfile, {calls} backward calls of {name} D={head_dim} (by cumulative time):",
+            *buf.getvalue().splitlines()]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="window128,sinks+window128,sinks")
+    p.add_argument("--cases", default="window128,sinks+window128,sinks,dense,dense@512,dense@1024")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--profile", default="sinks+window128:128",
-                   help="CASE:D whose backward's host path cProfile lists (by own time); empty: none")
+                   help="CASE:D whose backward's host path cProfile lists (by cumulative time); empty: none")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rows, lines = [], []
@@ -138,6 +229,10 @@ def main(argv=None) -> int:
                 lines.append(f"{name:>16} D={d:<4} {mode}: wall {m['wall_us']:8.1f} us  host {m['host_us']:8.1f} us  "
                              f"gpu {m['gpu_us']:8.1f} us  syncs {len(m['syncs'])} {sorted(set(m['syncs']))}")
                 lines.extend(f"{'':>24}{k}" for k in m["kernels"])
+            r["breakdown"] = breakdown(name, d)
+            for mode, times in r["breakdown"].items():
+                lines.append(f"{'':>10}{mode} host breakdown (inclusive us per call, the GPU idle before each):")
+                lines.extend(f"{'':>14}{t:8.1f}  {label}" for label, t in times.items())
     if args.profile:
         lines.extend(profile_backward(*args.profile.split(":")))
     text = "\n".join([f"{torch.cuda.get_device_name()} torch {torch.__version__}", *lines])
