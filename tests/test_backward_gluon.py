@@ -191,12 +191,12 @@ def test_preprocess_writes_the_padded_layout(dtype, device):
 
     out, dout, lse = rand(2, 70, 3, 64), rand(2, 70, 3, 64), rand(2, 3, 70, dt=torch.float32)
     delta_ref = (out.float() * dout.float()).sum(-1).transpose(1, 2)  # (B, H, Sq)
-    lse_pad, delta = B.preprocess(out, dout, lse, padded=True)
+    lse_pad, delta, _ = B.preprocess(out, dout, lse, padded=True)
     assert lse_pad.shape == delta.shape == (2, 3, 128)
     torch.testing.assert_close(lse_pad[..., :70], lse, rtol=0, atol=0)
     torch.testing.assert_close(delta[..., :70], delta_ref, rtol=1e-5, atol=1e-5)
     assert torch.all(lse_pad[..., 70:] == float("-inf")) and torch.all(delta[..., 70:] == 0)
-    same_lse, plain = B.preprocess(out, dout, lse)  # the Triton kernels' layout: delta like lse
+    same_lse, plain, _ = B.preprocess(out, dout, lse)  # the Triton kernels' layout: delta like lse
     assert same_lse is lse and plain.shape == lse.shape
     torch.testing.assert_close(plain, delta_ref, rtol=1e-5, atol=1e-5)
 
@@ -205,7 +205,7 @@ def test_preprocess_writes_the_padded_layout(dtype, device):
     total = sum(lengths)
     out, dout, lse = rand(total, 3, 64), rand(total, 3, 64), rand(3, total, dt=torch.float32)
     delta_ref = (out.float() * dout.float()).sum(-1).t()  # (H, total)
-    lse_pad, delta = B.preprocess(out, dout, lse, cu, max(lengths), padded=True)
+    lse_pad, delta, _ = B.preprocess(out, dout, lse, cu, max(lengths), padded=True)
     assert lse_pad.shape == delta.shape == (3, BG.padded_rows(total, True, len(lengths)))
     end = 0
     for b, n in enumerate(lengths):
