@@ -40,6 +40,7 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "
 
 
 def make_case(name: str, head_dim: int, H: int = 16, tokens: int = 16384):
+    """(("fwd", forward), ("bwd", backward)): one case's two calls on fresh inputs (bf16, causal)."""
     name, _, seqlen = name.partition("@")
     T = int(seqlen or 4096)
     B = max(tokens // T, 1)
@@ -54,21 +55,20 @@ def make_case(name: str, head_dim: int, H: int = 16, tokens: int = 16384):
         return flashtriton.flash_attn_func(q, k, v, causal=True, window_size=window, learnable_sink=sink)
 
     leaves = [t for t in (q, k, v, sink) if t is not None]
-    return forward, leaves
-
-
-def measure(name: str, head_dim: int, calls: int, repeats: int) -> dict:
-    forward, leaves = make_case(name, head_dim)
     out = forward()
     dout = torch.randn_like(out)
 
-    def backward():
+    def backward():  # of one kept forward graph, its gradients set to None after each call (as the bench does)
         out.backward(dout, retain_graph=True)
         for t in leaves:
             t.grad = None
 
+    return (("fwd", forward), ("bwd", backward))
+
+
+def measure(name: str, head_dim: int, calls: int, repeats: int) -> dict:
     result = {"case": name, "head_dim": head_dim}
-    for mode, fn in (("fwd", forward), ("bwd", backward)):
+    for mode, fn in make_case(name, head_dim):
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
@@ -100,8 +100,6 @@ def measure(name: str, head_dim: int, calls: int, repeats: int) -> dict:
                 syncs.append(e.name)
         result[mode] = {"wall_us": statistics.median(walls), "host_us": statistics.median(hosts), "gpu_us": gpu_us,
                         "kernels": kernels, "syncs": syncs}
-        for t in leaves:
-            t.grad = None
     return result
 
 
@@ -154,17 +152,8 @@ def breakdown(name: str, head_dim: int, calls: int = 100) -> dict:
             saved.append((module, attr, fn))
             setattr(module, attr, timed(f"{module_name.replace('flashtriton.', '')}.{attr}", fn))
     try:
-        forward, leaves = make_case(name, head_dim)
-        out = forward()
-        dout = torch.randn_like(out)
-
-        def backward():
-            out.backward(dout, retain_graph=True)
-            for t in leaves:
-                t.grad = None
-
         result = {}
-        for mode, fn in (("fwd", forward), ("bwd", backward)):
+        for mode, fn in make_case(name, head_dim):
             for _ in range(3):
                 fn()
             totals.clear()
@@ -189,18 +178,14 @@ def profile_backward(name: str, head_dim: str, calls: int = 50) -> list[str]:
     import io
     import pstats
 
-    forward, leaves = make_case(name, int(head_dim))
-    out = forward()
-    dout = torch.randn_like(out)
+    backward = dict(make_case(name, int(head_dim)))["bwd"]
     for _ in range(3):
-        out.backward(dout, retain_graph=True)
+        backward()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
-        out.backward(dout, retain_graph=True)
-        for t in leaves:
-            t.grad = None
+        backward()
     prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()

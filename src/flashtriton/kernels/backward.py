@@ -677,13 +677,3 @@ def _visible_fwd_flops_per_row(variant: Variant, heads: int, seqlen_q: int, seql
     """Forward FLOPs per query row of a (seqlen_q, seqlen_k) call under the variant's mask, over `heads` heads
     (`Variant.visible_flops`, whose O(Sq) count is kept per shape: it is on the Gluon backward's dispatch path)."""
     return variant.visible_flops(1, heads, seqlen_q, seqlen_k, head_dim) / seqlen_q
-
-
-def sink_grad(lse, delta, sink, varlen: bool) -> torch.Tensor:
-    """dsink_h = -Σ_{b,i} P_sink(b, h, i) · delta(b, h, i), P_sink = exp(sink_h - lse), delta = rowsum(dO ∘ O) -
-    dlse, lse and delta (B, Hq, Sq) or (Hq, total_q); a torch reduction, the same bits every run. Rows outside every
-    sequence (lse -inf) add nothing. For callers that hold the whole delta (the ring's backward over its rows);
-    `attention_backward` takes the preprocess' per-tile parts instead (`preprocess(sink=...)`)."""
-    logits = sink.float()[:, None] if varlen else sink.float()[None, :, None]
-    p_sink = torch.where(torch.isinf(lse), 0.0, torch.exp(logits - lse))
-    return (-(p_sink * delta).sum(dim=1 if varlen else (0, 2))).to(sink.dtype)

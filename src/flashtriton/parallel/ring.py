@@ -25,7 +25,7 @@ import torch
 
 from .. import validation as V
 from ..chunked import OnlineMerge, chunk_backward, chunk_forward, pair_visibility
-from ..kernels.backward import attention_backward, sink_grad
+from ..kernels.backward import attention_backward, preprocess
 from ..kernels.forward import attention_forward
 from .checks import check_documents, check_shards, documents_field, shard_fields
 from .comm import RingExchange, agree, group_info, wait
@@ -239,10 +239,7 @@ def _ring_backward(dout, dlse, q, k, v, out, lse, sink, spec: _Spec):
     dk, dv = _unpack(dkv, k.shape, v.shape)
     dsink = None
     if sink is not None:  # this rank's rows' share: dsink_h = -sum_{b,i} exp(sink_h - lse) (rowsum(dO * O) - dlse)
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-        if dlse is not None:
-            delta = delta - torch.where(torch.isinf(lse), 0.0, dlse)
-        dsink = sink_grad(lse, delta, sink, varlen=False)
+        dsink = preprocess(out, dout, lse.contiguous(), dlse=dlse, sink=sink)[2]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
 
 
