@@ -6,7 +6,7 @@
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
-# benchmarks/2026-11-29-h200/explore16/warmup/); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024). Each step has its own time limit; typical seconds: tests 240, gputests 45,
+# benchmarks/2026-11-29-h200/explore16/warmup/); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024), VH_ARGS to variant_host.py. Each step has its own time limit; typical seconds: tests 240, gputests 45,
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -77,7 +77,7 @@ for step in "$@"; do
     pyk) # PYK_FILES (tests/... paths) filtered by -k "$PYK_K"
       timeout ${PYK_S:-240} python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf ${PYK_FILES:-tests} -k "${PYK_K:-}" \
         > $R/pytest_k.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_k.txt | head -30 ;;
-    variant_host) timeout 300 python benchmarks/variant_host.py --out $R/variant_host > /dev/null 2>&1
+    variant_host) timeout 300 python benchmarks/variant_host.py ${VH_ARGS:-} --out $R/variant_host > /dev/null 2>&1
       head -150 $R/variant_host/variant_host.txt ;;
     chunked) timeout 300 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_chunked.py tests/test_parallel.py \
         > $R/pytest_chunked.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_chunked.txt | head -30 ;;

@@ -14,7 +14,9 @@ suite runs them; `--cases` to choose) and each mode (forward with the gradient's
   call (the wrappers add ~0.3 us each); what the backward's total has beyond `ops._gradients` is the autograd
   engine's own work.
 Cases: `window128`, `sinks`, `sinks+window128`, `dense` (causal, no variant), with `@T` for another sequence
-length at the same B·T (e.g. `dense@512`: B=32). Gradients are set to None between calls, as the bench does.
+length at the same B·T (e.g. `dense@512`: B=32), and `+gluon` for the Gluon backward at any size (its floors,
+`configs.GLUON_BWD_MIN_FLOPS` and `GLUON_BWD_D64_MIN_KEYS`, set to 0 for the case). Gradients are set to None
+between calls, as the bench does.
 
     python benchmarks/variant_host.py --out DIR        # DIR/variant_host.json and DIR/variant_host.txt
 """
@@ -22,6 +24,7 @@ length at the same B·T (e.g. `dense@512`: B=32). Gradients are set to None betw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,9 +42,23 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "
                "cudaEventSynchronize")
 
 
+@contextlib.contextmanager
+def case_configs(name: str):
+    """The configs a case runs under: `+gluon` in its name, the Gluon backward's floors at 0."""
+    from flashtriton.configs import backward as cb
+
+    saved = cb.GLUON_BWD_MIN_FLOPS, cb.GLUON_BWD_D64_MIN_KEYS
+    if "+gluon" in name:
+        cb.GLUON_BWD_MIN_FLOPS = cb.GLUON_BWD_D64_MIN_KEYS = 0
+    try:
+        yield
+    finally:
+        cb.GLUON_BWD_MIN_FLOPS, cb.GLUON_BWD_D64_MIN_KEYS = saved
+
+
 def make_case(name: str, head_dim: int, H: int = 16, tokens: int = 16384):
     """(("fwd", forward), ("bwd", backward)): one case's two calls on fresh inputs (bf16, causal)."""
-    name, _, seqlen = name.partition("@")
+    name, _, seqlen = name.replace("+gluon", "").partition("@")
     T = int(seqlen or 4096)
     B = max(tokens // T, 1)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -67,6 +84,11 @@ def make_case(name: str, head_dim: int, H: int = 16, tokens: int = 16384):
 
 
 def measure(name: str, head_dim: int, calls: int, repeats: int) -> dict:
+    with case_configs(name):
+        return _measure(name, head_dim, calls, repeats)
+
+
+def _measure(name: str, head_dim: int, calls: int, repeats: int) -> dict:
     result = {"case": name, "head_dim": head_dim}
     for mode, fn in make_case(name, head_dim):
         for _ in range(3):
@@ -112,8 +134,9 @@ HOST_PATH = (
     ("flashtriton.validation", "check_int32_offsets"), ("flashtriton.validation", "plain_tensors"),
     ("flashtriton.ops", "plain_tensors"), ("flashtriton.ops", "_setup_context"),
     ("flashtriton.ops", "_gradients"), ("flashtriton.ops", "_backward_impl"), ("flashtriton.ops", "_not_differentiable"),
-    ("flashtriton.kernels.backward", "attention_backward"), ("flashtriton.kernels.backward", "preprocess"),
-    ("flashtriton.kernels.backward", "launch"), ("flashtriton.kernels.backward", "tma_ok"),
+    ("flashtriton.kernels.backward", "attention_backward"), ("flashtriton.kernels.backward", "_plan_key"),
+    ("flashtriton.kernels.backward", "_backward_plan"), ("flashtriton.kernels.backward", "_run_preprocess"),
+    ("flashtriton.kernels.launch", "KeptLaunch.__call__"), ("flashtriton.kernels.backward", "tma_ok"),
     ("flashtriton.kernels.backward", "_visible_fwd_flops_per_row"), ("flashtriton.kernels.dispatch", "supports"),
     ("flashtriton.kernels.dispatch", "gluon_bwd_allowed"), ("flashtriton.configs", "gluon_bwd_config"),
     ("flashtriton.configs", "default_bwd_configs"),
@@ -147,29 +170,38 @@ def breakdown(name: str, head_dim: int, calls: int = 100) -> dict:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        fn = getattr(module, attr, None)
+        *owners, attr = attr.split(".")  # (a method: "Class.method")
+        owner = module
+        for o in owners:
+            owner = getattr(owner, o, None)
+        fn = getattr(owner, attr, None)
         if callable(fn):
-            saved.append((module, attr, fn))
-            setattr(module, attr, timed(f"{module_name.replace('flashtriton.', '')}.{attr}", fn))
+            saved.append((owner, attr, fn))
+            setattr(owner, attr, timed(f"{module_name.replace('flashtriton.', '')}.{'.'.join((*owners, attr))}", fn))
     try:
-        result = {}
-        for mode, fn in make_case(name, head_dim):
-            for _ in range(3):
-                fn()
-            totals.clear()
-            total = 0.0
-            for _ in range(calls):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                total += time.perf_counter() - t0
-            torch.cuda.synchronize()
-            result[mode] = {"total": total / calls * 1e6,
-                            **{k: v / calls * 1e6 for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}
-        return result
+        with case_configs(name):
+            return _breakdown(name, head_dim, calls, totals)
     finally:
         for module, attr, fn in saved:
             setattr(module, attr, fn)
+
+
+def _breakdown(name: str, head_dim: int, calls: int, totals: dict) -> dict:
+    result = {}
+    for mode, fn in make_case(name, head_dim):
+        for _ in range(3):
+            fn()
+        totals.clear()
+        total = 0.0
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            total += time.perf_counter() - t0
+        torch.cuda.synchronize()
+        result[mode] = {"total": total / calls * 1e6,
+                        **{k: v / calls * 1e6 for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}
+    return result
 
 
 def profile_backward(name: str, head_dim: str, calls: int = 50) -> list[str]:
@@ -178,16 +210,17 @@ def profile_backward(name: str, head_dim: str, calls: int = 50) -> list[str]:
     import io
     import pstats
 
-    backward = dict(make_case(name, int(head_dim)))["bwd"]
-    for _ in range(3):
-        backward()
-    torch.cuda.synchronize()
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        backward()
-    prof.disable()
-    torch.cuda.synchronize()
+    with case_configs(name):
+        backward = dict(make_case(name, int(head_dim)))["bwd"]
+        for _ in range(3):
+            backward()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(calls):
+            backward()
+        prof.disable()
+        torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
     return [f"cProfile, {calls} backward calls of {name} D={head_dim} (by cumulative time):",
@@ -201,7 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--profile", default="sinks+window128:128",
-                   help="CASE:D whose backward's host path cProfile lists (by cumulative time); empty: none")
+                   help="CASE:D[,CASE:D...] whose backward's host path cProfile lists (by cumulative time); empty: none")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rows, lines = [], []
@@ -218,8 +251,8 @@ def main(argv=None) -> int:
             for mode, times in r["breakdown"].items():
                 lines.append(f"{'':>10}{mode} host breakdown (inclusive us per call, the GPU idle before each):")
                 lines.extend(f"{'':>14}{t:8.1f}  {label}" for label, t in times.items())
-    if args.profile:
-        lines.extend(profile_backward(*args.profile.split(":")))
+    for case in filter(None, args.profile.split(",")):
+        lines.extend(profile_backward(*case.split(":")))
     text = "\n".join([f"{torch.cuda.get_device_name()} torch {torch.__version__}", *lines])
     print(text)
     if args.out:

@@ -295,3 +295,39 @@ def test_deterministic_requests_are_accepted(device):
         finally:
             torch.use_deterministic_algorithms(previous)
         assert all(torch.equal(a, b) for a, b in zip(plain, under_torch_flag))
+
+
+def test_plan_kept_per_signature(device):
+    """A backward call keeps its plan under its signature: the same shapes, strides, scale and variant take the same
+    plan (and the same gradients, bit for bit); another scale or window a plan of its own; a pointer that is not
+    16-byte aligned (a view one element in) a plan built for the call alone, its gradients exact too."""
+    from flashtriton.kernels import backward as bwd
+
+    q, k, v, dout = make_qkv(1, 70, 90, 4, 2, 32, torch.float16, device, seed=11)
+    scale = 0.2
+
+    def run(q, k, v, dout, window=(-1, -1), scale=scale):
+        out, lse = attention_forward(q, k, v, scale, True, window_size=window)[:2]
+        return attention_backward(dout, q, k, v, out, lse, scale, True, window_size=window)
+
+    bwd._PLANS.clear()
+    first = run(q, k, v, dout)
+    assert len(bwd._PLANS) == 1
+    plan = next(iter(bwd._PLANS.values()))
+    second = run(q, k, v, dout)
+    assert len(bwd._PLANS) == 1 and next(iter(bwd._PLANS.values())) is plan
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    check_grads(second, q, k, v, dout, True, softmax_scale=scale, what="kept plan ")
+
+    windowed = run(q, k, v, dout, window=(20, 0))
+    run(q, k, v, dout, scale=0.3)
+    assert len(bwd._PLANS) == 3
+    assert not all(torch.equal(a, b) for a, b in zip(first, windowed))
+
+    # the same shapes and strides, one element (2 bytes) past an aligned address: not kept
+    shifted = [torch.empty(t.numel() + 1, dtype=t.dtype, device=device)[1:].view(t.shape).copy_(t)
+               for t in (q, k, v, dout)]
+    assert shifted[0].data_ptr() % 16 and shifted[0].stride() == q.stride()
+    moved = run(*shifted)
+    assert len(bwd._PLANS) == 3
+    check_grads(moved, q, k, v, dout, True, softmax_scale=scale, what="unaligned ")

@@ -33,7 +33,7 @@ from .._env import INTERPRET
 from .common import dot_settings, load_tile, sequence_bounds, tma_ok
 from . import dispatch
 from .host import cdiv, padded_head_dim
-from .launch import launch
+from .launch import KeptLaunch
 from .variant import (Variant, alibi_bias, diagonal, dropout_keep, dropout_state, key_blocks, query_blocks,
                       softcap_scores_and_grad, visible)
 
@@ -455,6 +455,58 @@ _attn_bwd_dq_tuned = triton.autotune(
 )(_attn_bwd_dq)
 
 
+class _PreprocessPlan:
+    """The preprocess launch of one call signature: its grid, int arguments (strides, seqlen_q), what it writes
+    (lse / delta like lse, or padded to `lse_shape`; either with `lse_strides`; the sink's per-program parts,
+    `part_shape`) and the launch."""
+
+    __slots__ = ("grid", "ints", "lse_shape", "lse_strides", "part_shape", "launch")
+
+
+def _preprocess_plan(out, dout, lse, cu_seqlens_q, max_seqlen_q, padded, dlse, sink, keep=False) -> _PreprocessPlan:
+    """The preprocess of these tensors (`preprocess` says what each is); `keep`: the plan is kept for later calls
+    of the same signature, which relaunch its compiled kernel (`KeptLaunch`)."""
+    varlen = cu_seqlens_q is not None
+    heads_q, head_dim = out.shape[-2], out.shape[-1]
+    if varlen:
+        batch, seqlen_q = cu_seqlens_q.numel() - 1, max_seqlen_q
+        o_s, do_s, l_s = (0, *out.stride()), (0, *dout.stride()), (0, lse.stride(0))
+    else:
+        batch, seqlen_q = out.shape[0], out.shape[1]
+        o_s, do_s, l_s = out.stride(), dout.stride(), (lse.stride(0), lse.stride(1))
+    plan = _PreprocessPlan()
+    rows, plan.lse_shape, p_s = seqlen_q, None, l_s
+    if padded:  # fresh, contiguous (*lse.shape[:-1], n_pad) buffers
+        n_pad = backward_gluon_launch.padded_rows(out.shape[0] if varlen else seqlen_q, varlen, batch)
+        plan.lse_shape = (*lse.shape[:-1], n_pad)
+        p_s = (0, n_pad) if varlen else (heads_q * n_pad, n_pad)
+        if not varlen:
+            rows = n_pad  # the padding rows are written too
+    d_s = (0, 0, 0) if dlse is None else (0, *dlse.stride()) if varlen else dlse.stride()
+    plan.grid = (cdiv(rows, PREPROCESS_BLOCK_M), heads_q, batch)
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), IS_VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
+                PADDED=padded, HAS_DLSE=dlse is not None)
+    plan.part_shape = None
+    if sink is not None:
+        plan.part_shape = (batch, heads_q, plan.grid[0])
+        meta.update(HAS_SINK=True)  # (absent otherwise: the kernel's default, and the sink-free calls' launch key)
+    plan.ints, plan.lse_strides = (*o_s, *do_s, *l_s, *p_s, *d_s, seqlen_q), p_s
+    plan.launch = KeptLaunch(_attn_bwd_preprocess, meta, keep)
+    return plan
+
+
+def _run_preprocess(plan: _PreprocessPlan, out, dout, lse, cu_seqlens_q, dlse, sink):
+    """(lse, delta, dsink) of `preprocess`, through its plan."""
+    if plan.lse_shape is None:
+        lse_out, delta = lse, torch.empty_like(lse)
+    else:
+        lse_out = torch.empty(plan.lse_shape, dtype=torch.float32, device=out.device)
+        delta = torch.empty_like(lse_out)
+    part = None if plan.part_shape is None else torch.empty(plan.part_shape, dtype=torch.float32, device=out.device)
+    plan.launch(plan.grid, (out, dout, lse, delta, lse_out, cu_seqlens_q, dlse, sink, part, *plan.ints))
+    return lse_out, delta, None if part is None else part.sum(dim=(0, 2)).to(sink.dtype)
+
+
 def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=False, dlse=None, sink=None):
     """(lse, delta, dsink) for the backward kernels; delta = rowsum(dO ∘ O) in fp32. out, dout (B, Sq, Hq, Dv) with lse
     (B, Hq, Sq), or varlen (total_q, Hq, Dv) with lse (Hq, total_q) and cu_seqlens_q. Not padded: delta like lse,
@@ -463,43 +515,130 @@ def preprocess(out, dout, lse, cu_seqlens_q=None, max_seqlen_q=None, padded=Fals
     dlse (shaped like lse, fp32, any strides): the gradient of lse, subtracted from delta in the same launch.
     sink ((Hq,), the forward's learnable_sink): dsink, its gradient in its dtype, from the same launch's per-tile
     parts and one torch sum over them (None without a sink)."""
+    plan = _preprocess_plan(out, dout, lse, cu_seqlens_q, max_seqlen_q, padded, dlse, sink)
+    return _run_preprocess(plan, out, dout, lse, cu_seqlens_q, dlse, sink)
+
+
+class _BackwardPlan:
+    """What a backward call's launches need that its signature decides (`_plan_key`): the Gluon config or None,
+    the preprocess, and the Triton kernels' configs, grids, constant arguments and launches. Built once per
+    signature and kept, so that a call repeats only the allocations, the pointer checks and the launches."""
+
+    __slots__ = ("gluon_config", "pre", "head", "alibi_stride", "dropout", "ints_dkdv", "ints_dq", "grid_dkdv",
+                 "grid_dq", "dkdv", "dq", "constexprs")
+
+
+_PLANS: dict = {}  # `_plan_key` -> _BackwardPlan
+_PLAN_LIMIT = 1024  # entries; a workload with ever-new shapes starts over rather than growing without bound
+
+
+def _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+              max_seqlen_k, alibi_slopes, learnable_sink, dlse, rng_state):
+    """The signature a plan is kept under: shapes, strides, dtype and device of the tensors, the scale, the variant,
+    the varlen lengths, the dispatch switch and the configs the Gluon decision reads (which tests and benchmarks
+    patch); None (the plan is built for the call alone) where a pointer is not 16-byte aligned, since a kept
+    launch assumes the compiled kernel's alignment."""
+    extras = tuple(t for t in (cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, dlse, rng_state)
+                   if t is not None)
+    pointers = q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | out.data_ptr() | lse.data_ptr()
+    for t in extras:
+        pointers |= t.data_ptr()
+    if pointers & 15:
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), out.stride(), lse.stride(),
+            q.dtype, q.device, softmax_scale, variant, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k,
+            tuple((t.shape, t.stride(), t.dtype) for t in extras[2 if cu_seqlens_q is not None else 0:]),
+            dispatch.CHOICE, configs.AUTOTUNE, configs.gluon_bwd_config, configs.backward.GLUON_BWD_MIN_FLOPS,
+            configs.backward.GLUON_BWD_D64_MIN_KEYS)
+
+
+def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, cu_seqlens_q, max_seqlen_q,
+                   max_seqlen_k, config, given, accumulate, alibi_slopes, learnable_sink, dlse,
+                   keep) -> _BackwardPlan:
+    """The plan of one call (`attention_backward` says what each argument is); `keep`: kept for later calls of
+    the same signature (their launches relaunch the compiled kernels)."""
     varlen = cu_seqlens_q is not None
-    heads_q, head_dim = out.shape[-2], out.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    separate_v = head_dim_v != head_dim
+    causal = variant.causal
     if varlen:
-        batch, seqlen_q = cu_seqlens_q.numel() - 1, max_seqlen_q
-        o_s, do_s = (0, *out.stride()), (0, *dout.stride())
-        l_s = (0, lse.stride(0))
+        batch, heads_q, heads_kv = cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1]
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
     else:
-        batch, seqlen_q = out.shape[0], out.shape[1]
-        o_s, do_s, l_s = out.stride(), dout.stride(), (lse.stride(0), lse.stride(1))
-    rows = seqlen_q
-    if padded:
-        n_pad = backward_gluon_launch.padded_rows(out.shape[0] if varlen else seqlen_q, varlen, batch)
-        lse_out = torch.empty((*lse.shape[:-1], n_pad), dtype=torch.float32, device=out.device)
-        delta = torch.empty_like(lse_out)
-        p_s = (0, lse_out.stride(0)) if varlen else (lse_out.stride(0), lse_out.stride(1))
-        if not varlen:
-            rows = n_pad  # the padding rows are written too
+        batch, seqlen_q, heads_q, _ = q.shape
+        seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    plan = _BackwardPlan()
+    gluon_config = None
+    if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
+            and tma_ok(q, k, v, dout)  # (no broadcast, stride-0, dimension among them)
+            and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields(), separate_v)):
+        rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
+        if "window_size" in variant.fields():  # the band's FLOPs (a varlen row: as many as a longest sequence's)
+            fwd_flops = rows * _visible_fwd_flops_per_row(variant, heads_q, seqlen_q, seqlen_k, head_dim)
+        else:
+            fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
+        gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)
+        pad = backward_gluon_launch.padded_rows(q.shape[0] if varlen else seqlen_q, varlen, batch)
+        if heads_q * (1 if varlen else batch) * pad >= 2**31:  # the padded lse / delta's TMA coordinates are int32
+            gluon_config = None
+    if gluon_config is not None and not accumulate and (
+            (given and {dq.dtype, dk.dtype, dv.dtype} != {q.dtype}) or not tma_ok(q, dq, dk, dv)):
+        gluon_config = None  # buffers the Gluon kernels cannot write: the Triton kernels
+    if gluon_config is not None and varlen and gluon_config["dq"] is None:
+        raise ValueError("the Triton dQ kernel cannot read the Gluon kernels' varlen lse / delta layout: a varlen "
+                         "Gluon config needs a 'dq' config too")
+    plan.gluon_config = gluon_config
+    plan.pre = _preprocess_plan(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None, dlse,
+                                learnable_sink, keep)
+    plan.dkdv = plan.dq = None
+    if gluon_config is not None and (accumulate or gluon_config["dq"] is not None):
+        return plan  # the Gluon kernels take the whole call (accumulating: `attention_backward` runs it anew)
+
+    # The Triton kernels: dK/dV unless the Gluon kernel runs it, then dQ.
+    if varlen:
+        strides = [(0, *t.stride()) for t in (q, k, v, dout, dq, dk, dv)]  # zero batch stride
     else:
-        lse_out, delta = lse, torch.empty_like(lse)
-        p_s = l_s
-    if dlse is None:
-        d_s = (0, 0, 0)
-    elif varlen:
-        d_s = (0, *dlse.stride())
+        strides = [t.stride() for t in (q, k, v, dout, dq, dk, dv)]
+    l_s = plan.pre.lse_strides  # of the lse / delta the preprocess writes
+    q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s = strides
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    upcast, precision = dot_settings(q.dtype)
+    plan.head = (softmax_scale, *variant.scalars(softmax_scale))
+    plan.alibi_stride = None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+    plan.dropout = variant.dropout_args()[1:]
+    tail = (heads_q // heads_kv, seqlen_q, seqlen_k, configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
+    plan.ints_dkdv = (*q_s, *k_s, *v_s, *do_s, *dk_s, *dv_s, *l_s, *tail)
+    plan.ints_dq = (*q_s, *k_s, *v_s, *do_s, *dq_s, *l_s, *tail)
+    constexprs = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
+        **variant.constexprs, **variant.score_constexprs, IS_VARLEN=varlen,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision,
+    )
+    if variant.dropout_p:  # (absent otherwise: the kernels' default, and the launch key of the dropout-free calls)
+        constexprs.update(variant.dropout_constexprs)
+    if accumulate:  # (likewise)
+        constexprs.update(ACCUMULATE=True)
+    if config is None and INTERPRET:
+        config = configs.BWD_INTERPRETER_CONFIG
+    if config is None and (not configs.AUTOTUNE or accumulate):  # (autotuning would add once per candidate run)
+        config = configs.default_bwd_configs(max(block_d, block_dv), q.element_size(), q.device, bool(causal))
+    if config is not None and "dkdv" not in config:
+        config = {"dkdv": config, "dq": config}
+
+    def grid_dkdv(meta):
+        return (cdiv(seqlen_k, meta["BLOCK_N"]), heads_kv, batch)
+
+    def grid_dq(meta):
+        return (cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
+
+    plan.constexprs = constexprs
+    if config is None:  # autotuned (`_attn_bwd_dkdv_tuned` / `_attn_bwd_dq_tuned`): the grids as functions
+        plan.grid_dkdv, plan.grid_dq = grid_dkdv, grid_dq
     else:
-        d_s = dlse.stride()
-    grid = (cdiv(rows, PREPROCESS_BLOCK_M), heads_q, batch)
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), IS_VARLEN=varlen, BLOCK_M=PREPROCESS_BLOCK_M,
-                PADDED=padded, HAS_DLSE=dlse is not None)
-    part = None
-    if sink is not None:
-        part = torch.empty((batch, heads_q, grid[0]), dtype=torch.float32, device=out.device)
-        meta.update(HAS_SINK=True)  # (absent otherwise: the kernel's default, and the sink-free calls' launch key)
-    launch(_attn_bwd_preprocess, grid,
-           (out, dout, lse, delta, lse_out, cu_seqlens_q, dlse, sink, part, *o_s, *do_s, *l_s, *p_s, *d_s, seqlen_q),
-           meta)
-    return lse_out, delta, None if part is None else part.sum(dim=(0, 2)).to(sink.dtype)
+        plan.grid_dkdv, plan.grid_dq = grid_dkdv(config["dkdv"]), grid_dq(config["dq"])
+        plan.dkdv = KeptLaunch(_attn_bwd_dkdv, {**constexprs, **config["dkdv"]}, keep)
+        plan.dq = KeptLaunch(_attn_bwd_dq, {**constexprs, **config["dq"]}, keep)
+    return plan
 
 
 def attention_backward(
@@ -549,22 +688,18 @@ def attention_backward(
     (each element has one writer: still deterministic). Buffers of another dtype than q's run the Triton kernels
     (the Gluon ones write q's dtype, and overwrite); `accumulate` where the Gluon kernels take the call runs them
     into new tensors of q's dtype and adds those (the Triton kernels add their fp32 sums directly).
+    A call without a forced config or given buffers takes the plan kept for its signature (`_plan_key`).
     """
     varlen = cu_seqlens_q is not None
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    separate_v = head_dim_v != head_dim
     given = dq is not None or dk is not None or dv is not None
     alloc = torch.zeros if varlen and zero_fill else torch.empty
     dq, dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) if g is None
                   else g.zero_() if varlen and zero_fill and not accumulate else g
                   for g, t in ((dq, q), (dk, k), (dv, v)))
     if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        heads_q, heads_kv = q.shape[1], k.shape[1]
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
     else:
-        batch, seqlen_q, heads_q, _ = q.shape
-        seqlen_k, heads_kv = k.shape[1], k.shape[2]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     if q.numel() == 0 or k.numel() == 0 or not seqlen_q or not seqlen_k:
         if not accumulate:  # no query sees a key: every gradient is 0
             dq, dk, dv = dq.zero_(), dk.zero_(), dv.zero_()
@@ -573,23 +708,25 @@ def attention_backward(
                 dlse.sum(dim=1 if varlen else (0, 2)).to(learnable_sink.dtype)
             return dq, dk, dv, dsink
         return dq, dk, dv
-    gluon_config = None
     variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None,
                          learnable_sink is not None, dropout_p)
     if dropout_p and rng_state is None:
         raise ValueError("dropout_p > 0 needs rng_state, the forward's int64 (seed, offset) tensor")
-    if (config is None and backward_gluon_launch is not None and dispatch.gluon_bwd_allowed()
-            and tma_ok(q, k, v, dout)  # (no broadcast, stride-0, dimension among them)
-            and dispatch.supports("gluon_bwd", q.dtype, head_dim, 9, varlen, False, variant.fields(), separate_v)):
-        rows = q.shape[0] if varlen else batch * seqlen_q  # varlen: every row against the longest key range
-        if "window_size" in variant.fields():  # the band's FLOPs (a varlen row: as many as a longest sequence's)
-            fwd_flops = rows * _visible_fwd_flops_per_row(variant, heads_q, seqlen_q, seqlen_k, head_dim)
-        else:
-            fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
-        gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)
-        pad = backward_gluon_launch.padded_rows(q.shape[0] if varlen else seqlen_q, varlen, batch)
-        if heads_q * (1 if varlen else batch) * pad >= 2**31:  # the padded lse / delta's TMA coordinates are int32
-            gluon_config = None
+    lse = lse.contiguous()  # already so as the forward returns it
+    key = None
+    if config is None and not given and not accumulate:
+        key = _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, alibi_slopes, learnable_sink, dlse, rng_state)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, cu_seqlens_q,
+                              max_seqlen_q, max_seqlen_k, config, given, accumulate, alibi_slopes, learnable_sink,
+                              dlse, key is not None)
+        if key is not None:
+            if len(_PLANS) >= _PLAN_LIMIT:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    gluon_config = plan.gluon_config
     if gluon_config is not None and accumulate:
         # The Gluon kernels overwrite, in q's dtype: the call's gradients in new tensors, added to the accumulators
         # (each call's share rounded once, as ring-flash-attention's partials are; the sum in the buffers' dtype).
@@ -599,16 +736,8 @@ def attention_backward(
         for buffer, grad in zip((dq, dk, dv), grads):
             buffer.add_(grad)
         return (dq, dk, dv, *grads[3:])
-    if gluon_config is not None and ((given and {dq.dtype, dk.dtype, dv.dtype} != {q.dtype})
-                                     or not tma_ok(q, dq, dk, dv)):
-        gluon_config = None  # buffers the Gluon kernels cannot write: the Triton kernels
 
-    if gluon_config is not None and varlen and gluon_config["dq"] is None:
-        raise ValueError("the Triton dQ kernel cannot read the Gluon kernels' varlen lse / delta layout: a varlen "
-                         "Gluon config needs a 'dq' config too")
-    lse = lse.contiguous()  # already so as the forward returns it
-    lse, delta, dsink = preprocess(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None, dlse,
-                                   learnable_sink)
+    lse, delta, dsink = _run_preprocess(plan.pre, out, dout, lse, cu_seqlens_q, dlse, learnable_sink)
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if gluon_config is not None:
         backward_gluon_launch.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
@@ -621,54 +750,18 @@ def attention_backward(
             return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
     # The Triton kernels: dK/dV unless the Gluon kernel ran it, then dQ.
-    if varlen:
-        strides = [(0, *t.stride()) for t in (q, k, v, dout, dq, dk, dv)]  # zero batch stride
-        l_s = (0, lse.stride(0))
-    else:
-        strides = [t.stride() for t in (q, k, v, dout, dq, dk, dv)]
-        l_s = (lse.stride(0), lse.stride(1))
-    q_s, k_s, v_s, do_s, dq_s, dk_s, dv_s = strides
-    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    upcast, precision = dot_settings(q.dtype)
-    alibi = (alibi_slopes, None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0))
-    common = (softmax_scale, *variant.scalars(softmax_scale), *alibi, *variant.dropout_args(rng_state),
-              *q_s, *k_s, *v_s, *do_s)
-    tail = (seqlen_q, seqlen_k, configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
-    constexprs = dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
-        **variant.constexprs, **variant.score_constexprs, IS_VARLEN=varlen,
-        UPCAST_DOT=upcast, DOT_PRECISION=precision,
-    )
-    if dropout_p:  # (absent otherwise: the kernels' default, and the launch key of the dropout-free calls)
-        constexprs.update(variant.dropout_constexprs)
-    if accumulate:  # (likewise)
-        constexprs.update(ACCUMULATE=True)
-    if config is None and INTERPRET:
-        config = configs.BWD_INTERPRETER_CONFIG
-    if config is None and (not configs.AUTOTUNE or accumulate):  # (autotuning would add once per candidate run)
-        config = configs.default_bwd_configs(max(block_d, block_dv), q.element_size(), q.device, bool(causal))
-    if config is not None and "dkdv" not in config:
-        config = {"dkdv": config, "dq": config}
-
-    def grid_dkdv(meta):
-        return (cdiv(seqlen_k, meta["BLOCK_N"]), heads_kv, batch)
-
-    def grid_dq(meta):
-        return (cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
-
+    mid = (*plan.head, alibi_slopes, plan.alibi_stride, rng_state if dropout_p else None, *plan.dropout)
     if gluon_config is None:
-        args_dkdv = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common, *dk_s, *dv_s, *l_s,
-                     heads_q // heads_kv, *tail)
-        if config is None:
-            _attn_bwd_dkdv_tuned[grid_dkdv](*args_dkdv, **constexprs)
+        args = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *mid, *plan.ints_dkdv)
+        if plan.dkdv is None:
+            _attn_bwd_dkdv_tuned[plan.grid_dkdv](*args, **plan.constexprs)
         else:
-            launch(_attn_bwd_dkdv, grid_dkdv(config["dkdv"]), args_dkdv, {**constexprs, **config["dkdv"]})
-    args_dq = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common, *dq_s, *l_s,
-               heads_q // heads_kv, *tail)
-    if config is None:
-        _attn_bwd_dq_tuned[grid_dq](*args_dq, **constexprs)
+            plan.dkdv(plan.grid_dkdv, args)
+    args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mid, *plan.ints_dq)
+    if plan.dq is None:
+        _attn_bwd_dq_tuned[plan.grid_dq](*args, **plan.constexprs)
     else:
-        launch(_attn_bwd_dq, grid_dq(config["dq"]), args_dq, {**constexprs, **config["dq"]})
+        plan.dq(plan.grid_dq, args)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 

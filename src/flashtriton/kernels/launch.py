@@ -210,3 +210,23 @@ def hooks_installed() -> bool:
 def cache_size() -> int:
     """Number of (kernel, argument key) entries remembered (tests, diagnostics)."""
     return len(_CACHE)
+
+
+class KeptLaunch:
+    """One launch site of a plan whose argument signature never changes (the plan's key fixes every int, dtype and
+    pointer alignment): the first call goes through `launch_and_keep`, later ones relaunch the compiled kernel. On
+    the interpreter, with launch hooks, where `launch` does not cache the signature, or not `keep` (a plan built
+    for one call), every call takes `launch`."""
+
+    __slots__ = ("fn", "meta", "keep", "relaunch")
+
+    def __init__(self, fn, meta: dict, keep: bool = True):
+        self.fn, self.meta, self.keep, self.relaunch = fn, meta, keep, None
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
+        if self.relaunch is not None and not _hooks_installed():
+            self.relaunch(grid, args)
+        elif self.keep:
+            self.relaunch = launch_and_keep(self.fn, grid, args, self.meta)
+        else:
+            launch(self.fn, grid, args, self.meta)
