@@ -142,6 +142,7 @@ HOST_PATH = (
     ("flashtriton.configs", "default_bwd_configs"),
     ("flashtriton.kernels.backward_gluon_launch", "launch_dkdv_gluon"),
     ("flashtriton.kernels.backward_gluon_launch", "launch_dq_gluon"),
+    ("flashtriton.kernels.backward_gluon_launch", "launch_dense"),
     ("flashtriton.kernels.backward_gluon_launch", "_launch"), ("flashtriton.kernels.forward", "launch"),
     ("flashtriton.kernels.forward", "_launch_dense_tma"), ("flashtriton.kernels.forward", "_dense_tma_plan"),
     ("flashtriton.kernels.forward_gluon_launch", "launch"),

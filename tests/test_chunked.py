@@ -193,14 +193,11 @@ def test_low_precision_pairs_accumulate_to_the_gradient(causal, device, monkeypa
     computes each pair (in bf16, then added: counted here), elsewhere the Triton kernels add in fp32."""
     from accuracy import assert_close_to_exact, torch_attention
     from flashtriton import configs
-    from flashtriton.kernels import backward_gluon_launch as BG
+    from test_backward_gluon import record_gluon_launches
 
     monkeypatch.setattr(configs.backward, "GLUON_BWD_MIN_FLOPS", 0)  # the Gluon kernels at this size too
     monkeypatch.setattr(configs.backward, "GLUON_BWD_D64_MIN_KEYS", 0)
-    gluon_calls = []
-    if BG is not None:
-        real = BG.launch_dkdv_gluon
-        monkeypatch.setattr(BG, "launch_dkdv_gluon", lambda *a, **kw: gluon_calls.append(1) or real(*a, **kw))
+    ran = record_gluon_launches(monkeypatch)
     gen = torch.Generator().manual_seed(1)
     batch, seqlen, hq, hkv, dim, dtype = 2, 320, 4, 2, 64, torch.bfloat16
     q = torch.randn(batch, seqlen, hq, dim, generator=gen).to(device, dtype)
@@ -225,4 +222,4 @@ def test_low_precision_pairs_accumulate_to_the_gradient(causal, device, monkeypa
     for name, got, want, theirs in zip("dq dk dv".split(), (dq, dk, dv), exact, same_dtype):
         assert_close_to_exact(got, theirs, want, dtype, name)
     hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
-    assert len(gluon_calls) == (3 if hopper else 0)
+    assert ran.count("launch_dkdv_gluon") == (3 if hopper else 0)

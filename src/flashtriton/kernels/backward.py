@@ -524,8 +524,8 @@ class _BackwardPlan:
     the preprocess, and the Triton kernels' configs, grids, constant arguments and launches. Built once per
     signature and kept, so that a call repeats only the allocations, the pointer checks and the launches."""
 
-    __slots__ = ("gluon_config", "pre", "head", "alibi_stride", "dropout", "ints_dkdv", "ints_dq", "grid_dkdv",
-                 "grid_dq", "dkdv", "dq", "constexprs")
+    __slots__ = ("gluon_config", "gluon_dense", "pre", "head", "alibi_stride", "dropout", "ints_dkdv", "ints_dq",
+                 "grid_dkdv", "grid_dq", "dkdv", "dq", "constexprs")
 
 
 _PLANS: dict = {}  # `_plan_key` -> _BackwardPlan
@@ -590,7 +590,9 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
     plan.gluon_config = gluon_config
     plan.pre = _preprocess_plan(out, dout, lse, cu_seqlens_q, seqlen_q, gluon_config is not None, dlse,
                                 learnable_sink, keep)
-    plan.dkdv = plan.dq = None
+    plan.dkdv = plan.dq = plan.gluon_dense = None
+    if gluon_config is not None and not varlen and not accumulate and gluon_config["dq"] is not None:
+        plan.gluon_dense = backward_gluon_launch.DenseBackward(q, k, variant, gluon_config, softmax_scale, alibi_slopes)
     if gluon_config is not None and (accumulate or gluon_config["dq"] is not None):
         return plan  # the Gluon kernels take the whole call (accumulating: `attention_backward` runs it anew)
 
@@ -738,6 +740,10 @@ def attention_backward(
         return (dq, dk, dv, *grads[3:])
 
     lse, delta, dsink = _run_preprocess(plan.pre, out, dout, lse, cu_seqlens_q, dlse, learnable_sink)
+    if plan.gluon_dense is not None:
+        backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse, delta, softmax_scale,
+                                           alibi_slopes)
+        return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if gluon_config is not None:
         backward_gluon_launch.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,

@@ -224,6 +224,24 @@ def _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softc
     return variant, (*variant.scalars(softmax_scale), *alibi)
 
 
+def _dkdv_args(desc_q, desc_do, k, v, dk, dv, lse_pad, delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints,
+               varlen, d) -> tuple:
+    """The dK/dV kernel's arguments, with the Q and dO descriptors given (the dQ kernel's are the same)."""
+    rows = ROWS.value
+    return (desc_q, descriptor(k, rows, varlen, d), descriptor(v, rows, varlen, d), desc_do,
+            descriptor(dk, rows, varlen, d), descriptor(dv, rows, varlen, d), row_descriptor(lse_pad),
+            row_descriptor(delta_pad), dk, dv, cu_q, cu_k, work, softmax_scale, *scalars,
+            dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
+
+
+def _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints, varlen,
+             d, block_n) -> tuple:
+    """The dQ kernel's arguments, with the Q and dO descriptors given."""
+    return (desc_q, descriptor(k, block_n, varlen, d), descriptor(v, block_n, varlen, d), desc_do,
+            descriptor(dq, ROWS.value, varlen, d), lse_pad, delta_pad, dq, cu_q, cu_k, work, softmax_scale, *scalars,
+            dq.stride(-3), dq.stride(-2), *ints)
+
+
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
                       config, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> None:
@@ -238,10 +256,8 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
                                                      max_seqlen_q, max_seqlen_k)
     rows, d = ROWS.value, head_block(q.shape[-1])
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
-    args = (descriptor(q, rows, varlen, d), descriptor(k, rows, varlen, d), descriptor(v, rows, varlen, d),
-            descriptor(dout, rows, varlen, d), descriptor(dk, rows, varlen, d), descriptor(dv, rows, varlen, d),
-            row_descriptor(lse_pad), row_descriptor(delta_pad), dk, dv, cu_q, cu_k, work, softmax_scale,
-            *scalars, dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
+    args = _dkdv_args(descriptor(q, rows, varlen, d), descriptor(dout, rows, varlen, d), k, v, dk, dv, lse_pad,
+                      delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints, varlen, d)
     _launch(_attn_bwd_dkdv_gluon, plan, grid, args, meta)
 
 
@@ -253,12 +269,44 @@ def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal
     variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes)
     grid, ints, meta, work, plan = _launch_parts_for("dq", q, k, variant, config, cu_seqlens_q, cu_seqlens_k,
                                                      max_seqlen_q, max_seqlen_k)
-    rows, block_n, d = ROWS.value, config["BLOCK_N"], head_block(q.shape[-1])
+    rows, d = ROWS.value, head_block(q.shape[-1])
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
-    args = (descriptor(q, rows, varlen, d), descriptor(k, block_n, varlen, d), descriptor(v, block_n, varlen, d),
-            descriptor(dout, rows, varlen, d), descriptor(dq, rows, varlen, d), lse_pad, delta_pad, dq, cu_q, cu_k, work,
-            softmax_scale, *scalars, dq.stride(-3), dq.stride(-2), *ints)
+    args = _dq_args(descriptor(q, rows, varlen, d), descriptor(dout, rows, varlen, d), k, v, dq, lse_pad, delta_pad,
+                    cu_q, cu_k, work, softmax_scale, scalars, ints, varlen, d, config["BLOCK_N"])
     _launch(_attn_bwd_dq_gluon, plan, grid, args, meta)
+
+
+class DenseBackward:
+    """Both kernels of a dense Gluon backward for one call signature (`backward._BackwardPlan` keeps it): their
+    plans (`_DensePlan`), the variant's scalars and the tiles' head dim. `launch_dense` runs it on a call's
+    tensors, with one Q and one dO descriptor for both kernels."""
+
+    __slots__ = ("dkdv", "dq", "scalars", "alibi_stride", "d", "block_n")
+
+    def __init__(self, q, k, variant: Variant, config: dict, softmax_scale: float, alibi_slopes=None):
+        variant = Variant.of(variant.causal, variant.bottom_right, variant.window, variant.softcap,
+                             variant.alibi_slopes is not None)  # (as `_variant_args`: what these kernels compile)
+        items = tuple(q.shape), tuple(k.shape), q.dtype, q.device, variant.causal, variant.bottom_right
+        self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant)
+        self.dq = _dense_plan("dq", *items, tuple(sorted(config["dq"].items())), variant)
+        self.scalars = variant.scalars(softmax_scale)
+        self.alibi_stride = None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+        self.d, self.block_n = head_block(q.shape[-1]), config["dq"]["BLOCK_N"]
+
+
+def launch_dense(plan: DenseBackward, q, k, v, dout, dq, dk, dv, lse_pad, delta_pad, softmax_scale,
+                 alibi_slopes=None) -> None:
+    """dK/dV then dQ of a dense call, as `launch_dkdv_gluon` and `launch_dq_gluon` launch them (the inputs as theirs),
+    through `plan` (built for these tensors' signature)."""
+    rows, d = ROWS.value, plan.d
+    desc_q, desc_do = descriptor(q, rows, False, d), descriptor(dout, rows, False, d)
+    scalars = (*plan.scalars, alibi_slopes, plan.alibi_stride)
+    p = plan.dkdv
+    _launch(_attn_bwd_dkdv_gluon, p, p.grid, _dkdv_args(desc_q, desc_do, k, v, dk, dv, lse_pad, delta_pad, lse_pad,
+                                                        lse_pad, q, softmax_scale, scalars, p.ints, False, d), p.meta)
+    p = plan.dq
+    _launch(_attn_bwd_dq_gluon, p, p.grid, _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, lse_pad, lse_pad, q,
+                                                    softmax_scale, scalars, p.ints, False, d, plan.block_n), p.meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
