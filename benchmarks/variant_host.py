@@ -16,7 +16,9 @@ suite runs them; `--cases` to choose) and each mode (forward with the gradient's
 Cases: `window128`, `sinks`, `sinks+window128`, `dense` (causal, no variant), with `@T` for another sequence
 length at the same B·T (e.g. `dense@512`: B=32), and `+gluon` for the Gluon backward at any size (its floors,
 `configs.GLUON_BWD_MIN_FLOPS` and `GLUON_BWD_D64_MIN_KEYS`, set to 0 for the case). Gradients are set to None
-between calls, as the bench does.
+between calls, as the bench does. `noop`: a Python autograd Function that launches nothing (the floor of any
+Python Function's host path, the autograd engine's share of it); `sdpa`: torch's SDPA on its cuDNN backend, the
+same call (its backward a C++ autograd node).
 
     python benchmarks/variant_host.py --out DIR        # DIR/variant_host.json and DIR/variant_host.txt
 """
@@ -56,6 +58,18 @@ def case_configs(name: str):
         cb.GLUON_BWD_MIN_FLOPS, cb.GLUON_BWD_D64_MIN_KEYS = saved
 
 
+class _Noop(torch.autograd.Function):
+    """A Python autograd Function that launches nothing: the floor of any such call's host path (the `noop` case)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, None, None
+
+
 def make_case(name: str, head_dim: int, H: int = 16, tokens: int = 16384):
     """(("fwd", forward), ("bwd", backward)): one case's two calls on fresh inputs (bf16, causal)."""
     name, _, seqlen = name.replace("+gluon", "").partition("@")
@@ -69,6 +83,12 @@ def make_case(name: str, head_dim: int, H: int = 16, tokens: int = 16384):
     window = (127, 0) if "window128" in name else (-1, -1)
 
     def forward():
+        if name == "noop":
+            return _Noop.apply(q, k, v)
+        if name == "sdpa":
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                                        is_causal=True).transpose(1, 2)
         return flashtriton.flash_attn_func(q, k, v, causal=True, window_size=window, learnable_sink=sink)
 
     leaves = [t for t in (q, k, v, sink) if t is not None]
