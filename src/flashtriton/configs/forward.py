@@ -105,10 +105,7 @@ def varlen_fwd_tma_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, c
 # warpgroups, persistent), on sm_90 where its table names the shape (fp16 / bf16, softmax_scale > 0). Base: two
 # consumer warpgroups of 64 rows, 128-key tiles, 2 stages, one persistent program per SM, causal items in pairs of
 # equal work, one Q slot, the output staged in shared memory for a TMA store (STORE_FROM_REGS: masked stores from
-# registers, which frees the staging tiles' shared memory). A config may also say EXP2_SPLIT (default False:
-# `kernels.forward_gluon_launch.CONFIG_DEFAULTS`): half of the softmax's exponentials by a polynomial on the FMA
-# pipes instead of the special-function unit, which exp2 and softcap's tanh share; no rule here turns it on until
-# the H200 says it pays (benchmarks/exp2_split.py measures it against the same config without it).
+# registers, which frees the staging tiles' shared memory).
 GLUON_BASE = dict(BLOCK_N=128, NUM_BUFFERS=2, CONSUMER_REGS=240, N_CONSUMERS=2, Q_BUFFERS=1, CAUSAL_PAIRS=True,
                   DYNAMIC=False, OVERLAP=False, STORE_FROM_REGS=False)
 # Short items (up to 4k keys causal, 1k non-causal) spend much of their time starting and ending: two Q slots and

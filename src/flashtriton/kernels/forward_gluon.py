@@ -37,13 +37,10 @@ from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_SINKS, SC_SOFTCAP, S
                                   num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
 from .gluon_common import wgmma_layout
-from .variant import alibi_bias, exp2_split, key_end, softcap_scores, tanh, tile_masked, visible
+from .variant import alibi_bias, key_end, softcap_scores, tanh, tile_masked, visible
 
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
 NONE = gl.constexpr(0)  # what stands for a variant argument that is off
-# SCORES' bit for the kernel's EXP2_SPLIT, beside `forward_gluon_items`' score changes (1 .. 8): not a change of the
-# scores but of how `_softmax_tile` exponentiates them (`variant.exp2_split`); only the consumers read it.
-SC_EXP2_SPLIT = gl.constexpr(16)
 
 
 @gluon.jit
@@ -98,15 +95,6 @@ def _sink(scores, off_h, SCORES: gl.constexpr):
 
 
 @gluon.jit
-def _exp2_scores(x, EXP2_SPLIT: gl.constexpr):
-    """2^x of a tile of scores: `variant.exp2_split` with EXP2_SPLIT, else exp2 (all on the special-function unit)."""
-    if EXP2_SPLIT:
-        return exp2_split(x)
-    else:
-        return gl.exp2(x)
-
-
-@gluon.jit
 def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, scores, slope,
                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False,
                   SCORES: gl.constexpr = 0):
@@ -119,11 +107,8 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
     scale's place (the cap is > 0: it commutes with the max); ALiBi is `variant.alibi_bias` (after softcap), or,
     causal (every visible key at or left of the diagonal), the bias -slope · (row0 + d - j) of the tile's first
     row: the rest, -slope · (i - row0), is a row's constant, which the softmax ignores and `_alibi_rows` adds to m
-    once the row is done. EXP2_SPLIT (SCORES' SC_EXP2_SPLIT bit, the kernel's EXP2_SPLIT): p's exponentials (not
-    alpha's, one per row) half on the special-function unit, half by a polynomial on the FMA pipes
-    (`variant.exp2_split`), which relieves the unit that exp2 and softcap's tanh share."""
+    once the row is done."""
     HAS_WINDOW: gl.constexpr = (SCORES & SC_WINDOW) != 0
-    EXP2_SPLIT: gl.constexpr = (SCORES & SC_EXP2_SPLIT) != 0
     FOLD_CAP: gl.constexpr = (SCORES & (SC_SOFTCAP | SC_ALIBI)) == SC_SOFTCAP
     SCALED: gl.constexpr = (SCORES & SC_ALIBI) != 0
     # Causal ALiBi in the loop of `_consume_flat` (COMPACT): -slope · (row0 + d - j) = slope · (j - n) + shift,
@@ -168,16 +153,16 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
     if SHIFTED:  # the scores are shift below the row's frame: its max and m_new - shift for the exponent
         m_new = gl.maximum(m_i, gl.max(s, 1) + shift)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp2_scores(s - (m_safe - shift)[:, None], EXP2_SPLIT)
+        p = gl.exp2(s - (m_safe - shift)[:, None])
     elif SCALED:
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp2_scores(s - m_safe[:, None], EXP2_SPLIT)
+        p = gl.exp2(s - m_safe[:, None])
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp2_scores(s * qk_scale - m_safe[:, None], EXP2_SPLIT)
+        p = gl.exp2(s * qk_scale - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
@@ -629,14 +614,12 @@ def _attn_fwd_gluon(
     Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr,
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
-    EXP2_SPLIT: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
     num_warps=4: the producer; the N_CONSUMERS (2 or 3) consumer warpgroups are worker partitions. The variant's
     arguments and flags are `forward._attn_fwd`'s (None where off); the partitions take the flags as one bit set,
-    SCORES (`forward_gluon_items.SC_WINDOW` ...), with EXP2_SPLIT (a config key: `forward_gluon_launch`) as
-    SC_EXP2_SPLIT: half of the softmax's exponentials by a polynomial on the FMA pipes (`_softmax_tile`)."""
+    SCORES (`forward_gluon_items.SC_WINDOW` ...)."""
     gl.static_assert((N_CONSUMERS == 2) | (N_CONSUMERS == 3), "2 or 3 consumers")
     gl.static_assert(not (DYNAMIC and IS_CAUSAL and CAUSAL_PAIRS), "DYNAMIC: items one at a time")
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
@@ -644,7 +627,7 @@ def _attn_fwd_gluon(
     n_bh = HEADS * BATCH
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
-                            + SC_SINKS * HAS_SINKS + SC_EXP2_SPLIT * EXP2_SPLIT)
+                            + SC_SINKS * HAS_SINKS)
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)

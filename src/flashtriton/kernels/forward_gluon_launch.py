@@ -4,11 +4,7 @@ launch, and an offline compile for sm_90 that needs no GPU.
 
 A config is a dict of the kernel's schedule constexprs (BLOCK_N, NUM_BUFFERS, CONSUMER_REGS, N_CONSUMERS,
 Q_BUFFERS, CAUSAL_PAIRS, DYNAMIC, OVERLAP, STORE_FROM_REGS), as `configs.gluon_fwd_config` and
-`configs.gluon_varlen_config` give, and optionally keys of `CONFIG_DEFAULTS` (EXP2_SPLIT), which take their
-default where left out. The tables leave EXP2_SPLIT out (off); to measure it, hand the launcher a config with
-`EXP2_SPLIT=True`: `launch_forward_gluon(..., dict(config, EXP2_SPLIT=True))`, or through the public API a wrapped
-`configs.gluon_fwd_config` that adds the key, after `kernels.forward._dense_tma_plan.cache_clear()` (dense calls
-keep their plan per shape): benchmarks/exp2_split.py.
+`configs.gluon_varlen_config` give.
 """
 
 from __future__ import annotations
@@ -27,10 +23,6 @@ KERNEL = _attn_fwd_gluon
 # The keys of a Gluon forward config (configs/forward.py GLUON_BASE says what each means).
 CONFIG_KEYS = frozenset({"BLOCK_N", "NUM_BUFFERS", "CONSUMER_REGS", "N_CONSUMERS", "Q_BUFFERS", "CAUSAL_PAIRS",
                          "DYNAMIC", "OVERLAP", "STORE_FROM_REGS"})
-# Keys a config may leave out, and what they then are. EXP2_SPLIT: half of the softmax's exponentials by a
-# polynomial on the FMA pipes instead of the special-function unit (`variant.exp2_split`,
-# `forward_gluon._softmax_tile`).
-CONFIG_DEFAULTS = {"EXP2_SPLIT": False}
 # Work units are counted in int32, and a program's last draw (or static slot) runs up to one grid past the end.
 UNIT_LIMIT = 2**31 - 2**20
 
@@ -56,13 +48,11 @@ def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen
 
 
 def kernel_config(config: dict) -> dict:
-    """`config` with the `CONFIG_DEFAULTS` it leaves out, if its keys are CONFIG_KEYS and some of CONFIG_DEFAULTS';
-    ValueError naming the keys it lacks or does not know."""
-    keys = config.keys()
-    if not CONFIG_KEYS <= keys <= CONFIG_KEYS | CONFIG_DEFAULTS.keys():
-        unknown, missing = sorted(keys - CONFIG_KEYS - CONFIG_DEFAULTS.keys()), sorted(CONFIG_KEYS - keys)
+    """`config` if its keys are CONFIG_KEYS; ValueError naming the keys it lacks or does not know."""
+    if config.keys() != CONFIG_KEYS:
+        unknown, missing = sorted(config.keys() - CONFIG_KEYS), sorted(CONFIG_KEYS - config.keys())
         raise ValueError(f"Gluon forward config {config}: unknown keys {unknown}, missing {missing}")
-    return {**CONFIG_DEFAULTS, **config}
+    return config
 
 
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,

@@ -30,8 +30,7 @@ import triton.language as tl
 
 
 LOG2E = 1.4426950408889634
-# Inline PTX (`tanh(APPROX=True)`, `exp2_split`): on a GPU, not in the interpreter
-TANH_APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+TANH_APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")  # `tanh(APPROX=True)`: PTX on a GPU
 WINDOW_UNBOUNDED = 1 << 30  # a window side without bound, as the kernels take it (indices stay within int32)
 ALIBI_GIVEN = torch.empty(0)  # `Variant.of`'s stand-in for slopes or sinks that the launcher passes to the kernels
 
@@ -421,53 +420,6 @@ def _tanh_rational(x):
     q = q * x2 + 2.26843463243900e-03
     q = q * x2 + 4.89352518554385e-03
     return x * p / q
-
-
-# `exp2_split`'s polynomial: p(r) ~ 2^r on [0, 1), degree 4, Horner from the top coefficient. Remez exchange for the
-# minimax *relative* error in float64 (Chebyshev nodes to start, 200k-point grid for the extrema), coefficients
-# rounded to fp32: max |p(r) / 2^r - 1| = 2.62e-6 with the rounded coefficients evaluated exactly, 2.7e-6 with
-# fp32 fmas (tests/test_exp2_split.py measures the whole path over x in [-126, 128)). fp16's unit roundoff is
-# 4.9e-4, bf16's 3.9e-3: P is rounded to one of them for the P V matmul. Degree 3 (7.5e-5) would save one fma.
-EXP2_POLY = (1.0000026226043701, 0.6930038332939148, 0.2414427548646927, 0.052011460065841675,
-             0.013534167781472206)  # c0 .. c4; the PTX below spells them as fp32 bit patterns
-EXP2_SHIFT = 12583039.0  # 1.5 * 2^23 + 127: x + it, rounded down, holds floor(x) + 127 in its low mantissa bits
-# One pair of scores: $2 -> $0 on the special-function unit (MUFU.EX2), $3 -> $1 on the FMA and integer pipes.
-# c = max(x, -127); s = c + EXP2_SHIFT rounded toward -inf (s - EXP2_SHIFT = floor(c), exact); r = c - floor(c)
-# in [0, 1); p(r) by fmas; the bits of s shifted left by 23 are (floor(c) + 127) << 23, the fp32 2^floor(c)
-# for floor(c) >= -126 and +0.0 for floor(c) = -127: so 2^x = p(r) · 2^floor(c) (a product by a power of two,
-# exact), and exactly 0 for x < -126 and x = -inf, as ex2.approx.ftz gives there (a masked score weighs 0).
-# No conversion instruction (cvt.rmi / cvt.rzi, F2I / FRND run on the same quarter-rate unit as MUFU): floor by
-# the rounded add. Correct for x < 129 (128 <= x < 129: +inf); NaN gives 0 on this half.
-EXP2_SPLIT_PTX = tl.constexpr(
-    "{\n"
-    ".reg .f32 c, s, f, r, p;\n"
-    ".reg .b32 t;\n"
-    "ex2.approx.ftz.f32 $0, $2;\n"
-    "max.ftz.f32 c, $3, 0fC2FE0000;\n"          # -127.0 (-inf -> -127)
-    "add.rm.ftz.f32 s, c, 0f4B40007F;\n"        # EXP2_SHIFT
-    "sub.ftz.f32 f, s, 0f4B40007F;\n"
-    "sub.ftz.f32 r, c, f;\n"
-    "fma.rn.ftz.f32 p, r, 0f3C5DBE6A, 0f3D5509F8;\n"  # c4 r + c3
-    "fma.rn.ftz.f32 p, p, r, 0f3E773CC5;\n"           # + c2
-    "fma.rn.ftz.f32 p, p, r, 0f3F3168B3;\n"           # + c1
-    "fma.rn.ftz.f32 p, p, r, 0f3F800016;\n"           # + c0
-    "mov.b32 t, s;\n"
-    "shl.b32 t, t, 23;\n"
-    "mul.ftz.f32 $1, p, t;\n"
-    "}")
-
-
-@triton.jit
-def exp2_split(x):
-    """2^x in fp32 with half of the elements on the FMA pipes instead of the special-function unit (MUFU: 16
-    results a cycle per SM against 128 fmas): of each pair of a thread's elements (`pack=2`: adjacent columns of
-    a wgmma tile) the first is PTX ex2.approx.ftz.f32, the second `EXP2_SPLIT_PTX`'s polynomial (relative error
-    <= 2.7e-6; exactly 0 for x < -126 and -inf, like the first). For x < 129 (softmax exponents are <= 0). In the
-    interpreter, which has no PTX: exp2."""
-    if TANH_APPROX:
-        return tl.inline_asm_elementwise(EXP2_SPLIT_PTX, "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
-    else:
-        return tl.math.exp2(x)
 
 
 @triton.jit
