@@ -86,8 +86,9 @@ def default_bwd_configs(head_dim_padded: int, elem_bytes: int, device, causal: b
 # backward's plan kept, causal T=512 at D=128 (B·T=16k, H=16: 3.4e10) still stays below: there the Gluon kernels
 # take 0.79x the Triton ones' GPU time (359 against 457 us), but their call spends 410 us on the host, more than
 # its GPU time, so in do_bench (the GPU idle when a call starts) the host work before the first launch adds to it:
-# 0.54x cuDNN against the Triton kernels' 0.88x (benchmarks/2026-12-03-h200/bwd-short/ with the floor at 3e10,
-# bwd-short-5e10/ at 5e10; variant-host-noop/ for the host and GPU times).
+# 0.54x cuDNN against the Triton kernels' 0.88x (benchmarks/2026-12-03-h200/bwd-short/bwd_short.txt with the
+# floor at 3e10, benchmarks/2026-12-03-h200/bwd-short-5e10/bwd_short.txt at 5e10; the host and GPU times:
+# benchmarks/2026-12-03-h200/variant-host-noop/variant_host.txt).
 GLUON_BWD_MIN_FLOPS = 5e10
 # D = 64 up to 512 keys: the Gluon kernels' GPU time is level with the Triton ones', so their extra host time would
 # only show. H200: benchmarks/2026-11-29-h200/explore10/gluon_bwd_8c6167939b66.json
