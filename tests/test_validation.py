@@ -1,6 +1,7 @@
 """Every input flashtriton does not accept gets a clear error naming the argument; nothing is ignored."""
 
 import fractions
+import math
 
 import numpy as np
 import pytest
@@ -367,3 +368,50 @@ def test_cu_seqlens_values_are_copied_once_per_tensor_until_written(device, monk
         flashtriton.flash_attn_varlen_func(x, x, x, cu_inf, cu_inf, 7, 7)
         flashtriton.flash_attn_varlen_func(x, x, x, cu_inf, cu_inf, 7, 7)
     assert len(calls) == 6
+
+
+def test_checks_are_remembered_per_signature(device, monkeypatch):
+    """A call whose signature passed the checks skips them (not a check runs), with the same result; any argument
+    the checks would refuse is another signature and still gets its error, as does the same signature once the
+    state the checks read (the interpreter switch) changes."""
+    q, k, v = qkv(device, b=2)
+    first = flashtriton.flash_attn_func(q, k, v, causal=True, window_size=(3, 0), softcap=5.0)
+    assert validation.checked(validation.checked_key((q, k, v), (None, None), (0.0, None, (3, 0), 5.0))) is not None
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a check ran for a signature that passed")
+
+    with monkeypatch.context() as m:
+        m.setattr(validation, "check_tensors", refuse)
+        again = flashtriton.flash_attn_func(q, k, v, causal=True, window_size=(3, 0), softcap=5.0)
+    assert torch.equal(first, again)
+    with pytest.raises(ValueError, match="softcap"):
+        flashtriton.flash_attn_func(q, k, v, causal=True, window_size=(3, 0), softcap=-5.0)
+    with pytest.raises(ValueError, match="window_size"):
+        flashtriton.flash_attn_func(q, k, v, causal=True, window_size=(-3, 0), softcap=5.0)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite"):
+        flashtriton.flash_attn_func(q, k, v, causal=True, window_size=(3, 0), softcap=5.0, softmax_scale=math.nan)
+    with pytest.raises(ValueError, match="batch sizes"):
+        flashtriton.flash_attn_func(q, k[:1], v[:1], causal=True, window_size=(3, 0), softcap=5.0)
+    with pytest.raises(TypeError, match="window_size must hold two ints"):
+        flashtriton.flash_attn_func(q, k, v, causal=True, window_size=(3.0, 0), softcap=5.0)
+    if device == "cpu":
+        monkeypatch.setattr(validation, "INTERPRET", False)
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            flashtriton.flash_attn_func(q, k, v, causal=True, window_size=(3, 0), softcap=5.0)
+
+
+def test_sdpa_checks_are_remembered_per_signature(device, monkeypatch):
+    """As `test_checks_are_remembered_per_signature`, for `scaled_dot_product_attention`."""
+    q, k, v = (t.transpose(1, 2) for t in qkv(device, b=2))
+    first = flashtriton.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    with monkeypatch.context() as m:
+        m.setattr(validation, "check_tensors", lambda *a, **kw: pytest.fail("a check ran for a signature that passed"))
+        assert torch.equal(first, flashtriton.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3))
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=device),
+                                                 scale=0.3)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        flashtriton.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True, scale=0.3)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        flashtriton.scaled_dot_product_attention(q, k, v, dropout_p=1.5, is_causal=True, scale=0.3)

@@ -19,6 +19,9 @@ from .attn_probs import dropout_probs
 from .ops import attention, draw_dropout_state
 
 
+_FLASH_TENSORS = ("q", "k", "v", "alibi_slopes", "learnable_sink")
+
+
 def _default_scale(softmax_scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
@@ -107,18 +110,29 @@ def flash_attn_func(
         out: (batch, seqlen_q, nheads, headdim_v)
         and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q) fp32 natural log, S_dmask or None)
     """
-    dropout_p, window_size, softcap = _variant_args(dropout_p, window_size, softcap)
-    V.check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen, nheads, headdim)")
-    alibi_slopes = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    learnable_sink = V.check_sink(learnable_sink, q.shape[2], q.dtype, q.device)
-    V.check_same("batch sizes of q, k, v", q=q.shape[0], k=k.shape[0], v=v.shape[0])
-    V.check_same("sequence lengths of k and v", k=k.shape[1], v=v.shape[1])
-    V.check_heads_and_dims(q.shape[2], k.shape[2], q.shape[3], v.shape[3], v.shape[2], separate_v=True)
-    V.check_same("head dims of q and k", q=q.shape[3], k=k.shape[3])
-    V.check_scale("softmax_scale", softmax_scale, allow_negative=True)
-    q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
-    V.check_int32_offsets(("q", "k", "v"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]), v.shape[-1])
-    V.check_grid(q.shape[0], q.shape[2])
+    key = V.checked_key((q, k, v), (alibi_slopes, learnable_sink), (dropout_p, softmax_scale, window_size, softcap))
+    seen = V.checked(key)
+    if seen is not None:  # this signature passed every check below: what depends on more than it
+        dropout_p, window_size, softcap = seen
+        V.check_not_transformed(_FLASH_TENSORS, (q, k, v, alibi_slopes, learnable_sink))
+        if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
+            alibi_slopes = alibi_slopes.contiguous()
+        learnable_sink = None if learnable_sink is None else learnable_sink.contiguous()
+        q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+    else:
+        dropout_p, window_size, softcap = _variant_args(dropout_p, window_size, softcap)
+        V.check_tensors(("q", "k", "v"), (q, k, v), 4, "(batch, seqlen, nheads, headdim)")
+        alibi_slopes = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+        learnable_sink = V.check_sink(learnable_sink, q.shape[2], q.dtype, q.device)
+        V.check_same("batch sizes of q, k, v", q=q.shape[0], k=k.shape[0], v=v.shape[0])
+        V.check_same("sequence lengths of k and v", k=k.shape[1], v=v.shape[1])
+        V.check_heads_and_dims(q.shape[2], k.shape[2], q.shape[3], v.shape[3], v.shape[2], separate_v=True)
+        V.check_same("head dims of q and k", q=q.shape[3], k=k.shape[3])
+        V.check_scale("softmax_scale", softmax_scale, allow_negative=True)
+        q, k, v = (V.last_dim_contiguous(t) for t in (q, k, v))
+        V.check_int32_offsets(("q", "k", "v"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]), v.shape[-1])
+        V.check_grid(q.shape[0], q.shape[2])
+        V.remember_checked(key, (dropout_p, window_size, softcap))
     q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
     rng_state = _probs_state(return_attn_probs, dropout_p, q.device)
     out, lse = attention(q, k, v, scale, bool(causal), True, None, None, q.shape[1], k.shape[1], window_size, softcap,
@@ -246,23 +260,33 @@ def scaled_dot_product_attention(
     not supported yet (NotImplementedError). The result is a (B, Hq, Sq, Dv) view of a (B, Sq, Hq, Dv) tensor, as torch's flash
     backend returns it.
     """
-    V.not_implemented("attn_mask", attn_mask, None)
-    dropout_p = V.check_dropout(dropout_p)
-    V.check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, nheads, seqlen, headdim)")
-    V.check_same("batch sizes of query, key, value", query=query.shape[0], key=key.shape[0], value=value.shape[0])
-    V.check_same("sequence lengths of key and value", key=key.shape[2], value=value.shape[2])
-    V.check_heads_and_dims(query.shape[1], key.shape[1], query.shape[3], value.shape[3], value.shape[1],
-                           separate_v=True)
-    V.check_same("head dims of query and key", query=query.shape[3], key=key.shape[3])
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(
-            f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass enable_gqa=True for "
-            "grouped-query attention (as torch requires)"
-        )
-    V.check_scale("scale", scale, allow_negative=True)
-    q, k, v = (V.last_dim_contiguous(t.transpose(1, 2)) for t in (query, key, value))  # (B, S, H, D) views
-    V.check_int32_offsets(("query", "key", "value"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]), v.shape[-1])
-    V.check_grid(q.shape[0], q.shape[2])
+    checks_key = V.checked_key((query, key, value), (attn_mask,), (dropout_p, scale, enable_gqa))
+    seen = V.checked(checks_key)
+    if seen is not None:  # this signature passed every check below
+        (dropout_p,) = seen
+        V.check_not_transformed(("query", "key", "value"), (query, key, value))
+        q, k, v = (V.last_dim_contiguous(t.transpose(1, 2)) for t in (query, key, value))
+    else:
+        V.not_implemented("attn_mask", attn_mask, None)
+        dropout_p = V.check_dropout(dropout_p)
+        V.check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, nheads, seqlen, headdim)")
+        V.check_same("batch sizes of query, key, value", query=query.shape[0], key=key.shape[0],
+                     value=value.shape[0])
+        V.check_same("sequence lengths of key and value", key=key.shape[2], value=value.shape[2])
+        V.check_heads_and_dims(query.shape[1], key.shape[1], query.shape[3], value.shape[3], value.shape[1],
+                               separate_v=True)
+        V.check_same("head dims of query and key", query=query.shape[3], key=key.shape[3])
+        if query.shape[1] != key.shape[1] and not enable_gqa:
+            raise ValueError(
+                f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass enable_gqa=True for "
+                "grouped-query attention (as torch requires)"
+            )
+        V.check_scale("scale", scale, allow_negative=True)
+        q, k, v = (V.last_dim_contiguous(t.transpose(1, 2)) for t in (query, key, value))  # (B, S, H, D) views
+        V.check_int32_offsets(("query", "key", "value"), (q, k, v), (q.shape[1], k.shape[1], v.shape[1]),
+                              v.shape[-1])
+        V.check_grid(q.shape[0], q.shape[2])
+        V.remember_checked(checks_key, (dropout_p,))
     q, softmax_scale = _positive_scale(q, _default_scale(scale, q.shape[-1]))
     out, _ = attention(q, k, v, softmax_scale, bool(is_causal), False, None, None, q.shape[1], k.shape[1],
                        dropout_p=dropout_p)

@@ -326,3 +326,49 @@ def _check_values(name: str, values: list[int], total: int, max_seqlen: int, max
     if longest > max_seqlen:
         raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence in {name} ({longest})")
     return values[0] == 0 and values[-1] == total
+
+
+# Signatures of calls whose checks passed (`checked_key`) -> what the checks returned. A repeated call (a model's
+# every layer, every step) skips the checks that depend on its signature alone: ~25 us of Python a call.
+_CHECKED: dict = {}
+_CHECKED_LIMIT = 1024
+_SCALAR_TYPES = frozenset({int, float, bool, type(None)})
+
+
+def checked_key(tensors: tuple, optional: tuple, scalars: tuple):
+    """The key under which a call's checks are remembered: each tensor's type, shape, strides, dtype and device
+    (`optional`: tensors or None), each scalar's type and value, and the module state the checks read; None (check
+    every time) for anything the checks look at beyond that: under tracing, a tensor subclass, a scalar of another
+    type (NumPy, a tensor), a window_size that is not a tuple of two ints."""
+    if torch.compiler.is_compiling():
+        return None
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return None
+    for t in optional:
+        if t is not None and type(t) is not torch.Tensor:
+            return None
+    for s in scalars:
+        kind = type(s)
+        if kind is tuple:
+            if len(s) != 2 or type(s[0]) is not int or type(s[1]) is not int:
+                return None
+        elif kind not in _SCALAR_TYPES:
+            return None
+    return (tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
+            tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in optional),
+            tuple((type(s), s) for s in scalars), INTERPRET)
+
+
+def checked(key):
+    """What the checks of a call with this `checked_key` returned, or None: not seen (or key None)."""
+    return None if key is None else _CHECKED.get(key)
+
+
+def remember_checked(key, value) -> None:
+    """Remember that a call with this key passed its checks, which returned `value` (not None)."""
+    if key is None:
+        return
+    if len(_CHECKED) >= _CHECKED_LIMIT:
+        _CHECKED.clear()
+    _CHECKED[key] = value
