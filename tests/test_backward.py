@@ -331,3 +331,28 @@ def test_plan_kept_per_signature(device):
     moved = run(*shifted)
     assert len(bwd._PLANS) == 3
     check_grads(moved, q, k, v, dout, True, softmax_scale=scale, what="unaligned ")
+
+
+def test_plan_key_counts_the_sequences(device):
+    """Two varlen calls with the same packed tokens and longest sequence but a different number of sequences have
+    plans of their own (the grids and the preprocess' parts count the sequences); both gradients are exact."""
+    from flashtriton.kernels import backward as bwd
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (randn((96, 2, 32), torch.float16, device, gen) for _ in range(4))
+    sink = torch.randn(2, generator=gen).to(device)
+    bwd._PLANS.clear()
+    results = []
+    for cuts in ((0, 40, 96), (0, 40, 56, 96)):
+        cu = torch.tensor(cuts, dtype=torch.int32, device=device)
+        out, lse = attention_forward(q, k, v, 0.25, True, True, cu, cu, 56, 56, learnable_sink=sink)[:2]
+        results.append((cuts, attention_backward(dout, q, k, v, out, lse, 0.25, True, True, cu, cu, 56, 56,
+                                                 learnable_sink=sink)))
+    assert len(bwd._PLANS) == 2
+    for cuts, grads in results:
+        for a, b in zip(cuts[:-1], cuts[1:]):  # each sequence against the dense call on its tokens
+            d = attention_forward(*(t[None, a:b] for t in (q, k, v)), 0.25, True, learnable_sink=sink)[:2]
+            want = attention_backward(dout[None, a:b], *(t[None, a:b] for t in (q, k, v)), *d, 0.25, True,
+                                      learnable_sink=sink)
+            for got, ref in zip(grads[:3], want[:3]):
+                torch.testing.assert_close(got[a:b], ref[0], atol=2e-3, rtol=2e-3)

@@ -547,7 +547,7 @@ def _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_
         return None
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), out.stride(), lse.stride(),
             q.dtype, q.device, softmax_scale, variant, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k,
-            tuple((t.shape, t.stride(), t.dtype) for t in extras[2 if cu_seqlens_q is not None else 0:]),
+            tuple((t.shape, t.stride(), t.dtype) for t in extras),  # (cu_seqlens' shapes: the sequence count)
             dispatch.CHOICE, configs.AUTOTUNE, configs.gluon_bwd_config, configs.backward.GLUON_BWD_MIN_FLOPS,
             configs.backward.GLUON_BWD_D64_MIN_KEYS)
 
