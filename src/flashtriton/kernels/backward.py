@@ -34,8 +34,8 @@ from .common import dot_settings, load_tile, sequence_bounds, tma_ok
 from . import dispatch
 from .host import cdiv, padded_head_dim
 from .launch import KeptLaunch
-from .variant import (Variant, alibi_bias, diagonal, dropout_keep, dropout_state, key_blocks, query_blocks,
-                      softcap_scores_and_grad, visible)
+from .variant import (Variant, alibi_batch_stride, alibi_bias, diagonal, dropout_keep, dropout_state, key_blocks,
+                      query_blocks, softcap_scores_and_grad, visible)
 
 try:  # Hopper's Gluon dK/dV kernel (triton >= 3.6 ships Gluon's Hopper API)
     from . import backward_gluon_launch
@@ -606,7 +606,7 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     upcast, precision = dot_settings(q.dtype)
     plan.head = (softmax_scale, *variant.scalars(softmax_scale))
-    plan.alibi_stride = None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+    plan.alibi_stride = alibi_batch_stride(alibi_slopes)
     plan.dropout = variant.dropout_args()[1:]
     tail = (heads_q // heads_kv, seqlen_q, seqlen_k, configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
     plan.ints_dkdv = (*q_s, *k_s, *v_s, *do_s, *dk_s, *dv_s, *l_s, *tail)

@@ -20,7 +20,7 @@ from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, head
 from .host import cdiv
 from .launch import hooks_installed, launch, launch_and_keep
 from .memo import remembered
-from .variant import Variant
+from .variant import Variant, alibi_batch_stride
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,11 +217,7 @@ def _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softc
     """(Variant, its kernel arguments from qk_scale to the ALiBi slopes' batch stride: `Variant.scalars`, then
     the slopes (B or 1, Hq) fp32 and their batch stride; None for what is off, as the portable kernels take them)."""
     variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None)
-    if alibi_slopes is None:
-        alibi = (None, None)
-    else:
-        alibi = (alibi_slopes, alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
-    return variant, (*variant.scalars(softmax_scale), *alibi)
+    return variant, (*variant.scalars(softmax_scale), alibi_slopes, alibi_batch_stride(alibi_slopes))
 
 
 def _dkdv_args(desc_q, desc_do, k, v, dk, dv, lse_pad, delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints,
@@ -290,7 +286,7 @@ class DenseBackward:
         self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant)
         self.dq = _dense_plan("dq", *items, tuple(sorted(config["dq"].items())), variant)
         self.scalars = variant.scalars(softmax_scale)
-        self.alibi_stride = None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+        self.alibi_stride = alibi_batch_stride(alibi_slopes)
         self.d, self.block_n = head_block(q.shape[-1]), config["dq"]["BLOCK_N"]
 
 

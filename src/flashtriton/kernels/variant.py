@@ -35,6 +35,14 @@ WINDOW_UNBOUNDED = 1 << 30  # a window side without bound, as the kernels take i
 ALIBI_GIVEN = torch.empty(0)  # `Variant.of`'s stand-in for slopes or sinks that the launcher passes to the kernels
 
 
+def alibi_batch_stride(alibi_slopes) -> int | None:
+    """The kernels' `stride_alibi_b` of flash-attn's slopes: their batch stride ((batch, nheads)), 0 for (nheads,)
+    (one row for every batch entry), None without slopes (a constexpr)."""
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+
+
 @dataclass(frozen=True)
 class Variant:
     causal: bool = False
@@ -105,8 +113,7 @@ class Variant:
         """The variant's runtime arguments as the forward kernels take them after their cu_seqlens: (qk_scale,
         window_left, window_right, softcap, ALIBI, stride_alibi_b, SINKS), None for what is off (a constexpr: the
         kernel compiles without it)."""
-        alibi_stride = None if alibi_slopes is None else (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
-        return (*self.scalars(softmax_scale), alibi_slopes, alibi_stride, learnable_sink)
+        return (*self.scalars(softmax_scale), alibi_slopes, alibi_batch_stride(alibi_slopes), learnable_sink)
 
     def scalars(self, softmax_scale: float) -> tuple:
         """(qk_scale, window_left, window_right, softcap) as those kernels take them: qk_scale = softmax_scale ·
