@@ -329,7 +329,7 @@ def _check_values(name: str, values: list[int], total: int, max_seqlen: int, max
 
 
 # Signatures of calls whose checks passed (`checked_key`) -> what the checks returned. A repeated call (a model's
-# every layer, every step) skips the checks that depend on its signature alone: ~25 us of Python a call.
+# every layer, every step) skips the checks that depend on its signature alone.
 _CHECKED: dict = {}
 _CHECKED_LIMIT = 1024
 _SCALAR_TYPES = frozenset({int, float, bool, type(None)})
