@@ -734,3 +734,126 @@ def test_dense_launches_share_descriptors(variant, monkeypatch):
         assert plan_a is plan_b and grid_a == grid_b and meta_a == meta_b and len(args_a) == len(args_b)
         assert all(same(a, b) for a, b in zip(args_a, args_b))
     assert ours[0][3][0] is ours[1][3][0] and ours[0][3][3] is ours[1][3][3]  # the Q and dO descriptors, shared
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# V with a head dim of its own (DeepSeek's MLA: QK 192, V 128): V, dO and dV in tiles of V's width
+# ----------------------------------------------------------------------------------------------------------------
+SEPARATE_V_PAIRS = [(192, 128), (128, 64), (64, 128), (256, 128), (96, 64)]
+
+
+def _separate_v_inputs(shape, head_dim, head_dim_v, dtype, device, seed):
+    """q, k (B, S, H, D), v (B, Sk, Hkv, Dv) and dout (B, Sq, Hq, Dv) of a (B, Sq, Sk, Hq, Hkv) shape."""
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
+    q, k, _, _ = make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device, seed=seed)
+    _, _, v, dout = make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim_v, dtype, device, seed=seed + 1)
+    return q, k, v, dout
+
+
+@hopper_only
+@pytest.mark.parametrize("name", ["plain", "causal", "causal_window_softcap_alibi_sinks", "window_both"])
+@pytest.mark.parametrize("head_dim,head_dim_v", SEPARATE_V_PAIRS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_backward_separate_v_against_float64(name, head_dim, head_dim_v, dtype, device, monkeypatch):
+    """QK and V of different head dims through the Gluon kernels (the pair's config: `configs.gluon_bwd_config` with
+    head_dim_v), with variants: within 2x the portable kernels' error against float64, dv shaped like v."""
+    spec = {"plain": {}, "causal": dict(causal=True)}.get(name) or GLUON_VARIANTS[name]
+    config = configs.gluon_bwd_config(head_dim, 4096, 4096, spec.get("causal", False), head_dim_v=head_dim_v)
+    assert config is not None
+    for shape in VARIANT_SHAPES:
+        q, k, v, dout = _separate_v_inputs(shape, head_dim, head_dim_v, dtype, device, shape[1])
+        kwargs, sinks = _variant_inputs(spec, shape[0], shape[3], device, seed=shape[2])
+        ours = variant_grads(q, k, v, dout, kwargs, sinks, True, monkeypatch, config=config)
+        portable = variant_grads(q, k, v, dout, kwargs, sinks, False, monkeypatch)
+        exact = exact_variant_grads(q, k, v, dout, kwargs, sinks)
+        assert_variant_grads(ours, portable, exact, dtype, f"({head_dim}, {head_dim_v}) {name}, shape {shape}: ")
+
+
+@hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (128, 64)])
+def test_gluon_backward_separate_v_varlen(causal, head_dim, head_dim_v, device, monkeypatch):
+    """Packed sequences with V's head dim of its own: per-sequence gradients against float64 (a sequence's last
+    partial block of dV stored row by row with V's columns only), rows of empty sequences at 0."""
+    from test_varlen import pack
+
+    lengths_q, lengths_k = [5, 0, 1, 200, 33, 130, 64], [9, 4, 1, 150, 20, 0, 64]
+    gen = torch.Generator().manual_seed(17)
+    dtype = torch.bfloat16
+    q, cu_q = pack(lengths_q, 4, head_dim, dtype, device, gen)
+    k, cu_k = pack(lengths_k, 2, head_dim, dtype, device, gen)
+    v, _ = pack(lengths_k, 2, head_dim_v, dtype, device, gen)
+    dout, _ = pack(lengths_q, 4, head_dim_v, dtype, device, gen)
+    config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal, head_dim_v=head_dim_v)
+    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
+    ran = record_gluon_launches(monkeypatch)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flashtriton.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal)
+    out.backward(dout)
+    assert ran == ["launch_dkdv_gluon", "launch_dq_gluon"]
+    dq, dk, dv = (t.grad for t in leaves)
+    assert dv.shape == v.shape
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lq == 0 or lk == 0:
+            assert torch.all(dq[sq] == 0) and torch.all(dk[sk] == 0) and torch.all(dv[sk] == 0), f"seq {b}"
+            continue
+        ours = (dq[None, sq], dk[None, sk], dv[None, sk])
+        check_grads(ours, q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal, what=f"seq {b}: ")
+
+
+def test_separate_v_pairs_and_their_configs():
+    """Which (QK, V) head dim pairs the Gluon backward takes, and the config each gets: the wider tiles' row, within
+    the shared memory; others (V wider than 128 beside narrower QK tiles, head dims no Gluon kernel takes) None."""
+    for head_dim, head_dim_v in SEPARATE_V_PAIRS + [(256, 64), (112, 80)]:
+        assert BG.separate_v_ok(head_dim, head_dim_v)
+        for causal in (False, True):
+            config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal, head_dim_v=head_dim_v)
+            wider = max(BG.head_block(head_dim), BG.head_block(head_dim_v))
+            assert config == configs.gluon_bwd_config(wider, 4096, 4096, causal), (head_dim, head_dim_v)
+            for kernel in ("dkdv", "dq"):
+                _, _, meta = BG.launch_parts((2, 300, 8, head_dim), (2, 300, 2, head_dim), causal, True,
+                                             config[kernel], kernel, head_dim_v=head_dim_v)
+                assert meta.get("DV_VALID") == (head_dim_v if kernel == "dkdv" else None)
+    for head_dim, head_dim_v in ((64, 256), (128, 192), (96, 256)):
+        assert not BG.separate_v_ok(head_dim, head_dim_v)
+        assert configs.gluon_bwd_config(head_dim, 4096, 4096, True, head_dim_v=head_dim_v) is None
+        with pytest.raises(ValueError, match="V head dim"):
+            BG.launch_parts((2, 300, 8, head_dim), (2, 300, 2, head_dim), True, True,
+                            configs.GLUON_BWD_D256["dkdv"], "dkdv", head_dim_v=head_dim_v)
+    assert configs.gluon_bwd_config(192, 4096, 4096, True, head_dim_v=72) is None  # (72: no Gluon tiles' width)
+    # QK 192 / V 128 at D=256's dK/dV config: K 64 x 256 and V 64 x 128 resident, per stage Q 64 x 256, dO 64 x 128
+    assert BG.shared_memory_bytes(dict(NUM_STAGES=2), 256, "dkdv", 2, 128) == 64 * 384 * 2 + 2 * 64 * (384 * 2 + 8)
+    assert dispatch.supports("gluon_bwd", torch.bfloat16, 192, 9, False, False, frozenset({"causal"}), True)
+
+
+def test_gluon_backward_separate_v_compiles_for_sm90_without_a_gpu():
+    """QK 192 / V 128 (both kernels, dense and varlen) and QK 128 / V 64 compile to sm_90 without spills (triton 3.6's
+    ptxas): V, dO and dV take tiles of V's width."""
+    script = (
+        "import re, subprocess, tempfile\n"
+        "from triton.backends.nvidia.compiler import get_ptxas\n"
+        "from flashtriton import configs\n"
+        "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
+        "for head_dim, head_dim_v, causal, varlen in ((192, 128, True, False), (192, 128, False, True),\n"
+        "                                             (128, 64, True, False)):\n"
+        "    config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal, head_dim_v=head_dim_v)\n"
+        "    for kernel in ('dkdv', 'dq'):\n"
+        "        compiled = compile_for_sm90(head_dim, causal, config[kernel], kernel=kernel, varlen=varlen,\n"
+        "                                    head_dim_v=head_dim_v)\n"
+        "        ptx = compiled.asm['ptx']\n"
+        "        with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:\n"
+        "            f.write(ptx); f.flush()\n"
+        "            report = subprocess.run([get_ptxas(90).path, '-arch=sm_90a', '-v', f.name, '-o', '/dev/null'],\n"
+        "                                    capture_output=True, text=True, check=True).stderr\n"
+        "        spill = max(int(n) for n in re.findall(r'(\\d+) bytes spill stores', report))\n"
+        "        print('compiled', kernel, head_dim, head_dim_v, varlen, 'spill', spill)\n"
+    )
+    out = compile_in_fresh_process(script)
+    assert out.count("compiled") == 6
+    import triton
+
+    if triton.__version__.startswith("3.6"):
+        for line in out.splitlines():
+            if line.startswith("compiled"):
+                assert line.split()[-1] == "0", f"{line}: spills"

@@ -113,21 +113,23 @@ def test_the_tma_gate_reads_the_table():
 
 
 def test_a_separate_v_head_dim_takes_the_kernels_that_declare_it():
-    """v.shape[-1] != q.shape[-1]: only the kernels that declare `separate_v` (the Gluon forward on sm_90, the
-    portable ones, decode's) take the call; the Gluon forward's configs then decide per pair of head dims."""
+    """v.shape[-1] != q.shape[-1]: only the kernels that declare `separate_v` (the Gluon forward and backward on
+    sm_90, the portable ones, decode's) take the call; the Gluon kernels' configs then decide per pair of head
+    dims."""
     half = torch.float16
     for capability in (0, 8, 9):
         for varlen in (False, True):
             gluon = ["gluon_fwd"] if capability == 9 else []
             fwd = dispatch.candidates("fwd", half, 128, capability, varlen, separate_v=True)
             assert fwd == gluon + ["portable_fwd"]
-            assert dispatch.candidates("bwd", half, 64, capability, varlen, separate_v=True) == ["portable_bwd"]
+            gluon = ["gluon_bwd"] if capability == 9 else []
+            assert dispatch.candidates("bwd", half, 64, capability, varlen, separate_v=True) == gluon + ["portable_bwd"]
     assert dispatch.candidates("fwd", half, 192, 9, fields=frozenset({"causal", "softcap"}), separate_v=True) == \
         ["gluon_fwd", "portable_fwd"]
     assert dispatch.candidates("decode", half, 128, 9, separate_v=True) == ["decode_stream", "decode_split"]
     assert dispatch.supports("gluon_fwd", half, 128, 9, separate_v=True)
     assert not dispatch.supports("tma_fwd", half, 128, 9, True, False, frozenset(), True)
-    assert not dispatch.supports("gluon_bwd", half, 128, 9, separate_v=True)
+    assert dispatch.supports("gluon_bwd", half, 128, 9, separate_v=True)
     with dispatch.force("portable"):
         for op in ("fwd", "bwd", "decode"):
             for head_dim in range(1, 257):
@@ -206,10 +208,11 @@ def test_the_varlen_hopper_gate_refuses_a_separate_v_head_dim(monkeypatch, head_
             assert out.shape == (7, 2, 128)
 
 
-@pytest.mark.parametrize("head_dim_v", [64, 128])
-def test_the_gluon_backward_gate_refuses_a_separate_v_head_dim(monkeypatch, head_dim_v):
-    """The backward with `tma_ok` faked true and a Gluon config for any shape: Dv == D reaches the Gluon launcher,
-    Dv != D runs the Triton kernels."""
+@pytest.mark.parametrize("head_dim_v", [64, 128, 256])
+def test_the_gluon_backward_gate_follows_the_pair_config(monkeypatch, head_dim_v):
+    """The backward with `tma_ok` faked true and the Gluon configs' floors at 0: D = 64 with Dv = 64 or 128 (pairs
+    `configs.gluon_bwd_config` has a config for) reaches the Gluon launcher; Dv = 256 beside D = 64 (a pair it refuses:
+    the dV tiles would not fit a warpgroup) runs the Triton kernels."""
     from types import SimpleNamespace
 
     from flashtriton import configs
@@ -219,10 +222,11 @@ def test_the_gluon_backward_gate_refuses_a_separate_v_head_dim(monkeypatch, head
     v = torch.randn(1, 9, 2, head_dim_v, dtype=torch.float16, device=DEVICE)
     out, lse = forward.attention_forward(q, k, v, 0.125, True)
     monkeypatch.setattr(backward, "tma_ok", lambda *t: True)
-    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: {"dkdv": {}, "dq": {}})
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_MIN_FLOPS", 0)
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_D64_MIN_KEYS", 0)
     monkeypatch.setattr(backward, "backward_gluon_launch", SimpleNamespace(padded_rows=_hopper_path))
     with dispatch.force("auto"):
-        if head_dim_v == 64:
+        if head_dim_v <= 128:
             with pytest.raises(_HopperPathTaken):
                 backward.attention_backward(torch.ones_like(out), q, k, v, out, lse, 0.125, True)
         else:

@@ -94,8 +94,8 @@ def flash_attn_func(
             unbounded on that side; with causal the right side is 0). A row that sees no key returns 0.
         softcap: > 0 caps the scaled scores: softcap * tanh(scores / softcap) (0 or None: off).
         alibi_slopes: fp32 (nheads,) or (batch, nheads): adds -slope * |i + Sk - Sq - j| to the scores (after
-            softcap). window_size, softcap and alibi_slopes run on the portable kernels (the Hopper kernels do not
-            take them yet).
+            softcap). window_size, softcap, alibi_slopes and learnable_sink run on every kernel family, the
+            Hopper ones included, forward and backward.
         learnable_sink: (nheads,), fp32 or the inputs' dtype: one extra logit per query head, unscaled, in the
             softmax's denominator only (gpt-oss' attention sinks; FlashAttention-4's name); the returned lse
             includes it, and it gets a gradient.

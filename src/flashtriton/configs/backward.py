@@ -121,16 +121,29 @@ GLUON_BWD = Table(("gpu", "dtype", "head_dim"), rows=[
 ])
 
 
+def _tiles(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256  # the tiles' columns (`gluon_common.head_block`)
+
+
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
-                     fwd_flops: float = float("inf"), varlen: bool = False) -> dict | None:
+                     fwd_flops: float = float("inf"), varlen: bool = False,
+                     head_dim_v: int | None = None) -> dict | None:
     """{"dkdv": config, "dq": config} of the Gluon backward kernels (`GLUON_BWD`), or None (the Triton kernels):
-    None with less work than GLUON_BWD_MIN_FLOPS, or at D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS."""
+    None with less work than GLUON_BWD_MIN_FLOPS, or at D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS.
+    `head_dim_v`: V's head dim where it is not D. Such pairs (both of GLUON_BWD_HEAD_DIMS, V's tiles no wider than
+    QK's or both at most 128) take the row of the wider tiles: its stages fit, since the narrower head's tiles take
+    less shared memory and fewer registers than the wider one's at both (QK 192 / V 128, DeepSeek's MLA: D=256's)."""
     if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
         return None
     if head_dim not in GLUON_BWD_HEAD_DIMS:
         return None
-    head_dim = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256  # the tiles' columns: their table row
-    return GLUON_BWD.lookup(SM90, "16", head_dim)
+    tiles = _tiles(head_dim)  # their table row
+    if head_dim_v is not None and head_dim_v != head_dim:
+        tiles_v = _tiles(head_dim_v)
+        if head_dim_v not in GLUON_BWD_HEAD_DIMS or not (tiles_v <= tiles or tiles_v <= 128):
+            return None  # (`backward_gluon_launch.separate_v_ok`)
+        tiles = max(tiles, tiles_v)
+    return GLUON_BWD.lookup(SM90, "16", tiles)
 
 
 # Where a varlen Gluon backward's programs come from, per causal mode: "grid" (the longest sequence's blocks ×

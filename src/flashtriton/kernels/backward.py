@@ -577,10 +577,11 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
             fwd_flops = rows * _visible_fwd_flops_per_row(variant, heads_q, seqlen_q, seqlen_k, head_dim)
         else:
             fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
-        gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen)
-        pad = backward_gluon_launch.padded_rows(q.shape[0] if varlen else seqlen_q, varlen, batch)
-        if heads_q * (1 if varlen else batch) * pad >= 2**31:  # the padded lse / delta's TMA coordinates are int32
-            gluon_config = None
+        gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen,
+                                                head_dim_v)
+        if gluon_config is not None and heads_q * (1 if varlen else batch) * backward_gluon_launch.padded_rows(
+                q.shape[0] if varlen else seqlen_q, varlen, batch) >= 2**31:  # the padded lse / delta's TMA
+            gluon_config = None  # coordinates are int32
     if gluon_config is not None and not accumulate and (
             (given and {dq.dtype, dk.dtype, dv.dtype} != {q.dtype}) or not tma_ok(q, dq, dk, dv)):
         gluon_config = None  # buffers the Gluon kernels cannot write: the Triton kernels
@@ -592,7 +593,8 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
                                 learnable_sink, keep)
     plan.dkdv = plan.dq = plan.gluon_dense = None
     if gluon_config is not None and not varlen and not accumulate and gluon_config["dq"] is not None:
-        plan.gluon_dense = backward_gluon_launch.DenseBackward(q, k, variant, gluon_config, softmax_scale, alibi_slopes)
+        plan.gluon_dense = backward_gluon_launch.DenseBackward(q, k, variant, gluon_config, softmax_scale, alibi_slopes,
+                                                               head_dim_v)
     if gluon_config is not None and (accumulate or gluon_config["dq"] is not None):
         return plan  # the Gluon kernels take the whole call (accumulating: `attention_backward` runs it anew)
 

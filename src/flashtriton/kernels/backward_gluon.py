@@ -38,8 +38,11 @@ query tiles of `variant.query_blocks` for its 128 keys, a dQ program only the ke
 (`softcap_scores_and_grad`; folded into P once dV has its copy); ALiBi: `alibi_bias` before exp2, the slopes (B or 1,
 Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after its Pᵀ (fewer live registers: `_consumer`). Sinks
 need nothing here: lse includes them, and their gradient comes from the preprocess (`backward.preprocess`).
-D 64 or 128, fp16/bf16; sm_90. `backward.attention_backward` launches these (`backward_gluon_launch.launch_dkdv_gluon`
-/ `launch_dq_gluon`) where `configs.gluon_bwd_config` says.
+Head dims: Q and K in tiles of 64, 128 or 256 columns (HEAD_DIM: `gluon_common.head_block` of D); V, dO and dV in
+tiles of V's own width, read from the V descriptor (HEAD_DIM_V; a pair such as DeepSeek's MLA, QK 192 / V 128, runs
+V's matmuls at 128 columns: `backward_gluon_launch.separate_v_ok` says which pairs). fp16/bf16; sm_90.
+`backward.attention_backward` launches these (`backward_gluon_launch.launch_dkdv_gluon` / `launch_dq_gluon`) where
+`configs.gluon_bwd_config` says.
 """
 
 from __future__ import annotations
@@ -132,11 +135,12 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
      kv_ready, ready, empty) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
-    mbarrier.expect(kv_ready, 2 * KV_BLOCKS * desc_k.block_type.nbytes)
+    mbarrier.expect(kv_ready, KV_BLOCKS * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
     for w in gl.static_range(KV_BLOCKS):
         tma_load(desc_k, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, k_bufs.index(w))
         tma_load(desc_v, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, v_bufs.index(w))
-    TILE_BYTES: gl.constexpr = 2 * desc_q.block_type.nbytes + 2 * desc_lse.block_type.nbytes  # Q, dO, lse, delta
+    TILE_BYTES: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
+                                + 2 * desc_lse.block_type.nbytes)  # Q, dO, lse, delta
     for it in range(n_iters):
         g = it // n_m
         m = lo + (it - g * n_m) * BLOCK_M
@@ -156,22 +160,26 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
               NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
               HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr):
-    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores.
+    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores (dK in
+    QK's tiles, dV in V's: HEAD_DIM_V).
     `variant`: (window left, right, softcap, the group's first query head's ALiBi slope pointer), None where off.
     WARPS_N = 2 (WIDE): the partition is two warpgroups that split every tile by columns (`wgmma_layout`): Sᵀ
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
     between them through shared memory in `gl.convert_layout`."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
-     stride_dkn, stride_dkh, stride_dvn, stride_dvh, d_valid) = shared
+     stride_dkn, stride_dkh, stride_dvn, stride_dvh, d_valid, dv_valid) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
     left, right, softcap, slopes = variant
     # A variant's score tile takes more registers (the softcap's gradient, ALiBi's and the window's indices): its
     # dPᵀ is issued once Pᵀ is on its way to dV, so that the dPᵀ accumulator is not live while Pᵀ is computed.
     LATE_DP: gl.constexpr = HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI
+    HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]  # V's, dO's and dV's tiles (QK's: HEAD_DIM)
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M, WARPS_N)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, WARPS_N)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    acc_v_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, WARPS_N)
+    op_v_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_v_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_bufs.dtype
     first_key = start_n + WG * ROWS  # in the sequence
@@ -179,9 +187,9 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
     cols = gl.arange(0, BLOCK_M, layout=col_layout)  # (BLOCK_M,)
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, acc_v_layout)
     k = k_bufs.index(WG).reshape([ROWS, HEAD_DIM])
-    v = v_bufs.index(WG).reshape([ROWS, HEAD_DIM])
+    v = v_bufs.index(WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(kv_ready, 0)
     for it in range(n_iters):
         g = it // n_m
@@ -189,7 +197,7 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
         stage = it % NUM_STAGES
         mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
         q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM_V])
         s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
         if not LATE_DP:
             dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
@@ -212,7 +220,7 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
                            m + (BLOCK_M - 1)):
             p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
                          p, 0.0)
-        p_op = gl.convert_layout(p.to(dtype), op_layout)
+        p_op = gl.convert_layout(p.to(dtype), op_v_layout)
         if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
             p = p * cap_grad
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
@@ -234,8 +242,8 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
     if IS_VARLEN and n_valid < ROWS:  # the sequence ends in this block: a TMA store would write the next one's keys
         _store_rows(DK + off_hk * stride_dkh, stride_dkn, k_start + first_key, n_valid, dk, acc_layout, HEAD_DIM,
                     d_valid)
-        _store_rows(DV + off_hk * stride_dvh, stride_dvn, k_start + first_key, n_valid, dv, acc_layout, HEAD_DIM,
-                    d_valid)
+        _store_rows(DV + off_hk * stride_dvh, stride_dvn, k_start + first_key, n_valid, dv, acc_v_layout,
+                    HEAD_DIM_V, dv_valid)
     else:  # dense: rows past Sk are clipped
         k.store(dk)  # the buffers are this warpgroup's alone, its last wgmma done
         v.store(dv)
@@ -257,7 +265,7 @@ def _attn_bwd_dkdv_gluon(
     HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
@@ -314,7 +322,7 @@ def _attn_bwd_dkdv_gluon(
                      lse_bufs, delta_bufs, kv_ready, ready, empty)
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv,
                      DK, DV, gl.to_tensor(stride_dkn), gl.to_tensor(stride_dkh), gl.to_tensor(stride_dvn),
-                     gl.to_tensor(stride_dvh), gl.to_tensor(D_VALID))
+                     gl.to_tensor(stride_dvh), gl.to_tensor(D_VALID), gl.to_tensor(DV_VALID if DV_VALID else D_VALID))
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
     variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,
@@ -350,14 +358,14 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
     off_b, off_h, off_hk, start_m, n_tiles, key_lo = place
     q_start, seqlen_q, k_start, seqlen_k = seq
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[len(desc_k.block_type.shape) - 3]
-    mbarrier.expect(q_ready, 4 * desc_q.block_type.nbytes)
+    mbarrier.expect(q_ready, 2 * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
     for w in gl.static_range(2):
         tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m + w * ROWS, off_h, q_ready, q_bufs.index(w))
         tma_load(desc_do, IS_VARLEN, off_b, q_start + start_m + w * ROWS, off_h, q_ready, do_bufs.index(w))
     for j in range(n_tiles):
         stage = j % NUM_STAGES
         mbarrier.wait(kv_empty.index(stage), ((j // NUM_STAGES) & 1) ^ 1, pred=j >= NUM_STAGES)
-        mbarrier.expect(kv_ready.index(stage), 2 * desc_k.block_type.nbytes)
+        mbarrier.expect(kv_ready.index(stage), desc_k.block_type.nbytes + desc_v.block_type.nbytes)
         n = key_lo + j * BLOCK_N
         tma_load(desc_k, IS_VARLEN, off_b, k_start + n, off_hk, kv_ready.index(stage), k_bufs.index(stage))
         tma_load(desc_v, IS_VARLEN, off_b, k_start + n, off_hk, kv_ready.index(stage), v_bufs.index(stage))
@@ -378,6 +386,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]  # V's and dO's tiles (QK's: HEAD_DIM)
     dtype: gl.constexpr = q_bufs.dtype
     row0 = start_m + WG * ROWS  # in the sequence
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
@@ -392,7 +401,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
-    do = do_bufs.index(WG).reshape([ROWS, HEAD_DIM])
+    do = do_bufs.index(WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(q_ready, 0)
     for j in range(n_tiles):
         stage = j % NUM_STAGES
@@ -404,7 +413,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
             mbarrier.arrive(kv_empty.index(stage), count=1)
         else:
             k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
-            v = v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
+            v = v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM_V])
             s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S (ROWS, BLOCK_N)
             dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP
             s = warpgroup_mma_wait(1, deps=(s_tok, ))

@@ -57,36 +57,45 @@ def program_block(kernel: str, head_dim: int) -> int:
     return ROWS.value if kernel == "dkdv" and head_dim >= WIDE_HEAD_DIM.value else KEYS.value
 
 
-def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2) -> int:
-    """Shared memory of a kernel's tiles (barriers and layout conversions aside). dK/dV: K and V of the program's
-    keys, and per stage a 64-row Q and dO tile with their lse and delta. dQ: Q and dO of 128 rows, and per stage a
-    K and a V tile."""
-    resident = 2 * program_block(kernel, head_dim) * head_dim * elem_bytes
+def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2,
+                        head_dim_v: int | None = None) -> int:
+    """Shared memory of a kernel's tiles (barriers and layout conversions aside), at tiles `head_dim` wide (Q, K)
+    and `head_dim_v` (V, dO; default the same). dK/dV: K and V of the program's keys, and per stage a 64-row Q and
+    dO tile with their lse and delta. dQ: Q and dO of 128 rows, and per stage a K and a V tile."""
+    widths = head_dim + (head_dim if head_dim_v is None else head_dim_v)  # a row of Q and dO, or of K and V
+    resident = program_block(kernel, head_dim) * widths * elem_bytes
     if kernel == "dkdv":
-        per_stage = 2 * BLOCK_M.value * (head_dim * elem_bytes + 4)
+        per_stage = BLOCK_M.value * (widths * elem_bytes + 8)
     else:
-        per_stage = 2 * config["BLOCK_N"] * head_dim * elem_bytes
+        per_stage = config["BLOCK_N"] * widths * elem_bytes
     return resident + config["NUM_STAGES"] * per_stage
 
 
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv",
                  batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                 variant: Variant | None = None):
+                 variant: Variant | None = None, head_dim_v: int | None = None):
     """(grid, int arguments after the scales and output strides, constexprs and options) of the dK/dV or the dQ
     kernel. Dense (batch None): q (B, Sq, Hq, D), k (B, Sk, Hkv, D). Varlen: q (total_q, Hq, D),
     k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens. `variant`: the call's
-    (window, softcap, ALiBi: `Variant.score_constexprs`); None: causal or not, nothing else."""
+    (window, softcap, ALiBi: `Variant.score_constexprs`); None: causal or not, nothing else. `head_dim_v`: V's (and
+    dO's, dV's) head dim where it is not D (`separate_v_ok` pairs); the kernels read its tiles' width from the V
+    descriptor, and the dK/dV kernel stores dV's own columns (DV_VALID)."""
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
     block_d = head_block(head_dim)  # the tiles' head dim (HEAD_DIM); D_VALID the head's own
+    separate_v = head_dim_v is not None and head_dim_v != head_dim
+    block_dv = head_block(head_dim_v) if separate_v else None
+    if separate_v and not separate_v_ok(head_dim, head_dim_v):
+        raise ValueError(f"the Gluon backward does not take QK head dim {head_dim} with V head dim {head_dim_v}")
     if varlen:
         seqlen_q, seqlen_k, pad = max_seqlen_q, max_seqlen_k, padded_rows(q_shape[0], True, batch)
     else:
         batch, seqlen_q, seqlen_k = q_shape[0], q_shape[1], k_shape[1]
         pad = padded_rows(seqlen_q, False)
-    if shared_memory_bytes(config, block_d, kernel) > SHARED_MEMORY_LIMIT:
-        raise ValueError(f"Gluon {kernel} config {config} needs {shared_memory_bytes(config, block_d, kernel)} bytes "
-                         f"of shared memory at head dim {head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
+    smem = shared_memory_bytes(config, block_d, kernel, 2, block_dv)
+    if smem > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"Gluon {kernel} config {config} needs {smem} bytes of shared memory at head dims "
+                         f"{head_dim} / {head_dim_v or head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if kernel == "dkdv":
         grid = (cdiv(seqlen_k, program_block(kernel, block_d)), heads_kv, batch)
     else:
@@ -96,7 +105,18 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         variant = Variant.of(causal, causal_bottom_right)
     meta = dict(**variant.constexprs, **variant.score_constexprs, IS_VARLEN=varlen,
                 HEAD_DIM=block_d, D_VALID=head_dim, num_warps=4, WORK_TABLE=False, **config)
+    if separate_v and kernel == "dkdv":  # (absent otherwise: the kernel's default, dV's columns D_VALID)
+        meta["DV_VALID"] = head_dim_v
     return grid, ints, meta
+
+
+def separate_v_ok(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the Gluon backward takes QK head dim `head_dim` with V head dim `head_dim_v`: V's tiles no wider
+    than QK's, or both at most 128 wide (a dK/dV warpgroup then holds 64 keys' dK and dV, at most 128 columns
+    each). A V wider than 128 beside a narrower QK would need 64 × 256 fp32 of dV per warpgroup: the Triton
+    kernels run it."""
+    block_d, block_dv = head_block(head_dim), head_block(head_dim_v)
+    return block_dv <= block_d or block_dv <= 128
 
 
 def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: int, kernel: str, causal: bool,
@@ -183,23 +203,23 @@ class _DensePlan:
 
 @functools.lru_cache(maxsize=1024)
 def _dense_plan(kernel, q_shape, k_shape, dtype, device, causal, causal_bottom_right, config_items,
-                variant=None) -> _DensePlan:
+                variant=None, head_dim_v=None) -> _DensePlan:
     """The plan of one call shape and variant (`Variant` equality: its window, softcap and whether ALiBi slopes
-    are given; the scalars and slopes themselves are arguments of each launch)."""
+    are given; the scalars and slopes themselves are arguments of each launch); `head_dim_v`: V's head dim."""
     return _DensePlan(*launch_parts(q_shape, k_shape, causal, causal_bottom_right, dict(config_items), kernel,
-                                    variant=variant))
+                                    variant=variant, head_dim_v=head_dim_v))
 
 
-def _launch_parts_for(kernel, q, k, variant, config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _launch_parts_for(kernel, q, k, v, variant, config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """(grid, ints, meta, WORK, plan) of a launch: dense from its `_DensePlan` (WORK a placeholder), varlen from
     `launch_parts` and `_varlen_work` (plan None)."""
     causal, causal_bottom_right = variant.causal, variant.bottom_right
     if cu_seqlens_q is None:
         plan = _dense_plan(kernel, tuple(q.shape), tuple(k.shape), q.dtype, q.device, causal, causal_bottom_right,
-                           tuple(sorted(config.items())), variant)
+                           tuple(sorted(config.items())), variant, v.shape[-1])
         return plan.grid, plan.ints, plan.meta, q, plan
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, kernel,
-                                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, variant)
+                                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, variant, v.shape[-1])
     grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid)
     return grid, ints, meta, work, None
 
@@ -221,19 +241,20 @@ def _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softc
 
 
 def _dkdv_args(desc_q, desc_do, k, v, dk, dv, lse_pad, delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints,
-               varlen, d) -> tuple:
-    """The dK/dV kernel's arguments, with the Q and dO descriptors given (the dQ kernel's are the same)."""
+               varlen, d, dv_block) -> tuple:
+    """The dK/dV kernel's arguments, with the Q and dO descriptors given (the dQ kernel's are the same); tiles `d`
+    (Q, K) and `dv_block` (V, dO) wide."""
     rows = ROWS.value
-    return (desc_q, descriptor(k, rows, varlen, d), descriptor(v, rows, varlen, d), desc_do,
-            descriptor(dk, rows, varlen, d), descriptor(dv, rows, varlen, d), row_descriptor(lse_pad),
+    return (desc_q, descriptor(k, rows, varlen, d), descriptor(v, rows, varlen, dv_block), desc_do,
+            descriptor(dk, rows, varlen, d), descriptor(dv, rows, varlen, dv_block), row_descriptor(lse_pad),
             row_descriptor(delta_pad), dk, dv, cu_q, cu_k, work, softmax_scale, *scalars,
             dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2), *ints)
 
 
 def _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints, varlen,
-             d, block_n) -> tuple:
+             d, block_n, dv_block) -> tuple:
     """The dQ kernel's arguments, with the Q and dO descriptors given."""
-    return (desc_q, descriptor(k, block_n, varlen, d), descriptor(v, block_n, varlen, d), desc_do,
+    return (desc_q, descriptor(k, block_n, varlen, d), descriptor(v, block_n, varlen, dv_block), desc_do,
             descriptor(dq, ROWS.value, varlen, d), lse_pad, delta_pad, dq, cu_q, cu_k, work, softmax_scale, *scalars,
             dq.stride(-3), dq.stride(-2), *ints)
 
@@ -241,19 +262,20 @@ def _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, cu_q, cu_k, work, so
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
                       config, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> None:
-    """Dense q, dout (B, Sq, Hq, D), k, v, dk, dv (B, Sk, Hkv, D), lse_pad / delta_pad contiguous fp32
-    (B, Hq, `padded_rows`); or varlen q, dout (total_q, Hq, D), k, v, dk, dv (total_k, Hkv, D), lse_pad / delta_pad
-    (Hq, `padded_rows`, sequences at `backward_gluon._lse_rows`), cu_seqlens int32 (B + 1,); as
-    `backward.preprocess(padded=True)` writes them. Inputs that pass `common.tma_ok`, D 64 or 128, Sq, Sk > 0; dk / dv
-    with a contiguous last dim. window_size, softcap, alibi_slopes ((Hq,) or (B, Hq) fp32): flash-attn's."""
+    """Dense q (B, Sq, Hq, D), dout (B, Sq, Hq, Dv), k, dk (B, Sk, Hkv, D), v, dv (B, Sk, Hkv, Dv), lse_pad /
+    delta_pad contiguous fp32 (B, Hq, `padded_rows`); or varlen q, dout (total_q, Hq, D / Dv), k, v, dk, dv
+    (total_k, Hkv, D / Dv), lse_pad / delta_pad (Hq, `padded_rows`, sequences at `backward_gluon._lse_rows`),
+    cu_seqlens int32 (B + 1,); as `backward.preprocess(padded=True)` writes them. Inputs that pass `common.tma_ok`,
+    D of `configs.GLUON_BWD_HEAD_DIMS`, Dv = D or a `separate_v_ok` pair, Sq, Sk > 0; dk / dv with a contiguous
+    last dim. window_size, softcap, alibi_slopes ((Hq,) or (B, Hq) fp32): flash-attn's."""
     varlen = cu_seqlens_q is not None
     variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes)
-    grid, ints, meta, work, plan = _launch_parts_for("dkdv", q, k, variant, config, cu_seqlens_q, cu_seqlens_k,
+    grid, ints, meta, work, plan = _launch_parts_for("dkdv", q, k, v, variant, config, cu_seqlens_q, cu_seqlens_k,
                                                      max_seqlen_q, max_seqlen_k)
-    rows, d = ROWS.value, head_block(q.shape[-1])
+    rows, d, dv_block = ROWS.value, head_block(q.shape[-1]), head_block(v.shape[-1])
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
-    args = _dkdv_args(descriptor(q, rows, varlen, d), descriptor(dout, rows, varlen, d), k, v, dk, dv, lse_pad,
-                      delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints, varlen, d)
+    args = _dkdv_args(descriptor(q, rows, varlen, d), descriptor(dout, rows, varlen, dv_block), k, v, dk, dv,
+                      lse_pad, delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints, varlen, d, dv_block)
     _launch(_attn_bwd_dkdv_gluon, plan, grid, args, meta)
 
 
@@ -263,12 +285,12 @@ def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal
     """dQ (times the softmax scale) into dq (like q); the inputs as `launch_dkdv_gluon`'s."""
     varlen = cu_seqlens_q is not None
     variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes)
-    grid, ints, meta, work, plan = _launch_parts_for("dq", q, k, variant, config, cu_seqlens_q, cu_seqlens_k,
+    grid, ints, meta, work, plan = _launch_parts_for("dq", q, k, v, variant, config, cu_seqlens_q, cu_seqlens_k,
                                                      max_seqlen_q, max_seqlen_k)
-    rows, d = ROWS.value, head_block(q.shape[-1])
+    rows, d, dv_block = ROWS.value, head_block(q.shape[-1]), head_block(v.shape[-1])
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse_pad, lse_pad)
-    args = _dq_args(descriptor(q, rows, varlen, d), descriptor(dout, rows, varlen, d), k, v, dq, lse_pad, delta_pad,
-                    cu_q, cu_k, work, softmax_scale, scalars, ints, varlen, d, config["BLOCK_N"])
+    args = _dq_args(descriptor(q, rows, varlen, d), descriptor(dout, rows, varlen, dv_block), k, v, dq, lse_pad,
+                    delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints, varlen, d, config["BLOCK_N"], dv_block)
     _launch(_attn_bwd_dq_gluon, plan, grid, args, meta)
 
 
@@ -277,49 +299,59 @@ class DenseBackward:
     plans (`_DensePlan`), the variant's scalars and the tiles' head dim. `launch_dense` runs it on a call's
     tensors, with one Q and one dO descriptor for both kernels."""
 
-    __slots__ = ("dkdv", "dq", "scalars", "alibi_stride", "d", "block_n")
+    __slots__ = ("dkdv", "dq", "scalars", "alibi_stride", "d", "dv_block", "block_n")
 
-    def __init__(self, q, k, variant: Variant, config: dict, softmax_scale: float, alibi_slopes=None):
+    def __init__(self, q, k, variant: Variant, config: dict, softmax_scale: float, alibi_slopes=None,
+                 head_dim_v: int | None = None):
         variant = Variant.of(variant.causal, variant.bottom_right, variant.window, variant.softcap,
                              variant.alibi_slopes is not None)  # (as `_variant_args`: what these kernels compile)
+        head_dim_v = q.shape[-1] if head_dim_v is None else head_dim_v
         items = tuple(q.shape), tuple(k.shape), q.dtype, q.device, variant.causal, variant.bottom_right
-        self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant)
-        self.dq = _dense_plan("dq", *items, tuple(sorted(config["dq"].items())), variant)
+        self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant, head_dim_v)
+        self.dq = _dense_plan("dq", *items, tuple(sorted(config["dq"].items())), variant, head_dim_v)
         self.scalars = variant.scalars(softmax_scale)
         self.alibi_stride = alibi_batch_stride(alibi_slopes)
-        self.d, self.block_n = head_block(q.shape[-1]), config["dq"]["BLOCK_N"]
+        self.d, self.dv_block, self.block_n = head_block(q.shape[-1]), head_block(head_dim_v), config["dq"]["BLOCK_N"]
 
 
 def launch_dense(plan: DenseBackward, q, k, v, dout, dq, dk, dv, lse_pad, delta_pad, softmax_scale,
                  alibi_slopes=None) -> None:
     """dK/dV then dQ of a dense call, as `launch_dkdv_gluon` and `launch_dq_gluon` launch them (the inputs as theirs),
     through `plan` (built for these tensors' signature)."""
-    rows, d = ROWS.value, plan.d
-    desc_q, desc_do = descriptor(q, rows, False, d), descriptor(dout, rows, False, d)
+    rows, d, dv_block = ROWS.value, plan.d, plan.dv_block
+    desc_q, desc_do = descriptor(q, rows, False, d), descriptor(dout, rows, False, dv_block)
     scalars = (*plan.scalars, alibi_slopes, plan.alibi_stride)
     p = plan.dkdv
     _launch(_attn_bwd_dkdv_gluon, p, p.grid, _dkdv_args(desc_q, desc_do, k, v, dk, dv, lse_pad, delta_pad, lse_pad,
-                                                        lse_pad, q, softmax_scale, scalars, p.ints, False, d), p.meta)
+                                                        lse_pad, q, softmax_scale, scalars, p.ints, False, d,
+                                                        dv_block), p.meta)
     p = plan.dq
     _launch(_attn_bwd_dq_gluon, p, p.grid, _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, lse_pad, lse_pad, q,
-                                                    softmax_scale, scalars, p.ints, False, d, plan.block_n), p.meta)
+                                                    softmax_scale, scalars, p.ints, False, d, plan.block_n, dv_block),
+            p.meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
                      kernel: str = "dkdv", varlen: bool = False, with_table: bool = True,
-                     window_size: tuple = (-1, -1), softcap: float = 0.0, alibi: bool = False):
+                     window_size: tuple = (-1, -1), softcap: float = 0.0, alibi: bool = False,
+                     head_dim_v: int | None = None):
     """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon_launch.compile_for_sm90`): for tests
-    and `ptxas -v`. window_size / softcap / alibi (whether slopes are given): the variant, as a launch passes it."""
+    and `ptxas -v`. window_size / softcap / alibi (whether slopes are given): the variant, as a launch passes it;
+    `head_dim_v`: V's head dim (default: head_dim)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
+    tv = torch.empty(*t.shape[:-1], head_dim_v, dtype=dtype)
     rows_t = torch.empty(4, 1024, dtype=torch.float32)
     variant = Variant.of(causal, True, window_size, softcap, alibi)
     _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256,
-                              variant)
+                              variant, head_dim_v)
     meta["WORK_TABLE"] = varlen and with_table  # varlen: programs from the work table, or the grid
+    if kernel == "dkdv":
+        meta.setdefault("DV_VALID", 0)  # (a launch leaves the default where V's head dim is D's)
     # the variant's arguments that are off are None (constexprs), as `_variant_args` passes them
     _, window_left, window_right, cap = variant.scalars(1.0)
     scalars = {"window_left": window_left, "window_right": window_right, "softcap": cap}
@@ -329,7 +361,9 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     rows = ROWS.value
     fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
     kv_rows = rows if kernel == "dkdv" else config["BLOCK_N"]
-    descriptors = {name: descriptor(t, kv_rows if name in ("desc_k", "desc_v") else rows, varlen, head_block(head_dim))
+    descriptors = {name: descriptor(tv if name in ("desc_v", "desc_do", "desc_dv") else t,
+                                    kv_rows if name in ("desc_k", "desc_v") else rows, varlen,
+                                    head_block(head_dim_v if name in ("desc_v", "desc_do", "desc_dv") else head_dim))
                    for name in ("desc_q", "desc_k", "desc_v", "desc_do", "desc_dk", "desc_dv", "desc_dq")}
     descriptors.update(desc_lse=row_descriptor(rows_t), desc_delta=row_descriptor(rows_t))
     element = "*bf16" if dtype == torch.bfloat16 else "*fp16"
