@@ -757,7 +757,7 @@ def _separate_v_inputs(shape, head_dim, head_dim_v, dtype, device, seed):
 def test_gluon_backward_separate_v_against_float64(name, head_dim, head_dim_v, dtype, device, monkeypatch):
     """QK and V of different head dims through the Gluon kernels (the pair's config: `configs.gluon_bwd_config` with
     head_dim_v), with variants: within 2x the portable kernels' error against float64, dv shaped like v."""
-    spec = {"plain": {}, "causal": dict(causal=True)}.get(name) or GLUON_VARIANTS[name]
+    spec = {"plain": {}, "causal": dict(causal=True), **GLUON_VARIANTS}[name]
     config = configs.gluon_bwd_config(head_dim, 4096, 4096, spec.get("causal", False), head_dim_v=head_dim_v)
     assert config is not None
     for shape in VARIANT_SHAPES:
