@@ -117,7 +117,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a small shape (the interpreter's)")
     parser.add_argument("--out", default=None, help="write paged_prefill.json here")
+    parser.add_argument("--tiles-of-one-page", action="store_true",
+                        help="pages smaller than a key tile in tiles of one page (configs.GLUON_PAGED_FWD), not "
+                             "gathered into whole tiles: the A/B of the gather")
     args = parser.parse_args()
+    if args.tiles_of_one_page:
+        from flashtriton.configs import forward as configs_forward
+
+        configs_forward.GATHER_PAGES = False
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float16  # (bf16 dots are wrong in the interpreter)
@@ -136,7 +143,7 @@ def main() -> int:
         flops = visible_flops(c, shape["heads_q"], shape["head_dim"])
         ms = {name: statistics.median(t) for name, t in times.items()}
         ratio = statistics.median(d / p for p, d in zip(times["paged"], times["dense"]))  # each round's pair
-        rows.append(dict(env, page_size=page_size, **shape, dtype=str(dtype).split(".")[-1],
+        rows.append(dict(env, page_size=page_size, **shape, gathered=not args.tiles_of_one_page, dtype=str(dtype).split(".")[-1],
                          tokens_new=sum(c["new"]), keys=sum(c["keys"]), ms=ms,
                          tflops={n: C.tflops(flops, m) for n, m in ms.items()}, paged_over_dense=ratio,
                          kernels=kernels, **checked))

@@ -513,15 +513,15 @@ def test_gluon_separate_v_builds_compile_for_sm90_without_spills():
 
 def test_gluon_paged_builds_compile_for_sm90_without_spills():
     """The varlen forward over pages of 128 and 256 keys (each K/V tile one page's rows, its page read from the
-    block table by the producer) compiles offline within its spill budget (in a fresh process, as above): 8
-    bytes causal with triton 3.6's ptxas, in the producer's tile loop (its block-table row pointer), which waits
-    on the consumers most of its time."""
+    block table by the producer) and of 16 and 64 keys (a tile gathered from 8 / 2 pages) compiles offline within
+    its spill budget (in a fresh process, as above; triton 3.6's ptxas): up to 24 bytes, all in the producer's tile
+    loop (its block-table row pointer, the gathered pages' loads), which waits on the consumers most of its time."""
     script = (
         "import re, subprocess, tempfile\n"
         "from triton.backends.nvidia.compiler import get_ptxas\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
-        "for page_size, causal in ((128, True), (256, False)):\n"
+        "for page_size, causal in ((128, True), (256, False), (16, True), (64, False)):\n"
         "    config = configs.gluon_varlen_config(128, 4096, 4096, causal)\n"
         "    compiled = compile_for_sm90(128, causal, config, varlen=True, page_size=page_size)\n"
         "    assert 'wgmma.mma_async' in compiled.asm['ptx']\n"
@@ -533,8 +533,9 @@ def test_gluon_paged_builds_compile_for_sm90_without_spills():
         "    print('compiled', page_size, causal, 'spill', spill)\n"
     )
     lines = [line.split() for line in compile_in_fresh_process(script).splitlines() if line.startswith("compiled")]
-    assert len(lines) == 2, lines
-    assert all(int(spill) <= (8 if causal == "True" else 0) for _, _, causal, _, spill in lines), lines
+    assert len(lines) == 4, lines
+    budget = {"128": 8, "256": 0, "16": 24, "64": 0}  # bytes of spill stores by page size
+    assert all(int(spill) <= budget[page] for _, page, _, _, spill in lines), lines
 
 
 VARIANT_CONFIGS = ["default", "64-key tiles, 4 stages", "causal items one at a time", "three consumers", "overlap",

@@ -337,11 +337,12 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon forward over pages: sm_90 only (no interpreter)")
-@pytest.mark.parametrize("page_size", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [8, 16, 32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gluon_paged_prefill(page_size, causal, dtype, device, monkeypatch):
-    """Paged prefill on Hopper takes the Gluon forward (counted; pages of 64 keys in tiles of one page): ragged sequences (no queries, no
+    """Paged prefill on Hopper takes the Gluon forward (counted; pages smaller than a 128-key tile gathered into
+    it, larger ones holding whole tiles): ragged sequences (no queries, no
     cached keys, a chunk after a long prefix, one token) over a pool whose unused rows are NaN and whose unused
     block-table entries are past the pool, GQA 8/2, D=128: against float64 per sequence and the packed call on
     the gathered keys; seqused_k shorter than cu_seqlens_k's counts; bad values (a used page past the pool, a

@@ -220,6 +220,9 @@ def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, cau
 # take GLUON_VARLEN_FWD's rule. H200, bf16 causal D=128, against the dense call over the same tokens: pages of 64
 # 0.87 (the portable kernel 0.70); 32-key tiles 0.69 and 16-key 0.43 are no better than the portable kernel's
 # 0.66-0.70, which keeps those pages.
+# Pages smaller than a key tile gathered into whole tiles (one TMA box per page); False: tiles of one page
+# (GLUON_PAGED_FWD's rows), for A/B runs.
+GATHER_PAGES = True
 GLUON_PAGED_FWD = Table(("gpu", "dtype", "head_dim", "page_size"), rows=[
     # gpu dtype  head dim  page size  config                                           source
     (SM90, "16", 128,      64,        dict(GLUON_DYNAMIC, BLOCK_N=64, NUM_BUFFERS=4),  H200_PAGED + "explore/p64_b4/paged_prefill.json"),
@@ -230,9 +233,11 @@ GLUON_PAGED_FWD = Table(("gpu", "dtype", "head_dim", "page_size"), rows=[
 def gluon_paged_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool, page_size: int,
                        head_dim_v: int | None = None) -> dict | None:
     """The Gluon forward's config for paged varlen prefill over pages of `page_size` keys, or None (the portable
-    kernel): `gluon_varlen_config`'s where its key tiles divide a page, else `GLUON_PAGED_FWD`'s."""
+    kernel): `gluon_varlen_config`'s where its key tiles divide a page or are made of whole pages of a multiple of
+    8 keys (the producer gathers them: `kernels.forward_gluon_producer.load_item`), else `GLUON_PAGED_FWD`'s."""
     config = gluon_varlen_config(head_dim, max_seqlen_q, max_seqlen_k, causal, head_dim_v)
-    if config is None or page_size % config["BLOCK_N"] == 0:
+    if config is None or page_size % config["BLOCK_N"] == 0 or (
+            GATHER_PAGES and config["BLOCK_N"] % page_size == 0 and page_size % 8 == 0):
         return config
     return GLUON_PAGED_FWD.lookup(SM90, "16", gluon_head_block(head_dim), page_size)
 

@@ -448,7 +448,8 @@ def _paged_gluon_keys(cu_seqlens_k, seqused_k, block_table, page_size: int, num_
 def _launch_paged_gluon(q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, alibi_slopes, learnable_sink, block_table, seqused_k) -> bool:
     """Paged varlen prefill on the Gluon forward where it takes the call (Hopper, fp16/bf16, a head dim with a
-    varlen config, no dropout, pages of whole key tiles (`configs.gluon_paged_config`), pools whose pages are evenly spaced rows, TMA-aligned):
+    varlen config, no dropout, pages of whole key tiles or tiles of whole pages (`configs.gluon_paged_config`,
+    `forward_gluon_launch.pages_fit`), pools whose pages are evenly spaced rows, TMA-aligned):
     launched, with bad sequences' rows set to NaN as the portable kernel does (`_paged_gluon_keys`); True. Else
     False (the portable kernel runs it)."""
     if (INTERPRET or not q.is_cuda or softmax_scale <= 0 or forward_gluon_launch is None
@@ -461,7 +462,8 @@ def _launch_paged_gluon(q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q,
                                         v.shape[-1])
     k_rows, v_rows = forward_gluon_launch.flat_pages(k), forward_gluon_launch.flat_pages(v)
     batch = cu_seqlens_q.numel() - 1
-    if (config is None or page_size % config["BLOCK_N"] or k_rows is None or v_rows is None
+    if (config is None or not forward_gluon_launch.pages_fit(page_size, config["BLOCK_N"]) or k_rows is None
+            or v_rows is None
             or not tma_ok(q, k_rows, v_rows, out)
             or forward_gluon_launch.work_units(max_seqlen_q, q.shape[1], batch, config, variant.causal)
             >= forward_gluon_launch.UNIT_LIMIT):

@@ -635,8 +635,12 @@ def _attn_fwd_gluon(
         o_bufs = NONE
     else:
         o_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS] + desc_o.block_type.shape, desc_o.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
+    if IS_VARLEN:  # (BLOCK_N, 1, D) stages; paged prefill over smaller pages gathers them from boxes of a page's rows
+        k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N] + desc_k.block_type.shape[1:], desc_k.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N] + desc_v.block_type.shape[1:], desc_v.layout)
+    else:
+        k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     # Two barriers no partition uses: they keep every other barrier at the shared-memory offset of the measured

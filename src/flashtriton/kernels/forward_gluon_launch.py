@@ -92,19 +92,27 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
 
 
 def launch_args(q, k, v, out, lse, scalars: tuple, block_n: int, ints: tuple, cu_seqlens_q=None,
-                cu_seqlens_k=None, counter=None, block_table=None) -> tuple:
+                cu_seqlens_k=None, counter=None, block_table=None, kv_rows: int = 0) -> tuple:
     """The kernel's runtime arguments: the four descriptors, out, lse, cu_seqlens (varlen; else lse stands in),
     the dynamic schedule's counter (a zeroed int32; else lse stands in), the variant's arguments
     (`Variant.forward_args`: the scale first), `ints`, then the block table and its row stride (paged; else lse
-    and 0). Paged: k and v are the page pools flattened to (pages · page_size, Hkv, D) (`flat_pages`)."""
+    and 0). Paged: k and v are the page pools flattened to (pages · page_size, Hkv, D) (`flat_pages`); `kv_rows`
+    (pages smaller than a tile): their descriptors' boxes hold a page's rows (default: a tile's, block_n)."""
     varlen = cu_seqlens_q is not None
     rows = ROWS.value
     block_d, block_dv = head_block(q.shape[-1]), head_block(v.shape[-1])
-    return (descriptor(q, rows, varlen, block_d), descriptor(k, block_n, varlen, block_d),
-            descriptor(v, block_n, varlen, block_dv), descriptor(out, rows, varlen, block_dv), out, lse,
+    kv_rows = kv_rows or block_n
+    return (descriptor(q, rows, varlen, block_d), descriptor(k, kv_rows, varlen, block_d),
+            descriptor(v, kv_rows, varlen, block_dv), descriptor(out, rows, varlen, block_dv), out, lse,
             cu_seqlens_q if varlen else lse,
             cu_seqlens_k if varlen else lse, lse if counter is None else counter, *scalars, *ints,
             lse if block_table is None else block_table, 0 if block_table is None else block_table.stride(0))
+
+
+def pages_fit(page_size: int, block_n: int) -> bool:
+    """Whether the Gluon forward reads pages of `page_size` keys in `block_n`-key tiles: pages of whole tiles, or
+    tiles of whole pages that are whole 8-row swizzle atoms of the stage's layout (`load_item` gathers them)."""
+    return page_size > 0 and (page_size % block_n == 0 or (block_n % page_size == 0 and page_size % 8 == 0))
 
 
 def flat_pages(pool: torch.Tensor) -> torch.Tensor | None:
@@ -125,7 +133,8 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
     `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks).
     `variant` (default: causal or not) with its ALiBi slopes and sinks, as `forward.launch_forward` takes them.
     Paged (varlen): k, v the flattened page pools (`flat_pages`), block_table int32 (B, pages per sequence) whose
-    used entries are pages, `page_size` a multiple of the config's BLOCK_N, cu_seqlens_k's differences each
+    used entries are pages, `page_size` a multiple of the config's BLOCK_N or a multiple of 8 dividing it (a tile
+    gathers pages: `forward_gluon_producer.load_item`), cu_seqlens_k's differences each
     sequence's key count (`forward._paged_gluon_keys` makes them)."""
     batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
@@ -136,11 +145,13 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
     # on the H200 machine's CPU, which a benchmark that idles the GPU between calls sees as GPU idle time.
     scalars = variant.forward_args(softmax_scale, alibi_slopes, learnable_sink)
     if block_table is not None:
-        if page_size % config["BLOCK_N"]:
-            raise ValueError(f"Gluon forward: pages of {page_size} keys are not whole tiles of {config['BLOCK_N']}")
+        if not pages_fit(page_size, config["BLOCK_N"]):
+            raise ValueError(f"Gluon forward: pages of {page_size} keys are neither whole tiles of "
+                             f"{config['BLOCK_N']} keys nor whole 8-row parts of one")
         meta = dict(meta, PAGE_SIZE=page_size)
+    kv_rows = min(page_size, config["BLOCK_N"]) if block_table is not None else 0
     launch(_attn_fwd_gluon, grid, launch_args(q, k, v, out, lse, scalars, config["BLOCK_N"], ints, cu_seqlens_q,
-                                              cu_seqlens_k, counter, block_table), meta)
+                                              cu_seqlens_k, counter, block_table, kv_rows), meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
@@ -171,9 +182,10 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
     block_d, block_dv = head_block(head_dim), head_block(head_dim_v)
+    kv_rows = min(page_size, config["BLOCK_N"]) if page_size else config["BLOCK_N"]  # (smaller pages: a page's rows)
     descriptors = {"desc_q": descriptor(t, rows, varlen, block_d), "desc_o": descriptor(tv, rows, varlen, block_dv),
-                   "desc_k": descriptor(t, config["BLOCK_N"], varlen, block_d),
-                   "desc_v": descriptor(tv, config["BLOCK_N"], varlen, block_dv)}
+                   "desc_k": descriptor(t, kv_rows, varlen, block_d),
+                   "desc_v": descriptor(tv, kv_rows, varlen, block_dv)}
     pointers = {"O": "*bf16" if dtype == torch.bfloat16 else "*fp16", "LSE": "*fp32",
                 "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
                 "COUNTER": "*i32" if config["DYNAMIC"] else "*fp32", "ALIBI": "*fp32", "SINKS": "*fp32",

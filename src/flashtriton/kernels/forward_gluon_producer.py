@@ -28,14 +28,30 @@ def zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
+def _gather_pages(desc, entries, key, seqlen_k, off_hk, bar, tile, PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr):
+    """TMA loads of the key tile from `key` on out of GATHER pages of PAGE_SIZE rows, their indices in the pool at
+    entries[key // PAGE_SIZE + g] (the block-table row): page g into rows [g · PAGE_SIZE, + PAGE_SIZE) of `tile`
+    (BLOCK_N, 1, D), all on `bar`; a page past the sequence's keys is not read from the table (page 0 stands in)."""
+    for g in gl.static_range(GATHER):
+        used = key + g * PAGE_SIZE < seqlen_k
+        page = gl.load(entries + key // PAGE_SIZE + g, mask=used, other=0)
+        tma_load(desc, True, 0, page * PAGE_SIZE, off_hk, bar, tile.slice(g * PAGE_SIZE, PAGE_SIZE))
+
+
+@gluon.jit
 def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARLEN: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, N_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
               POSTED: gl.constexpr, PAGE_SIZE: gl.constexpr = 0):
     """One item's loads (see `producer`): its Q into slot qi % Q_BUFFERS (POSTED: the item posted there too),
     its n_tiles K/V tiles from key `first` on into the ring from tile c on. Returns (qi + 1, c + n_tiles).
-    PAGE_SIZE > 0 (varlen, a multiple of BLOCK_N: BLOCK_N is a page's keys for smaller pages): K and V are pools of pages flattened to (pages · PAGE_SIZE,
-    Hkv, D) and tile t is rows [first + t · BLOCK_N, + BLOCK_N) of one page, block_table[b, key // PAGE_SIZE]
-    (the host has checked the entries a sequence uses and cut the bad sequences' keys to 0)."""
+    PAGE_SIZE > 0 (varlen): K and V are pools of pages flattened to (pages · PAGE_SIZE, Hkv, D), page p of sequence b
+    block_table[b, p] (the host has checked the entries a sequence uses and cut the bad sequences' keys to 0). Pages
+    of whole tiles (PAGE_SIZE a multiple of BLOCK_N): tile t is rows [first + t · BLOCK_N, + BLOCK_N) of one page.
+    Smaller pages (BLOCK_N a multiple of PAGE_SIZE, which is a multiple of 8: whole swizzle atoms of the stage's
+    layout): the tile gathers BLOCK_N / PAGE_SIZE pages, one TMA box of PAGE_SIZE rows each into its rows of the
+    stage (the K/V descriptors' boxes are a page's rows), so that the consumers see the dense call's tiles; a page
+    past the sequence's keys (the last tile's) is not read from the block table, page 0 stands in (its keys are
+    masked and its V rows zeroed, as any rows past a sequence)."""
     (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty,
      items, n_items, group_size, slots, COUNTER, paging) = shared
     HEAD_DIM_V: gl.constexpr = desc_v.block_type.shape[len(desc_v.block_type.shape) - 1]  # V's tiles' head dim
@@ -50,23 +66,35 @@ def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARL
     for h in gl.static_range(N_CONSUMERS):
         tma_load(desc_q, IS_VARLEN, off_b, q_start + start_m * BLOCK_M + h * ROWS, off_h, q_ready.index(qs),
                   q_bufs.index(qs * N_CONSUMERS + h))
+    GATHER: gl.constexpr = BLOCK_N // PAGE_SIZE if (PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N) else 1  # pages a tile
     if PAGE_SIZE > 0:
-        gl.static_assert(IS_VARLEN and PAGE_SIZE % BLOCK_N == 0, "pages: varlen, a multiple of the key tile")
+        gl.static_assert(IS_VARLEN and (PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE % 8 == 0)),
+                         "pages: varlen, whole key tiles or whole 8-row parts of one")
         bt_row = paging[0] + off_b.to(gl.int64) * paging[1]
     for t in range(n_tiles):
         stage = c % NUM_BUFFERS
         phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
         key = first + t * BLOCK_N
-        if PAGE_SIZE > 0:
+        if GATHER > 1:
+            row = 0  # (the pages' rows: `_gather_pages`)
+        elif PAGE_SIZE > 0:
             row = gl.load(bt_row + key // PAGE_SIZE) * PAGE_SIZE + key % PAGE_SIZE
         else:
             row = k_start + key
         mbarrier.wait(k_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
-        mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-        tma_load(desc_k, IS_VARLEN, off_b, row, off_hk, k_ready.index(stage), k_bufs.index(stage))
+        mbarrier.expect(k_ready.index(stage), GATHER * desc_k.block_type.nbytes)
+        if GATHER > 1:
+            _gather_pages(desc_k, bt_row, key, seqlen_k, off_hk, k_ready.index(stage), k_bufs.index(stage), PAGE_SIZE,
+                          GATHER)
+        else:
+            tma_load(desc_k, IS_VARLEN, off_b, row, off_hk, k_ready.index(stage), k_bufs.index(stage))
         mbarrier.wait(v_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
-        mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        tma_load(desc_v, IS_VARLEN, off_b, row, off_hk, v_ready.index(stage), v_bufs.index(stage))
+        mbarrier.expect(v_ready.index(stage), GATHER * desc_v.block_type.nbytes)
+        if GATHER > 1:
+            _gather_pages(desc_v, bt_row, key, seqlen_k, off_hk, v_ready.index(stage), v_bufs.index(stage), PAGE_SIZE,
+                          GATHER)
+        else:
+            tma_load(desc_v, IS_VARLEN, off_b, row, off_hk, v_ready.index(stage), v_bufs.index(stage))
         if IS_VARLEN:
             if first + (t + 1) * BLOCK_N > seqlen_k:
                 mbarrier.wait(v_ready.index(stage), phase ^ 1)
