@@ -215,13 +215,13 @@ def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, cau
     return None if block is None or block_v != block else GLUON_VARLEN_FWD.lookup(SM90, "16", block)
 
 
-# Paged prefill with pages smaller than GLUON_VARLEN_FWD's 128-key tiles: tiles of one page each (the producer
-# reads each tile's page from the block table), more stages for the smaller tiles. Pages of whole 128-key tiles
-# take GLUON_VARLEN_FWD's rule. H200, bf16 causal D=128, against the dense call over the same tokens: pages of 64
-# 0.87 (the portable kernel 0.70); 32-key tiles 0.69 and 16-key 0.43 are no better than the portable kernel's
-# 0.66-0.70, which keeps those pages.
-# Pages smaller than a key tile gathered into whole tiles (one TMA box per page); False: tiles of one page
-# (GLUON_PAGED_FWD's rows), for A/B runs.
+# Paged prefill over pages smaller than GLUON_VARLEN_FWD's 128-key tiles: GATHER_PAGES, the producer gathers each
+# tile from one TMA box per page (pages of a multiple of 8 keys dividing 128), so the consumers run the varlen rule's
+# tiles. H200, bf16 causal D=128, against the dense varlen call over the same tokens (PAGED_GATHER_EVIDENCE): pages
+# of 8 / 16 / 32 / 64 / 128 / 256 keys 0.70 / 0.89 / 0.94 / 0.96 / 0.95 / 0.97. GATHER_PAGES = False (A/B runs)
+# takes GLUON_PAGED_FWD's rows instead, tiles of one page each: pages of 64 0.86, 32 the portable kernel's 0.67
+# (the same run's tiles-of-one-page/).
+PAGED_GATHER_EVIDENCE = "benchmarks/2026-12-03-h200/paged-gather/paged_prefill.json"
 GATHER_PAGES = True
 GLUON_PAGED_FWD = Table(("gpu", "dtype", "head_dim", "page_size"), rows=[
     # gpu dtype  head dim  page size  config                                           source
