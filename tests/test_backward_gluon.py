@@ -88,6 +88,7 @@ CONFIGS = {
     "dQ by 64-key tiles, 2 stages": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                                      "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
     "dK/dV 3 stages, Triton dQ": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": None},
+    "dK/dV skipping hidden tiles": {**_DEFAULT, "dkdv": dict(_DEFAULT["dkdv"], SKIP_HIDDEN=True)},
 }
 
 
@@ -523,9 +524,10 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
 @pytest.mark.parametrize("name", ["causal_window", "window_both", "window_softcap_alibi",
                                   "causal_window_softcap_alibi_sinks"])
 @pytest.mark.parametrize("config_name", ["dQ by 128-key tiles", "dQ by 64-key tiles, 2 stages",
-                                         "dK/dV 3 stages, Triton dQ"])
+                                         "dK/dV 3 stages, Triton dQ", "dK/dV skipping hidden tiles"])
 def test_gluon_backward_variants_other_configs(name, config_name, device, monkeypatch):
-    """The variants under every Gluon config the sweeps tried (dQ tiles of 64 and 128 keys, the Triton dQ)."""
+    """The variants under every Gluon config the sweeps tried (dQ tiles of 64 and 128 keys, the Triton dQ, dK/dV
+    warpgroups skipping the tiles of the band's ends that none of their rows sees)."""
     shape = (1, 1000, 1000, 4, 2)
     q, k, v, dout = make_qkv(*shape, 128, torch.float16, device, seed=1)
     kwargs, sinks = _variant_inputs(GLUON_VARIANTS[name], 1, 4, device)

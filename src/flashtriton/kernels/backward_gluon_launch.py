@@ -350,8 +350,10 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256,
                               variant, head_dim_v)
     meta["WORK_TABLE"] = varlen and with_table  # varlen: programs from the work table, or the grid
-    if kernel == "dkdv":
-        meta.setdefault("DV_VALID", 0)  # (a launch leaves the default where V's head dim is D's)
+    fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
+    for param in fn.params:  # constexprs a launch leaves at their defaults (DV_VALID, SKIP_HIDDEN)
+        if param.is_constexpr and param.has_default and param.name not in meta:
+            meta[param.name] = param.default
     # the variant's arguments that are off are None (constexprs), as `_variant_args` passes them
     _, window_left, window_right, cap = variant.scalars(1.0)
     scalars = {"window_left": window_left, "window_right": window_right, "softcap": cap}
@@ -359,7 +361,6 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     meta.update(dict.fromkeys(off))
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
-    fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
     kv_rows = rows if kernel == "dkdv" else config["BLOCK_N"]
     descriptors = {name: descriptor(tv if name in ("desc_v", "desc_do", "desc_dv") else t,
                                     kv_rows if name in ("desc_k", "desc_v") else rows, varlen,

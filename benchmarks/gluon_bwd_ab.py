@@ -1,0 +1,115 @@
+"""A/B of Gluon backward configs on chosen shapes: each candidate's time against the dispatch's config, same run.
+
+Cases (`--cases`, comma list of CASES' names):
+  window1024, window4096   B=1 H=16 T=16384 D=128 bf16 causal, window (w - 1, 0): issue 25's window backward
+  mla, mla_causal          QK 192 / V 128 (DeepSeek's MLA), B=4 H=10 T=4096 bf16, non-causal / causal
+Candidates per case: the dispatch's config (`configs.gluon_bwd_config`) and the overrides of CANDIDATES[case] on it
+(constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, SKIP_HIDDEN, ...). Each candidate's gradients are
+checked against the dispatch config's (the same sums: equal but for the order of additions, judged at 1e-2 of
+their scale), then the backward (`torch.autograd.grad` of one forward, retained) is timed by `triton.testing.do_bench`
+(L2 flushed), median of `--rounds` rounds in rotating order after a warmup. Prints a table and writes
+DIR/gluon_bwd_ab.json with the GPU, torch, triton and git sha.
+
+    python benchmarks/gluon_bwd_ab.py --out DIR [--cases window1024,mla_causal] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import triton
+
+import flashtriton
+from flashtriton import configs
+from flashtriton.tools import bench_core as C
+
+CASES = {  # name: (B, H, T, D, Dv, causal, window)
+    "window1024": (1, 16, 16384, 128, 128, True, (1023, 0)),
+    "window4096": (1, 16, 16384, 128, 128, True, (4095, 0)),
+    "mla": (4, 10, 4096, 192, 128, False, (-1, -1)),
+    "mla_causal": (4, 10, 4096, 192, 128, True, (-1, -1)),
+}
+CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
+    "window1024": {"skip hidden tiles": {"dkdv": dict(SKIP_HIDDEN=True)}},
+    "window4096": {"skip hidden tiles": {"dkdv": dict(SKIP_HIDDEN=True)}},
+    "mla": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
+            "dQ 64-key tiles": {"dq": dict(BLOCK_N=64)}},
+    "mla_causal": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
+                   "dQ 64-key tiles": {"dq": dict(BLOCK_N=64)}},
+}
+
+
+def backward_call(case, config):
+    """(call, grads): the timed backward of one forward of `case` under the Gluon config `config`."""
+    B, H, T, D, Dv, causal, window = CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(B, T, H, D, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    v = torch.randn(B, T, H, Dv, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    dout = torch.randn(B, T, H, Dv, device="cuda", generator=gen, dtype=torch.bfloat16)
+    real = configs.gluon_bwd_config
+    out = flashtriton.flash_attn_func(q, k, v, causal=causal, window_size=window)
+
+    def fixed(*a, **kw):  # one function per candidate: the backward keeps its plan under it (`backward._plan_key`)
+        return config
+
+    def call():
+        configs.gluon_bwd_config = fixed
+        try:
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        finally:
+            configs.gluon_bwd_config = real
+
+    return call, call()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    env = C.environment()
+    rows = []
+    for case in args.cases.split(","):
+        B, H, T, D, Dv, causal, window = CASES[case]
+        base = configs.gluon_bwd_config(D, T, T, causal, head_dim_v=Dv)
+        candidates = {"dispatch": base}
+        for label, over in CANDIDATES[case].items():
+            candidates[label] = {kernel: dict(base[kernel], **over.get(kernel, {})) for kernel in ("dkdv", "dq")}
+        calls, reference = {}, None
+        for label, config in candidates.items():
+            calls[label], grads = backward_call(case, config)
+            if reference is None:
+                reference = grads
+            for name, g, r in zip(("dq", "dk", "dv"), grads, reference):
+                scale = r.float().abs().max().item()
+                err = (g.float() - r.float()).abs().max().item()
+                if not err <= 1e-2 * scale:
+                    raise AssertionError(f"{case} {label}: {name} differs from the dispatch config's by {err:.3g}")
+        times = {label: [] for label in calls}
+        labels = list(calls)
+        for fn in calls.values():
+            triton.testing.do_bench(fn, warmup=100, rep=100)
+        for r in range(args.rounds):
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                times[label].append(triton.testing.do_bench(calls[label], warmup=10, rep=100))
+        ms = {label: statistics.median(t) for label, t in times.items()}
+        for label in labels:
+            rows.append(dict(env, case=case, shape=CASES[case], candidate=label, config=candidates[label],
+                             ms=ms[label], times=times[label], over_dispatch=ms["dispatch"] / ms[label]))
+            print(f"{case:12s} {label:20s} {ms[label]:8.3f} ms  x{ms['dispatch'] / ms[label]:.3f} of the dispatch's",
+                  flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gluon_bwd_ab.json"), "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
