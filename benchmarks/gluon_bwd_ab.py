@@ -4,7 +4,7 @@ Cases (`--cases`, comma list of CASES' names):
   window1024, window4096   B=1 H=16 T=16384 D=128 bf16 causal, window (w - 1, 0): issue 25's window backward
   mla, mla_causal          QK 192 / V 128 (DeepSeek's MLA), B=4 H=10 T=4096 bf16, non-causal / causal
 Candidates per case: the dispatch's config (`configs.gluon_bwd_config`) and the overrides of CANDIDATES[case] on it
-(constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, SKIP_HIDDEN, ...). Each candidate's gradients are
+(constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, ...). Each candidate's gradients are
 checked against the dispatch config's (the same sums: equal but for the order of additions, judged at 1e-2 of
 their scale), then the backward (`torch.autograd.grad` of one forward, retained) is timed by `triton.testing.do_bench`
 (L2 flushed), median of `--rounds` rounds in rotating order after a warmup. Prints a table and writes
@@ -34,8 +34,8 @@ CASES = {  # name: (B, H, T, D, Dv, causal, window)
     "mla_causal": (4, 10, 4096, 192, 128, True, (-1, -1)),
 }
 CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
-    "window1024": {"skip hidden tiles": {"dkdv": dict(SKIP_HIDDEN=True)}},
-    "window4096": {"skip hidden tiles": {"dkdv": dict(SKIP_HIDDEN=True)}},
+    "window1024": {"dK/dV 2 stages": {"dkdv": dict(NUM_STAGES=2)}},
+    "window4096": {"dK/dV 2 stages": {"dkdv": dict(NUM_STAGES=2)}},
     "mla": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
             "dQ 64-key tiles": {"dq": dict(BLOCK_N=64)}},
     "mla_causal": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},

@@ -88,7 +88,6 @@ CONFIGS = {
     "dQ by 64-key tiles, 2 stages": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                                      "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
     "dK/dV 3 stages, Triton dQ": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": None},
-    "dK/dV skipping hidden tiles": {**_DEFAULT, "dkdv": dict(_DEFAULT["dkdv"], SKIP_HIDDEN=True)},
 }
 
 
@@ -524,10 +523,9 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
 @pytest.mark.parametrize("name", ["causal_window", "window_both", "window_softcap_alibi",
                                   "causal_window_softcap_alibi_sinks"])
 @pytest.mark.parametrize("config_name", ["dQ by 128-key tiles", "dQ by 64-key tiles, 2 stages",
-                                         "dK/dV 3 stages, Triton dQ", "dK/dV skipping hidden tiles"])
+                                         "dK/dV 3 stages, Triton dQ"])
 def test_gluon_backward_variants_other_configs(name, config_name, device, monkeypatch):
-    """The variants under every Gluon config the sweeps tried (dQ tiles of 64 and 128 keys, the Triton dQ, dK/dV
-    warpgroups skipping the tiles of the band's ends that none of their rows sees)."""
+    """The variants under every Gluon config the sweeps tried (dQ tiles of 64 and 128 keys, the Triton dQ)."""
     shape = (1, 1000, 1000, 4, 2)
     q, k, v, dout = make_qkv(*shape, 128, torch.float16, device, seed=1)
     kwargs, sinks = _variant_inputs(GLUON_VARIANTS[name], 1, 4, device)
@@ -812,7 +810,8 @@ def test_separate_v_pairs_and_their_configs():
         for causal in (False, True):
             config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal, head_dim_v=head_dim_v)
             wider = max(BG.head_block(head_dim), BG.head_block(head_dim_v))
-            assert config == configs.gluon_bwd_config(wider, 4096, 4096, causal), (head_dim, head_dim_v)
+            pair = configs.GLUON_BWD_SEPARATE_V.lookup("sm90+", "16", BG.head_block(head_dim), BG.head_block(head_dim_v))
+            assert config == (pair or configs.gluon_bwd_config(wider, 4096, 4096, causal)), (head_dim, head_dim_v)
             for kernel in ("dkdv", "dq"):
                 _, _, meta = BG.launch_parts((2, 300, 8, head_dim), (2, 300, 2, head_dim), causal, True,
                                              config[kernel], kernel, head_dim_v=head_dim_v)

@@ -29,7 +29,8 @@ import os
 
 from ..kernels.host import capability, cdiv, next_power_of_2, padded_head_dim
 from .backward import (BWD_AUTOTUNE_KEY, BWD_CANDIDATES, BWD_DKDV_CONFIGS, BWD_DQ_CONFIGS, BWD_INTERPRETER_CONFIG,
-                       GLUON_BWD, GLUON_BWD_D256, GLUON_BWD_D64_MIN_KEYS, GLUON_BWD_HEAD_DIMS, GLUON_BWD_MIN_FLOPS, TRITON_BWD, VARLEN_BWD_ORDER,
+                       GLUON_BWD, GLUON_BWD_D256, GLUON_BWD_D64_MIN_KEYS, GLUON_BWD_HEAD_DIMS, GLUON_BWD_MIN_FLOPS,
+                       GLUON_BWD_SEPARATE_V, TRITON_BWD, VARLEN_BWD_ORDER,
                        default_bwd_configs, gluon_bwd_config, prune_bwd_dkdv_configs, prune_bwd_dq_configs,
                        varlen_bwd_order)
 from .decode import (DECODE_AUTOTUNE_KEY, DECODE_CANDIDATES, DECODE_CONFIGS, DECODE_INTERPRETER_CONFIG,
@@ -47,6 +48,6 @@ from .table import Table, seqlen_bucket
 TABLES = {"PORTABLE_FWD": PORTABLE_FWD, "TMA_FWD": TMA_FWD, "VARLEN_TMA_FWD": VARLEN_TMA_FWD, "GLUON_FWD": GLUON_FWD,
           "GLUON_WINDOW_FWD": GLUON_WINDOW_FWD, "GLUON_SEPARATE_V_FWD": GLUON_SEPARATE_V_FWD,
           "GLUON_VARLEN_FWD": GLUON_VARLEN_FWD, "GLUON_PAGED_FWD": GLUON_PAGED_FWD, "TRITON_BWD": TRITON_BWD, "GLUON_BWD": GLUON_BWD,
-          "SPLIT_DECODE": SPLIT_DECODE}
+          "GLUON_BWD_SEPARATE_V": GLUON_BWD_SEPARATE_V, "SPLIT_DECODE": SPLIT_DECODE}
 
 AUTOTUNE: bool = os.environ.get("FLASHTRITON_AUTOTUNE", "0") == "1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import triton
 
-from .table import ANY, CAUSAL, H200, H200_WIDE, SM90, Table, padded_head_dims, tiles, variant_class, width
+from .table import ANY, CAUSAL, H200, H200_LATE, H200_WIDE, SM90, Table, padded_head_dims, tiles, variant_class, width
 
 # Two tuned kernels: dK/dV (one program per BLOCK_N keys, streaming BLOCK_M query rows of every head of its GQA
 # group) and dQ (one program per BLOCK_M query rows, streaming BLOCK_N keys). The delta kernel is not tuned.
@@ -122,6 +122,16 @@ GLUON_BWD = Table(("gpu", "dtype", "head_dim"), rows=[
 
 
 SEPARATE_V_EVIDENCE = "benchmarks/2026-12-03-h200/separate-v/bench.json"
+# Pairs of head dims whose config is not the wider tiles' row. QK 192 / V 128 (QK in 256-column tiles, V in 128):
+# dQ by 64-key tiles, 7.9 % faster than D=256's 32-key tiles on the causal pair at T=4k (the narrower V leaves the
+# registers and shared memory for them).
+GLUON_BWD_SEPARATE_V = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
+    # gpu dtype  QK tiles  V tiles  config                                                   source
+    (SM90, "16", 256,      128,     {"dkdv": GLUON_BWD_D256["dkdv"],
+                                     "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
+     H200_LATE + "gluon-bwd-ab/gluon_bwd_ab.json"),
+    (ANY,  ANY,  ANY,      ANY,     None,  "why: the wider tiles' row of GLUON_BWD (`gluon_bwd_config`)"),
+])
 
 
 def _tiles(head_dim: int) -> int:
@@ -146,6 +156,9 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
         tiles_v = _tiles(head_dim_v)
         if head_dim_v not in GLUON_BWD_HEAD_DIMS or not (tiles_v <= tiles or tiles_v <= 128):
             return None  # (`backward_gluon_launch.separate_v_ok`)
+        pair = GLUON_BWD_SEPARATE_V.lookup(SM90, "16", tiles, tiles_v)
+        if pair is not None:
+            return pair
         tiles = max(tiles, tiles_v)
     return GLUON_BWD.lookup(SM90, "16", tiles)
 

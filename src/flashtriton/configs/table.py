@@ -41,7 +41,8 @@ H200_HEADS = "benchmarks/2026-12-02-h200/gluon-head-dims/h200/"
 H200_WIDE = "benchmarks/2026-12-02-h200/gluon-bwd-wide/h200/"
 H200_MERGED = "benchmarks/2026-12-02-h200/gluon-merged/"
 H200_PAGED = "benchmarks/2026-12-02-h200/paged-small/h200/"
-RUNS = (H200, H200_DEC, H200_HEADS, H200_WIDE, H200_MERGED, H200_PAGED)
+H200_LATE = "benchmarks/2026-12-03-h200/"
+RUNS = (H200, H200_DEC, H200_HEADS, H200_WIDE, H200_MERGED, H200_PAGED, H200_LATE)
 
 
 def gpu_class(device: torch.device) -> str:

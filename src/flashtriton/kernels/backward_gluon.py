@@ -159,7 +159,7 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
               NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-              HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, SKIP_HIDDEN: gl.constexpr = False):
+              HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores (dK in
     QK's tiles, dV in V's: HEAD_DIM_V).
     `variant`: (window left, right, softcap, the group's first query head's ALiBi slope pointer), None where off.
@@ -196,53 +196,45 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
         m = lo + (it - g * n_m) * BLOCK_M
         stage = it % NUM_STAGES
         mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
-        if SKIP_HIDDEN and HAS_WINDOW:  # no row of the tile sees this warpgroup's keys (the band's ends): skipped
-            hidden = tile_hidden(m + (BLOCK_M - 1), first_key, diag, IS_CAUSAL, HAS_WINDOW, left, right, m,
-                                 first_key + ROWS - 1)
+        q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM_V])
+        s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
+        if not LATE_DP:
+            dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
+        lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
+        if IS_VARLEN:  # rows past the sequence: the layout's gap (never written) or the next sequence's; no P there
+            in_seq = m + cols < seqlen_q
+            lse = gl.where(in_seq, lse, float("-inf"))
+        lse = _lse_base2(lse)
+        slope = gl.load(slopes + g) * 1.4426950408889634 if HAS_ALIBI else None  # query head g's, in base 2
+        if LATE_DP:
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            p, cap_grad = _probabilities(s, lse[None, :], (m + cols)[None, :], keys[:, None], diag, qk_scale, softcap,
+                                         slope, HAS_SOFTCAP, HAS_ALIBI)  # Pᵀ (ROWS, BLOCK_M)
         else:
-            hidden = gl.constexpr(False)
-        if hidden:
-            mbarrier.arrive(empty.index(stage), count=1)
-        else:
-            q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-            do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM_V])
-            s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
-            if not LATE_DP:
-                dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
-            lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
-            if IS_VARLEN:  # rows past the sequence: the layout's gap (never written) or the next sequence's; no P there
-                in_seq = m + cols < seqlen_q
-                lse = gl.where(in_seq, lse, float("-inf"))
-            lse = _lse_base2(lse)
-            slope = gl.load(slopes + g) * 1.4426950408889634 if HAS_ALIBI else None  # query head g's, in base 2
-            if LATE_DP:
-                s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                p, cap_grad = _probabilities(s, lse[None, :], (m + cols)[None, :], keys[:, None], diag, qk_scale, softcap,
-                                             slope, HAS_SOFTCAP, HAS_ALIBI)  # Pᵀ (ROWS, BLOCK_M)
-            else:
-                s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
-            # the tile reaches past some row's diagonal (or a window's edge); with a window, tiles none of whose rows
-            # see this warpgroup's keys are computed too (P = 0): skipping them cost spills, as causal's
-            if key_tile_masked(first_key + ROWS - 1, m, diag, IS_CAUSAL, HAS_WINDOW, left, right, first_key,
-                               m + (BLOCK_M - 1)):
-                p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
-                             p, 0.0)
-            p_op = gl.convert_layout(p.to(dtype), op_v_layout)
-            if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
-                p = p * cap_grad
-            dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-            if LATE_DP:
-                dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
-            delta = delta_bufs.index(stage).load(col_layout)
-            if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
-                delta = gl.where(in_seq, delta, 0.0)
-            dp = warpgroup_mma_wait(0 if LATE_DP else 1, deps=(dp_tok, ))
-            ds = p * (dp - delta[None, :])  # dSᵀ
-            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-            dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-            mbarrier.arrive(empty.index(stage), count=1)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
+        # the tile reaches past some row's diagonal (or a window's edge); with a window, tiles none of whose rows
+        # see this warpgroup's keys are computed too (P = 0): skipping them cost spills, as causal's
+        if key_tile_masked(first_key + ROWS - 1, m, diag, IS_CAUSAL, HAS_WINDOW, left, right, first_key,
+                           m + (BLOCK_M - 1)):
+            p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
+                         p, 0.0)
+        p_op = gl.convert_layout(p.to(dtype), op_v_layout)
+        if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
+            p = p * cap_grad
+        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+        if LATE_DP:
+            dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
+        delta = delta_bufs.index(stage).load(col_layout)
+        if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
+            delta = gl.where(in_seq, delta, 0.0)
+        dp = warpgroup_mma_wait(0 if LATE_DP else 1, deps=(dp_tok, ))
+        ds = p * (dp - delta[None, :])  # dSᵀ
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        mbarrier.arrive(empty.index(stage), count=1)
 
     dk = (dk * softmax_scale).to(dtype)
     dv = dv.to(dtype)
@@ -274,7 +266,6 @@ def _attn_bwd_dkdv_gluon(
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
-    SKIP_HIDDEN: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
@@ -344,7 +335,7 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(1))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(2), SKIP_HIDDEN)),
+                         gl.constexpr(2))),
         ], [8], [CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -352,10 +343,10 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(2))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), SKIP_HIDDEN)),
+                         gl.constexpr(1))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), SKIP_HIDDEN)),
+                         gl.constexpr(1))),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
