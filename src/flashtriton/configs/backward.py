@@ -124,7 +124,8 @@ GLUON_BWD = Table(("gpu", "dtype", "head_dim"), rows=[
 SEPARATE_V_EVIDENCE = "benchmarks/2026-12-03-h200/separate-v/bench.json"
 # Pairs of head dims whose config is not the wider tiles' row. QK 192 / V 128 (QK in 256-column tiles, V in 128):
 # dQ by 64-key tiles, 7.9 % faster than D=256's 32-key tiles on the causal pair at T=4k (the narrower V leaves the
-# registers and shared memory for them).
+# registers and shared memory for them); with them the pair's backward runs at 1.19-1.22x cuDNN non-causal and
+# 0.70-0.85x causal (bf16, T=1k-16k, benchmarks/2026-12-03-h200/separate-v-dq64/bench.json).
 GLUON_BWD_SEPARATE_V = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
     # gpu dtype  QK tiles  V tiles  config                                                   source
     (SM90, "16", 256,      128,     {"dkdv": GLUON_BWD_D256["dkdv"],
