@@ -273,11 +273,13 @@ def test_dispatch_takes_the_gluon_kernels_for_large_problems_only(device, monkey
 @hopper_only
 @pytest.mark.parametrize("order", ["dispatch", "as_given", "largest_first", "grid"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 112, 128, 256])
-def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
+@pytest.mark.parametrize("head_dim,head_dim_v", [(64, 64), (112, 112), (128, 128), (256, 256), (192, 128),
+                                                 (128, 64)])
+def test_gluon_backward_varlen(causal, head_dim, head_dim_v, order, device, monkeypatch):
     """Packed sequences (empty ones, one token, Sq != Sk, GQA) with rows of other data before and after them:
     per-sequence gradients against float64, and the rows outside every sequence left alone. Programs from the work
-    table in either order, and from the grid over the longest sequence's blocks."""
+    table in either order, and from the grid over the longest sequence's blocks. V with a head dim of its own too
+    (a sequence's last partial block of dV stored row by row with V's columns only)."""
     from test_varlen import pack
 
     if order != "dispatch":
@@ -288,11 +290,13 @@ def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     dtype = torch.float16
     q, cu_q = pack(lengths_q, 4, head_dim, dtype, device, gen)
     k, cu_k = pack(lengths_k, 2, head_dim, dtype, device, gen)
-    v, _ = pack(lengths_k, 2, head_dim, dtype, device, gen)
-    dout, _ = pack(lengths_q, 4, head_dim, dtype, device, gen)
-    config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal) if head_dim > 128 else _DEFAULT \
-        if head_dim > 64 else {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
-                               "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
+    v, _ = pack(lengths_k, 2, head_dim_v, dtype, device, gen)
+    dout, _ = pack(lengths_q, 4, head_dim_v, dtype, device, gen)
+    if head_dim > 128 or head_dim_v != head_dim:  # the dispatch's config for the head dims
+        config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal, head_dim_v=head_dim_v)
+    else:
+        config = _DEFAULT if head_dim > 64 else {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+                                                  "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
     monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
     ran = record_gluon_launches(monkeypatch)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -300,6 +304,7 @@ def test_gluon_backward_varlen(causal, head_dim, order, device, monkeypatch):
     out.backward(dout)
     assert ran == ["launch_dkdv_gluon", "launch_dq_gluon"]
     dq, dk, dv = (t.grad for t in leaves)
+    assert dv.shape == v.shape
     for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         if lq == 0 or lk == 0:
@@ -767,39 +772,6 @@ def test_gluon_backward_separate_v_against_float64(name, head_dim, head_dim_v, d
         portable = variant_grads(q, k, v, dout, kwargs, sinks, False, monkeypatch)
         exact = exact_variant_grads(q, k, v, dout, kwargs, sinks)
         assert_variant_grads(ours, portable, exact, dtype, f"({head_dim}, {head_dim_v}) {name}, shape {shape}: ")
-
-
-@hopper_only
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (128, 64)])
-def test_gluon_backward_separate_v_varlen(causal, head_dim, head_dim_v, device, monkeypatch):
-    """Packed sequences with V's head dim of its own: per-sequence gradients against float64 (a sequence's last
-    partial block of dV stored row by row with V's columns only), rows of empty sequences at 0."""
-    from test_varlen import pack
-
-    lengths_q, lengths_k = [5, 0, 1, 200, 33, 130, 64], [9, 4, 1, 150, 20, 0, 64]
-    gen = torch.Generator().manual_seed(17)
-    dtype = torch.bfloat16
-    q, cu_q = pack(lengths_q, 4, head_dim, dtype, device, gen)
-    k, cu_k = pack(lengths_k, 2, head_dim, dtype, device, gen)
-    v, _ = pack(lengths_k, 2, head_dim_v, dtype, device, gen)
-    dout, _ = pack(lengths_q, 4, head_dim_v, dtype, device, gen)
-    config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal, head_dim_v=head_dim_v)
-    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
-    ran = record_gluon_launches(monkeypatch)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = flashtriton.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal)
-    out.backward(dout)
-    assert ran == ["launch_dkdv_gluon", "launch_dq_gluon"]
-    dq, dk, dv = (t.grad for t in leaves)
-    assert dv.shape == v.shape
-    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
-        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if lq == 0 or lk == 0:
-            assert torch.all(dq[sq] == 0) and torch.all(dk[sk] == 0) and torch.all(dv[sk] == 0), f"seq {b}"
-            continue
-        ours = (dq[None, sq], dk[None, sk], dv[None, sk])
-        check_grads(ours, q[None, sq], k[None, sk], v[None, sk], dout[None, sq], causal, what=f"seq {b}: ")
 
 
 def test_separate_v_pairs_and_their_configs():
