@@ -16,8 +16,9 @@ CAUSAL_BOTTOM_RIGHT=False): tiles that see nothing are skipped, tiles entirely v
 tiles on the diagonal or at the end of the sequence pay for masks — as in the forward.
 Rows that see no key have lse = -inf: they are given lse = +inf here so that P = 0 and their gradient is 0.
 On sm_90, `attention_backward` gives kernels 2 and 3 to Hopper's Gluon kernels (`backward_gluon`) where
-`configs.gluon_bwd_config` says so (dense fp16/bf16, D = 64 / 128, enough work to hide their host time); lse and
-delta then come padded to whole tiles.
+`configs.gluon_bwd_config` says so (dense and varlen fp16/bf16, the head dims of `configs.GLUON_BWD_HEAD_DIMS` and
+the V head dims `backward_gluon_launch.separate_v_ok` pairs with them, enough work to hide their host time); lse
+and delta then come padded to whole tiles.
 """
 
 from __future__ import annotations
