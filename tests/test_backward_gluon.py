@@ -673,8 +673,7 @@ def test_gluon_backward_variants_compile_for_sm90_without_a_gpu():
     any machine, within their spill budgets (triton 3.6's ptxas); the full grid is in the report of the change. In a
     fresh process, as above."""
     script = (
-        "import re, subprocess, tempfile, torch\n"
-        "from triton.backends.nvidia.compiler import get_ptxas\n"
+        "import torch\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
         f"for kernel, d, causal, varlen, window, softcap, alibi in {list(VARIANT_BUILDS)!r}:\n"
@@ -684,11 +683,7 @@ def test_gluon_backward_variants_compile_for_sm90_without_a_gpu():
         "                                alibi=alibi)\n"
         "    ptx = compiled.asm['ptx']\n"
         "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin']\n"
-        "    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:\n"
-        "        f.write(ptx); f.flush()\n"
-        "        report = subprocess.run([get_ptxas(90).path, '-arch=sm_90a', '-v', f.name, '-o', '/dev/null'],\n"
-        "                                capture_output=True, text=True, check=True).stderr\n"
-        "    spill = max(int(n) for n in re.findall(r'(\\d+) bytes spill stores', report))\n"
+        "    spill = spill_bytes(compiled)\n"
         "    print('compiled', kernel, d, causal, varlen, window, softcap, alibi, 'spill', spill)\n"
     )
     out = compile_in_fresh_process(script)
@@ -804,8 +799,6 @@ def test_gluon_backward_separate_v_compiles_for_sm90_without_a_gpu():
     """QK 192 / V 128 (both kernels, dense and varlen) and QK 128 / V 64 compile to sm_90 without spills (triton 3.6's
     ptxas): V, dO and dV take tiles of V's width."""
     script = (
-        "import re, subprocess, tempfile\n"
-        "from triton.backends.nvidia.compiler import get_ptxas\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
         "for head_dim, head_dim_v, causal, varlen in ((192, 128, True, False), (192, 128, False, True),\n"
@@ -814,12 +807,7 @@ def test_gluon_backward_separate_v_compiles_for_sm90_without_a_gpu():
         "    for kernel in ('dkdv', 'dq'):\n"
         "        compiled = compile_for_sm90(head_dim, causal, config[kernel], kernel=kernel, varlen=varlen,\n"
         "                                    head_dim_v=head_dim_v)\n"
-        "        ptx = compiled.asm['ptx']\n"
-        "        with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:\n"
-        "            f.write(ptx); f.flush()\n"
-        "            report = subprocess.run([get_ptxas(90).path, '-arch=sm_90a', '-v', f.name, '-o', '/dev/null'],\n"
-        "                                    capture_output=True, text=True, check=True).stderr\n"
-        "        spill = max(int(n) for n in re.findall(r'(\\d+) bytes spill stores', report))\n"
+        "        spill = spill_bytes(compiled)\n"
         "        print('compiled', kernel, head_dim, head_dim_v, varlen, 'spill', spill)\n"
     )
     out = compile_in_fresh_process(script)

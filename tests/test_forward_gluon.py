@@ -399,12 +399,28 @@ def test_launch_keys_tell_gluon_descriptor_layouts_apart():
     assert a != launch._arg_key(gluon_common.descriptor(t.to(torch.bfloat16), 64))
 
 
+# What every script of `compile_in_fresh_process` can call: `spill_bytes(compiled)`, the bytes of register spill
+# stores that ptxas (Triton's bundled one, `-v`) reports for a compiled kernel.
+SPILL_PRELUDE = (
+    "import re, subprocess, tempfile\n"
+    "from triton.backends.nvidia.compiler import get_ptxas\n"
+    "def spill_bytes(compiled):\n"
+    "    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:\n"
+    "        f.write(compiled.asm['ptx']); f.flush()\n"
+    "        report = subprocess.run([get_ptxas(90).path, '-arch=sm_90a', '-v', f.name, '-o', '/dev/null'],\n"
+    "                                capture_output=True, text=True, check=True).stderr\n"
+    "    return max(int(n) for n in re.findall(r'(\\d+) bytes spill stores', report))\n"
+)
+
+
 def compile_in_fresh_process(script: str) -> str:
     """Run a Python script that compiles Gluon kernels for sm_90, in a process without the interpreter (which this
-    one may run, and which cannot compile Gluon); asserts that it succeeded and returns what it printed."""
+    one may run, and which cannot compile Gluon), after SPILL_PRELUDE; asserts that it succeeded and returns what
+    it printed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtriton.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", SPILL_PRELUDE + script], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -422,8 +438,6 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
     (with triton 3.6, whose ptxas the budgets come from). In a fresh process: this one runs the kernels through the
     interpreter, which cannot compile them."""
     script = (
-        "import re, subprocess, tempfile\n"
-        "from triton.backends.nvidia.compiler import get_ptxas\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
         "for head_dim, causal, varlen, keys in ((128, False, False, 16384), (128, True, False, 16384),\n"
@@ -434,11 +448,7 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
         "    compiled = compile_for_sm90(head_dim, causal, config, varlen=varlen)\n"
         "    ptx = compiled.asm['ptx']\n"
         "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin'], head_dim\n"
-        "    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:\n"
-        "        f.write(ptx); f.flush()\n"
-        "        report = subprocess.run([get_ptxas(90).path, '-arch=sm_90a', '-v', f.name, '-o', '/dev/null'],\n"
-        "                                capture_output=True, text=True, check=True).stderr\n"
-        "    spill = max(int(n) for n in re.findall(r'(\\d+) bytes spill stores', report))\n"
+        "    spill = spill_bytes(compiled)\n"
         "    print('compiled', head_dim, causal, varlen, keys, 'spill', spill, compiled.metadata.shared)\n"
     )
     out = compile_in_fresh_process(script)
@@ -485,8 +495,6 @@ def test_gluon_separate_v_builds_compile_for_sm90_without_spills():
     own tiles:
     wgmma chains on both widths, shared memory under sm_90's, no spill (in a fresh process, as above)."""
     script = (
-        "import re, subprocess, tempfile\n"
-        "from triton.backends.nvidia.compiler import get_ptxas\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
         "from flashtriton.kernels.gluon_common import SHARED_MEMORY_LIMIT\n"
@@ -498,11 +506,7 @@ def test_gluon_separate_v_builds_compile_for_sm90_without_spills():
         "              configs.gluon_fwd_config(head_dim, keys, keys, causal, 0, head_dim_v))\n"
         "    compiled = compile_for_sm90(head_dim, causal, config, varlen=varlen, head_dim_v=head_dim_v)\n"
         "    assert 'wgmma.mma_async' in compiled.asm['ptx'] and compiled.metadata.shared <= SHARED_MEMORY_LIMIT\n"
-        "    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:\n"
-        "        f.write(compiled.asm['ptx']); f.flush()\n"
-        "        report = subprocess.run([get_ptxas(90).path, '-arch=sm_90a', '-v', f.name, '-o', '/dev/null'],\n"
-        "                                capture_output=True, text=True, check=True).stderr\n"
-        "    spill = max(int(n) for n in re.findall(r'(\\d+) bytes spill stores', report))\n"
+        "    spill = spill_bytes(compiled)\n"
         "    print('compiled', head_dim, head_dim_v, causal, 'spill', spill)\n"
     )
     out = compile_in_fresh_process(script)
@@ -517,19 +521,13 @@ def test_gluon_paged_builds_compile_for_sm90_without_spills():
     its spill budget (in a fresh process, as above; triton 3.6's ptxas): up to 24 bytes, all in the producer's tile
     loop (its block-table row pointer, the gathered pages' loads), which waits on the consumers most of its time."""
     script = (
-        "import re, subprocess, tempfile\n"
-        "from triton.backends.nvidia.compiler import get_ptxas\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
         "for page_size, causal in ((128, True), (256, False), (16, True), (64, False)):\n"
         "    config = configs.gluon_varlen_config(128, 4096, 4096, causal)\n"
         "    compiled = compile_for_sm90(128, causal, config, varlen=True, page_size=page_size)\n"
         "    assert 'wgmma.mma_async' in compiled.asm['ptx']\n"
-        "    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:\n"
-        "        f.write(compiled.asm['ptx']); f.flush()\n"
-        "        report = subprocess.run([get_ptxas(90).path, '-arch=sm_90a', '-v', f.name, '-o', '/dev/null'],\n"
-        "                                capture_output=True, text=True, check=True).stderr\n"
-        "    spill = max(int(n) for n in re.findall(r'(\\d+) bytes spill stores', report))\n"
+        "    spill = spill_bytes(compiled)\n"
         "    print('compiled', page_size, causal, 'spill', spill)\n"
     )
     lines = [line.split() for line in compile_in_fresh_process(script).splitlines() if line.startswith("compiled")]
