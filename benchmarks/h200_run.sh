@@ -2,7 +2,7 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite; ~600 s), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite; ~600 s), decode_dims (decode at D=256 and 192/128 beside cuDNN; DECODE_DIMS narrows), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
@@ -66,6 +66,11 @@ for step in "$@"; do
         tests/test_transformers.py > $R/pytest_eco.txt 2>&1; grep -E "FAILED|ERROR|SKIPPED|passed|failed" $R/pytest_eco.txt | head -20 ;;
     variants) timeout 300 python -m flashtriton bench --suite variants --rounds ${ROUNDS:-2} ${VARIANT_ARGS:-} --out $R/variants --no-plots \
         > $R/variants.txt 2>&1; grep -v "it/s" $R/variants.txt | tail -60 ;;
+    decode_dims) # decode at D=256 and QK 192 / V 128 (issue 26): batch 1, 8, 64 over caches of 4k, 32k, 128k
+      for d in ${DECODE_DIMS:-256 192/128}; do n=decode_${d/\//_}
+        timeout 120 python -m flashtriton bench --suite decode --decode-head-dim $d --decode-batches 1,8,64 \
+          --decode-seqlens 4k,32k,128k --rep 60 --warmup 15 --out $R/$n --no-plots > $R/$n.txt 2>&1
+        grep -v "it/s" $R/$n.txt | tail -14; done ;;
     decode_host) timeout 120 python benchmarks/decode_host.py --out $R/decode_host.txt > /dev/null 2>&1; head -40 $R/decode_host.txt ;;
     headdims) timeout 240 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
         --dtypes bf16 --head-dims ${HEAD_DIMS:-80,96,192/128,256} --seqlens 1024,4096 --causal 1 --out $R/headdims --no-plots \

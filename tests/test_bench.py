@@ -344,6 +344,26 @@ def test_decode_suite_bandwidth_and_skips():
     assert "ours % of copy" in R.decode_table(rows) and "ours % of read" in R.decode_table(rows)
 
 
+def test_decode_suite_takes_a_v_head_dim_of_its_own():
+    """--decode-head-dim QK/V: a v_cache of V's head dim (DeepSeek's MLA: 192/128), its bytes in the bandwidth, the
+    FLOPs at QK's and V's head dims, the pair in the table; a bad form is refused naming the option."""
+    if S._kvcache_function() is None:
+        pytest.skip("flashtriton.flash_attn_with_kvcache is not there yet")
+    args = parse(["--suite", "decode", "--decode-batches", "2", "--decode-seqlens", "100",
+                  "--decode-heads", "4,2", "--decode-head-dim", "32/16", "--providers", "flashtriton,sdpa_math",
+                  *TINY])
+    rows = S.run_decode(args, C.environment(), {"copy": 1.0})
+    by = {r["provider"]: r for r in rows}
+    ours = by["flashtriton"]
+    assert ours["status"] == "ok" and ours["check_passed"] and (ours["D"], ours["Dv"]) == (32, 16)
+    assert ours["gbps"] == pytest.approx(2 * 100 * 2 * (32 + 16) * 2 / ours["ms_p50"] / 1e6)
+    assert ours["tflops"] == pytest.approx(2 * 2 * 4 * 100 * (32 + 16) / (ours["ms_p50"] * 1e-3) / 1e12)
+    assert by["sdpa_math"]["status"] == "ok" and by["sdpa_math"]["check_passed"]
+    assert "| 32/16 |" in R.decode_table(rows)
+    with pytest.raises(ValueError, match="--decode-head-dim"):
+        parse(["--suite", "decode", "--decode-head-dim", "192/x"])
+
+
 def test_main_writes_rows_and_plots(tmp_path, capsys):
     argv = ["--shape", "1,2,32,16", "--modes", "fwd", "--causal", "0", "--providers", "flashtriton,math,cudnn",
             "--out", str(tmp_path), *TINY]

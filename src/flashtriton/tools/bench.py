@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--decode-batches", default=None, help="decode: batch sizes (default 1,8,16,64)")
     a("--decode-seqlens", default=None, help="decode: cache lengths (default 1k,4k,16k,32k,64k,128k)")
     a("--decode-heads", default="32,8", help="decode: query heads, kv heads (default 32,8)")
-    a("--decode-head-dim", type=int, default=128, help="decode: head dim (default 128)")
+    a("--decode-head-dim", default="128",
+      help="decode: head dim D, or QK/V (e.g. 192/128: a v_cache with a head dim of its own; default 128)")
     a("--max-cache-gib", type=float, default=40.0, help="decode: skip caches (K+V) larger than this (GiB)")
     a("--variants", default=None,
       help="variants suite: comma list of window1024,window4096,softcap50,alibi,sinks,window128,sinks+window128 "
@@ -121,6 +122,7 @@ def resolve(args: argparse.Namespace, interpreter: bool = False) -> argparse.Nam
     args.decode_seqlen_list = C.parse_int_list(
         args.decode_seqlens or ("256" if small else "4k,32k" if quick else "1k,4k,16k,32k,64k,128k"), "--decode-seqlens")
     args.decode_hq, args.decode_hkv = C.parse_int_list(args.decode_heads)
+    args.decode_d, args.decode_dv = C.parse_head_dim(args.decode_head_dim, "--decode-head-dim")
     from . import bench_variants as V
 
     V.resolve(args, interpreter)

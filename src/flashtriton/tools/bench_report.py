@@ -148,7 +148,8 @@ def decode_table(rows) -> str:
     providers = _order({r["provider"] for r in rows})
     groups: OrderedDict = OrderedDict()
     for r in rows:
-        groups.setdefault((r["dtype"], r["B"], r["H"], r["H_kv"], r["D"], r["T_k"]), {})[r["provider"]] = r
+        key = (r["dtype"], r["B"], r["H"], r["H_kv"], head_dim_label(r["D"], r.get("Dv")), r["T_k"])
+        groups.setdefault(key, {})[r["provider"]] = r
     body = []
     for key, by_provider in groups.items():
         speeds = {p: r["gbps"] for p, r in by_provider.items() if r["status"] == "ok" and r["gbps"]}

@@ -267,7 +267,7 @@ def run_decode(args, env, ceilings: dict | None = None, sink=None) -> list[dict]
     kvcache = _kvcache_function()
     chosen = P.parse_providers(args.providers)
     providers = [p for p in DECODE_PROVIDERS if p in chosen]
-    Hq, Hkv, D = args.decode_hq, args.decode_hkv, args.decode_head_dim
+    Hq, Hkv, D, Dv = args.decode_hq, args.decode_hkv, args.decode_d, args.decode_dv
     rows = []
     if kvcache is None:
         print("\ndecode: flashtriton.flash_attn_with_kvcache is missing: the flashtriton provider is skipped",
@@ -277,8 +277,8 @@ def run_decode(args, env, ceilings: dict | None = None, sink=None) -> list[dict]
     for dt, B, S in bar:
         bar.set_postfix_str(f"{dt} B={B} cache={S}", refresh=False)
         dtype = C.DTYPES[dt]
-        kv_bytes = 2 * B * S * Hkv * D * dtype.itemsize
-        base = dict(op="decode", suite="decode", B=B, H=Hq, H_kv=Hkv, T=1, T_k=S, D=D, causal=0, dtype=dt)
+        kv_bytes = B * S * Hkv * (D + Dv) * dtype.itemsize
+        base = dict(op="decode", suite="decode", B=B, H=Hq, H_kv=Hkv, T=1, T_k=S, D=D, Dv=Dv, causal=0, dtype=dt)
         if kv_bytes > args.max_cache_gib * P.GIB:
             new = [C.make_row(env, **base, mode="fwd", provider=p, status="skipped",
                               error=f"cache {kv_bytes / P.GIB:.0f} GiB > --max-cache-gib") for p in providers]
@@ -294,10 +294,11 @@ def run_decode(args, env, ceilings: dict | None = None, sink=None) -> list[dict]
 
 
 def _decode_one(args, env, kvcache, providers, base, dtype, kv_bytes, ceilings, device, bar=None) -> list[dict]:
-    B, Hq, Hkv, S, D = base["B"], base["H"], base["H_kv"], base["T_k"], base["D"]
+    B, Hq, Hkv, S, D, Dv = base["B"], base["H"], base["H_kv"], base["T_k"], base["D"], base["Dv"]
     gen = torch.Generator(device=device).manual_seed(args.seed)
     q = torch.randn(B, 1, Hq, D, device=device, dtype=dtype, generator=gen)  # (B, 1, Hq, D)
-    k_cache, v_cache = (torch.randn(B, S, Hkv, D, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    k_cache = torch.randn(B, S, Hkv, D, device=device, dtype=dtype, generator=gen)
+    v_cache = torch.randn(B, S, Hkv, Dv, device=device, dtype=dtype, generator=gen)  # v's head dim may be its own
     cache_seqlens = torch.full((B,), S, dtype=torch.int32, device=device)
     ref = C.reference_slices(q, k_cache, v_cache, None, False, Hq // Hkv, False)  # batch 0, kv head 0's group
     bhsd = {}  # torch's (B, Hkv, S, D) copy of the cache, made once for all SDPA backends
@@ -306,7 +307,7 @@ def _decode_one(args, env, kvcache, providers, base, dtype, kv_bytes, ceilings, 
         if name == "flashtriton" and kvcache is None:
             return "flashtriton.flash_attn_with_kvcache not available"
         if name == "sdpa_math":
-            expanded = 2 * B * Hq * S * D * dtype.itemsize  # math repeats K and V over each GQA group
+            expanded = B * Hq * S * (D + Dv) * dtype.itemsize  # math repeats K and V over each GQA group
             if expanded > args.math_max_gib * P.GIB:
                 return f"GQA-expanded K, V need {expanded / P.GIB:.0f} GiB > --math-max-gib"
             return None
@@ -336,7 +337,7 @@ def _decode_one(args, env, kvcache, providers, base, dtype, kv_bytes, ceilings, 
     def to_ref(prepared, got):
         return C.slice_like({n: prepared.to_bshd(t) for n, t in got.items()}, ref)
 
-    flops = C.attention_flops(B, Hq, 1, D, False, "fwd", seqlen_k=S)
+    flops = C.mode_flops(C.Shape(B, Hq, 1, D, Dv), False, "fwd") * S  # (one query row against S keys)
     rows = []
     for name in providers:
         new = measure_rows(name, ["fwd"], lambda mode, name=name: skip_for(mode, name),
