@@ -770,26 +770,32 @@ def test_gluon_backward_separate_v_against_float64(name, head_dim, head_dim_v, d
 
 
 def test_separate_v_pairs_and_their_configs():
-    """Which (QK, V) head dim pairs the Gluon backward takes, and the config each gets: the wider tiles' row, within
-    the shared memory; others (V wider than 128 beside narrower QK tiles, head dims no Gluon kernel takes) None."""
-    for head_dim, head_dim_v in SEPARATE_V_PAIRS + [(256, 64), (112, 80)]:
+    """Which (QK, V) head dim pairs the Gluon backward takes, and the config each gets: the pairs of tile widths the
+    H200 has run against float64 (`configs.GLUON_BWD_SEPARATE_V`: every pair of SEPARATE_V_PAIRS), QK 192 / V 128
+    with dQ by 64-key tiles; others (V wider than 128 beside narrower QK tiles, tile pairs not run there, equal tile
+    widths with other head dims, head dims no Gluon kernel takes) None: the Triton kernels."""
+    for head_dim, head_dim_v in SEPARATE_V_PAIRS:
         assert BG.separate_v_ok(head_dim, head_dim_v)
         for causal in (False, True):
             config = configs.gluon_bwd_config(head_dim, 4096, 4096, causal, head_dim_v=head_dim_v)
             wider = max(BG.head_block(head_dim), BG.head_block(head_dim_v))
-            pair = configs.GLUON_BWD_SEPARATE_V.lookup("sm90+", "16", BG.head_block(head_dim), BG.head_block(head_dim_v))
-            assert config == (pair or configs.gluon_bwd_config(wider, 4096, 4096, causal)), (head_dim, head_dim_v)
+            if wider == 256:
+                assert config == {"dkdv": configs.GLUON_BWD_D256["dkdv"],
+                                  "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)}
+            else:
+                assert config == configs.gluon_bwd_config(wider, 4096, 4096, causal), (head_dim, head_dim_v)
             for kernel in ("dkdv", "dq"):
+                assert BG.shared_memory_bytes(config[kernel], BG.head_block(head_dim), kernel, 2,
+                                              BG.head_block(head_dim_v)) <= BG.SHARED_MEMORY_LIMIT
                 _, _, meta = BG.launch_parts((2, 300, 8, head_dim), (2, 300, 2, head_dim), causal, True,
                                              config[kernel], kernel, head_dim_v=head_dim_v)
                 assert meta.get("DV_VALID") == (head_dim_v if kernel == "dkdv" else None)
-    for head_dim, head_dim_v in ((64, 256), (128, 192), (96, 256)):
+    for head_dim, head_dim_v in ((64, 256), (128, 192), (96, 256), (256, 64), (112, 80), (192, 256), (192, 72)):
         assert not BG.separate_v_ok(head_dim, head_dim_v)
         assert configs.gluon_bwd_config(head_dim, 4096, 4096, True, head_dim_v=head_dim_v) is None
         with pytest.raises(ValueError, match="V head dim"):
             BG.launch_parts((2, 300, 8, head_dim), (2, 300, 2, head_dim), True, True,
                             configs.GLUON_BWD_D256["dkdv"], "dkdv", head_dim_v=head_dim_v)
-    assert configs.gluon_bwd_config(192, 4096, 4096, True, head_dim_v=72) is None  # (72: no Gluon tiles' width)
     # QK 192 / V 128 at D=256's dK/dV config: K 64 x 256 and V 64 x 128 resident, per stage Q 64 x 256, dO 64 x 128
     assert BG.shared_memory_bytes(dict(NUM_STAGES=2), 256, "dkdv", 2, 128) == 64 * 384 * 2 + 2 * 64 * (384 * 2 + 8)
     assert dispatch.supports("gluon_bwd", torch.bfloat16, 192, 9, False, False, frozenset({"causal"}), True)

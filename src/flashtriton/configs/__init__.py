@@ -31,7 +31,8 @@ from ..kernels.host import capability, cdiv, next_power_of_2, padded_head_dim
 from .backward import (BWD_AUTOTUNE_KEY, BWD_CANDIDATES, BWD_DKDV_CONFIGS, BWD_DQ_CONFIGS, BWD_INTERPRETER_CONFIG,
                        GLUON_BWD, GLUON_BWD_D256, GLUON_BWD_D64_MIN_KEYS, GLUON_BWD_HEAD_DIMS, GLUON_BWD_MIN_FLOPS,
                        GLUON_BWD_SEPARATE_V, TRITON_BWD, VARLEN_BWD_ORDER,
-                       default_bwd_configs, gluon_bwd_config, prune_bwd_dkdv_configs, prune_bwd_dq_configs,
+                       default_bwd_configs, gluon_bwd_config, gluon_bwd_pair_config, prune_bwd_dkdv_configs,
+                       prune_bwd_dq_configs,
                        varlen_bwd_order)
 from .decode import (DECODE_AUTOTUNE_KEY, DECODE_CANDIDATES, DECODE_CONFIGS, DECODE_INTERPRETER_CONFIG,
                      DECODE_INTERPRETER_SMS, DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_KEYS, DECODE_PROGRAM_OVERHEAD_TILES,

@@ -121,17 +121,22 @@ GLUON_BWD = Table(("gpu", "dtype", "head_dim"), rows=[
 ])
 
 
-SEPARATE_V_EVIDENCE = "benchmarks/2026-12-03-h200/separate-v/bench.json"
-# Pairs of head dims whose config is not the wider tiles' row. QK 192 / V 128 (QK in 256-column tiles, V in 128):
-# dQ by 64-key tiles, 7.9 % faster than D=256's 32-key tiles on the causal pair at T=4k (the narrower V leaves the
-# registers and shared memory for them); with them the pair's backward runs at 1.19-1.22x cuDNN non-causal and
-# 0.70-0.85x causal (bf16, T=1k-16k, benchmarks/2026-12-03-h200/separate-v-dq64/bench.json).
+# V with a head dim of its own: the Gluon backward's config per pair of tile widths (QK's, V's), for the pairs whose
+# kernels the H200 has run against float64 (tests/test_backward_gluon.py's SEPARATE_V_PAIRS, SEPARATE_V_TESTS);
+# other pairs, equal tile widths with other head dims among them, take the Triton kernels. QK 192 / V 128
+# (DeepSeek's MLA; QK in 256-column tiles): D=256's dK/dV config, dQ by 64-key tiles (1.079x D=256's 32-key tiles
+# on the causal pair at T=4k); with them the pair's backward runs at 1.19-1.22x cuDNN non-causal and 0.70-0.85x causal
+# (bf16, T=1k-16k, benchmarks/2026-12-03-h200/separate-v-dq64/bench.json). QK 128 / V 64 and QK 64 / V 128: D=128's
+# rows (the wider tiles': their stages fit), tested, not timed.
+SEPARATE_V_TESTS = "benchmarks/2026-12-03-h200/tests/pytest_sepv_dad5f92.txt"
 GLUON_BWD_SEPARATE_V = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
     # gpu dtype  QK tiles  V tiles  config                                                   source
     (SM90, "16", 256,      128,     {"dkdv": GLUON_BWD_D256["dkdv"],
                                      "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
      H200_LATE + "gluon-bwd-ab/gluon_bwd_ab.json"),
-    (ANY,  ANY,  ANY,      ANY,     None,  "why: the wider tiles' row of GLUON_BWD (`gluon_bwd_config`)"),
+    (SM90, "16", 128,      64,      GLUON_BWD_D128,  "why: D=128's rows; tested (SEPARATE_V_TESTS), not timed"),
+    (SM90, "16", 64,       128,     GLUON_BWD_D128,  "why: D=128's rows; tested (SEPARATE_V_TESTS), not timed"),
+    (ANY,  ANY,  ANY,      ANY,     None,  "why: a pair not run on the H200 against float64: the Triton kernels"),
 ])
 
 
@@ -139,29 +144,27 @@ def _tiles(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256  # the tiles' columns (`gluon_common.head_block`)
 
 
+def gluon_bwd_pair_config(head_dim: int, head_dim_v: int) -> dict | None:
+    """The Gluon backward's config for QK head dim `head_dim` with V head dim `head_dim_v` (!= head_dim): both of
+    GLUON_BWD_HEAD_DIMS and their tile widths a row of GLUON_BWD_SEPARATE_V; else None (the Triton kernels)."""
+    if head_dim not in GLUON_BWD_HEAD_DIMS or head_dim_v not in GLUON_BWD_HEAD_DIMS:
+        return None
+    return GLUON_BWD_SEPARATE_V.lookup(SM90, "16", _tiles(head_dim), _tiles(head_dim_v))
+
+
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
                      fwd_flops: float = float("inf"), varlen: bool = False,
                      head_dim_v: int | None = None) -> dict | None:
     """{"dkdv": config, "dq": config} of the Gluon backward kernels (`GLUON_BWD`), or None (the Triton kernels):
     None with less work than GLUON_BWD_MIN_FLOPS, or at D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS.
-    `head_dim_v`: V's head dim where it is not D. Such pairs (both of GLUON_BWD_HEAD_DIMS, V's tiles no wider than
-    QK's or both at most 128) take the row of the wider tiles: its stages fit, since the narrower head's tiles take
-    less shared memory and fewer registers than the wider one's at both (QK 192 / V 128, DeepSeek's MLA: D=256's;
-    H200, bf16: 1.09-1.11x cuDNN non-causal, 0.67-0.79x causal, SEPARATE_V_EVIDENCE)."""
+    `head_dim_v`: V's head dim where it is not D: `gluon_bwd_pair_config`."""
     if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
         return None
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return gluon_bwd_pair_config(head_dim, head_dim_v)
     if head_dim not in GLUON_BWD_HEAD_DIMS:
         return None
-    tiles = _tiles(head_dim)  # their table row
-    if head_dim_v is not None and head_dim_v != head_dim:
-        tiles_v = _tiles(head_dim_v)
-        if head_dim_v not in GLUON_BWD_HEAD_DIMS or not (tiles_v <= tiles or tiles_v <= 128):
-            return None  # (`backward_gluon_launch.separate_v_ok`)
-        pair = GLUON_BWD_SEPARATE_V.lookup(SM90, "16", tiles, tiles_v)
-        if pair is not None:
-            return pair
-        tiles = max(tiles, tiles_v)
-    return GLUON_BWD.lookup(SM90, "16", tiles)
+    return GLUON_BWD.lookup(SM90, "16", _tiles(head_dim))  # the tiles' columns: their table row
 
 
 # Where a varlen Gluon backward's programs come from, per causal mode: "grid" (the longest sequence's blocks ×

@@ -111,12 +111,10 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
 
 
 def separate_v_ok(head_dim: int, head_dim_v: int) -> bool:
-    """Whether the Gluon backward takes QK head dim `head_dim` with V head dim `head_dim_v`: V's tiles no wider
-    than QK's, or both at most 128 wide (a dK/dV warpgroup then holds 64 keys' dK and dV, at most 128 columns
-    each). A V wider than 128 beside a narrower QK would need 64 × 256 fp32 of dV per warpgroup: the Triton
-    kernels run it."""
-    block_d, block_dv = head_block(head_dim), head_block(head_dim_v)
-    return block_dv <= block_d or block_dv <= 128
+    """Whether the Gluon backward takes QK head dim `head_dim` with V head dim `head_dim_v`: a pair of tile widths
+    `configs.GLUON_BWD_SEPARATE_V` has a row for (those the H200 has run against float64: QK 256 / V 128, 128 / 64,
+    64 / 128 tiles); the Triton kernels run the rest."""
+    return configs.gluon_bwd_pair_config(head_dim, head_dim_v) is not None
 
 
 def work_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, heads: int, kernel: str, causal: bool,
