@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import triton
 
+from ..kernels.host import gluon_tile_width
 from .table import ANY, CAUSAL, H200, H200_LATE, H200_WIDE, SM90, Table, padded_head_dims, tiles, variant_class, width
 
 # Two tuned kernels: dK/dV (one program per BLOCK_N keys, streaming BLOCK_M query rows of every head of its GQA
@@ -140,16 +141,12 @@ GLUON_BWD_SEPARATE_V = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
 ])
 
 
-def _tiles(head_dim: int) -> int:
-    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256  # the tiles' columns (`gluon_common.head_block`)
-
-
 def gluon_bwd_pair_config(head_dim: int, head_dim_v: int) -> dict | None:
     """The Gluon backward's config for QK head dim `head_dim` with V head dim `head_dim_v` (!= head_dim): both of
     GLUON_BWD_HEAD_DIMS and their tile widths a row of GLUON_BWD_SEPARATE_V; else None (the Triton kernels)."""
     if head_dim not in GLUON_BWD_HEAD_DIMS or head_dim_v not in GLUON_BWD_HEAD_DIMS:
         return None
-    return GLUON_BWD_SEPARATE_V.lookup(SM90, "16", _tiles(head_dim), _tiles(head_dim_v))
+    return GLUON_BWD_SEPARATE_V.lookup(SM90, "16", gluon_tile_width(head_dim), gluon_tile_width(head_dim_v))
 
 
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
@@ -164,7 +161,7 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
         return gluon_bwd_pair_config(head_dim, head_dim_v)
     if head_dim not in GLUON_BWD_HEAD_DIMS:
         return None
-    return GLUON_BWD.lookup(SM90, "16", _tiles(head_dim))  # the tiles' columns: their table row
+    return GLUON_BWD.lookup(SM90, "16", gluon_tile_width(head_dim))  # the tiles' columns: their table row
 
 
 # Where a varlen Gluon backward's programs come from, per causal mode: "grid" (the longest sequence's blocks ×

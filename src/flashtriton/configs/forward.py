@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import triton
 
+from ..kernels.host import gluon_tile_width
 from .table import ANY, CAUSAL, FULL, H200, H200_DEC, H200_MERGED, H200_PAGED, SM80, SM90, Table, padded_head_dims, tiles, variant_class, width
 
 FWD_AUTOTUNE_KEY = ["TUNE_SEQLEN_Q", "TUNE_SEQLEN_K", "HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "IS_VARLEN"]
@@ -167,7 +168,7 @@ def gluon_head_block(head_dim: int) -> int | None:
     """The head dim the Gluon forward's tiles span for D (the tables' row), None for a D it does not take."""
     if head_dim not in GLUON_HEAD_DIMS:
         return None
-    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return gluon_tile_width(head_dim)
 
 
 # V's head dim where it is not QK's (`head_dim_v`): a V in tiles as wide as QK's takes QK's rule; otherwise

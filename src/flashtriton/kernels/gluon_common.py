@@ -13,6 +13,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .host import gluon_tile_width
+
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90 (H100 / H200)
 
 
@@ -80,10 +82,10 @@ FAST_DESCRIPTOR = [f.name for f in dataclasses.fields(TensorDescriptor)] == \
 
 
 def head_block(head_dim: int) -> int:
-    """The head dim a Gluon kernel's tiles span: D rounded up to 64, 128 or 256 (tensor shapes are powers of two).
-    A descriptor's block reaches past a narrower head: the TMA loads those columns as zeros (exact scores and a zero
+    """The head dim a Gluon kernel's tiles span (`host.gluon_tile_width`: D rounded up to 64, 128 or 256). A
+    descriptor's block reaches past a narrower head: the TMA loads those columns as zeros (exact scores and a zero
     output there) and stores none of them."""
-    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return gluon_tile_width(head_dim)
 
 
 def descriptor(t: torch.Tensor, rows: int, varlen: bool = False, block_d: int = 0) -> TensorDescriptor:

@@ -34,3 +34,9 @@ def next_power_of_2(n: int) -> int:
 def padded_head_dim(head_dim: int) -> int:
     """Head dims are padded inside the kernels to a power of two of at least 16 (tl.dot's minimum)."""
     return max(16, next_power_of_2(head_dim))
+
+
+def gluon_tile_width(head_dim: int) -> int:
+    """The head dim a Hopper Gluon kernel's tiles span: D rounded up to 64, 128 or 256 (tensor shapes are powers of
+    two, and a TMA box reaching past a narrower head loads its missing columns as zeros)."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
