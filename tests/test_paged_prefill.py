@@ -337,14 +337,16 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon forward over pages: sm_90 only (no interpreter)")
-@pytest.mark.parametrize("page_size", [8, 16, 32, 64, 128, 256])
+@pytest.mark.parametrize("page_size,head_dim", [(8, 128), (16, 128), (32, 128), (64, 128), (128, 128), (256, 128),
+                                                (16, 96), (256, 80)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gluon_paged_prefill(page_size, causal, dtype, device, monkeypatch):
+def test_gluon_paged_prefill(page_size, head_dim, causal, dtype, device, monkeypatch):
     """Paged prefill on Hopper takes the Gluon forward (counted; pages smaller than a 128-key tile gathered into
-    it, larger ones holding whole tiles): ragged sequences (no queries, no
+    it, larger ones holding whole tiles; head dims below 128 in its 128-column tiles): ragged sequences (no queries, no
     cached keys, a chunk after a long prefix, one token) over a pool whose unused rows are NaN and whose unused
-    block-table entries are past the pool, GQA 8/2, D=128: against float64 per sequence and the packed call on
+    block-table entries are past the pool, GQA 8/2, D=128 (96, 80 at two page sizes): against float64 per
+    sequence and the packed call on
     the gathered keys; seqused_k shorter than cu_seqlens_k's counts; bad values (a used page past the pool, a
     negative one, seqused_k past the row or negative) give that sequence NaN rows, the others as without them."""
     from flashtriton.kernels import forward_gluon_launch as G
@@ -355,7 +357,7 @@ def test_gluon_paged_prefill(page_size, causal, dtype, device, monkeypatch):
     monkeypatch.setattr(G, "launch_forward_gluon", lambda *a, **kw: (calls.append(kw or a[-1]), launch(*a, **kw)))
     lengths_q = [300, 0, 17, 129, 1, 640]
     lengths_k = [300, 50, 17, 1200, 700, 640]
-    p = make_paged(lengths_q, lengths_k, page_size, 8, 2, 128, dtype, device, seed=page_size + causal)
+    p = make_paged(lengths_q, lengths_k, page_size, 8, 2, head_dim, dtype, device, seed=page_size + causal)
     out, lse = paged_call(p, causal=causal)
     assert len(calls) == 1, "the Gluon forward did not take the call"
     check_against_reference(p, out, lse, Variant(causal=causal))
