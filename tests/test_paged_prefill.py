@@ -343,12 +343,12 @@ def _hopper() -> bool:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gluon_paged_prefill(page_size, head_dim, causal, dtype, device, monkeypatch):
     """Paged prefill on Hopper takes the Gluon forward (counted; pages smaller than a 128-key tile gathered into
-    it, larger ones holding whole tiles; head dims below 128 in its 128-column tiles): ragged sequences (no queries, no
-    cached keys, a chunk after a long prefix, one token) over a pool whose unused rows are NaN and whose unused
-    block-table entries are past the pool, GQA 8/2, D=128 (96, 80 at two page sizes): against float64 per
-    sequence and the packed call on
-    the gathered keys; seqused_k shorter than cu_seqlens_k's counts; bad values (a used page past the pool, a
-    negative one, seqused_k past the row or negative) give that sequence NaN rows, the others as without them."""
+    it, larger ones holding whole tiles; head dims below 128 in its 128-column tiles): ragged sequences (no
+    queries, no cached keys, a chunk after a long prefix, one token) over a pool whose unused rows are NaN and whose
+    unused block-table entries are past the pool, GQA 8/2, D=128 (96 and 80 at one page size each): against float64
+    per sequence and the packed call on the gathered keys; seqused_k shorter than cu_seqlens_k's counts; bad values
+    (a used page past the pool, a negative one, seqused_k past the row or negative) give that sequence NaN rows, the
+    others as without them."""
     from flashtriton.kernels import forward_gluon_launch as G
 
     monkeypatch.setattr(paging, "CHECK_VALUES", False)
