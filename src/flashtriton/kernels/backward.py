@@ -537,8 +537,8 @@ def _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_
               max_seqlen_k, alibi_slopes, learnable_sink, dlse, rng_state):
     """The signature a plan is kept under: shapes, strides, dtypes and device of the tensors (a kept launch runs
     the kernel compiled for them), the scale, the variant, the varlen lengths, the dispatch switch and the configs
-    the Gluon decision reads (which tests and benchmarks patch); None (the plan is built for the call alone) where a pointer is not 16-byte aligned, since a kept
-    launch assumes the compiled kernel's alignment."""
+    the Gluon decision reads (which tests and benchmarks patch); None (the plan is built for the call alone) where
+    a pointer is not 16-byte aligned, since a kept launch assumes the compiled kernel's alignment."""
     extras = tuple(t for t in (cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, dlse, rng_state)
                    if t is not None)
     pointers = q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | out.data_ptr() | lse.data_ptr()
@@ -547,7 +547,8 @@ def _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_
     if pointers & 15:
         return None
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), out.stride(), lse.stride(),
-            (q.dtype, k.dtype, v.dtype, dout.dtype, out.dtype, lse.dtype), q.device, softmax_scale, variant, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k,
+            (q.dtype, k.dtype, v.dtype, dout.dtype, out.dtype, lse.dtype), q.device, softmax_scale, variant,
+            cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k,
             tuple((t.shape, t.stride(), t.dtype) for t in extras),  # (cu_seqlens' shapes: the sequence count)
             dispatch.CHOICE, configs.AUTOTUNE, configs.gluon_bwd_config, configs.backward.GLUON_BWD_MIN_FLOPS,
             configs.backward.GLUON_BWD_D64_MIN_KEYS)

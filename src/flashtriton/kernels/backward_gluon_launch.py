@@ -349,7 +349,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
                               variant, head_dim_v)
     meta["WORK_TABLE"] = varlen and with_table  # varlen: programs from the work table, or the grid
     fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
-    for param in fn.params:  # constexprs a launch leaves at their defaults (DV_VALID, SKIP_HIDDEN)
+    for param in fn.params:  # constexprs a launch leaves at their defaults (DV_VALID)
         if param.is_constexpr and param.has_default and param.name not in meta:
             meta[param.name] = param.default
     # the variant's arguments that are off are None (constexprs), as `_variant_args` passes them
