@@ -474,6 +474,22 @@ def test_models_flashtriton_cannot_run_are_refused_when_built():
                                          attn_implementation="flashtriton")
 
 
+def test_falcon_with_alibi_is_refused_when_built():
+    from transformers import FalconConfig
+
+    tiny = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    with pytest.raises(ValueError, match=r"config\.alibi=True cannot use attn_implementation='flashtriton'"):
+        AutoModelForCausalLM.from_config(FalconConfig(**tiny, alibi=True), attn_implementation="flashtriton")
+    from transformers.models.falcon import modeling_falcon
+
+    if ft_hf._private_flash_path(modeling_falcon.__name__):  # transformers < 5.25: its FalconFlashAttention2
+        with pytest.raises(ValueError, match="FalconFlashAttention2"):
+            AutoModelForCausalLM.from_config(FalconConfig(**tiny), attn_implementation="flashtriton")
+        return
+    model = AutoModelForCausalLM.from_config(FalconConfig(**tiny, alibi=False), attn_implementation="flashtriton")
+    assert model.config._attn_implementation == "flashtriton"
+
+
 def _gpt_oss_pair(device, **overrides):
     """(flashtriton, eager) tiny gpt-oss models with the same weights, sinks of a size that matters (N(0, 1)
     rather than the init's N(0, 0.02)), or None where this transformers' gpt-oss refuses every name but its hub

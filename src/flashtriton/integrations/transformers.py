@@ -38,9 +38,10 @@ answer, each message saying what to load instead: masks that are neither causal 
 window of them (chunked attention, prefix-LM or image-token bidirectional overlays), a window over padded rows
 whose real tokens are not contiguous, sinks that are not one logit per query head,
 position biases (T5-style `position_bias`; no model of transformers 5.x passes ALiBi slopes through the
-attention interface: BLOOM and MPT add theirs in their own attention code, Falcon's flash path is its own
-class), 4-D custom attention masks, models transformers marks `_supports_flash_attn = False`, and models that
-switch to their own flash-attn classes (GPT-Neo, Falcon, Bark).
+attention interface: BLOOM and MPT add theirs in their own attention code, Falcon with `alibi=True` adds its
+bias to the 4-D mask, refused when the model is built), 4-D custom attention masks, models transformers marks
+`_supports_flash_attn = False`, and models that switch to their own flash-attn classes (GPT-Neo, Bark, and
+Falcon before transformers 5.25).
 
 transformers treats every implementation whose name contains "flash" as a flash-attention flavour: it preloads
 its functions when a model is created (`register()` teaches that loader the name "flashtriton", which would
@@ -333,7 +334,7 @@ def _guard_model_checks() -> None:
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
         if attn_implementation != NAME:
             return original(self, attn_implementation, *args, **kwargs)
-        refuse_unsupported_model(type(self))
+        refuse_unsupported_model(type(self), getattr(self, "config", None))
         if not getattr(self, "_compatible_flash_implementations", None):
             return original(self, attn_implementation, *args, **kwargs)
         self.__dict__["_compatible_flash_implementations"] = None  # shadows the class's list for this check
@@ -346,9 +347,25 @@ def _guard_model_checks() -> None:
     PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
 
-def refuse_unsupported_model(cls: type) -> None:
-    """ValueError if transformers model class `cls` cannot run its attention through flashtriton exactly."""
+# Model configurations whose bias a flash-named implementation never receives: (model_type, config field, what
+# the model does with it). Falcon with `alibi=True` adds its ALiBi bias to the 4-D mask of eager/SDPA, and its
+# forward raises for any flash-named implementation (transformers >= 5.25) or runs a flash-attn class (earlier).
+_CONFIG_REFUSALS = (
+    ("falcon", "alibi", "adds its ALiBi bias to the attention mask, which flash-attention implementations do not "
+                        "receive (it reaches no attention function as slopes)"),
+)
+
+
+def refuse_unsupported_model(cls: type, config=None) -> None:
+    """ValueError if transformers model class `cls` (built from `config`, when given) cannot run its attention
+    through flashtriton exactly."""
     advice = _advice_for(cls)
+    model_type = getattr(config, "model_type", None)
+    for refused_type, field, what in _CONFIG_REFUSALS:
+        if model_type == refused_type and getattr(config, field, False):
+            raise ValueError(
+                f"{cls.__name__} with config.{field}={getattr(config, field)!r} cannot use "
+                f"attn_implementation='flashtriton': it {what}. {advice}")
     if not (getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False)):
         raise ValueError(
             f"{cls.__name__} cannot use attn_implementation='flashtriton': transformers marks it as unable to use "
