@@ -8,9 +8,11 @@ point: T ≤ 1024), and every provider's output for finiteness and its mean agai
 masks of different libraries differ; each is unbiased: E[out] is the same). Timing: `triton.testing.do_bench`
 (median, L2 flushed) in `--rounds` rounds of rotating order after 100 ms of warmup (`bench_core.time_in_rounds`); TFLOP/s with the
 FlashAttention count (fwd 4·B·H·T²·D, /2 causal; bwd ×2.5). The table gives ours / ours without dropout and ours
-/ cuDNN per point, the geometric means, and the bars last; `--out DIR` writes DIR/dropout.json.
+/ cuDNN per point, the geometric means, and the bars last; `--out DIR` writes DIR/dropout.json. `--gluon`: the
+Gluon forward's dropout on (`configs.GLUON_DROPOUT`), timed beside the portable forward's on the same points
+(`flashtriton_portable`, the portable kernels forced: what dropout calls run with the switch off).
 
-    python benchmarks/dropout.py --out DIR
+    python benchmarks/dropout.py --out DIR [--gluon]
     TRITON_INTERPRET=1 python benchmarks/dropout.py --quick      # a tiny point on the CPU (the script's path only)
 """
 
@@ -45,9 +47,20 @@ def sdpa_call(backend_name, q, k, v, causal, p):
     return run
 
 
-def providers(q, k, v, causal, p):
+def portable_call(q, k, v, causal, p):
+    from flashtriton.kernels import dispatch
+
+    def run():
+        with dispatch.force("portable"):
+            return flashtriton.flash_attn_func(q, k, v, dropout_p=p, causal=causal)
+    return run
+
+
+def providers(q, k, v, causal, p, gluon=False):
     calls = {"flashtriton": lambda: flashtriton.flash_attn_func(q, k, v, dropout_p=p, causal=causal),
              "flashtriton_no_dropout": lambda: flashtriton.flash_attn_func(q, k, v, causal=causal)}
+    if gluon:
+        calls["flashtriton_portable"] = portable_call(q, k, v, causal, p)
     if torch.cuda.is_available():
         calls["sdpa_cudnn"] = sdpa_call("sdpa_cudnn", q, k, v, causal, p)
         calls["sdpa_flash"] = sdpa_call("sdpa_flash", q, k, v, causal, p)
@@ -81,7 +94,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="one tiny point (the interpreter's)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--gluon", action="store_true", help="the Gluon forward's dropout on, beside the portable one")
     args = parser.parse_args()
+    if args.gluon:
+        from flashtriton.configs import forward as configs_forward
+
+        configs_forward.GLUON_DROPOUT = True
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float16  # (bf16 dots are wrong in the interpreter)
@@ -98,7 +116,7 @@ def main() -> int:
         q, k, v = (torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen, requires_grad=True)
                    for _ in range(3))
         dout = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen)
-        calls = providers(q, k, v, causal, args.p)
+        calls = providers(q, k, v, causal, args.p, args.gluon)
         means, errors = {}, {}
         for name, fn in list(calls.items()):
             try:
@@ -125,8 +143,9 @@ def main() -> int:
                              tflops={n: C.tflops(flops, m) for n, m in ms.items()}, output_mean=means,
                              errors=errors, exact_error=checked[0], torch_error=checked[1]))
     print(f"\ndropout p={args.p} ({env['gpu']}, {env['git_sha']}): TFLOP/s, {rows[0]['dtype']}")
-    print("| mode | causal | D | T | ours | ours, no dropout | cuDNN | FLASH | ours / no dropout | ours / cuDNN |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| mode | causal | D | T | ours | ours, no dropout | cuDNN | FLASH | ours / no dropout | ours / cuDNN |"
+          + (" ours / portable |" if args.gluon else ""))
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.gluon else ""))
     ratios = {"own": {"fwd": [], "bwd": []}, "cudnn": {"fwd": [], "bwd": []}}
     for row in rows:
         t = row["tflops"]
@@ -138,7 +157,8 @@ def main() -> int:
         fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
         print(f"| {row['mode']} | {int(row['causal'])} | {row['D']} | {row['T']} | {fmt(t['flashtriton'])} | "
               f"{fmt(t['flashtriton_no_dropout'])} | {fmt(t.get('sdpa_cudnn'))} | {fmt(t.get('sdpa_flash'))} | "
-              f"{own:.2f} | {'-' if cudnn is None else f'{cudnn:.2f}'} |")
+              f"{own:.2f} | {'-' if cudnn is None else f'{cudnn:.2f}'} |"
+              + (f" {t['flashtriton'] / t['flashtriton_portable']:.2f} |" if t.get("flashtriton_portable") else ""))
     geo = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None  # noqa: E731
     print("\nissue 29's bars:")
     for mode in ("fwd", "bwd"):

@@ -265,14 +265,30 @@ def test_p_zero_takes_the_dropout_free_path(device, monkeypatch):
     assert "HAS_DROPOUT" not in Variant.of(True).forward_constexprs
 
 
-def test_dispatch_sends_dropout_to_the_portable_kernels():
+def test_dispatch_of_dropout_and_the_gluon_forwards_gate(monkeypatch):
+    """The Gluon forward and the portable kernels declare dropout; the Gluon forward's config rules take dropout
+    calls only where `configs.GLUON_DROPOUT` is on (off: the portable forward runs them)."""
+    from flashtriton.configs import forward as configs_forward
+
     fields = Variant.of(True, dropout_p=0.1).fields()
     assert "dropout_p" in fields
     half = torch.float16
-    assert dispatch.candidates("fwd", half, 128, 9, fields=fields) == ["portable_fwd"]
+    assert dispatch.candidates("fwd", half, 128, 9, fields=fields) == ["gluon_fwd", "portable_fwd"]
     assert dispatch.candidates("bwd", half, 64, 9, fields=fields) == ["portable_bwd"]
-    for name in ("gluon_fwd", "tma_fwd", "gluon_bwd", "decode_split", "decode_stream"):
+    for name in ("tma_fwd", "gluon_bwd", "decode_split", "decode_stream"):
         assert "dropout_p" not in dispatch.BY_NAME[name].fields
+    rules = (lambda dropout: configs_forward.gluon_fwd_config(128, 4096, 4096, True, dropout=dropout),
+             lambda dropout: configs_forward.gluon_varlen_config(128, 4096, 4096, True, dropout=dropout),
+             lambda dropout: configs_forward.gluon_paged_config(128, 4096, 4096, True, 256, dropout=dropout))
+    monkeypatch.setattr(configs_forward, "GLUON_DROPOUT", False)
+    assert [rule(True) for rule in rules] == [None, None, None]
+    assert all(rule(False) is not None for rule in rules)
+    monkeypatch.setattr(configs_forward, "GLUON_DROPOUT", True)
+    assert all(rule(True) is not None for rule in rules)
+    # dense D=64 / 128 without a window: the flat loop's builds (which do not spill), at every length
+    for head_dim, keys in ((128, 16384), (64, 16384), (128, 512)):
+        config = configs_forward.gluon_fwd_config(head_dim, keys, keys, False, dropout=True)
+        assert config["OVERLAP"] and config["N_CONSUMERS"] == 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -414,3 +430,126 @@ def test_attn_probs_as_flash_attn_returns_them():
                                                return_attn_probs=True)[2]
     assert s_gap.shape[0] == 3 and not s_gap[:2].any() and s_gap[2].any()
     assert flashtriton.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[2] is None  # no dropout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Gluon forward's dropout (Hopper; `configs.GLUON_DROPOUT` turned on here)
+# ---------------------------------------------------------------------------------------------------------
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture
+def gluon_dropout(monkeypatch):
+    """configs.GLUON_DROPOUT on for the test (the dense plans made without it dropped), and the Gluon forward's
+    launches counted: yields the list of their dropout arguments."""
+    from flashtriton.configs import forward as configs_forward
+    from flashtriton.kernels import forward as kernels_forward
+    from flashtriton.kernels import forward_gluon_launch
+
+    monkeypatch.setattr(configs_forward, "GLUON_DROPOUT", True)
+    kernels_forward._dense_tma_plan.cache_clear()
+    launches = []
+    launch_args = forward_gluon_launch.launch_args
+
+    def counted(q, k, v, out, lse, scalars, *args, **kwargs):
+        launches.append(scalars[-3:])  # (DROPOUT_RNG, dropout_threshold, dropout_scale)
+        return launch_args(q, k, v, out, lse, scalars, *args, **kwargs)
+
+    monkeypatch.setattr(forward_gluon_launch, "launch_args", counted)
+    yield launches
+    kernels_forward._dense_tma_plan.cache_clear()
+
+
+def _took_gluon_with_dropout(launches, p):
+    assert launches, "the Gluon forward did not run"
+    rng, threshold, scale = launches[-1]
+    assert isinstance(rng, torch.Tensor) and threshold == dropout_threshold(p) and scale == 1 / (1 - p)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forward: sm_90 only (no interpreter)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape,p", [
+    ((2, 300, 300, 4, 2, 128), 0.1),    # GQA; a partial last tile
+    ((1, 700, 1100, 4, 4, 64), 0.5),    # Sq != Sk (bottom-right causal)
+    ((2, 4100, 4100, 2, 1, 128), 0.1),  # MQA, many tiles per row
+    ((1, 200, 330, 2, 2, 96), 0.3),     # a head dim in 128-column tiles
+    ((1, 256, 600, 2, 2, 256), 0.2),    # D=256's rule (item by item)
+])
+def test_gluon_forward_dropout_exact_with_the_recovered_mask(shape, p, causal, dtype, device, gluon_dropout):
+    """The Gluon forward drops by the call's mask (`testing.dropout_mask`, the portable kernels' bits): out and lse
+    against float64 with that mask, and the backward (the portable kernels, which regenerate the same mask)."""
+    batch, sq, sk, hq, hkv, d = shape
+    q, k, v, dout = qkv(*shape, dtype, seed=sq + d)
+    fn = lambda a, b, c: flashtriton.flash_attn_func(a, b, c, dropout_p=p, causal=causal,  # noqa: E731
+                                                     return_attn_probs=True)[:2]
+    out, lse, grads, rng = run(fn, (q, k, v), dout)
+    _took_gluon_with_dropout(gluon_dropout, p)
+    mask = testing.dropout_mask(rng, batch, hq, sq, sk, p)
+    check((q, k, v), dout, Variant(causal=causal), mask, p, (out, lse, grads), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forward: sm_90 only (no interpreter)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_forward_dropout_varlen_and_variants(causal, device, gluon_dropout):
+    """Varlen (ragged sequences, one empty, lengths past a tile) and dropout with a window, softcap, ALiBi and
+    sinks together, through the Gluon forward: each against float64 with the recovered mask."""
+    p, hq, hkv, d = 0.2, 4, 2, 128
+    lengths_q, lengths_k = [130, 0, 333, 17, 1], [200, 64, 333, 300, 1]
+    gen = torch.Generator().manual_seed(21)
+    q = randn((sum(lengths_q), hq, d), torch.bfloat16, gen)
+    k = randn((sum(lengths_k), hkv, d), torch.bfloat16, gen)
+    v = randn((sum(lengths_k), hkv, d), torch.bfloat16, gen)
+    dout = randn((sum(lengths_q), hq, d), torch.bfloat16, gen)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+                  for n in (lengths_q, lengths_k))
+    fn = lambda a, b, c: flashtriton.flash_attn_varlen_func(  # noqa: E731
+        a, b, c, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=p, causal=causal, return_attn_probs=True)[:2]
+    out, lse, (dq, dk, dv), rng = run(fn, (q, k, v), dout)
+    _took_gluon_with_dropout(gluon_dropout, p)
+    mask = testing.dropout_mask(rng, len(lengths_q), hq, max(lengths_q), max(lengths_k), p)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lq == 0:
+            continue
+        ours = (out[None, sq], lse[None, :, sq], [dq[None, sq], dk[None, sk], dv[None, sk]])
+        check((q[None, sq], k[None, sk], v[None, sk]), dout[None, sq], Variant(causal=causal),
+              mask[b:b + 1, :, :lq, :lk], p, ours, torch.bfloat16, f"seq {b} ")
+
+    gluon_dropout.clear()
+    batch, s = 2, 700
+    q, k, v, dout = qkv(batch, s, s, hq, hkv, d, torch.float16, seed=22)
+    slopes = torch.tensor([0.3, 0.1, 0.05, 0.02], device=DEVICE)
+    sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], device=DEVICE)
+    window = (200, 0) if causal else (150, 90)
+    fn = lambda a, b, c: flashtriton.flash_attn_func(  # noqa: E731
+        a, b, c, dropout_p=p, causal=causal, window_size=window, softcap=20.0, alibi_slopes=slopes,
+        learnable_sink=sinks, return_attn_probs=True)[:2]
+    out, lse, grads, rng = run(fn, (q, k, v), dout)
+    _took_gluon_with_dropout(gluon_dropout, p)
+    mask = testing.dropout_mask(rng, batch, hq, s, s, p)
+    variant = Variant(causal=causal, window=window, softcap=20.0, alibi_slopes=slopes, sinks=sinks)
+    check((q, k, v), dout, variant, mask, p, (out, lse, grads), torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forward: sm_90 only (no interpreter)")
+def test_gluon_forward_dropout_kept_fraction(device, gluon_dropout):
+    """Through the Gluon forward (two consumers, many tiles per row) the call's mask keeps 1 - p overall and per
+    row, and out is the float64 attention with that mask."""
+    p, (batch, s, h, d) = 0.1, (2, 2048, 4, 128)
+    q, k, v, _ = qkv(batch, s, s, h, h, d, torch.bfloat16, seed=23)
+    with testing.record_dropout() as calls:
+        out = flashtriton.flash_attn_func(q, k, v, dropout_p=p)
+    _took_gluon_with_dropout(gluon_dropout, p)
+    mask = testing.dropout_mask(calls[0], batch, h, s, s, p)
+    kept = mask.float()
+    assert abs(kept.mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / kept.numel())
+    per_row = kept.mean(-1)
+    assert (per_row - (1 - p)).abs().max().item() < 6 * math.sqrt(p * (1 - p) / s)
+    ref = attention_reference(q.double(), k.double(), v.double(), dropout_mask=mask, dropout_p=p)
+    lo = attention_reference(q, k, v, dropout_mask=mask, dropout_p=p, dtype=torch.bfloat16)
+    assert_close_to_exact(out, lo, ref, torch.bfloat16, "out")

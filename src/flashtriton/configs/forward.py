@@ -180,15 +180,37 @@ GLUON_SEPARATE_V_FWD = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
 ])
 
 
+# Dropout in the Gluon forward (`kernels.gluon_common.dropout_keep`: the portable kernels' mask, bit for bit) is off
+# until an H200 run has checked it against float64 (tests/test_dropout.py, the `gluon` tests) and timed it beside
+# the portable kernel and cuDNN: with it off, dropout calls take the portable forward. The config rules below
+# return None for dropout calls while it is off.
+GLUON_DROPOUT = False
+# Dense dropout calls at D=64 / 128 without a window: the flat loop (OVERLAP, two consumers) at every length. Its
+# dropout builds compile without spills (triton 3.6's ptxas, tests/test_forward_gluon.py); the item-by-item loop
+# spills 212 bytes at D=128 and three D=64 consumers 304. Other dropout calls take the rules below as they stand
+# (their builds spill 108-232 bytes: D=256, varlen, windows over long bands).
+GLUON_DROPOUT_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
+    # gpu dtype  head dim  config           source
+    (SM90, "16", 128,      GLUON_SHORT,     "why: no spills in its dropout build; not timed yet"),
+    (SM90, "16", 64,       GLUON_SHORT_D64, "why: no spills in its dropout build; not timed yet"),
+    (ANY,  ANY,  ANY,      None,            "why: GLUON_FWD's rule, as without dropout"),
+])
+
+
 def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, band: int = 0,
-                     head_dim_v: int | None = None) -> dict | None:
+                     head_dim_v: int | None = None, dropout: bool = False) -> dict | None:
     """The Gluon forward's config for a dense call (`GLUON_FWD`), or None (the TMA kernel). `band`: the most keys
     a query row sees under a sliding window (0: no window), which picks `GLUON_WINDOW_FWD`'s rule where it is
     shorter than the keys. Head dims take the rows of their tiles' (`gluon_head_block`: D=80 those of 128).
-    `head_dim_v`: V's head dim (default: D), `GLUON_SEPARATE_V_FWD` where its tiles are narrower than QK's."""
+    `head_dim_v`: V's head dim (default: D), `GLUON_SEPARATE_V_FWD` where its tiles are narrower than QK's.
+    `dropout`: the call drops probabilities (None unless GLUON_DROPOUT)."""
     head_dim, block_v = gluon_head_block(head_dim), gluon_head_block(head_dim if head_dim_v is None else head_dim_v)
-    if head_dim is None or block_v is None:
+    if head_dim is None or block_v is None or (dropout and not GLUON_DROPOUT):
         return None
+    if dropout and block_v == head_dim and not 0 < band < seqlen_k:
+        config = GLUON_DROPOUT_FWD.lookup(SM90, "16", head_dim)
+        if config is not None:
+            return config
     if block_v != head_dim:
         return GLUON_SEPARATE_V_FWD.lookup(SM90, "16", head_dim, block_v)
     if 0 < band < seqlen_k:
@@ -209,11 +231,14 @@ GLUON_VARLEN_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
 
 
 def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                        head_dim_v: int | None = None) -> dict | None:
+                        head_dim_v: int | None = None, dropout: bool = False) -> dict | None:
     """The Gluon forward's config for packed (varlen) batches (`GLUON_VARLEN_FWD`), or None (the TMA kernel).
-    `head_dim_v`: V's head dim (default: D); a V in tiles of another width than QK's has no varlen rule."""
+    `head_dim_v`: V's head dim (default: D); a V in tiles of another width than QK's has no varlen rule.
+    `dropout`: as `gluon_fwd_config`'s."""
     block, block_v = gluon_head_block(head_dim), gluon_head_block(head_dim if head_dim_v is None else head_dim_v)
-    return None if block is None or block_v != block else GLUON_VARLEN_FWD.lookup(SM90, "16", block)
+    if block is None or block_v != block or (dropout and not GLUON_DROPOUT):
+        return None
+    return GLUON_VARLEN_FWD.lookup(SM90, "16", block)
 
 
 # Paged prefill over pages smaller than GLUON_VARLEN_FWD's 128-key tiles: GATHER_PAGES, the producer gathers each
@@ -232,10 +257,13 @@ GLUON_PAGED_FWD = Table(("gpu", "dtype", "head_dim", "page_size"), rows=[
 
 
 def gluon_paged_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool, page_size: int,
-                       head_dim_v: int | None = None) -> dict | None:
+                       head_dim_v: int | None = None, dropout: bool = False) -> dict | None:
     """The Gluon forward's config for paged varlen prefill over pages of `page_size` keys, or None (the portable
     kernel): `gluon_varlen_config`'s where its key tiles divide a page or are made of whole pages of a multiple of
-    8 keys (the producer gathers them: `kernels.forward_gluon_producer.load_item`), else `GLUON_PAGED_FWD`'s."""
+    8 keys (the producer gathers them: `kernels.forward_gluon_producer.load_item`), else `GLUON_PAGED_FWD`'s.
+    `dropout`: as `gluon_fwd_config`'s."""
+    if dropout and not GLUON_DROPOUT:
+        return None
     config = gluon_varlen_config(head_dim, max_seqlen_q, max_seqlen_k, causal, head_dim_v)
     if config is None or page_size % config["BLOCK_N"] == 0 or (
             GATHER_PAGES and config["BLOCK_N"] % page_size == 0 and page_size % 8 == 0):

@@ -34,7 +34,8 @@ HALF = (torch.float16, torch.bfloat16)
 ANY_HEAD_DIM = tuple(range(1, 257))
 # The portable kernels' variant fields.
 SCORES = frozenset({"causal", "window_size", "softcap", "alibi_slopes", "learnable_sink"})
-# The portable forward and backward's: the scores' and dropout (the Hopper kernels and decode do not declare it).
+# The scores' and dropout: the portable forward and backward, and the Gluon forward (whose config rules take dropout
+# calls where `configs.GLUON_DROPOUT` is on); the TMA forward, the Gluon backward and decode do not declare it.
 TRAINING = SCORES | {"dropout_p"}
 
 
@@ -56,7 +57,7 @@ class Kernel:
 
 KERNELS = (
     Kernel("gluon_fwd", "fwd", "gluon", "forward_gluon._attn_fwd_gluon", 9, HALF, GLUON_HEAD_DIMS, paged=True,
-           fields=SCORES, separate_v=True),
+           fields=TRAINING, separate_v=True),
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
     Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", paged=True, fields=TRAINING, separate_v=True),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF,

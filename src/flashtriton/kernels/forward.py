@@ -395,7 +395,7 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
     if not (tma or use_gluon):
         return None
     gluon_config = (configs.gluon_fwd_config(head_dim, seqlen_q, k_shape[1], causal, variant.band(k_shape[1]),
-                                             head_dim_v) if use_gluon else None)
+                                             head_dim_v, bool(variant.dropout_p)) if use_gluon else None)
     if gluon_config is not None:
         grid, ints, meta = forward_gluon_launch.launch_parts(q_shape, k_shape, causal, causal_bottom_right,
                                                              gluon_config, sm_count(device.index), variant=variant,
@@ -409,12 +409,13 @@ def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, de
     return _DenseTmaPlan(_attn_fwd_tma, grid, ints, meta, config["BLOCK_M"], config["BLOCK_N"])
 
 
-def _launch_dense_tma(plan, q, k, v, out, lse, scalars) -> None:
-    """`plan` on this call's tensors; `scalars`: the variant's arguments (`Variant.forward_args`)."""
+def _launch_dense_tma(plan, q, k, v, out, lse, scalars, dropout=(None, None, None)) -> None:
+    """`plan` on this call's tensors; `scalars`: the variant's arguments (`Variant.forward_args`), `dropout` its
+    `Variant.dropout_args` (the Gluon kernel's; the TMA kernel does not declare dropout)."""
     if plan.gluon:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.meta["DYNAMIC"] else None
-        args = forward_gluon_launch.launch_args(q, k, v, out, lse, scalars, plan.block_n, plan.ints, None, None,
-                                                counter)
+        args = forward_gluon_launch.launch_args(q, k, v, out, lse, scalars + dropout, plan.block_n, plan.ints, None,
+                                                None, counter)
     else:
         args = _tma_args(q, k, v, out, lse, plan.block_m, plan.block_n, False, None, None, scalars, plan.ints)
     if plan.relaunch is not None and not hooks_installed():
@@ -446,9 +447,9 @@ def _paged_gluon_keys(cu_seqlens_k, seqused_k, block_table, page_size: int, num_
 
 
 def _launch_paged_gluon(q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                        max_seqlen_k, alibi_slopes, learnable_sink, block_table, seqused_k) -> bool:
+                        max_seqlen_k, alibi_slopes, learnable_sink, block_table, seqused_k, rng_state=None) -> bool:
     """Paged varlen prefill on the Gluon forward where it takes the call (Hopper, fp16/bf16, a head dim with a
-    varlen config, no dropout, pages of whole key tiles or tiles of whole pages (`configs.gluon_paged_config`,
+    varlen config, pages of whole key tiles or tiles of whole pages (`configs.gluon_paged_config`,
     `forward_gluon_launch.pages_fit`), pools whose pages are evenly spaced rows, TMA-aligned):
     launched, with bad sequences' rows set to NaN as the portable kernel does (`_paged_gluon_keys`); True. Else
     False (the portable kernel runs it)."""
@@ -459,7 +460,7 @@ def _launch_paged_gluon(q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q,
         return False
     page_size = k.shape[1]
     config = configs.gluon_paged_config(q.shape[-1], max_seqlen_q, max_seqlen_k, variant.causal, page_size,
-                                        v.shape[-1])
+                                        v.shape[-1], bool(variant.dropout_p))
     k_rows, v_rows = forward_gluon_launch.flat_pages(k), forward_gluon_launch.flat_pages(v)
     batch = cu_seqlens_q.numel() - 1
     if (config is None or not forward_gluon_launch.pages_fit(page_size, config["BLOCK_N"]) or k_rows is None
@@ -472,7 +473,7 @@ def _launch_paged_gluon(q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q,
     forward_gluon_launch.launch_forward_gluon(q, k_rows, v_rows, out, lse, softmax_scale, variant.causal,
                                               variant.bottom_right, config, cu_seqlens_q, cu_k, max_seqlen_q,
                                               max_seqlen_k, variant, alibi_slopes, learnable_sink, block_table,
-                                              page_size)
+                                              page_size, rng_state)
     tokens = torch.arange(q.shape[0], dtype=cu_seqlens_q.dtype, device=q.device)
     seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)  # B past the last sequence
     bad_token = torch.cat([bad, bad.new_zeros(1)])[seq]
@@ -524,8 +525,9 @@ def launch_forward(
     one, on Hopper, fp16/bf16 inputs (dense or varlen) with head dim 64 or 128 take the TMA kernel
     (`_attn_fwd_tma`; FLASHTRITON_KERNEL=portable turns it off), or where `configs.gluon_fwd_config` (dense) or
     `configs.gluon_varlen_config` (varlen) say so the Gluon kernel (`forward_gluon`; FLASHTRITON_KERNEL=tma turns
-    it off). dropout_p > 0 (with rng_state, the call's int64 (seed, offset) tensor on q's device): the portable
-    kernel, which drops probabilities by `variant.dropout_keep` (the Hopper kernels do not declare dropout).
+    it off). dropout_p > 0 (with rng_state, the call's int64 (seed, offset) tensor on q's device): probabilities
+    dropped by `variant.dropout_keep`'s mask, in the portable kernel, or the Gluon kernel where its config rule
+    takes dropout (`configs.GLUON_DROPOUT`); the TMA kernel does not declare dropout.
     Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """
@@ -560,17 +562,19 @@ def launch_forward(
                                v.shape)
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
             _launch_dense_tma(plan, q, k, v, out, lse,
-                              variant.forward_args(softmax_scale, alibi_slopes, learnable_sink))
+                              variant.forward_args(softmax_scale, alibi_slopes, learnable_sink),
+                              variant.dropout_args(rng_state))
             return out, lse, None
     if config is None and block_table is not None and _launch_paged_gluon(
             q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            alibi_slopes, learnable_sink, block_table, seqused_k):
+            alibi_slopes, learnable_sink, block_table, seqused_k, rng_state):
         return out, lse, None
     varlen_tma = dispatch.supports("tma_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(), separate_v)
     if (config is None and varlen and not paged and tma_ok(q, k, v, out)
             and (varlen_tma or dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(),
                                                  separate_v))):
-        gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal), head_dim_v)
+        gluon_config = (configs.gluon_varlen_config(head_dim, seqlen_q, seqlen_k, bool(causal), head_dim_v,
+                                                    bool(dropout_p))
                         if dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0
                         and dispatch.supports("gluon_fwd", q.dtype, head_dim, 9, True, paged, variant.fields(),
                                               separate_v)
@@ -582,7 +586,8 @@ def launch_forward(
         if gluon_config is not None:
             forward_gluon_launch.launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right,
                                                       gluon_config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                      max_seqlen_k, variant, alibi_slopes, learnable_sink)
+                                                      max_seqlen_k, variant, alibi_slopes, learnable_sink,
+                                                      rng_state=rng_state)
             return out, lse, None
         if varlen_tma:
             tma_config = configs.varlen_fwd_tma_config(head_dim, seqlen_q, seqlen_k, bool(causal))

@@ -21,9 +21,11 @@ Varlen (total, H, D) tensors with cu_seqlens: rank-3 descriptors with block (row
 sequence belong to the next one (masked in the scores; cleared in V by the producer). Causal attention is
 bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal work. Which items a program takes
 and how the producer posts them to the consumers: `forward_gluon_items`. OVERLAP: each item's last P V goes out with
-the next item's first S, in one loop over all the program's K/V tiles (`_consume_flat`). Compiles for sm_90 only;
-`forward.launch_forward` takes this path where `configs.gluon_fwd_config` (dense) or `configs.gluon_varlen_config`
-(varlen) gives a config.
+the next item's first S, in one loop over all the program's K/V tiles (`_consume_flat`). The variants (window,
+softcap, ALiBi, sinks, dropout) are constexpr flags, which the partitions pass on as one bit set, SCORES; dropout's
+keep-mask is the portable kernels' (`gluon_common.dropout_keep`), so their backward regenerates it. Compiles for
+sm_90 only; `forward.launch_forward` takes this path where `configs.gluon_fwd_config` (dense) or
+`configs.gluon_varlen_config` (varlen) gives a config.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_SINKS, SC_SOFTCAP, SC_WINDOW, item_bounds,
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_DROPOUT, SC_SINKS, SC_SOFTCAP, SC_WINDOW, item_bounds,
                                   num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
-from .gluon_common import wgmma_layout
-from .variant import alibi_bias, key_end, softcap_scores, tanh, tile_masked, visible
+from .gluon_common import dropout_keep, wgmma_layout
+from .variant import alibi_bias, dropout_state, key_end, softcap_scores, tanh, tile_masked, visible
 
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
 NONE = gl.constexpr(0)  # what stands for a variant argument that is off
@@ -52,7 +54,8 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 
 @gluon.jit
 def _slope(scores, off_b, off_h, SCORES: gl.constexpr):
-    """An item's ALiBi slope in base 2 (0 without ALiBi); `scores` = (softcap, ALIBI, stride_alibi_b, SINKS).
+    """An item's ALiBi slope in base 2 (0 without ALiBi); `scores` = (softcap, ALIBI, stride_alibi_b, SINKS,
+    dropout), dropout = (seed, offset, threshold, scale) (`Variant.dropout_args`, `variant.dropout_state`).
     The consumers ask for it at every item they read, the end marker's too (off_b = -1, `post_end`), whose slope
     goes unused: its row is clamped to 0 so that the load stays inside the slopes (row -1 of (B, Hq) slopes lies
     before the tensor, and faults where no memory is mapped there)."""
@@ -79,7 +82,7 @@ def _consumer_scores(scores, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, SCO
     of the loops by the compiler)."""
     if (SCORES & SC_ALIBI) and IS_CAUSAL:
         cols_f = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, wgmma_layout(BLOCK_N))).to(gl.float32)
-        return scores[0], scores[1], scores[2], scores[3], cols_f
+        return scores[0], scores[1], scores[2], scores[3], scores[4], cols_f
     else:
         return scores
 
@@ -95,7 +98,26 @@ def _sink(scores, off_h, SCORES: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, scores, slope,
+def _dropout_bh(items, off_b, off_h, SCORES: gl.constexpr):
+    """An item's sequence-and-head index for its dropout mask, b · Hq + h as the portable kernels count it (0
+    without dropout)."""
+    if SCORES & SC_DROPOUT:
+        return off_b * items[2] + off_h
+    else:
+        return 0
+
+
+@gluon.jit
+def _dropout_scale(scores, SCORES: gl.constexpr):
+    """1 / (1 - p) with dropout (the kept probabilities' scale), else 1 (unused)."""
+    if SCORES & SC_DROPOUT:
+        return scores[4][3]
+    else:
+        return 1.0
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, scores, slope, bh,
                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False,
                   SCORES: gl.constexpr = 0):
     """Fold raw scores s (ROWS, BLOCK_N) of keys [n, n + BLOCK_N) into (m_i, l_i): (p, alpha, m_new, l_new).
@@ -107,7 +129,9 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
     scale's place (the cap is > 0: it commutes with the max); ALiBi is `variant.alibi_bias` (after softcap), or,
     causal (every visible key at or left of the diagonal), the bias -slope · (row0 + d - j) of the tile's first
     row: the rest, -slope · (i - row0), is a row's constant, which the softmax ignores and `_alibi_rows` adds to m
-    once the row is done."""
+    once the row is done. DROPOUT: p keeps the scores `gluon_common.dropout_keep` keeps (of sequence-and-head bh),
+    the others 0, after l_new has summed them all (the output is the dropped P V over the undropped softmax's
+    denominator, scaled in `_store_item`)."""
     HAS_WINDOW: gl.constexpr = (SCORES & SC_WINDOW) != 0
     FOLD_CAP: gl.constexpr = (SCORES & (SC_SOFTCAP | SC_ALIBI)) == SC_SOFTCAP
     SCALED: gl.constexpr = (SCORES & SC_ALIBI) != 0
@@ -120,7 +144,7 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
         s = tanh(s * qk_scale, True)
         qk_scale = scores[0]
     if SHIFTED:
-        col_bias = (slope * scores[4])[None, :]
+        col_bias = (slope * scores[5])[None, :]
         if SCORES & SC_SOFTCAP:
             s = softcap_scores(s, qk_scale, scores[0], True) + col_bias
         else:
@@ -165,11 +189,14 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
         p = gl.exp2(s * qk_scale - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
     l_new = l_i * alpha + gl.sum(p, 1)
+    if SCORES & SC_DROPOUT:
+        dropout = scores[4]
+        p = gl.where(dropout_keep(dropout[0], dropout[1], bh, row0, n, dropout[2], BLOCK_N), p, 0.0)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, IS_CAUSAL: gl.constexpr,
+def _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh, IS_CAUSAL: gl.constexpr,
                    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, dtype: gl.constexpr,
                    SCORES: gl.constexpr = 0):
     """An item's first tile of scores s (ROWS, BLOCK_N), of keys from `first`, from a fresh softmax state:
@@ -180,12 +207,12 @@ def _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slo
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first, row0, rows, seqlen_k, diag, qk_scale, window, scores,
-                                       slope, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
+                                       slope, bh, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
     return gl.convert_layout(p.to(dtype), p_layout), m_i, l_i
 
 
 @gluon.jit
-def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_scale, window, scores, slope,
+def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh,
                 IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
                 NUM_BUFFERS: gl.constexpr,
                 SCORES: gl.constexpr = 0):
@@ -198,14 +225,14 @@ def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_
                           use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(stage), count=1)
-    p_op, m_i, l_i = _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, IS_CAUSAL,
+    p_op, m_i, l_i = _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh, IS_CAUSAL,
                                     HEAD_DIM, HEAD_DIM_V, BLOCK_N, q.dtype, SCORES)
     return p_op, m_i, l_i
 
 
 @gluon.jit
 def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
-                first, seqlen_k, diag, qk_scale, window, scores, slope, IS_CAUSAL: gl.constexpr,
+                first, seqlen_k, diag, qk_scale, window, scores, slope, bh, IS_CAUSAL: gl.constexpr,
                 IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
                 NUM_BUFFERS: gl.constexpr,
                 SCORES: gl.constexpr = 0):
@@ -232,7 +259,7 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first + j * BLOCK_N, row0, rows, seqlen_k, diag, qk_scale,
-                                           window, scores, slope, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
+                                           window, scores, slope, bh, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -255,15 +282,16 @@ def _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c, IS_VARLEN: gl.cons
 
 @gluon.jit
 def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0, first, seqlen_k, diag,
-            qk_scale, window, scores, slope, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+            qk_scale, window, scores, slope, bh, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+            HEAD_DIM: gl.constexpr,
             HEAD_DIM_V: gl.constexpr,
             BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
     """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1), keys from
     `first`: (acc, m_i, l_i, next tile)."""
     p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_scale, window,
-                                 scores, slope, IS_CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
+                                 scores, slope, bh, IS_CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
     acc, p_op, m_i, l_i = _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty,
-                                      c, n_tiles, row0, first, seqlen_k, diag, qk_scale, window, scores, slope,
+                                      c, n_tiles, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh,
                                       IS_CAUSAL, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
     acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c + n_tiles - 1, IS_VARLEN, HEAD_DIM, HEAD_DIM_V,
                    BLOCK_N,
@@ -273,7 +301,7 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n
 
 @gluon.jit
 def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
-                stride_lb, stride_lh, sink, WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                stride_lb, stride_lh, sink, scale, WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                 HEAD_DIM_V: gl.constexpr,
                 BLOCK_N: gl.constexpr, COMPACT: gl.constexpr = False, SCORES: gl.constexpr = 0):
     """out = acc / l, lse = m + log(l) of one warpgroup's 64 rows (rows that saw no key: out 0, lse -inf). Dense:
@@ -281,7 +309,7 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
     NONE (STORE_FROM_REGS): masked stores from registers. COMPACT: one reciprocal per row, then multiplies (acc / l
     is 64 full-range divisions per thread, ~4 instructions each), for `_consume_flat`, whose loop holds the store.
     SINKS: the head's `sink` (`_sink`) joins the denominator first, as `variant.add_sink` does (rows that saw no
-    key: out 0, lse = the sink)."""
+    key: out 0, lse = the sink). DROPOUT: out is scaled by `scale` = 1 / (1 - p) (`_dropout_scale`)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
     if SCORES & SC_SINKS:
@@ -292,7 +320,12 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
         m_i = m_new
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    if SCORES & SC_SINKS:
+    if SCORES & SC_DROPOUT:
+        factor = scale / l_safe
+        if SCORES & SC_SINKS:
+            factor = factor * alpha
+        out = (acc * gl.convert_layout(factor, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
+    elif SCORES & SC_SINKS:
         out = (acc * gl.convert_layout(alpha / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
     elif COMPACT:
         out = (acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
@@ -334,9 +367,10 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
     q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
     sink = _sink(scores, off_h, SCORES)
     slope = _slope(scores, off_b, off_h, SCORES)
+    bh = _dropout_bh(items, off_b, off_h, SCORES)
     if n_tiles > 0:
         acc, m_i, l_i, c = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
-                                   first, seqlen_k, diag, qk_scale, items[7], scores, slope, IS_CAUSAL, IS_VARLEN,
+                                   first, seqlen_k, diag, qk_scale, items[7], scores, slope, bh, IS_CAUSAL, IS_VARLEN,
                                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
         m_i = _alibi_rows(m_i, slope, IS_CAUSAL, s_layout, SCORES)
     else:  # rows that see no key (causal with Sq > Sk, a window past the keys)
@@ -345,7 +379,8 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.arrive(q_empty.index(qs), count=1)
     _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
-                stride_lb, stride_lh, sink, WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCORES)
+                stride_lb, stride_lh, sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_N, False, SCORES)
     return c
 
 
@@ -384,7 +419,8 @@ def _item_with_keys(qi, shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSA
                     gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout)),
                     gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout)), o_bufs, desc_o, O, LSE, off_b, off_h,
                     start_m * ROWS * N_CONSUMERS + WG * ROWS, q_start, seqlen_q, stride_om, stride_oh, stride_lb,
-                    stride_lh, _sink(scores, off_h, SCORES), WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, SCORES)
+                    stride_lh, _sink(scores, off_h, SCORES), _dropout_scale(scores, SCORES), WG,
+                    IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, SCORES)
         mbarrier.arrive(q_empty.index(qi % Q_BUFFERS), count=1)
         qi += 1
         valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _following_item(
@@ -437,6 +473,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         SCORES)
     slope = _slope(scores, off_b, off_h, SCORES)
     sink = _sink(scores, off_h, SCORES)
+    bh = _dropout_bh(items, off_b, off_h, SCORES)
     c = gl.to_tensor(0)  # K/V tiles consumed, over all items
     j = gl.to_tensor(0)
     acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
@@ -453,7 +490,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     if valid:  # the program's first S, with no P V beside it
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
         p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, o_row0, first, seqlen_k, diag, qk_scale,
-                                     items[7], scores, slope, IS_CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS,
+                                     items[7], scores, slope, bh, IS_CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS,
                                      SCORES)
         c = 1
         j = 1
@@ -464,6 +501,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
                 SCORES)
             slope = _slope(scores, off_b, off_h, SCORES)
             sink = _sink(scores, off_h, SCORES)
+            bh = _dropout_bh(items, off_b, off_h, SCORES)
             j = 0
     while valid:
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
@@ -482,8 +520,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         m_in = gl.where(starts, float("-inf"), m_i)
         l_in = gl.where(starts, 0.0, l_i)
         p, alpha, m_new, l_new = _softmax_tile(s, m_in, l_in, first + j * BLOCK_N, row0, rows, seqlen_k, diag,
-                                               qk_scale, items[7], scores, slope, IS_CAUSAL, BLOCK_N, s_layout, True,
-                                               SCORES)
+                                               qk_scale, items[7], scores, slope, bh, IS_CAUSAL, BLOCK_N, s_layout,
+                                               True, SCORES)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
         if starts:  # the output side's item is complete
@@ -491,7 +529,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
                 tma.store_wait(0)  # the previous output has left o_smem
             _store_item(acc, _alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
                         o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
-                        stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True,
+                        stride_oh, stride_lb, stride_lh, o_sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN,
+                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, True,
                         SCORES)
             acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
             o_b = off_b
@@ -515,6 +554,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
                 SCORES)
             slope = _slope(scores, off_b, off_h, SCORES)
             sink = _sink(scores, off_h, SCORES)
+            bh = _dropout_bh(items, off_b, off_h, SCORES)
             j = 0
     if c > 0:  # the last item's last P V, alone
         acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c - 1, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
@@ -523,7 +563,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
             tma.store_wait(0)
         _store_item(acc, _alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
                     o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
-                    stride_oh, stride_lb, stride_lh, o_sink, WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, SCORES)
+                    stride_oh, stride_lb, stride_lh, o_sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_N, True, SCORES)
     if not IS_VARLEN:
         tma.store_wait(0)  # the last item's output has left o_smem
 
@@ -602,10 +643,12 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
 
 
 @gluon.jit(do_not_specialize=["stride_om", "stride_oh", "stride_lb", "stride_lh", "HEADS", "BATCH", "GROUP_SIZE",
-                              "SEQLEN_Q", "SEQLEN_K", "window_left", "window_right", "stride_alibi_b", "stride_btb"])
+                              "SEQLEN_Q", "SEQLEN_K", "window_left", "window_right", "stride_alibi_b", "stride_btb",
+                              "dropout_threshold"])
 def _attn_fwd_gluon(
     desc_q, desc_k, desc_v, desc_o, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
     qk_scale, window_left, window_right, softcap, ALIBI, stride_alibi_b, SINKS,  # as `forward._attn_fwd` takes them
+    DROPOUT_RNG, dropout_threshold, dropout_scale,  # `Variant.dropout_args`, None without dropout
     stride_om, stride_oh, stride_lb, stride_lh, HEADS, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K,
     BLOCK_TABLE, stride_btb,  # PAGE_SIZE > 0: int32 (B, pages per sequence) and its row stride; else unused
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -614,6 +657,7 @@ def _attn_fwd_gluon(
     Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr,
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
+    HAS_DROPOUT: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -627,7 +671,7 @@ def _attn_fwd_gluon(
     n_bh = HEADS * BATCH
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
-                            + SC_SINKS * HAS_SINKS)
+                            + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT)
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
@@ -683,8 +727,13 @@ def _attn_fwd_gluon(
     stride_lh = gl.to_tensor(stride_lh)
     # The variant's arguments, constants where off (the kernel then compiles without them).
     window = (gl.to_tensor(window_left), gl.to_tensor(window_right)) if HAS_WINDOW else (NONE, NONE)
+    if HAS_DROPOUT:  # (seed, offset, threshold, scale): the call's Philox key and counter offset, loaded once
+        seed, offset = dropout_state(DROPOUT_RNG)
+        dropout = (seed, offset, gl.to_tensor(dropout_threshold), gl.to_tensor(dropout_scale))
+    else:
+        dropout = NONE
     scores = (gl.to_tensor(softcap) if HAS_SOFTCAP else NONE, ALIBI if HAS_ALIBI else NONE,
-              gl.to_tensor(stride_alibi_b) if HAS_ALIBI else NONE, SINKS if HAS_SINKS else NONE)
+              gl.to_tensor(stride_alibi_b) if HAS_ALIBI else NONE, SINKS if HAS_SINKS else NONE, dropout)
     items = (n_m, n_bh, heads, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, window)  # what `work` hands out
     paging = (BLOCK_TABLE, gl.to_tensor(stride_btb))  # PAGE_SIZE > 0: the producer reads each tile's page there
     producer_args = (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed,

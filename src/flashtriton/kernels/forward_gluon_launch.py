@@ -88,6 +88,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     ints = (heads_q * head_dim_v, head_dim_v, *lse_strides, heads_q, batch, heads_q // heads_kv, seqlen_q, seqlen_k)
     meta = dict(**variant.forward_constexprs, IS_VARLEN=varlen, HEAD_DIM=block_d, HEAD_DIM_V=block_dv, PAGE_SIZE=0,
                 num_warps=4, **config)
+    if variant.dropout_p:  # (absent otherwise: the kernel's default, and the launch key of the dropout-free calls)
+        meta.update(variant.dropout_constexprs)
     return grid, ints, meta
 
 
@@ -95,7 +97,7 @@ def launch_args(q, k, v, out, lse, scalars: tuple, block_n: int, ints: tuple, cu
                 cu_seqlens_k=None, counter=None, block_table=None, kv_rows: int = 0) -> tuple:
     """The kernel's runtime arguments: the four descriptors, out, lse, cu_seqlens (varlen; else lse stands in),
     the dynamic schedule's counter (a zeroed int32; else lse stands in), the variant's arguments
-    (`Variant.forward_args`: the scale first), `ints`, then the block table and its row stride (paged; else lse
+    (`Variant.forward_args`: the scale first, then `Variant.dropout_args`), `ints`, then the block table and its row stride (paged; else lse
     and 0). Paged: k and v are the page pools flattened to (pages · page_size, Hkv, D) (`flat_pages`); `kv_rows`
     (pages smaller than a tile): their descriptors' boxes hold a page's rows (default: a tile's, block_n)."""
     varlen = cu_seqlens_q is not None
@@ -125,13 +127,15 @@ def flat_pages(pool: torch.Tensor) -> torch.Tensor | None:
 
 def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom_right, config, cu_seqlens_q=None,
                          cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, variant: Variant | None = None,
-                         alibi_slopes=None, learnable_sink=None, block_table=None, page_size: int = 0) -> None:
+                         alibi_slopes=None, learnable_sink=None, block_table=None, page_size: int = 0,
+                         rng_state=None) -> None:
     """Dense q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), out (B, Sq, Hq, Dv), lse (B, Hq, Sq); or
     varlen q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), out (total_q, Hq, Dv), lse (Hq,
     total_q), cu_seqlens int32 (B + 1,). out and lse contiguous,
     fp16/bf16, D of `dispatch`'s gluon_fwd (tiles of `gluon_common.head_block(D)`), inputs that pass
     `common.tma_ok`, softmax_scale > 0, Sq > 0 (the caller checks).
-    `variant` (default: causal or not) with its ALiBi slopes and sinks, as `forward.launch_forward` takes them.
+    `variant` (default: causal or not) with its ALiBi slopes and sinks, as `forward.launch_forward` takes them;
+    with dropout, `rng_state` the call's int64 (seed, offset) tensor on q's device.
     Paged (varlen): k, v the flattened page pools (`flat_pages`), block_table int32 (B, pages per sequence) whose
     used entries are pages, `page_size` a multiple of the config's BLOCK_N or a multiple of 8 dividing it (a tile
     gathers pages: `forward_gluon_producer.load_item`), cu_seqlens_k's differences each
@@ -143,7 +147,7 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config["DYNAMIC"] else None  # one per launch
     # `launch` skips Triton's argument binding for a call shape seen before: ~0.2 ms of host time per varlen call
     # on the H200 machine's CPU, which a benchmark that idles the GPU between calls sees as GPU idle time.
-    scalars = variant.forward_args(softmax_scale, alibi_slopes, learnable_sink)
+    scalars = variant.forward_args(softmax_scale, alibi_slopes, learnable_sink) + variant.dropout_args(rng_state)
     if block_table is not None:
         if not pages_fit(page_size, config["BLOCK_N"]):
             raise ValueError(f"Gluon forward: pages of {page_size} keys are neither whole tiles of "
@@ -175,10 +179,15 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
         meta["PAGE_SIZE"] = page_size
     slopes = torch.empty(4) if variant.has_alibi else None
     sinks = torch.empty(4) if variant.has_sinks else None
-    for name, value in zip(("qk_scale", "window_left", "window_right", "softcap", "ALIBI", "stride_alibi_b", "SINKS"),
-                           variant.forward_args(1.0, slopes, sinks)):
+    rng = torch.empty(2, dtype=torch.int64) if variant.dropout_p else None
+    for name, value in zip(("qk_scale", "window_left", "window_right", "softcap", "ALIBI", "stride_alibi_b", "SINKS",
+                            "DROPOUT_RNG", "dropout_threshold", "dropout_scale"),
+                           variant.forward_args(1.0, slopes, sinks) + variant.dropout_args(rng)):
         if value is None:
             meta[name] = None  # off: a constexpr
+    for param in _attn_fwd_gluon.params:  # constexprs a launch leaves at their defaults (HAS_DROPOUT)
+        if param.is_constexpr and param.has_default and param.name not in meta:
+            meta[param.name] = param.default
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
     block_d, block_dv = head_block(head_dim), head_block(head_dim_v)
@@ -189,10 +198,11 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     pointers = {"O": "*bf16" if dtype == torch.bfloat16 else "*fp16", "LSE": "*fp32",
                 "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
                 "COUNTER": "*i32" if config["DYNAMIC"] else "*fp32", "ALIBI": "*fp32", "SINKS": "*fp32",
-                "BLOCK_TABLE": "*i32" if page_size else "*fp32"}
+                "BLOCK_TABLE": "*i32" if page_size else "*fp32", "DROPOUT_RNG": "*i64"}
     names = _attn_fwd_gluon.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
-                 else pointers[name] if name in pointers else "fp32" if name in ("qk_scale", "softcap") else "i32"
+                 else pointers[name] if name in pointers
+                 else "fp32" if name in ("qk_scale", "softcap", "dropout_scale") else "i32"
                  for name in names}
     source = GluonASTSource(_attn_fwd_gluon, signature, constexprs=meta,
                             attrs={(names.index(name),): [["tt.divisibility", 16]] for name in pointers

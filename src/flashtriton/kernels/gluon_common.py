@@ -8,6 +8,7 @@ import dataclasses
 import functools
 
 import torch
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
@@ -25,6 +26,39 @@ def wgmma_layout(n, warps_n=1):
     or split by columns over `warps_n` warpgroups of one partition, each holding (64, n / warps_n) (the wide
     head dims' backward: `backward_gluon`, WIDE)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warps_n], instr_shape=[16, n // warps_n, 16])
+
+
+@gluon.constexpr_function
+def dropout_calls_layout(n):
+    """Registers of the (64, n / 4) Philox calls of a (64, n) score tile's dropout (`dropout_keep`): call (i, g)
+    draws the bits of keys 4g .. 4g + 3 of row i (`variant.dropout_keep`'s counters). Lane t of warp w holds the
+    calls of row 16w + t // 4 + 8 (t mod 2) and groups 2r + (t // 2 mod 2), r = 0 .. n / 8 - 1 its registers. In
+    `wgmma_layout(n)` that thread holds rows 16w + t // 4 and 16w + t // 4 + 8, keys 8r + 2 (t mod 4) and the next:
+    each call lands on a thread that holds half of its keys, and the conversion to the accumulator's layout swaps
+    one register bit for one lane bit (warp shuffles between neighbouring lanes, no shared memory)."""
+    regs = [[0, 2 << i] for i in range((n // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[8, 0], [0, 1], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, n // 4])
+
+
+@gluon.jit
+def dropout_keep(seed, offset, bh, row0, n, threshold, BLOCK_N: gl.constexpr):
+    """The keep-mask of a (64, BLOCK_N) score tile in `wgmma_layout(BLOCK_N)`: rows row0 .. row0 + 63 against keys
+    n .. n + BLOCK_N - 1 of sequence-and-head `bh`, bit for bit `variant.dropout_keep`'s (so the portable
+    backward and `flashtriton.testing.dropout_mask` regenerate it): one Philox4x32-10 call per four keys of a row,
+    in `dropout_calls_layout`, compared with the threshold there, then moved to the accumulator's layout."""
+    calls: gl.constexpr = dropout_calls_layout(BLOCK_N)
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, calls))
+    groups = n // 4 + gl.arange(0, BLOCK_N // 4, layout=gl.SliceLayout(0, calls))
+    c0 = groups[None, :] + rows[:, None] * 0
+    c1 = rows[:, None] + groups[None, :] * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset)  # bh and offset: one value for every call
+    k0 = (r0 >> 1).to(gl.int32, bitcast=True) >= threshold
+    k1 = (r1 >> 1).to(gl.int32, bitcast=True) >= threshold
+    k2 = (r2 >> 1).to(gl.int32, bitcast=True) >= threshold
+    k3 = (r3 >> 1).to(gl.int32, bitcast=True) >= threshold
+    keep = gl.reshape(gl.join(gl.join(k0, k1), gl.join(k2, k3)), [64, BLOCK_N])  # as `variant.dropout_keep` orders
+    return gl.convert_layout(keep, wgmma_layout(BLOCK_N))
 
 
 @gluon.jit

@@ -476,9 +476,9 @@ def dropout_keep(seed, offset, bh, rows, k0, threshold, BLOCK_K: tl.constexpr, K
     keys); (M, BLOCK_K), or (BLOCK_K, M) for KEYS_FIRST (key-major tiles); True where the score is kept.
     Counter-based, so that the forward, both backward kernels and `flashtriton.testing.dropout_mask` regenerate the
     same bits from the same indices, whatever their tiles: one Philox4x32-10 call (`tl.philox`, keyed by the call's
-    64-bit seed) on the counter (key group, query row, bh, offset) (`dropout_state`) gives the four keys of a group
-    4g .. 4g + 3 their four outputs, in order (Philox costs about 60 integer instructions a call: one per four scores,
-    not one per score). k0 is a multiple of 4 (every kernel's key tiles start at multiples of BLOCK_N). A score is
+    64-bit seed) on the counter (key group, query row, bh, offset) (`dropout_state`) gives keys 4g, 4g + 1, 4g + 2,
+    4g + 3 its outputs 0, 2, 1, 3 (Philox costs about 60 integer instructions a call: one per four scores, not one
+    per score). k0 is a multiple of 4 (every kernel's key tiles start at multiples of BLOCK_N). A score is
     kept iff the top 31 bits of its output are >= threshold (`dropout_threshold`)."""
     M: tl.constexpr = rows.shape[0]
     groups = k0 // 4 + tl.arange(0, BLOCK_K // 4)
@@ -489,7 +489,7 @@ def dropout_keep(seed, offset, bh, rows, k0, threshold, BLOCK_K: tl.constexpr, K
         c0 = groups[None, :] + rows[:, None] * 0  # (M, BLOCK_K / 4)
         c1 = rows[:, None] + groups[None, :] * 0
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, c0 * 0 + bh, c0 * 0 + offset)
-    bits = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [..., i, j]: output 2i + j, key 4g + 2i + j
+    bits = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [..., i, j]: output i + 2j, key 4g + 2i + j
     if KEYS_FIRST:
         bits = tl.reshape(tl.permute(bits, (0, 2, 3, 1)), (BLOCK_K, M))
     else:
