@@ -9,8 +9,9 @@ masks of different libraries differ; each is unbiased: E[out] is the same). Timi
 (median, L2 flushed) in `--rounds` rounds of rotating order after 100 ms of warmup (`bench_core.time_in_rounds`); TFLOP/s with the
 FlashAttention count (fwd 4·B·H·T²·D, /2 causal; bwd ×2.5). The table gives ours / ours without dropout and ours
 / cuDNN per point, the geometric means, and the bars last; `--out DIR` writes DIR/dropout.json. `--gluon`: the
-Gluon forward's dropout on (`configs.GLUON_DROPOUT`), timed beside the portable forward's on the same points
-(`flashtriton_portable`, the portable kernels forced: what dropout calls run with the switch off).
+Gluon kernels' dropout on (`configs.GLUON_DROPOUT`, `configs.backward.GLUON_BWD_DROPOUT`), timed beside the
+portable kernels' on the same points (`flashtriton_portable`, the portable kernels forced forward and backward:
+what dropout calls run with the switches off).
 
     python benchmarks/dropout.py --out DIR [--gluon]
     TRITON_INTERPRET=1 python benchmarks/dropout.py --quick      # a tiny point on the CPU (the script's path only)
@@ -19,6 +20,7 @@ Gluon forward's dropout on (`configs.GLUON_DROPOUT`), timed beside the portable 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -47,11 +49,17 @@ def sdpa_call(backend_name, q, k, v, causal, p):
     return run
 
 
-def portable_call(q, k, v, causal, p):
+def switch(name):
+    """The kernel switch a provider runs under, forward and backward: the portable kernels for
+    `flashtriton_portable`, else the default."""
     from flashtriton.kernels import dispatch
 
+    return dispatch.force("portable") if name == "flashtriton_portable" else contextlib.nullcontext()
+
+
+def portable_call(q, k, v, causal, p):
     def run():
-        with dispatch.force("portable"):
+        with switch("flashtriton_portable"):
             return flashtriton.flash_attn_func(q, k, v, dropout_p=p, causal=causal)
     return run
 
@@ -86,6 +94,11 @@ def check_exact(B, H, T, D, causal, p, dtype, device):
     return err, torch_err
 
 
+def _grad(name, out, inputs, dout):
+    with switch(name):
+        return torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--p", type=float, default=0.1)
@@ -97,9 +110,10 @@ def main() -> int:
     parser.add_argument("--gluon", action="store_true", help="the Gluon forward's dropout on, beside the portable one")
     args = parser.parse_args()
     if args.gluon:
-        from flashtriton.configs import forward as configs_forward
+        from flashtriton import configs
 
-        configs_forward.GLUON_DROPOUT = True
+        configs.forward.GLUON_DROPOUT = True
+        configs.backward.GLUON_BWD_DROPOUT = True
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float16  # (bf16 dots are wrong in the interpreter)
@@ -132,7 +146,7 @@ def main() -> int:
         timed = {}
         for name, fn in calls.items():  # the backward alone: one forward's graph, re-run
             timed[(name, "fwd")] = fn
-            timed[(name, "bwd")] = lambda out=fn(): torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            timed[(name, "bwd")] = lambda out=fn(), name=name: _grad(name, out, (q, k, v), dout)
         times = C.time_in_rounds(timed, args.rounds, rep=3 if args.quick else 100)
         del timed
         for mode in ("fwd", "bwd"):

@@ -3,7 +3,7 @@
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
 # Steps: tests (whole suite; ~600 s), decode_dims (decode at D=256 and 192/128 beside cuDNN; DECODE_DIMS narrows), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
-# eco (notebook, compile, transformers tests), dropout (dropout.py), gluon_dropout (the dropout tests with the Gluon forward's, dropout.py --gluon), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
+# eco (notebook, compile, transformers tests), dropout (dropout.py), gluon_dropout (the dropout tests with the Gluon kernels', dropout.py --gluon), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
 # benchmarks/2026-11-29-h200/explore16/warmup/); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024), VH_ARGS to variant_host.py. Each step has its own time limit; typical seconds: tests 240, gputests 45,
@@ -116,7 +116,7 @@ for step in "$@"; do
     graphs) timeout 200 python -m pytest -v -p no:cacheprovider --tb=short -rf tests/test_cuda_graphs.py \
         tests/test_kvcache.py -k "graph" > $R/pytest_graphs.txt 2>&1; grep -E "PASSED|FAILED|ERROR|passed|failed" $R/pytest_graphs.txt | tail -16 ;;
     dropout) timeout 300 python benchmarks/dropout.py --out $R/dropout > $R/dropout.txt 2>&1; tail -34 $R/dropout.txt ;;
-    gluon_dropout) # the Gluon forward's dropout: its GPU tests, then timed beside the portable forward and cuDNN
+    gluon_dropout) # the Gluon kernels' dropout: its GPU tests, then timed beside the portable kernels and cuDNN
       timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_dropout.py \
         > $R/pytest_gluon_dropout.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon_dropout.txt | head -20
       timeout 300 python benchmarks/dropout.py --gluon --out $R/gluon_dropout > $R/gluon_dropout.txt 2>&1

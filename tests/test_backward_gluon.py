@@ -650,7 +650,8 @@ def test_variant_launch_parts_and_dispatch():
     assert per_row * 1000 * 2 == pytest.approx(Variant.of(False, True, (100, 50)).visible_flops(2, 8, 1000, 1000, 128))
     for fields in (variant.fields(), Variant.of(False, True, (7, 3), 2.0, True).fields()):
         assert dispatch.supports("gluon_bwd", torch.bfloat16, 128, 9, True, False, fields)
-    assert not dispatch.supports("gluon_bwd", torch.bfloat16, 128, 9, False, False, frozenset({"dropout_p"}))
+    # dropout: declared (the config rule takes it where configs.backward.GLUON_BWD_DROPOUT is on)
+    assert dispatch.supports("gluon_bwd", torch.bfloat16, 128, 9, False, False, frozenset({"dropout_p"}))
 
 
 # Bytes of register spill stores (`ptxas -v`, triton 3.6) of variant builds of the Gluon backward, at the dispatch's
@@ -824,3 +825,39 @@ def test_gluon_backward_separate_v_compiles_for_sm90_without_a_gpu():
         for line in out.splitlines():
             if line.startswith("compiled"):
                 assert line.split()[-1] == "0", f"{line}: spills"
+
+
+# Dropout builds (kernel, head dim, causal, varlen) -> the most bytes of spill stores triton 3.6's ptxas may give
+# them: `configs.backward.GLUON_BWD_DROPOUT`'s note.
+DROPOUT_BUILDS = {("dkdv", 64, False, False): 0, ("dq", 64, True, True): 8, ("dq", 128, False, False): 0,
+                  ("dkdv", 128, True, False): 416}
+
+
+def test_gluon_backward_dropout_builds_compile_for_sm90():
+    """The dropout builds (the forward's keep-mask regenerated in both kernels, `gluon_common.dropout_keep` and the
+    transposed `dropout_keep_t`) compile offline within their spill budgets (in a fresh process, as above); tiles
+    of 256 columns have no dropout rule."""
+    script = (
+        "import torch\n"
+        "from flashtriton import configs\n"
+        "from flashtriton.configs import backward as configs_backward\n"
+        "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
+        "configs_backward.GLUON_BWD_DROPOUT = True\n"
+        "assert configs.gluon_bwd_config(256, 4096, 4096, True, dropout=True) is None\n"
+        f"for kernel, d, causal, varlen in {list(DROPOUT_BUILDS)!r}:\n"
+        "    config = configs.gluon_bwd_config(d, 4096, 4096, causal, varlen=varlen, dropout=True)[kernel]\n"
+        "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen, dropout_p=0.1)\n"
+        "    ptx = compiled.asm['ptx']\n"
+        "    assert 'wgmma.mma_async' in ptx and 'mul.hi.u32' in ptx and compiled.asm['cubin']\n"
+        "    print('compiled', kernel, d, causal, varlen, 'spill', spill_bytes(compiled))\n"
+    )
+    out = compile_in_fresh_process(script)
+    assert out.count("compiled") == len(DROPOUT_BUILDS)
+    import triton
+
+    if triton.__version__.startswith("3.6"):
+        for line in out.splitlines():
+            if line.startswith("compiled"):
+                _, kernel, d, causal, varlen, _, spill = line.split()
+                key = (kernel, int(d), causal == "True", varlen == "True")
+                assert int(spill) <= DROPOUT_BUILDS[key], f"{line}: more spills than {DROPOUT_BUILDS[key]} bytes"

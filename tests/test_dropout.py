@@ -266,16 +266,18 @@ def test_p_zero_takes_the_dropout_free_path(device, monkeypatch):
 
 
 def test_dispatch_of_dropout_and_the_gluon_forwards_gate(monkeypatch):
-    """The Gluon forward and the portable kernels declare dropout; the Gluon forward's config rules take dropout
-    calls only where `configs.GLUON_DROPOUT` is on (off: the portable forward runs them)."""
+    """The Gluon and the portable kernels declare dropout; the Gluon kernels' config rules take dropout calls only
+    where `configs.GLUON_DROPOUT` (forward) / `configs.backward.GLUON_BWD_DROPOUT` are on (off: the portable
+    kernels run them), and the backward's never at tiles of 256 columns."""
+    from flashtriton import configs
     from flashtriton.configs import forward as configs_forward
 
     fields = Variant.of(True, dropout_p=0.1).fields()
     assert "dropout_p" in fields
     half = torch.float16
     assert dispatch.candidates("fwd", half, 128, 9, fields=fields) == ["gluon_fwd", "portable_fwd"]
-    assert dispatch.candidates("bwd", half, 64, 9, fields=fields) == ["portable_bwd"]
-    for name in ("tma_fwd", "gluon_bwd", "decode_split", "decode_stream"):
+    assert dispatch.candidates("bwd", half, 64, 9, fields=fields) == ["gluon_bwd", "portable_bwd"]
+    for name in ("tma_fwd", "decode_split", "decode_stream"):
         assert "dropout_p" not in dispatch.BY_NAME[name].fields
     rules = (lambda dropout: configs_forward.gluon_fwd_config(128, 4096, 4096, True, dropout=dropout),
              lambda dropout: configs_forward.gluon_varlen_config(128, 4096, 4096, True, dropout=dropout),
@@ -289,6 +291,13 @@ def test_dispatch_of_dropout_and_the_gluon_forwards_gate(monkeypatch):
     for head_dim, keys in ((128, 16384), (64, 16384), (128, 512)):
         config = configs_forward.gluon_fwd_config(head_dim, keys, keys, False, dropout=True)
         assert config["OVERLAP"] and config["N_CONSUMERS"] == 2
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DROPOUT", False)
+    assert configs.gluon_bwd_config(128, 4096, 4096, True, dropout=True) is None
+    assert configs.gluon_bwd_config(128, 4096, 4096, True) is not None
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DROPOUT", True)
+    assert configs.gluon_bwd_config(128, 4096, 4096, True, dropout=True) == configs.gluon_bwd_config(128, 4096, 4096,
+                                                                                                     True)
+    assert configs.gluon_bwd_config(256, 4096, 4096, True, dropout=True) is None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -439,32 +448,62 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+class GluonLaunches:
+    """The Gluon kernels' launches in a test: the forward's dropout arguments, the backward kernels' names with
+    their HAS_DROPOUT."""
+
+    def __init__(self):
+        self.fwd, self.bwd = [], []
+
+    def clear(self):
+        self.fwd.clear()
+        self.bwd.clear()
+
+
 @pytest.fixture
 def gluon_dropout(monkeypatch):
-    """configs.GLUON_DROPOUT on for the test (the dense plans made without it dropped), and the Gluon forward's
-    launches counted: yields the list of their dropout arguments."""
+    """Dropout in the Gluon forward and backward on for the test (`configs.GLUON_DROPOUT`, `GLUON_BWD_DROPOUT`;
+    the backward's floors off, so that small shapes take its kernels too; the dense plans made before dropped),
+    and the Gluon kernels' launches counted (`GluonLaunches`)."""
+    from flashtriton import configs
     from flashtriton.configs import forward as configs_forward
+    from flashtriton.kernels import backward_gluon_launch, forward_gluon_launch
     from flashtriton.kernels import forward as kernels_forward
-    from flashtriton.kernels import forward_gluon_launch
 
     monkeypatch.setattr(configs_forward, "GLUON_DROPOUT", True)
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DROPOUT", True)
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_MIN_FLOPS", 0)
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_D64_MIN_KEYS", 0)
     kernels_forward._dense_tma_plan.cache_clear()
-    launches = []
-    launch_args = forward_gluon_launch.launch_args
+    launches = GluonLaunches()
+    launch_args, launch = forward_gluon_launch.launch_args, backward_gluon_launch._launch
 
     def counted(q, k, v, out, lse, scalars, *args, **kwargs):
-        launches.append(scalars[-3:])  # (DROPOUT_RNG, dropout_threshold, dropout_scale)
+        launches.fwd.append(scalars[-3:])  # (DROPOUT_RNG, dropout_threshold, dropout_scale)
         return launch_args(q, k, v, out, lse, scalars, *args, **kwargs)
 
+    def counted_bwd(fn, plan, grid, args, meta):
+        launches.bwd.append((fn.__name__, meta.get("HAS_DROPOUT", False)))
+        return launch(fn, plan, grid, args, meta)
+
     monkeypatch.setattr(forward_gluon_launch, "launch_args", counted)
+    monkeypatch.setattr(backward_gluon_launch, "_launch", counted_bwd)
     yield launches
     kernels_forward._dense_tma_plan.cache_clear()
 
 
-def _took_gluon_with_dropout(launches, p):
-    assert launches, "the Gluon forward did not run"
-    rng, threshold, scale = launches[-1]
+def _took_gluon_with_dropout(launches, p, head_dim=128, backward=True):
+    """The last forward ran on the Gluon kernel with this p, and (`backward`) the backward on both Gluon kernels
+    with dropout (but at tiles of 256 columns, which the Triton backward runs)."""
+    assert launches.fwd, "the Gluon forward did not run"
+    rng, threshold, scale = launches.fwd[-1]
     assert isinstance(rng, torch.Tensor) and threshold == dropout_threshold(p) and scale == 1 / (1 - p)
+    if not backward:
+        return
+    if head_dim > 128:
+        assert launches.bwd == []
+    else:
+        assert sorted(launches.bwd[-2:]) == [("_attn_bwd_dkdv_gluon", True), ("_attn_bwd_dq_gluon", True)]
 
 
 @pytest.mark.gpu
@@ -479,14 +518,15 @@ def _took_gluon_with_dropout(launches, p):
     ((1, 256, 600, 2, 2, 256), 0.2),    # D=256's rule (item by item)
 ])
 def test_gluon_forward_dropout_exact_with_the_recovered_mask(shape, p, causal, dtype, device, gluon_dropout):
-    """The Gluon forward drops by the call's mask (`testing.dropout_mask`, the portable kernels' bits): out and lse
-    against float64 with that mask, and the backward (the portable kernels, which regenerate the same mask)."""
+    """The Gluon forward drops by the call's mask (`testing.dropout_mask`, the portable kernels' bits) and the Gluon
+    backward regenerates it (at D=256 the Triton backward): out, lse, dQ, dK and dV against float64 with that
+    mask."""
     batch, sq, sk, hq, hkv, d = shape
     q, k, v, dout = qkv(*shape, dtype, seed=sq + d)
     fn = lambda a, b, c: flashtriton.flash_attn_func(a, b, c, dropout_p=p, causal=causal,  # noqa: E731
                                                      return_attn_probs=True)[:2]
     out, lse, grads, rng = run(fn, (q, k, v), dout)
-    _took_gluon_with_dropout(gluon_dropout, p)
+    _took_gluon_with_dropout(gluon_dropout, p, d)
     mask = testing.dropout_mask(rng, batch, hq, sq, sk, p)
     check((q, k, v), dout, Variant(causal=causal), mask, p, (out, lse, grads), dtype)
 
@@ -496,7 +536,7 @@ def test_gluon_forward_dropout_exact_with_the_recovered_mask(shape, p, causal, d
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_forward_dropout_varlen_and_variants(causal, device, gluon_dropout):
     """Varlen (ragged sequences, one empty, lengths past a tile) and dropout with a window, softcap, ALiBi and
-    sinks together, through the Gluon forward: each against float64 with the recovered mask."""
+    sinks together, through the Gluon forward and backward: each against float64 with the recovered mask."""
     p, hq, hkv, d = 0.2, 4, 2, 128
     lengths_q, lengths_k = [130, 0, 333, 17, 1], [200, 64, 333, 300, 1]
     gen = torch.Generator().manual_seed(21)
@@ -539,12 +579,12 @@ def test_gluon_forward_dropout_varlen_and_variants(causal, device, gluon_dropout
 @pytest.mark.skipif(not _hopper(), reason="the Gluon forward: sm_90 only (no interpreter)")
 def test_gluon_forward_dropout_kept_fraction(device, gluon_dropout):
     """Through the Gluon forward (two consumers, many tiles per row) the call's mask keeps 1 - p overall and per
-    row, and out is the float64 attention with that mask."""
+    row, and out is the float64 attention with that mask (no backward here)."""
     p, (batch, s, h, d) = 0.1, (2, 2048, 4, 128)
     q, k, v, _ = qkv(batch, s, s, h, h, d, torch.bfloat16, seed=23)
     with testing.record_dropout() as calls:
         out = flashtriton.flash_attn_func(q, k, v, dropout_p=p)
-    _took_gluon_with_dropout(gluon_dropout, p)
+    _took_gluon_with_dropout(gluon_dropout, p, backward=False)
     mask = testing.dropout_mask(calls[0], batch, h, s, s, p)
     kept = mask.float()
     assert abs(kept.mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / kept.numel())

@@ -149,13 +149,23 @@ def gluon_bwd_pair_config(head_dim: int, head_dim_v: int) -> dict | None:
     return GLUON_BWD_SEPARATE_V.lookup(SM90, "16", gluon_tile_width(head_dim), gluon_tile_width(head_dim_v))
 
 
+# Dropout in the Gluon backward (the forward's keep-mask regenerated: `kernels.gluon_common.dropout_keep` and
+# `dropout_keep_t`) is off until an H200 run has checked it against float64 (tests/test_dropout.py, the `gluon`
+# tests) and timed it: with it off, dropout calls take the Triton backward. Its builds (triton 3.6's ptxas): no
+# spills at D=64 and in dQ at D=128; the D=128 dK/dV kernel spills 232 bytes (416 causal) against 8 (20) without
+# dropout. Tiles of 256 columns (two warpgroups sharing 64 keys) have no dropout build: the Triton backward.
+GLUON_BWD_DROPOUT = False
+
+
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
                      fwd_flops: float = float("inf"), varlen: bool = False,
-                     head_dim_v: int | None = None) -> dict | None:
+                     head_dim_v: int | None = None, dropout: bool = False) -> dict | None:
     """{"dkdv": config, "dq": config} of the Gluon backward kernels (`GLUON_BWD`), or None (the Triton kernels):
     None with less work than GLUON_BWD_MIN_FLOPS, or at D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS.
-    `head_dim_v`: V's head dim where it is not D: `gluon_bwd_pair_config`."""
-    if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
+    `head_dim_v`: V's head dim where it is not D: `gluon_bwd_pair_config`. `dropout`: the call drops
+    probabilities (None unless GLUON_BWD_DROPOUT)."""
+    if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS) or (
+            dropout and (not GLUON_BWD_DROPOUT or gluon_tile_width(head_dim) >= 256)):
         return None
     if head_dim_v is not None and head_dim_v != head_dim:
         return gluon_bwd_pair_config(head_dim, head_dim_v)

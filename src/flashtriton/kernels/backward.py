@@ -551,7 +551,7 @@ def _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_
             cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k,
             tuple((t.shape, t.stride(), t.dtype) for t in extras),  # (cu_seqlens' shapes: the sequence count)
             dispatch.CHOICE, configs.AUTOTUNE, configs.gluon_bwd_config, configs.backward.GLUON_BWD_MIN_FLOPS,
-            configs.backward.GLUON_BWD_D64_MIN_KEYS)
+            configs.backward.GLUON_BWD_D64_MIN_KEYS, configs.backward.GLUON_BWD_DROPOUT)
 
 
 def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, cu_seqlens_q, max_seqlen_q,
@@ -580,7 +580,7 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
         else:
             fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
         gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen,
-                                                head_dim_v)
+                                                head_dim_v, bool(variant.dropout_p))
         if gluon_config is not None and heads_q * (1 if varlen else batch) * backward_gluon_launch.padded_rows(
                 q.shape[0] if varlen else seqlen_q, varlen, batch) >= 2**31:  # the padded lse / delta's TMA
             gluon_config = None  # coordinates are int32
@@ -688,7 +688,8 @@ def attention_backward(
     Varlen with `zero_fill`: the gradients start at zero, so tokens outside every sequence get 0; pass False
     when cu_seqlens cover every token (the kernels write every other row), saving three memsets.
     dlse: the gradient of lse (shaped like it, fp32), or None when lse is not differentiated (no extra work).
-    dropout_p, rng_state: the forward's (its keep-mask is regenerated, never stored); the Triton kernels run them.
+    dropout_p, rng_state: the forward's (its keep-mask is regenerated, never stored); the Triton kernels run them,
+    or the Gluon ones where `configs.gluon_bwd_config` takes dropout (`configs.backward.GLUON_BWD_DROPOUT`).
     dq, dk, dv: where to write the gradients (shaped like q, k, v; any float dtype, any strides, e.g. fp32 views
     into a caller's accumulators), else new tensors like q, k, v. `accumulate`: add to their contents instead
     (each element has one writer: still deterministic). Buffers of another dtype than q's run the Triton kernels
@@ -746,17 +747,17 @@ def attention_backward(
     lse, delta, dsink = _run_preprocess(plan.pre, out, dout, lse, cu_seqlens_q, dlse, learnable_sink)
     if plan.gluon_dense is not None:
         backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse, delta, softmax_scale,
-                                           alibi_slopes)
+                                           alibi_slopes, rng_state if dropout_p else None)
         return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if gluon_config is not None:
         backward_gluon_launch.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
                                                 causal_bottom_right, gluon_config["dkdv"], *varlen_args, window_size,
-                                                softcap, alibi_slopes)
+                                                softcap, alibi_slopes, dropout_p, rng_state)
         if gluon_config["dq"] is not None:  # (the host path of short calls: nothing below is needed)
             backward_gluon_launch.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal,
                                                   causal_bottom_right, gluon_config["dq"], *varlen_args, window_size,
-                                                  softcap, alibi_slopes)
+                                                  softcap, alibi_slopes, dropout_p, rng_state)
             return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
     # The Triton kernels: dK/dV unless the Gluon kernel ran it, then dQ.

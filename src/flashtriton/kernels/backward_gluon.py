@@ -38,6 +38,9 @@ query tiles of `variant.query_blocks` for its 128 keys, a dQ program only the ke
 (`softcap_scores_and_grad`; folded into P once dV has its copy); ALiBi: `alibi_bias` before exp2, the slopes (B or 1,
 Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after its Pᵀ (fewer live registers: `_consumer`). Sinks
 need nothing here: lse includes them, and their gradient comes from the preprocess (`backward.preprocess`).
+Dropout (HAS_DROPOUT, the forward's keep-mask Z regenerated: `gluon_common.dropout_keep` / `dropout_keep_t`, bit
+for bit `variant.dropout_keep`): dV += (Pᵀ ∘ Zᵀ / (1 − p)) dO and dSᵀ = Pᵀ ∘ (dPᵀ ∘ Zᵀ / (1 − p) − delta), dS
+likewise.
 Head dims: Q and K in tiles of 64, 128 or 256 columns (HEAD_DIM: `gluon_common.head_block` of D); V, dO and dV in
 tiles of V's own width, read from the V descriptor (HEAD_DIM_V; a pair such as DeepSeek's MLA, QK 192 / V 128, runs
 V's matmuls at 128 columns: `backward_gluon_launch.separate_v_ok` says which pairs). fp16/bf16; sm_90.
@@ -52,7 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_common import sequence, tma_load, tma_store, wgmma_layout
+from .gluon_common import dropout_keep, dropout_keep_t, sequence, tma_load, tma_store, wgmma_layout
+from .variant import dropout_state
 from .variant import (alibi_bias, diagonal, key_blocks, key_end_before, key_tile_masked, query_blocks, query_first,
                       softcap_scores_and_grad, tile_hidden, tile_masked, visible)
 
@@ -159,10 +163,11 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
               NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-              HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr):
+              HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr = False):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores (dK in
     QK's tiles, dV in V's: HEAD_DIM_V).
-    `variant`: (window left, right, softcap, the group's first query head's ALiBi slope pointer), None where off.
+    `variant`: (window left, right, softcap, the group's first query head's ALiBi slope pointer, dropout), None
+    where off; dropout = (seed, offset, threshold, 1 / (1 - p), b · Hq + the group's first query head).
     WARPS_N = 2 (WIDE): the partition is two warpgroups that split every tile by columns (`wgmma_layout`): Sᵀ
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
     between them through shared memory in `gl.convert_layout`."""
@@ -170,10 +175,10 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
      stride_dkn, stride_dkh, stride_dvn, stride_dvh, d_valid, dv_valid) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
-    left, right, softcap, slopes = variant
+    left, right, softcap, slopes, dropout = variant
     # A variant's score tile takes more registers (the softcap's gradient, ALiBi's and the window's indices): its
     # dPᵀ is issued once Pᵀ is on its way to dV, so that the dPᵀ accumulator is not live while Pᵀ is computed.
-    LATE_DP: gl.constexpr = HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI
+    LATE_DP: gl.constexpr = HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_DROPOUT
     HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]  # V's, dO's and dV's tiles (QK's: HEAD_DIM)
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M, WARPS_N)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, WARPS_N)
@@ -220,7 +225,11 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
                            m + (BLOCK_M - 1)):
             p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
                          p, 0.0)
-        p_op = gl.convert_layout(p.to(dtype), op_v_layout)
+        if HAS_DROPOUT:  # the forward's mask (query head g's); dV takes the kept probabilities, scaled
+            keep = dropout_keep_t(dropout[0], dropout[1], dropout[4] + g, first_key, m, dropout[2], BLOCK_M, s_layout)
+            p_op = gl.convert_layout(gl.where(keep, p * dropout[3], 0.0).to(dtype), op_v_layout)
+        else:
+            p_op = gl.convert_layout(p.to(dtype), op_v_layout)
         if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
             p = p * cap_grad
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
@@ -230,6 +239,8 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
         if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
             delta = gl.where(in_seq, delta, 0.0)
         dp = warpgroup_mma_wait(0 if LATE_DP else 1, deps=(dp_tok, ))
+        if HAS_DROPOUT:
+            dp = gl.where(keep, dp * dropout[3], 0.0)
         ds = p * (dp - delta[None, :])  # dSᵀ
         ds_op = gl.convert_layout(ds.to(dtype), op_layout)
         dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
@@ -255,17 +266,19 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
 
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dkn", "stride_dkh",
                               "stride_dvn", "stride_dvh", "HEADS_Q", "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K",
-                              "SEQLEN_PAD"], do_not_specialize_on_alignment=["ALIBI"])
+                              "SEQLEN_PAD", "dropout_threshold"], do_not_specialize_on_alignment=["ALIBI"])
 def _attn_bwd_dkdv_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse, desc_delta, DK, DV, CU_SEQLENS_Q,
     CU_SEQLENS_K, WORK, softmax_scale, qk_scale,
     window_left, window_right, softcap,  # the variant's scalars (`Variant.scalars`), None where off
     ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride, None without ALiBi
+    DROPOUT_RNG, dropout_threshold, dropout_scale,  # `Variant.dropout_args`, None without dropout
     stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
+    HAS_DROPOUT: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
@@ -325,9 +338,16 @@ def _attn_bwd_dkdv_gluon(
                      gl.to_tensor(stride_dvh), gl.to_tensor(D_VALID), gl.to_tensor(DV_VALID if DV_VALID else D_VALID))
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
+    if HAS_DROPOUT:
+        seed, offset = dropout_state(DROPOUT_RNG)
+        dropout = (seed, offset, gl.to_tensor(dropout_threshold), gl.to_tensor(dropout_scale),
+                   off_b * HEADS_Q + off_hk * group_size)
+    else:
+        dropout = gl.constexpr(0)  # (off: what stands for it; a variable cannot hold None)
     variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,
                gl.to_tensor(softcap) if HAS_SOFTCAP else None,
-               ALIBI + off_b * stride_alibi_b + off_hk * group_size if HAS_ALIBI else None)  # the group's first head
+               ALIBI + off_b * stride_alibi_b + off_hk * group_size if HAS_ALIBI else None,  # the group's first head
+               dropout)
     heads_pad = (gl.to_tensor(HEADS_Q), gl.to_tensor(SEQLEN_PAD))
     if WIDE:
         gl.warp_specialize([
@@ -335,7 +355,7 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(1))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(2))),
+                         gl.constexpr(2), HAS_DROPOUT)),
         ], [8], [CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -343,10 +363,10 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(2))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1))),
+                         gl.constexpr(1), HAS_DROPOUT)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1))),
+                         gl.constexpr(1), HAS_DROPOUT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -375,14 +395,15 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
 def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, delta_ptr, variant,
                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                 HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+                 HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr = False):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. `variant`:
-    (window left, right, softcap, pointer at the head's ALiBi slope), None where off."""
+    (window left, right, softcap, pointer at the head's ALiBi slope, dropout), None where off; dropout = (seed,
+    offset, threshold, 1 / (1 - p), b · Hq + h)."""
     (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh,
      d_valid) = shared
     off_b, off_h, off_hk, start_m, n_tiles, key_lo = place
     q_start, seqlen_q, k_start, seqlen_k = seq
-    left, right, softcap, slopes = variant
+    left, right, softcap, slopes, dropout = variant
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -430,7 +451,11 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
                 keep = visible((n + cols)[None, :] < seqlen_k, rows[:, None], (n + cols)[None, :], diag, IS_CAUSAL,
                                HAS_WINDOW, left, right)
                 p = gl.where(keep, p, 0.0)
+            if HAS_DROPOUT:  # the forward's mask, made while dP runs
+                kept = dropout_keep(dropout[0], dropout[1], dropout[4], row0, n, dropout[2], BLOCK_N)
             dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+            if HAS_DROPOUT:
+                dp = gl.where(kept, dp * dropout[3], 0.0)
             ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
             ds_op = gl.convert_layout(ds.to(dtype), op_layout)
             dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
@@ -449,17 +474,19 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
 
 
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dqm", "stride_dqh", "HEADS_Q",
-                              "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD"],
+                              "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD", "dropout_threshold"],
            do_not_specialize_on_alignment=["ALIBI"])
 def _attn_bwd_dq_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, WORK, softmax_scale,
     qk_scale,
     window_left, window_right, softcap,  # the variant's scalars (`Variant.scalars`), None where off
     ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride, None without ALiBi
+    DROPOUT_RNG, dropout_threshold, dropout_scale,  # `Variant.dropout_args`, None without dropout
     stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr = False,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
@@ -520,15 +547,20 @@ def _attn_bwd_dq_gluon(
     lse_ptr = LSE + rows_base
     delta_ptr = DELTA + rows_base
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
+    if HAS_DROPOUT:
+        seed, offset = dropout_state(DROPOUT_RNG)
+        dropout = (seed, offset, gl.to_tensor(dropout_threshold), gl.to_tensor(dropout_scale), off_b * HEADS_Q + off_h)
+    else:
+        dropout = gl.constexpr(0)  # (off: what stands for it; a variable cannot hold None)
     variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,
                gl.to_tensor(softcap) if HAS_SOFTCAP else None,
-               ALIBI + off_b * stride_alibi_b + off_h if HAS_ALIBI else None)
+               ALIBI + off_b * stride_alibi_b + off_h if HAS_ALIBI else None, dropout)
     gl.warp_specialize([
         (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

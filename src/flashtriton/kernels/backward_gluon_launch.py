@@ -107,6 +107,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
                 HEAD_DIM=block_d, D_VALID=head_dim, num_warps=4, WORK_TABLE=False, **config)
     if separate_v and kernel == "dkdv":  # (absent otherwise: the kernel's default, dV's columns D_VALID)
         meta["DV_VALID"] = head_dim_v
+    if variant.dropout_p:  # (likewise: the dropout-free launches keep their key)
+        meta.update(variant.dropout_constexprs)
     return grid, ints, meta
 
 
@@ -231,11 +233,14 @@ def _launch(fn, plan, grid, args, meta) -> None:
         plan.relaunch = launch_and_keep(fn, grid, args, meta)
 
 
-def _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes):
-    """(Variant, its kernel arguments from qk_scale to the ALiBi slopes' batch stride: `Variant.scalars`, then
-    the slopes (B or 1, Hq) fp32 and their batch stride; None for what is off, as the portable kernels take them)."""
-    variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None)
-    return variant, (*variant.scalars(softmax_scale), alibi_slopes, alibi_batch_stride(alibi_slopes))
+def _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes, dropout_p=0.0,
+                  rng_state=None):
+    """(Variant, its kernel arguments from qk_scale to dropout's scale: `Variant.scalars`, the slopes (B or 1, Hq)
+    fp32 and their batch stride, `Variant.dropout_args`; None for what is off, as the portable kernels take them)."""
+    variant = Variant.of(causal, causal_bottom_right, window_size, softcap, alibi_slopes is not None,
+                         dropout_p=dropout_p)
+    return variant, (*variant.scalars(softmax_scale), alibi_slopes, alibi_batch_stride(alibi_slopes),
+                     *variant.dropout_args(rng_state))
 
 
 def _dkdv_args(desc_q, desc_do, k, v, dk, dv, lse_pad, delta_pad, cu_q, cu_k, work, softmax_scale, scalars, ints,
@@ -259,15 +264,17 @@ def _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, cu_q, cu_k, work, so
 
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
                       config, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> None:
+                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None) -> None:
     """Dense q (B, Sq, Hq, D), dout (B, Sq, Hq, Dv), k, dk (B, Sk, Hkv, D), v, dv (B, Sk, Hkv, Dv), lse_pad /
     delta_pad contiguous fp32 (B, Hq, `padded_rows`); or varlen q, dout (total_q, Hq, D / Dv), k, v, dk, dv
     (total_k, Hkv, D / Dv), lse_pad / delta_pad (Hq, `padded_rows`, sequences at `backward_gluon._lse_rows`),
     cu_seqlens int32 (B + 1,); as `backward.preprocess(padded=True)` writes them. Inputs that pass `common.tma_ok`,
     D of `configs.GLUON_BWD_HEAD_DIMS`, Dv = D or a `separate_v_ok` pair, Sq, Sk > 0; dk / dv with a contiguous
-    last dim. window_size, softcap, alibi_slopes ((Hq,) or (B, Hq) fp32): flash-attn's."""
+    last dim. window_size, softcap, alibi_slopes ((Hq,) or (B, Hq) fp32): flash-attn's; dropout_p with rng_state,
+    the forward's int64 (seed, offset) tensor (its keep-mask regenerated)."""
     varlen = cu_seqlens_q is not None
-    variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes)
+    variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes,
+                                     dropout_p, rng_state)
     grid, ints, meta, work, plan = _launch_parts_for("dkdv", q, k, v, variant, config, cu_seqlens_q, cu_seqlens_k,
                                                      max_seqlen_q, max_seqlen_k)
     rows, d, dv_block = ROWS.value, head_block(q.shape[-1]), head_block(v.shape[-1])
@@ -279,10 +286,11 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
 
 def launch_dq_gluon(q, k, v, dout, dq, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right, config,
                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> None:
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None) -> None:
     """dQ (times the softmax scale) into dq (like q); the inputs as `launch_dkdv_gluon`'s."""
     varlen = cu_seqlens_q is not None
-    variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes)
+    variant, scalars = _variant_args(softmax_scale, causal, causal_bottom_right, window_size, softcap, alibi_slopes,
+                                     dropout_p, rng_state)
     grid, ints, meta, work, plan = _launch_parts_for("dq", q, k, v, variant, config, cu_seqlens_q, cu_seqlens_k,
                                                      max_seqlen_q, max_seqlen_k)
     rows, d, dv_block = ROWS.value, head_block(q.shape[-1]), head_block(v.shape[-1])
@@ -297,12 +305,14 @@ class DenseBackward:
     plans (`_DensePlan`), the variant's scalars and the tiles' head dim. `launch_dense` runs it on a call's
     tensors, with one Q and one dO descriptor for both kernels."""
 
-    __slots__ = ("dkdv", "dq", "scalars", "alibi_stride", "d", "dv_block", "block_n")
+    __slots__ = ("dkdv", "dq", "scalars", "alibi_stride", "d", "dv_block", "block_n", "variant")
 
     def __init__(self, q, k, variant: Variant, config: dict, softmax_scale: float, alibi_slopes=None,
                  head_dim_v: int | None = None):
         variant = Variant.of(variant.causal, variant.bottom_right, variant.window, variant.softcap,
-                             variant.alibi_slopes is not None)  # (as `_variant_args`: what these kernels compile)
+                             variant.alibi_slopes is not None,
+                             dropout_p=variant.dropout_p)  # (as `_variant_args`: what these kernels compile)
+        self.variant = variant
         head_dim_v = q.shape[-1] if head_dim_v is None else head_dim_v
         items = tuple(q.shape), tuple(k.shape), q.dtype, q.device, variant.causal, variant.bottom_right
         self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant, head_dim_v)
@@ -313,12 +323,12 @@ class DenseBackward:
 
 
 def launch_dense(plan: DenseBackward, q, k, v, dout, dq, dk, dv, lse_pad, delta_pad, softmax_scale,
-                 alibi_slopes=None) -> None:
+                 alibi_slopes=None, rng_state=None) -> None:
     """dK/dV then dQ of a dense call, as `launch_dkdv_gluon` and `launch_dq_gluon` launch them (the inputs as theirs),
     through `plan` (built for these tensors' signature)."""
     rows, d, dv_block = ROWS.value, plan.d, plan.dv_block
     desc_q, desc_do = descriptor(q, rows, False, d), descriptor(dout, rows, False, dv_block)
-    scalars = (*plan.scalars, alibi_slopes, plan.alibi_stride)
+    scalars = (*plan.scalars, alibi_slopes, plan.alibi_stride, *plan.variant.dropout_args(rng_state))
     p = plan.dkdv
     _launch(_attn_bwd_dkdv_gluon, p, p.grid, _dkdv_args(desc_q, desc_do, k, v, dk, dv, lse_pad, delta_pad, lse_pad,
                                                         lse_pad, q, softmax_scale, scalars, p.ints, False, d,
@@ -332,10 +342,10 @@ def launch_dense(plan: DenseBackward, q, k, v, dout, dq, dk, dv, lse_pad, delta_
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
                      kernel: str = "dkdv", varlen: bool = False, with_table: bool = True,
                      window_size: tuple = (-1, -1), softcap: float = 0.0, alibi: bool = False,
-                     head_dim_v: int | None = None):
+                     head_dim_v: int | None = None, dropout_p: float = 0.0):
     """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon_launch.compile_for_sm90`): for tests
     and `ptxas -v`. window_size / softcap / alibi (whether slopes are given): the variant, as a launch passes it;
-    `head_dim_v`: V's head dim (default: head_dim)."""
+    `head_dim_v`: V's head dim (default: head_dim); `dropout_p` > 0: the dropout build."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -344,7 +354,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     t = torch.empty(512, 4, head_dim, dtype=dtype) if varlen else torch.empty(2, 256, 4, head_dim, dtype=dtype)
     tv = torch.empty(*t.shape[:-1], head_dim_v, dtype=dtype)
     rows_t = torch.empty(4, 1024, dtype=torch.float32)
-    variant = Variant.of(causal, True, window_size, softcap, alibi)
+    variant = Variant.of(causal, True, window_size, softcap, alibi, dropout_p=dropout_p)
     _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256,
                               variant, head_dim_v)
     meta["WORK_TABLE"] = varlen and with_table  # varlen: programs from the work table, or the grid
@@ -356,6 +366,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     _, window_left, window_right, cap = variant.scalars(1.0)
     scalars = {"window_left": window_left, "window_right": window_right, "softcap": cap}
     off = [name for name, value in scalars.items() if value is None] + ([] if alibi else ["ALIBI", "stride_alibi_b"])
+    off += [] if dropout_p else ["DROPOUT_RNG", "dropout_threshold", "dropout_scale"]
     meta.update(dict.fromkeys(off))
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
@@ -368,10 +379,11 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     element = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     pointers = {"LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "DK": element, "DV": element, "DQ": element,
                 "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
-                "WORK": "*i32" if varlen else "*bf16" if dtype == torch.bfloat16 else "*fp16"}
+                "WORK": "*i32" if varlen else "*bf16" if dtype == torch.bfloat16 else "*fp16", "DROPOUT_RNG": "*i64"}
     names = fn.arg_names
     signature = {name: "constexpr" if name in meta else mangle_type(descriptors[name]) if name in descriptors
-                 else pointers[name] if name in pointers else "fp32" if name in ("softmax_scale", "qk_scale", "softcap")
+                 else pointers[name] if name in pointers
+                 else "fp32" if name in ("softmax_scale", "qk_scale", "softcap", "dropout_scale")
                  else "i32" for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers
              if name in names and name not in meta and name != "ALIBI"}  # (ALIBI: not specialized on alignment)

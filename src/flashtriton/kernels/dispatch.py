@@ -34,8 +34,8 @@ HALF = (torch.float16, torch.bfloat16)
 ANY_HEAD_DIM = tuple(range(1, 257))
 # The portable kernels' variant fields.
 SCORES = frozenset({"causal", "window_size", "softcap", "alibi_slopes", "learnable_sink"})
-# The scores' and dropout: the portable forward and backward, and the Gluon forward (whose config rules take dropout
-# calls where `configs.GLUON_DROPOUT` is on); the TMA forward, the Gluon backward and decode do not declare it.
+# The scores' and dropout: the portable and the Gluon kernels (whose config rules take dropout calls where
+# `configs.GLUON_DROPOUT` / `configs.backward.GLUON_BWD_DROPOUT` are on); the TMA forward and decode do not.
 TRAINING = SCORES | {"dropout_p"}
 
 
@@ -61,7 +61,7 @@ KERNELS = (
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
     Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", paged=True, fields=TRAINING, separate_v=True),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF,
-           GLUON_BWD_HEAD_DIMS, fields=SCORES, separate_v=True),
+           GLUON_BWD_HEAD_DIMS, fields=TRAINING, separate_v=True),
     Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=TRAINING,
            separate_v=True),
     Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True, fields=SCORES,

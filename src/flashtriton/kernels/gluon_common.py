@@ -61,6 +61,39 @@ def dropout_keep(seed, offset, bh, row0, n, threshold, BLOCK_N: gl.constexpr):
     return gl.convert_layout(keep, wgmma_layout(BLOCK_N))
 
 
+@gluon.constexpr_function
+def dropout_calls_layout_t(m):
+    """`dropout_calls_layout` for a transposed (64 keys, m queries) score tile, the dK/dV kernel's: its (16, m)
+    Philox calls, call (g, i) for keys 4g .. 4g + 3 of query i. In `wgmma_layout(m)` lane t of warp w holds keys
+    16w + 4 (t // 16) + (t // 4 mod 4) and 8 more, queries 8r + 2 (t mod 4) and the next: the four keys of a group
+    lie in the four lanes that differ in t // 4 mod 4, which between them hold two groups (keys k, k + 8) of two
+    queries, four calls. Here those lanes take one call each (lane bit 2: the next query, bit 3: the group 8 keys
+    on), so that each call's outputs go to the lanes of its group."""
+    regs = [[0, 8 << i] for i in range((m // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 2], [0, 4], [0, 1], [2, 0], [1, 0]],
+                                      warp_bases=[[4, 0], [8, 0]], block_bases=[], shape=[16, m])
+
+
+@gluon.jit
+def dropout_keep_t(seed, offset, bh, k0, m0, threshold, QUERIES: gl.constexpr, layout: gl.constexpr):
+    """The keep-mask of a transposed (64, QUERIES) score tile in `layout` (the tile's: `wgmma_layout(QUERIES)`, or
+    split by columns over two warpgroups): keys k0 .. k0 + 63 against query rows m0 .. m0 + QUERIES - 1 of
+    sequence-and-head `bh`, bit for bit `variant.dropout_keep`'s with KEYS_FIRST (k0 a multiple of 4)."""
+    calls: gl.constexpr = dropout_calls_layout_t(QUERIES)
+    groups = k0 // 4 + gl.arange(0, 16, layout=gl.SliceLayout(1, calls))
+    rows = m0 + gl.arange(0, QUERIES, layout=gl.SliceLayout(0, calls))
+    c0 = groups[:, None] + rows[None, :] * 0  # (16, QUERIES)
+    c1 = rows[None, :] + groups[:, None] * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset)
+    k0_ = (r0 >> 1).to(gl.int32, bitcast=True) >= threshold
+    k1_ = (r1 >> 1).to(gl.int32, bitcast=True) >= threshold
+    k2_ = (r2 >> 1).to(gl.int32, bitcast=True) >= threshold
+    k3_ = (r3 >> 1).to(gl.int32, bitcast=True) >= threshold
+    keep = gl.join(gl.join(k0_, k1_), gl.join(k2_, k3_))  # (16, QUERIES, 2, 2), as `variant.dropout_keep` orders
+    keep = gl.reshape(gl.permute(keep, (0, 2, 3, 1)), [64, QUERIES])
+    return gl.convert_layout(keep, layout)  # (shared memory by stmatrix / ldmatrix for wgmma_layout(QUERIES))
+
+
 @gluon.jit
 def sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, max_seqlen_q, max_seqlen_k, IS_VARLEN: gl.constexpr):
     """(q_start, seqlen_q, k_start, seqlen_k) of an item's sequence. Dense: the whole (Sq, Sk); varlen: sequence
