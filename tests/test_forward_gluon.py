@@ -662,3 +662,59 @@ def test_gluon_dropout_builds_compile_for_sm90():
         "print('compiled varlen')\n"
     )
     assert compile_in_fresh_process(script).count("compiled") == 5
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_gluon_launch_arguments_bind_to_the_kernels_parameters(dropout_p):
+    """The host's positional arguments of the Gluon forward and of both backward kernels land on the parameters
+    they are meant for (the variant's, dropout's three included: None where off), with the launch's constexprs
+    by keyword: bound as Triton binds them, on CPU tensors (no launch)."""
+    import inspect
+
+    from flashtriton.kernels import backward_gluon_launch as BG
+    from flashtriton.kernels import forward_gluon_launch as FG
+    from flashtriton.kernels.variant import Variant, dropout_threshold
+
+    q = torch.zeros(2, 256, 4, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 256, 2, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 4, 256)
+    rng = torch.tensor([5, 7], dtype=torch.int64)
+    variant = Variant.of(True, True, (100, 0), 20.0, True, True, dropout_p)
+    slopes, sinks = torch.ones(4), torch.ones(4)
+    config = configs.gluon_fwd_config(128, 256, 256, True, 100)
+    _, ints, meta = FG.launch_parts(q.shape, k.shape, True, True, config, 132, variant=variant)
+    scalars = variant.forward_args(0.125, slopes, sinks) + variant.dropout_args(rng if dropout_p else None)
+    args = FG.launch_args(q, k, k, q, lse, scalars, config["BLOCK_N"], ints)
+    meta = {name: value for name, value in meta.items() if name != "num_warps"}
+    bound = inspect.signature(FG.KERNEL.fn).bind(*args, **meta).arguments
+    assert bound["SINKS"] is sinks and bound["ALIBI"] is slopes and bound["stride_om"] == ints[0]
+    assert bound["window_left"] == 100 and bound["softcap"] == scalars[3] is not None
+    assert bound.get("HAS_DROPOUT", False) == bool(dropout_p)
+    if dropout_p:
+        assert bound["DROPOUT_RNG"] is rng and bound["dropout_threshold"] == dropout_threshold(dropout_p)
+        assert bound["dropout_scale"] == 1 / (1 - dropout_p)
+    else:
+        assert bound["DROPOUT_RNG"] is None and bound["dropout_threshold"] is None and bound["dropout_scale"] is None
+
+    bwd_config = configs.gluon_bwd_config(128, 256, 256, True)
+    variant, scalars = BG._variant_args(0.125, True, True, (100, 0), 20.0, slopes, dropout_p,
+                                        rng if dropout_p else None)
+    lse_pad = torch.zeros(2, 4, BG.padded_rows(256, False))
+    for name, fn in (("dkdv", BG._attn_bwd_dkdv_gluon), ("dq", BG._attn_bwd_dq_gluon)):
+        _, ints, meta = BG.launch_parts(q.shape, k.shape, True, True, bwd_config[name], name, variant=variant)
+        desc = FG.descriptor(q, 64, False, 128)
+        if name == "dkdv":
+            args = BG._dkdv_args(desc, desc, k, k, k, k, lse_pad, lse_pad, lse, lse, q, 0.125, scalars, ints, False,
+                                 128, 128)
+            stride = "stride_dkn"
+        else:
+            args = BG._dq_args(desc, desc, k, k, q, lse_pad, lse_pad, lse, lse, q, 0.125, scalars, ints, False, 128,
+                               bwd_config[name]["BLOCK_N"], 128)
+            stride = "stride_dqm"
+        meta = {n: v for n, v in meta.items() if n != "num_warps"}
+        bound = inspect.signature(fn.fn).bind(*args, **meta).arguments
+        assert bound["ALIBI"] is slopes and bound["softcap"] == scalars[3] is not None and bound["window_left"] == 100
+        assert bound[stride] == (k if name == "dkdv" else q).stride(-3) and bound["SEQLEN_PAD"] == ints[-1]
+        assert (bound["DROPOUT_RNG"] is rng) == bool(dropout_p) and bound.get("HAS_DROPOUT", False) == bool(dropout_p)
+        if dropout_p:
+            assert bound["dropout_threshold"] == dropout_threshold(dropout_p)
