@@ -175,6 +175,30 @@ FAMILIES: dict[str, Family] = {
                       auto="AutoModelForSpeechSeq2Seq"),
     "bart": Family(lambda: _config("BartConfig", **SEQ2SEQ), auto="AutoModelForSeq2SeqLM"),
     "marian": Family(lambda: _config("MarianConfig", **SEQ2SEQ), auto="AutoModelForSeq2SeqLM"),
+    "qwen3": Family(lambda: _config("Qwen3Config", **DECODER)),
+    "qwen3_moe": Family(lambda: _config("Qwen3MoeConfig", **DECODER, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32)),
+    "olmo2": Family(lambda: _config("Olmo2Config", **DECODER)),
+    "smollm3": Family(lambda: _config("SmolLM3Config", **DECODER)),
+    "cohere2_window8": Family(lambda: _config("Cohere2Config", **DECODER, sliding_window=8,
+                                              layer_types=["sliding_attention", "full_attention"])),
+    "starcoder2_window8": Family(lambda: _config("Starcoder2Config", **DECODER, sliding_window=8)),
+    "gpt2": Family(lambda: _config("GPT2Config", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                   pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
+    "roberta": Family(lambda: _config("RobertaConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=PAD),
+                      auto="AutoModelForMaskedLM"),
+    "distilbert": Family(lambda: _config("DistilBertConfig", vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4,
+                                         hidden_dim=64, max_position_embeddings=64, dropout=0.0,
+                                         attention_dropout=0.0, pad_token_id=PAD), auto="AutoModelForMaskedLM"),
+    "esm": Family(lambda: _config("EsmConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                  position_embedding_type="rotary", hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, pad_token_id=PAD, mask_token_id=3),
+                  auto="AutoModelForMaskedLM"),
+    "mbart": Family(lambda: _config("MBartConfig", **SEQ2SEQ), auto="AutoModelForSeq2SeqLM"),
+    "pegasus": Family(lambda: _config("PegasusConfig", **SEQ2SEQ), auto="AutoModelForSeq2SeqLM"),
 }
 
 
@@ -422,6 +446,23 @@ CASES: dict[str, Case] = {
     "bart_decoder16_as_encoder": runs("bart", lambda: _seq2seq(16)),
     "bart_decoder24": runs("bart", lambda: _seq2seq(24)),
     "marian_decoder10": runs("marian", lambda: _seq2seq(10)),
+    "qwen3_left_padded": runs("qwen3", lambda: _text(**_PADDED)),
+    "qwen3_greedy_generate": runs("qwen3", lambda: _text(**_PROMPTS), run=_generate(), tokens=True),
+    "qwen3_moe_right_padded": runs("qwen3_moe", lambda: _text(**_PADDED, left=False)),
+    "olmo2_left_padded": runs("olmo2", lambda: _text(**_PADDED)),
+    "smollm3_left_padded": runs("smollm3", lambda: _text(**_PADDED)),  # no RoPE on some layers
+    # sliding layers alternating with full ones (layer_types), windows shorter than the keys
+    "cohere2_window_shorter_left_padded": runs("cohere2_window8", lambda: _text(**_PADDED), variants=("window",)),
+    "cohere2_window_shorter_generate": runs("cohere2_window8", lambda: _text(**_PROMPTS), run=_generate(),
+                                            tokens=True, variants=("window",)),
+    "starcoder2_window_shorter_right_padded": runs("starcoder2_window8", lambda: _text(**_PADDED, left=False),
+                                                   variants=("window",)),
+    "gpt2_right_padded": runs("gpt2", lambda: _text(**_PADDED, left=False)),
+    "roberta_right_padded": runs("roberta", lambda: _text(**_PADDED, left=False)),
+    "distilbert_left_padded": runs("distilbert", lambda: _text(**_PADDED)),
+    "esm_right_padded": runs("esm", lambda: _text(**_PADDED, left=False)),  # rotary inside a padded encoder
+    "mbart_decoder10": runs("mbart", lambda: _seq2seq(10)),
+    "pegasus_decoder10": runs("pegasus", lambda: _seq2seq(10)),
 }
 
 
