@@ -199,6 +199,9 @@ FAMILIES: dict[str, Family] = {
                   auto="AutoModelForMaskedLM"),
     "mbart": Family(lambda: _config("MBartConfig", **SEQ2SEQ), auto="AutoModelForSeq2SeqLM"),
     "pegasus": Family(lambda: _config("PegasusConfig", **SEQ2SEQ), auto="AutoModelForSeq2SeqLM"),
+    # PEGASUS-X's decoder self-attention keeps is_causal = False over its causal mask: the mask's verdict decides
+    "pegasus_x": Family(lambda: _config("PegasusXConfig", **SEQ2SEQ, block_size=4, num_global_tokens=4),
+                        auto="AutoModelForSeq2SeqLM", reference="eager"),
 }
 
 
@@ -463,6 +466,8 @@ CASES: dict[str, Case] = {
     "esm_right_padded": runs("esm", lambda: _text(**_PADDED, left=False)),  # rotary inside a padded encoder
     "mbart_decoder10": runs("mbart", lambda: _seq2seq(10)),
     "pegasus_decoder10": runs("pegasus", lambda: _seq2seq(10)),
+    "pegasus_x_decoder10": runs("pegasus_x", lambda: _seq2seq(10)),
+    "pegasus_x_unpadded": runs("pegasus_x", lambda: _seq2seq(8, enc_lengths=(16, 16))),
 }
 
 

@@ -384,7 +384,19 @@ def test_mask_function_static_cache_and_alignment():
     mask = ft_hf.flashtriton_mask(batch_size=2, q_length=1, kv_length=16, q_offset=5,
                                   mask_function=mu.causal_mask_function)
     assert mask.shape == (2, 6) and bool(mask.all()) and getattr(mask, "_flashtriton_dense")
-    assert ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, mask_function=mu.causal_mask_function) is None
+    # no padding: a dense key mask that carries the verdict (a layer's is_causal does not decide), and no window of
+    # its own (the layers' sliding_window holds); one query that sees every key: None
+    plain = ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, mask_function=mu.causal_mask_function)
+    assert plain.shape == (2, 4) and bool(plain.all()) and getattr(plain, "_flashtriton_dense")
+    assert getattr(plain, "_flashtriton_kind") == hf_masks.CAUSAL and not hasattr(plain, "_flashtriton_window")
+    assert ft_hf.flashtriton_mask(batch_size=2, q_length=1, kv_length=4, q_offset=3,
+                                  mask_function=mu.causal_mask_function) is None
+    q, k = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)
+    module = torch.nn.Module()
+    module.is_causal = False  # as PEGASUS-X's decoder layers: the mask's causal verdict holds
+    out, _ = ft_hf.flashtriton_attention_forward(module, q, k, k, plain)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     padding = torch.tensor([[True] * 4, [False, True, True, True]])
     assert torch.equal(ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, attention_mask=padding,
                                               mask_function=mu.causal_mask_function), padding)

@@ -165,14 +165,14 @@ def flashtriton_mask(
     """transformers' mask-interface signature: what `flashtriton_attention_forward` needs to run this mask
     exactly, or a refusal marker when the kernels cannot express it (`hf_masks.analyse`).
 
-    Returns None (no key is padded; the layer's own causal flag holds), the 2-D key mask sliced to the keys
-    (as transformers' flash-attention mask does), or for packed rows their sequence ids as (B, 1, 1, S)
-    int32 `-1 - id`. A causal call whose last keys lie after the last query (a static cache's unwritten slots) gets a
-    key mask that ends at the last query. When the verdict came from analysing a composed mask function, or the
-    mask narrows attention to a window, a mask is returned even without padding. A returned mask carries the
-    verdict, causal or full (`_flashtriton_kind`: the layer's own flag only decides when no mask exists, as in
-    sdpa), the window it describes (`_flashtriton_window`: flash-attn's (left, right), or None when it hides no
-    key of the call), and a mask with no padded key says so (`_flashtriton_dense`).
+    Returns the 2-D key mask sliced to the keys (as transformers' flash-attention mask does; all True where no key
+    is padded), None for a single query that sees every key (causal or not alike), or for packed rows their
+    sequence ids as (B, 1, 1, S) int32 `-1 - id`. A causal call whose last keys lie after the last query (a static cache's unwritten slots) gets a
+    key mask that ends at the last query. A returned mask carries the verdict, causal or full
+    (`_flashtriton_kind`, which beats the layer's own is_causal: that flag only decides when no mask exists), the
+    window it describes where the mask function is more than plain causal or full, or narrows attention to a window
+    (`_flashtriton_window`: flash-attn's (left, right), or None when it hides no key of the call; absent on a plain
+    mask, whose layers' sliding_window holds), and a mask with no padded key says so (`_flashtriton_dense`).
     transformers passes everything by keyword (before q_length / q_offset existed, a cache_position).
 
     transformers builds every layer type's mask, used or not (Qwen2-MoE builds a sliding-window mask of width
@@ -238,14 +238,18 @@ def _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask
             f"flashtriton runs a window around each query with the queries as the last keys; this call has "
             f"{q_length} queries from position {q_offset} and {kv_length} keys from position {kv_offset}")
     dense = keys is None or bool(keys.all())
-    if dense and not spec.derived and spec.window is None and (keys is None or keys.shape[-1] == kv_length):
+    plain = dense and not spec.derived and spec.window is None and (keys is None or keys.shape[-1] == kv_length)
+    if plain and q_length == 1:  # one query sees every key, causal or not: the layer's flags decide nothing
         return None
     if keys is None:
         keys = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
     keys = keys.bool()[:, :]  # a tensor object of our own, to carry the verdict
     setattr(keys, _DENSE, dense)
-    setattr(keys, _KIND, spec.kind)  # what sdpa and eager obey once a mask exists, whatever the layer's flag
-    setattr(keys, _WINDOW, spec.window)  # and the window they apply, whatever the layer's sliding_window
+    # Causal or full is what eager applies, whatever the layer's is_causal (PEGASUS-X's decoder layers keep the
+    # default False over a causal mask: the flag alone would let each token see the ones after it).
+    setattr(keys, _KIND, spec.kind)
+    if not plain:  # the window the mask applies, whatever the layer's sliding_window (a plain mask: the layer's)
+        setattr(keys, _WINDOW, spec.window)
     return keys
 
 
