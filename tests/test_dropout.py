@@ -117,18 +117,24 @@ def test_sinks_gradient_with_dropout(device):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_exact_per_sequence(causal, device):
-    p, hq, hkv, d = 0.3, 4, 2, 24
-    lengths_q, lengths_k = [5, 0, 33, 17], [9, 4, 33, 20]
-    gen = torch.Generator().manual_seed(7)
-    q = randn((sum(lengths_q), hq, d), torch.float16, gen)
-    k = randn((sum(lengths_k), hkv, d), torch.float16, gen)
-    v = randn((sum(lengths_k), hkv, d), torch.float16, gen)
-    dout = randn((sum(lengths_q), hq, d), torch.float16, gen)
+    check_varlen([5, 0, 33, 17], [9, 4, 33, 20], 4, 2, 24, torch.float16, 0.3, causal, seed=7)
+
+
+def check_varlen(lengths_q, lengths_k, hq, hkv, d, dtype, p, causal, seed, after_run=None):
+    """A varlen dropout call forward and backward, each sequence against float64 with its part of the recovered
+    mask; `after_run()` is called between the call and the checks."""
+    gen = torch.Generator().manual_seed(seed)
+    q = randn((sum(lengths_q), hq, d), dtype, gen)
+    k = randn((sum(lengths_k), hkv, d), dtype, gen)
+    v = randn((sum(lengths_k), hkv, d), dtype, gen)
+    dout = randn((sum(lengths_q), hq, d), dtype, gen)
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
                   for n in (lengths_q, lengths_k))
     fn = lambda a, b, c: flashtriton.flash_attn_varlen_func(  # noqa: E731
         a, b, c, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=p, causal=causal, return_attn_probs=True)[:2]
     out, lse, (dq, dk, dv), rng = run(fn, (q, k, v), dout)
+    if after_run is not None:
+        after_run()
     mask = testing.dropout_mask(rng, len(lengths_q), hq, max(lengths_q), max(lengths_k), p)
     for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
@@ -136,7 +142,7 @@ def test_varlen_exact_per_sequence(causal, device):
             continue
         ours = (out[None, sq], lse[None, :, sq], [dq[None, sq], dk[None, sk], dv[None, sk]])
         check((q[None, sq], k[None, sk], v[None, sk]), dout[None, sq], Variant(causal=causal),
-              mask[b:b + 1, :, :lq, :lk], p, ours, torch.float16, f"seq {b} ")
+              mask[b:b + 1, :, :lq, :lk], p, ours, dtype, f"seq {b} ")
 
 
 def test_sdpa_and_packed_take_dropout(device):
@@ -538,26 +544,8 @@ def test_gluon_forward_dropout_varlen_and_variants(causal, device, gluon_dropout
     """Varlen (ragged sequences, one empty, lengths past a tile) and dropout with a window, softcap, ALiBi and
     sinks together, through the Gluon forward and backward: each against float64 with the recovered mask."""
     p, hq, hkv, d = 0.2, 4, 2, 128
-    lengths_q, lengths_k = [130, 0, 333, 17, 1], [200, 64, 333, 300, 1]
-    gen = torch.Generator().manual_seed(21)
-    q = randn((sum(lengths_q), hq, d), torch.bfloat16, gen)
-    k = randn((sum(lengths_k), hkv, d), torch.bfloat16, gen)
-    v = randn((sum(lengths_k), hkv, d), torch.bfloat16, gen)
-    dout = randn((sum(lengths_q), hq, d), torch.bfloat16, gen)
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-                  for n in (lengths_q, lengths_k))
-    fn = lambda a, b, c: flashtriton.flash_attn_varlen_func(  # noqa: E731
-        a, b, c, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=p, causal=causal, return_attn_probs=True)[:2]
-    out, lse, (dq, dk, dv), rng = run(fn, (q, k, v), dout)
-    _took_gluon_with_dropout(gluon_dropout, p)
-    mask = testing.dropout_mask(rng, len(lengths_q), hq, max(lengths_q), max(lengths_k), p)
-    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
-        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if lq == 0:
-            continue
-        ours = (out[None, sq], lse[None, :, sq], [dq[None, sq], dk[None, sk], dv[None, sk]])
-        check((q[None, sq], k[None, sk], v[None, sk]), dout[None, sq], Variant(causal=causal),
-              mask[b:b + 1, :, :lq, :lk], p, ours, torch.bfloat16, f"seq {b} ")
+    check_varlen([130, 0, 333, 17, 1], [200, 64, 333, 300, 1], hq, hkv, d, torch.bfloat16, p, causal, seed=21,
+                 after_run=lambda: _took_gluon_with_dropout(gluon_dropout, p))
 
     gluon_dropout.clear()
     batch, s = 2, 700

@@ -151,9 +151,10 @@ def gluon_bwd_pair_config(head_dim: int, head_dim_v: int) -> dict | None:
 
 # Dropout in the Gluon backward (the forward's keep-mask regenerated: `kernels.gluon_common.dropout_keep` and
 # `dropout_keep_t`) is off until an H200 run has checked it against float64 (tests/test_dropout.py, the `gluon`
-# tests) and timed it: with it off, dropout calls take the Triton backward. Its builds (triton 3.6's ptxas): no
-# spills at D=64 and in dQ at D=128; the D=128 dK/dV kernel spills 232 bytes (416 causal) against 8 (20) without
-# dropout. Tiles of 256 columns (two warpgroups sharing 64 keys) have no dropout build: the Triton backward.
+# tests) and timed it: with it off, dropout calls take the Triton backward. Its builds (triton 3.6's ptxas): up to
+# 8 bytes of spills at D=64 and in dQ; the D=128 dK/dV kernel spills 232 bytes (416 causal) against 8 (20) without
+# dropout (benchmarks/2026-12-03-h200/offline-builds/gluon_dropout_spills.txt). Tiles of 256 columns (two warpgroups sharing 64 keys) have no dropout build: the Triton
+# backward.
 GLUON_BWD_DROPOUT = False
 
 

@@ -186,9 +186,9 @@ GLUON_SEPARATE_V_FWD = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
 # return None for dropout calls while it is off.
 GLUON_DROPOUT = False
 # Dense dropout calls at D=64 / 128 without a window: the flat loop (OVERLAP, two consumers) at every length. Its
-# dropout builds compile without spills (triton 3.6's ptxas, tests/test_forward_gluon.py); the item-by-item loop
-# spills 212 bytes at D=128 and three D=64 consumers 304. Other dropout calls take the rules below as they stand
-# (their builds spill 108-232 bytes: D=256, varlen, windows over long bands).
+# dropout builds compile without spills (triton 3.6's ptxas); the item-by-item loop spills 212 bytes at D=128 and
+# three D=64 consumers 304. Other dropout calls take the rules below as they stand (their builds spill 56-232
+# bytes: D=256, varlen). benchmarks/2026-12-03-h200/offline-builds/gluon_dropout_spills.txt
 GLUON_DROPOUT_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
     # gpu dtype  head dim  config           source
     (SM90, "16", 128,      GLUON_SHORT,     "why: no spills in its dropout build; not timed yet"),
@@ -262,9 +262,7 @@ def gluon_paged_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, caus
     kernel): `gluon_varlen_config`'s where its key tiles divide a page or are made of whole pages of a multiple of
     8 keys (the producer gathers them: `kernels.forward_gluon_producer.load_item`), else `GLUON_PAGED_FWD`'s.
     `dropout`: as `gluon_fwd_config`'s."""
-    if dropout and not GLUON_DROPOUT:
-        return None
-    config = gluon_varlen_config(head_dim, max_seqlen_q, max_seqlen_k, causal, head_dim_v)
+    config = gluon_varlen_config(head_dim, max_seqlen_q, max_seqlen_k, causal, head_dim_v, dropout)
     if config is None or page_size % config["BLOCK_N"] == 0 or (
             GATHER_PAGES and config["BLOCK_N"] % page_size == 0 and page_size % 8 == 0):
         return config

@@ -28,6 +28,19 @@ def wgmma_layout(n, warps_n=1):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warps_n], instr_shape=[16, n // warps_n, 16])
 
 
+@gluon.jit
+def _kept(seed, offset, bh, c0, c1, threshold):
+    """The Philox calls on counters (c0, c1, bh, offset), each output compared with the threshold: (..., 2, 2),
+    [..., i, j] output i + 2j, key 4 c0 + 2i + j, as `variant.dropout_keep` orders them (bh and offset: one value
+    for every call)."""
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset)
+    k0 = (r0 >> 1).to(gl.int32, bitcast=True) >= threshold
+    k1 = (r1 >> 1).to(gl.int32, bitcast=True) >= threshold
+    k2 = (r2 >> 1).to(gl.int32, bitcast=True) >= threshold
+    k3 = (r3 >> 1).to(gl.int32, bitcast=True) >= threshold
+    return gl.join(gl.join(k0, k1), gl.join(k2, k3))
+
+
 @gluon.constexpr_function
 def dropout_calls_layout(n):
     """Registers of the (64, n / 4) Philox calls of a (64, n) score tile's dropout (`dropout_keep`): call (i, g)
@@ -52,12 +65,7 @@ def dropout_keep(seed, offset, bh, row0, n, threshold, BLOCK_N: gl.constexpr):
     groups = n // 4 + gl.arange(0, BLOCK_N // 4, layout=gl.SliceLayout(0, calls))
     c0 = groups[None, :] + rows[:, None] * 0
     c1 = rows[:, None] + groups[None, :] * 0
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset)  # bh and offset: one value for every call
-    k0 = (r0 >> 1).to(gl.int32, bitcast=True) >= threshold
-    k1 = (r1 >> 1).to(gl.int32, bitcast=True) >= threshold
-    k2 = (r2 >> 1).to(gl.int32, bitcast=True) >= threshold
-    k3 = (r3 >> 1).to(gl.int32, bitcast=True) >= threshold
-    keep = gl.reshape(gl.join(gl.join(k0, k1), gl.join(k2, k3)), [64, BLOCK_N])  # as `variant.dropout_keep` orders
+    keep = gl.reshape(_kept(seed, offset, bh, c0, c1, threshold), [64, BLOCK_N])
     return gl.convert_layout(keep, wgmma_layout(BLOCK_N))
 
 
@@ -84,12 +92,7 @@ def dropout_keep_t(seed, offset, bh, k0, m0, threshold, QUERIES: gl.constexpr, l
     rows = m0 + gl.arange(0, QUERIES, layout=gl.SliceLayout(0, calls))
     c0 = groups[:, None] + rows[None, :] * 0  # (16, QUERIES)
     c1 = rows[None, :] + groups[:, None] * 0
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset)
-    k0_ = (r0 >> 1).to(gl.int32, bitcast=True) >= threshold
-    k1_ = (r1 >> 1).to(gl.int32, bitcast=True) >= threshold
-    k2_ = (r2 >> 1).to(gl.int32, bitcast=True) >= threshold
-    k3_ = (r3 >> 1).to(gl.int32, bitcast=True) >= threshold
-    keep = gl.join(gl.join(k0_, k1_), gl.join(k2_, k3_))  # (16, QUERIES, 2, 2), as `variant.dropout_keep` orders
+    keep = _kept(seed, offset, bh, c0, c1, threshold)  # (16, QUERIES, 2, 2)
     keep = gl.reshape(gl.permute(keep, (0, 2, 3, 1)), [64, QUERIES])
     return gl.convert_layout(keep, layout)  # (shared memory by stmatrix / ldmatrix for wgmma_layout(QUERIES))
 
