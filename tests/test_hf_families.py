@@ -106,6 +106,29 @@ _DEEPSEEK_V3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_
                     q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                     max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+VSTART, VEND, VIDEO_TOKEN = VOCAB - 2, VOCAB - 3, VOCAB - 4  # Qwen-VL's vision start / end, video tokens
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}  # head dim 8: 4 rotary pairs
+
+
+def _qwen_vl(name: str, vision: dict):
+    text = dict({k: v for k, v in DECODER.items() if k != "head_dim"}, rope_parameters=_MROPE)
+    return _config(name, text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                   video_token_id=VIDEO_TOKEN, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+
+
+def _t5gemma(sliding_window: int):
+    stack = dict(DECODER, query_pre_attn_scalar=8, sliding_window=sliding_window, attn_logit_softcapping=None,
+                 final_logit_softcapping=None, layer_types=["sliding_attention", "full_attention"])
+    return _config("T5GemmaConfig", encoder=stack, decoder=stack, vocab_size=VOCAB, dropout_rate=0.0,
+                   attention_dropout=0.0, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+                   decoder_start_token_id=BOS)
+
+
+def _gemma3n():
+    return _config("Gemma3nTextConfig", **dict(DECODER, num_hidden_layers=4), sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2, laurel_rank=4,
+                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, altup_num_inputs=2,
+                   activation_sparsity_pattern=[0.0] * 4)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(lambda: _config("LlamaConfig", **DECODER)),
@@ -202,6 +225,48 @@ FAMILIES: dict[str, Family] = {
     # PEGASUS-X's decoder self-attention keeps is_causal = False over its causal mask: the mask's verdict decides
     "pegasus_x": Family(lambda: _config("PegasusXConfig", **SEQ2SEQ, block_size=4, num_global_tokens=4),
                         auto="AutoModelForSeq2SeqLM", reference="eager"),
+    # OLMoE passes config.sliding_window to its layers over a plain causal mask: eager and sdpa apply no window
+    "olmoe_window4": Family(lambda: _config("OlmoeConfig", **DECODER, num_experts=4, num_experts_per_tok=2,
+                                            sliding_window=4)),
+    # vision towers that call the attention with cu_seq_lens (one sequence per image; Qwen2.5-VL: per window too)
+    "qwen2_vl": Family(lambda: _qwen_vl("Qwen2VLConfig", dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4,
+                                                              mlp_ratio=2, patch_size=2, spatial_merge_size=2,
+                                                              temporal_patch_size=2)),
+                       auto="AutoModelForImageTextToText"),
+    "qwen2_5_vl": Family(lambda: _qwen_vl("Qwen2_5_VLConfig", dict(depth=2, hidden_size=32, intermediate_size=64,
+                                                                   num_heads=4, patch_size=2, spatial_merge_size=2,
+                                                                   temporal_patch_size=2, out_hidden_size=32,
+                                                                   window_size=8, fullatt_block_indexes=[1])),
+                         auto="AutoModelForImageTextToText"),
+    # EmbeddingGemma-style bidirectional Gemma 3: or_masks over the causal masks, a band |q - k| < w when sliding
+    "gemma3_bidirectional_window4": Family(lambda: _config("Gemma3TextConfig", **DECODER, sliding_window=4,
+                                                           query_pre_attn_scalar=8, use_bidirectional_attention=True,
+                                                           layer_types=["sliding_attention", "full_attention"]),
+                                           auto="AutoModel"),
+    # a bidirectional sliding-window encoder (|q - k| <= w) and a sliding causal decoder with cross-attention
+    "t5gemma_window4": Family(lambda: _t5gemma(4), auto="AutoModelForSeq2SeqLM", reference="eager"),
+    "idefics3": Family(lambda: _config("Idefics3Config", vision_config=dict(SIGLIP, num_hidden_layers=2),
+                                       text_config=_config("LlamaConfig", **DECODER), image_token_id=IMAGE_TOKEN,
+                                       scale_factor=2), auto="AutoModelForImageTextToText"),
+    "moonshine": Family(lambda: _config("MoonshineConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        encoder_num_hidden_layers=1, decoder_num_hidden_layers=1,
+                                        encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+                                        max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS,
+                                        eos_token_id=EOS, decoder_start_token_id=BOS),
+                        auto="AutoModelForSpeechSeq2Seq"),
+    # Gemma 3n: the last layers reuse earlier layers' keys and values (num_kv_shared_layers), windows on half
+    "gemma3n_window8": Family(_gemma3n),
+    # hybrid: a Mamba layer, then an attention layer (a hybrid cache in generation)
+    "jamba": Family(lambda: _config("JambaConfig", **{k: v for k, v in DECODER.items() if k != "head_dim"},
+                                    num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
+                                    attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False,
+                                    mamba_d_state=4, mamba_dt_rank=4, mamba_expand=2)),
+    # ALiBi (BLOOM) and T5's relative position bias: transformers marks both _supports_flash_attn = False
+    "bloom": Family(lambda: _config("BloomConfig", vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                                    pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS), reference="eager"),
+    "t5": Family(lambda: _config("T5Config", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                 dropout_rate=0.0, pad_token_id=PAD, eos_token_id=EOS, decoder_start_token_id=PAD),
+                 auto="AutoModelForSeq2SeqLM"),
 }
 
 
@@ -259,9 +324,9 @@ def _paligemma_prefix():
     return {"input_ids": ids, "token_type_ids": token_type_ids, "pixel_values": _pixels(2)}
 
 
-def _seq2seq(dec_len: int, enc_lengths=(16, 9), enc_len: int = 16):
-    """Encoder right-padded; decoder inputs all real (every decoder position is compared)."""
-    mask = _mask(enc_lengths, enc_len, left=False)
+def _seq2seq(dec_len: int, enc_lengths=(16, 9), enc_len: int = 16, left: bool = False):
+    """Encoder right-padded (or left-padded); decoder inputs all real (every decoder position is compared)."""
+    mask = _mask(enc_lengths, enc_len, left=left)
     return {"input_ids": _ids(len(enc_lengths), enc_len).masked_fill(mask == 0, PAD), "attention_mask": mask,
             "decoder_input_ids": _ids(len(enc_lengths), dec_len, seed=4)}
 
@@ -269,6 +334,40 @@ def _seq2seq(dec_len: int, enc_lengths=(16, 9), enc_len: int = 16):
 def _whisper(dec_len: int):
     features = torch.randn(2, 8, 24, generator=torch.Generator().manual_seed(5))  # 12 encoder positions
     return {"input_features": features, "decoder_input_ids": _ids(2, dec_len, seed=4)}
+
+
+def _qwen_vl_images(grids=((1, 4, 4), (1, 2, 4)), seqlen: int = 16, lengths=None):
+    """One image per row (grid t, h, w of 2x2 patches; 4 patches merge into one token), images of different sizes:
+    <vision start>, the image's tokens, <vision end> two tokens into each row's text; left-padded rows."""
+    ids = _ids(len(grids), seqlen, high=VOCAB - 6)
+    mask = _mask(lengths or (seqlen,) * len(grids), seqlen, left=True)
+    for b, (t, h, w) in enumerate(grids):
+        start = int(mask[b].nonzero()[0]) + 2
+        ids[b, start], ids[b, start + 1:start + 1 + t * h * w // 4], ids[b, start + 1 + t * h * w // 4] = (
+            VSTART, IMAGE_TOKEN, VEND)
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 2 * 2,  # channels x t x h x w of a patch
+                          generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids.masked_fill(mask == 0, PAD), "pixel_values": patches,
+              "image_grid_thw": torch.tensor(grids), "mm_token_type_ids": (ids == IMAGE_TOKEN).long()}
+    return {**inputs, "attention_mask": mask} if lengths is not None else inputs
+
+
+def _idefics3_padded_patches():
+    """Two 16x16 images (4 tokens each after the 2x2 pixel shuffle); the second's right half is padding, so its
+    vision tower attends over 8 real patches of 16, in two runs per patch row."""
+    ids = _ids(2, 16, high=VOCAB - 6)
+    ids[:, 2:6] = IMAGE_TOKEN
+    pixel_mask = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    pixel_mask[1, 0, :, 8:] = False
+    return {"input_ids": ids, "pixel_values": _pixels(2)[:, None] * pixel_mask[:, :, None],
+            "pixel_attention_mask": pixel_mask}
+
+
+def _moonshine(dec_len: int):
+    """Raw audio, the second row right-padded (the encoder's mask comes from the samples' mask)."""
+    mask = _mask((6400, 4266), 6400, left=False)
+    audio = torch.randn(2, 6400, generator=torch.Generator().manual_seed(7)) * mask
+    return {"input_values": audio, "attention_mask": mask, "decoder_input_ids": _ids(2, dec_len, seed=4)}
 
 
 # ------------------------------------------------------------------------------------------ the runners
@@ -468,6 +567,24 @@ CASES: dict[str, Case] = {
     "pegasus_decoder10": runs("pegasus", lambda: _seq2seq(10)),
     "pegasus_x_decoder10": runs("pegasus_x", lambda: _seq2seq(10)),
     "pegasus_x_unpadded": runs("pegasus_x", lambda: _seq2seq(8, enc_lengths=(16, 16))),
+    # a layer's sliding_window under a plain causal verdict: no window, padded or not, in prefill and in decoding
+    # over a cache that keeps every key
+    "olmoe_window_over_plain_mask": runs("olmoe_window4", lambda: _text(), variants=()),
+    "olmoe_window_over_plain_mask_generate": runs("olmoe_window4", lambda: _text(seqlen=10), tokens=True,
+                                                  run=_generate_full_cache(), variants=()),
+    "qwen2_vl_images_left_padded": runs("qwen2_vl", lambda: _qwen_vl_images(lengths=(16, 12)), variants=()),
+    "qwen2_5_vl_window_vision": runs("qwen2_5_vl", lambda: _qwen_vl_images(((1, 8, 8), (1, 4, 4)), seqlen=24,
+                                                                          lengths=(24, 20)), variants=()),
+    "gemma3_bidirectional_window_right_padded": runs("gemma3_bidirectional_window4",
+                                                     lambda: _text(**_PADDED, left=False), variants=("window",)),
+    "t5gemma_window_encoder_left_padded": runs("t5gemma_window4", lambda: _seq2seq(10, left=True),
+                                               variants=("window",)),
+    "idefics3_padded_image_patches": runs("idefics3", _idefics3_padded_patches),
+    "moonshine_padded_audio": runs("moonshine", lambda: _moonshine(10)),
+    "gemma3n_shared_kv_left_padded": runs("gemma3n_window8", lambda: _text(**_PADDED), variants=("window",)),
+    "jamba_hybrid_generate": runs("jamba", lambda: _text(**_PROMPTS), run=_generate(), tokens=True),
+    "bloom_alibi": may_refuse("bloom", lambda: _text(**_PADDED)),
+    "t5_position_bias": may_refuse("t5", lambda: _seq2seq(10)),
 }
 
 

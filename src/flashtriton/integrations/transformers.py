@@ -125,6 +125,8 @@ def flashtriton_attention_forward(
             causal = kind == hf_masks.CAUSAL
         if hasattr(attention_mask, _WINDOW):  # so does its window (the one eager and sdpa apply)
             window = getattr(attention_mask, _WINDOW)
+        elif kind is not None:  # a plain causal / full verdict: no window, whatever the layer's sliding_window
+            window = None  # (eager and sdpa apply the mask alone: OLMoE passes config.sliding_window over it)
         else:
             window = _layer_window(sliding_window, causal)
         if marker is not None:  # packed rows: per-token sequence ids
@@ -166,13 +168,15 @@ def flashtriton_mask(
     exactly, or a refusal marker when the kernels cannot express it (`hf_masks.analyse`).
 
     Returns the 2-D key mask sliced to the keys (as transformers' flash-attention mask does; all True where no key
-    is padded), None for a single query that sees every key (causal or not alike), or for packed rows their
+    is padded), None for a single query that sees every key (causal or not alike) in a model whose config sets no
+    sliding window (a layer's sliding_window then has nothing to overrule), or for packed rows their
     sequence ids as (B, 1, 1, S) int32 `-1 - id`. A causal call whose last keys lie after the last query (a static cache's unwritten slots) gets a
     key mask that ends at the last query. A returned mask carries the verdict, causal or full
     (`_flashtriton_kind`, which beats the layer's own is_causal: that flag only decides when no mask exists), the
     window it describes where the mask function is more than plain causal or full, or narrows attention to a window
     (`_flashtriton_window`: flash-attn's (left, right), or None when it hides no key of the call; absent on a plain
-    mask, whose layers' sliding_window holds), and a mask with no padded key says so (`_flashtriton_dense`).
+    mask, whose verdict has no window: a layer's sliding_window applies only where no mask exists, as eager and
+    sdpa apply the mask alone), and a mask with no padded key says so (`_flashtriton_dense`).
     transformers passes everything by keyword (before q_length / q_offset existed, a cache_position).
 
     transformers builds every layer type's mask, used or not (Qwen2-MoE builds a sliding-window mask of width
@@ -239,8 +243,8 @@ def _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask
             f"{q_length} queries from position {q_offset} and {kv_length} keys from position {kv_offset}")
     dense = keys is None or bool(keys.all())
     plain = dense and not spec.derived and spec.window is None and (keys is None or keys.shape[-1] == kv_length)
-    if plain and q_length == 1:  # one query sees every key, causal or not: the layer's flags decide nothing
-        return None
+    if plain and q_length == 1 and not getattr(config, "sliding_window", None):
+        return None  # one query sees every key, causal or not, and no layer's window could narrow them
     if keys is None:
         keys = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
     keys = keys.bool()[:, :]  # a tensor object of our own, to carry the verdict
