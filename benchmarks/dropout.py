@@ -8,10 +8,11 @@ point: T ≤ 1024), and every provider's output for finiteness and its mean agai
 masks of different libraries differ; each is unbiased: E[out] is the same). Timing: `triton.testing.do_bench`
 (median, L2 flushed) in `--rounds` rounds of rotating order after 100 ms of warmup (`bench_core.time_in_rounds`); TFLOP/s with the
 FlashAttention count (fwd 4·B·H·T²·D, /2 causal; bwd ×2.5). The table gives ours / ours without dropout and ours
-/ cuDNN per point, the geometric means, and the bars last; `--out DIR` writes DIR/dropout.json. `--gluon`: the
-Gluon kernels' dropout on (`configs.GLUON_DROPOUT`, `configs.backward.GLUON_BWD_DROPOUT`), timed beside the
-portable kernels' on the same points (`flashtriton_portable`, the portable kernels forced forward and backward:
-what dropout calls run with the switches off).
+/ cuDNN per point, the geometric means, and the bars last; `--out DIR` writes DIR/dropout.json. Without
+`--gluon`, flashtriton's calls take the shipped rules (the Gluon kernels where `configs.GLUON_DROPOUT_FWD` /
+`configs.backward.GLUON_BWD_DROPOUT_CASES` name the case). `--gluon`: the Gluon kernels for every point
+(`configs.forward.GLUON_DROPOUT_ALL`, `configs.backward.GLUON_BWD_DROPOUT_ALL`), timed beside the portable
+kernels' on the same points (`flashtriton_portable`, the portable kernels forced forward and backward).
 
     python benchmarks/dropout.py --out DIR [--gluon]
     TRITON_INTERPRET=1 python benchmarks/dropout.py --quick      # a tiny point on the CPU (the script's path only)
@@ -107,13 +108,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="one tiny point (the interpreter's)")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--gluon", action="store_true", help="the Gluon forward's dropout on, beside the portable one")
+    parser.add_argument("--gluon", action="store_true", help="the Gluon kernels for every point, beside the portable ones")
     args = parser.parse_args()
     if args.gluon:
         from flashtriton import configs
 
-        configs.forward.GLUON_DROPOUT = True
-        configs.backward.GLUON_BWD_DROPOUT = True
+        configs.forward.GLUON_DROPOUT = configs.forward.GLUON_DROPOUT_ALL = True
+        configs.backward.GLUON_BWD_DROPOUT = configs.backward.GLUON_BWD_DROPOUT_ALL = True
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float16  # (bf16 dots are wrong in the interpreter)

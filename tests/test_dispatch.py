@@ -88,8 +88,8 @@ def test_candidates_follow_the_table_and_the_switch():
                                                                                                  "portable_bwd"]
     assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"learnable_sink"})) == ["gluon_fwd", "tma_fwd",
                                                                                               "portable_fwd"]
-    # dropout: the Gluon kernels (whose config rules take it where configs.GLUON_DROPOUT / GLUON_BWD_DROPOUT are
-    # on) and the portable ones
+    # dropout: the Gluon kernels (where configs.GLUON_DROPOUT_FWD / GLUON_BWD_DROPOUT_CASES name the case) and the
+    # portable ones
     assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"dropout_p"})) == ["gluon_fwd", "portable_fwd"]
     assert dispatch.candidates("bwd", half, 128, 9, fields=frozenset({"causal", "dropout_p"})) == ["gluon_bwd",
                                                                                                   "portable_bwd"]

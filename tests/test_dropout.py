@@ -198,9 +198,47 @@ def test_kept_fraction_per_row_and_overall(p, device):
     assert abs(corr.item()) < 5 / math.sqrt(a.numel())
 
 
+def _philox4x32_10(c0, c1, c2, c3, seed: int):
+    """Philox4x32-10 (Salmon et al., as `tl.philox` computes it) on numpy uint64 arrays holding 32-bit words,
+    keyed by the 64-bit seed: the four output words."""
+    import numpy as np
+
+    low = np.uint64(0xFFFFFFFF)
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)
+    for _ in range(10):
+        p0, p2 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = (p2 >> np.uint64(32)) ^ c1 ^ k0, p2 & low, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & low
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    return c0, c1, c2, c3
+
+
+def test_mask_is_its_definition():
+    """`testing.dropout_mask` (the kernels' `variant.dropout_keep`) is, bit for bit, the definition written out
+    per score in numpy: score (i, j) of sequence-and-head bh takes field j mod 2 (16 bits) of output
+    2 ((i // 8) mod 2) + (j // 8) mod 2 of Philox4x32-10 on (4 (j // 16) + (j mod 8) // 2, 8 (i // 16) + i mod 8, bh,
+    offset), kept iff the field is >= round(p · 2^16). A negative seed and an offset past 2^32 (its low 32 bits
+    count) too."""
+    import numpy as np
+
+    batch, heads, sq, sk, p = 2, 3, 40, 72, 0.3
+    for seed, offset in ((123456789, 42), (-5, 2**40 + 3)):
+        mask = testing.dropout_mask((seed, offset), batch, heads, sq, sk, p, device=DEVICE).cpu().numpy()
+        i = np.arange(sq, dtype=np.uint64)[None, None, :, None]
+        j = np.arange(sk, dtype=np.uint64)[None, None, None, :]
+        bh = np.arange(batch * heads, dtype=np.uint64).reshape(batch, heads, 1, 1)
+        c0 = 4 * (j // 16) + (j % 8) // 2 + 0 * (i + bh)
+        c1 = 8 * (i // 16) + i % 8 + 0 * (j + bh)
+        words = _philox4x32_10(c0, c1, bh + 0 * (i + j), np.full_like(c0, offset % 2**32), seed % 2**64)
+        word = 2 * ((i // 8) % 2) + (j // 8) % 2 + 0 * bh
+        bits = np.choose(word.astype(np.int64), words)
+        field = (bits >> (16 * (j % 2))) & np.uint64(0xFFFF)
+        want = field >= np.uint64(dropout_threshold(p))
+        assert mask.shape == want.shape and (mask == want).all(), (seed, offset, (mask != want).sum())
+
+
 def test_threshold_is_the_probability():
-    assert dropout_threshold(0.0) == 0 and dropout_threshold(0.5) == 2**30
-    assert 0 <= dropout_threshold(1 - 2**-40) < 2**31
+    assert dropout_threshold(0.0) == 0 and dropout_threshold(0.5) == 2**15 and dropout_threshold(0.1) == 6554
+    assert dropout_threshold(1 - 2**-40) == 2**16 - 1  # kept with probability 2^-16, not never
 
 
 def test_manual_seed_reproduces_and_two_calls_differ(device):
@@ -272,9 +310,11 @@ def test_p_zero_takes_the_dropout_free_path(device, monkeypatch):
 
 
 def test_dispatch_of_dropout_and_the_gluon_forwards_gate(monkeypatch):
-    """The Gluon and the portable kernels declare dropout; the Gluon kernels' config rules take dropout calls only
-    where `configs.GLUON_DROPOUT` (forward) / `configs.backward.GLUON_BWD_DROPOUT` are on (off: the portable
-    kernels run them), and the backward's never at tiles of 256 columns."""
+    """The Gluon and the portable kernels declare dropout. The Gluon forward's rules take dense dropout calls
+    without a window at tiles of 128 columns only (`configs.GLUON_DROPOUT_FWD`: the measured faster cases), the
+    Gluon backward's dense calls of `GLUON_BWD_DROPOUT_CASES`; the portable kernels run the rest, and all of them
+    with the switches off. Under GLUON_DROPOUT_ALL / GLUON_BWD_DROPOUT_ALL every call the Gluon kernels have a rule
+    for takes them (not the backward's tiles of 256 columns)."""
     from flashtriton import configs
     from flashtriton.configs import forward as configs_forward
 
@@ -285,25 +325,35 @@ def test_dispatch_of_dropout_and_the_gluon_forwards_gate(monkeypatch):
     assert dispatch.candidates("bwd", half, 64, 9, fields=fields) == ["gluon_bwd", "portable_bwd"]
     for name in ("tma_fwd", "decode_split", "decode_stream"):
         assert "dropout_p" not in dispatch.BY_NAME[name].fields
-    rules = (lambda dropout: configs_forward.gluon_fwd_config(128, 4096, 4096, True, dropout=dropout),
-             lambda dropout: configs_forward.gluon_varlen_config(128, 4096, 4096, True, dropout=dropout),
-             lambda dropout: configs_forward.gluon_paged_config(128, 4096, 4096, True, 256, dropout=dropout))
+    fwd = configs_forward.gluon_fwd_config
+    varlen = lambda dropout: configs_forward.gluon_varlen_config(128, 4096, 4096, True, dropout=dropout)  # noqa: E731
+    paged = lambda dropout: configs_forward.gluon_paged_config(128, 4096, 4096, True, 256, dropout=dropout)  # noqa: E731
+    assert configs_forward.GLUON_DROPOUT and not configs_forward.GLUON_DROPOUT_ALL
+    for head_dim, keys, causal in ((128, 16384, False), (128, 512, True), (96, 4096, False)):
+        assert fwd(head_dim, keys, keys, causal, dropout=True) == configs_forward.GLUON_SHORT
+    for head_dim in (64, 256):
+        assert fwd(head_dim, 4096, 4096, False, dropout=True) is None
+        assert fwd(head_dim, 4096, 4096, False) is not None
+    assert fwd(128, 4096, 4096, True, 1024, dropout=True) is None  # a window
+    assert varlen(True) is None and paged(True) is None and varlen(False) is not None and paged(False) is not None
+    bwd = configs.gluon_bwd_config
+    assert bwd(128, 4096, 4096, True, dropout=True) == bwd(128, 4096, 4096, True)
+    assert bwd(64, 4096, 4096, False, dropout=True) == bwd(64, 4096, 4096, False)
+    assert bwd(64, 4096, 4096, True, dropout=True) is None and bwd(64, 4096, 4096, True) is not None
+    assert bwd(128, 4096, 4096, True, varlen=True, dropout=True) is None
     monkeypatch.setattr(configs_forward, "GLUON_DROPOUT", False)
-    assert [rule(True) for rule in rules] == [None, None, None]
-    assert all(rule(False) is not None for rule in rules)
-    monkeypatch.setattr(configs_forward, "GLUON_DROPOUT", True)
-    assert all(rule(True) is not None for rule in rules)
-    # dense D=64 / 128 without a window: the flat loop's builds (which do not spill), at every length
-    for head_dim, keys in ((128, 16384), (64, 16384), (128, 512)):
-        config = configs_forward.gluon_fwd_config(head_dim, keys, keys, False, dropout=True)
-        assert config["OVERLAP"] and config["N_CONSUMERS"] == 2
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DROPOUT", False)
-    assert configs.gluon_bwd_config(128, 4096, 4096, True, dropout=True) is None
-    assert configs.gluon_bwd_config(128, 4096, 4096, True) is not None
+    assert fwd(128, 4096, 4096, False, dropout=True) is None and bwd(128, 4096, 4096, True, dropout=True) is None
+    monkeypatch.setattr(configs_forward, "GLUON_DROPOUT", True)
+    monkeypatch.setattr(configs_forward, "GLUON_DROPOUT_ALL", True)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DROPOUT", True)
-    assert configs.gluon_bwd_config(128, 4096, 4096, True, dropout=True) == configs.gluon_bwd_config(128, 4096, 4096,
-                                                                                                     True)
-    assert configs.gluon_bwd_config(256, 4096, 4096, True, dropout=True) is None
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DROPOUT_ALL", True)
+    assert all(rule(True) is not None for rule in (varlen, paged))
+    assert fwd(64, 16384, 16384, False, dropout=True) == configs_forward.GLUON_SHORT_D64
+    assert fwd(256, 4096, 4096, False, dropout=True) == fwd(256, 4096, 4096, False)
+    assert bwd(64, 4096, 4096, True, dropout=True) == bwd(64, 4096, 4096, True)
+    assert bwd(128, 4096, 4096, True, varlen=True, dropout=True) == bwd(128, 4096, 4096, True, varlen=True)
+    assert bwd(256, 4096, 4096, True, dropout=True) is None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -448,7 +498,7 @@ def test_attn_probs_as_flash_attn_returns_them():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The Gluon forward's dropout (Hopper; `configs.GLUON_DROPOUT` turned on here)
+# The Gluon kernels' dropout (Hopper; on for every call they have a rule for: `configs.GLUON_DROPOUT_ALL`)
 # ---------------------------------------------------------------------------------------------------------
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -468,7 +518,8 @@ class GluonLaunches:
 
 @pytest.fixture
 def gluon_dropout(monkeypatch):
-    """Dropout in the Gluon forward and backward on for the test (`configs.GLUON_DROPOUT`, `GLUON_BWD_DROPOUT`;
+    """Dropout in the Gluon forward and backward on for every call they have a rule for (`configs.GLUON_DROPOUT_ALL`,
+    `GLUON_BWD_DROPOUT_ALL`;
     the backward's floors off, so that small shapes take its kernels too; the dense plans made before dropped),
     and the Gluon kernels' launches counted (`GluonLaunches`)."""
     from flashtriton import configs
@@ -477,7 +528,9 @@ def gluon_dropout(monkeypatch):
     from flashtriton.kernels import forward as kernels_forward
 
     monkeypatch.setattr(configs_forward, "GLUON_DROPOUT", True)
+    monkeypatch.setattr(configs_forward, "GLUON_DROPOUT_ALL", True)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DROPOUT", True)
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DROPOUT_ALL", True)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_MIN_FLOPS", 0)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_D64_MIN_KEYS", 0)
     kernels_forward._dense_tma_plan.cache_clear()
@@ -541,10 +594,12 @@ def test_gluon_forward_dropout_exact_with_the_recovered_mask(shape, p, causal, d
 @pytest.mark.skipif(not _hopper(), reason="the Gluon forward: sm_90 only (no interpreter)")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_forward_dropout_varlen_and_variants(causal, device, gluon_dropout):
-    """Varlen (ragged sequences, one empty, lengths past a tile) and dropout with a window, softcap, ALiBi and
-    sinks together, through the Gluon forward and backward: each against float64 with the recovered mask."""
+    """Varlen (ragged sequences, one empty, lengths past a tile, a single query) and dropout with a window, softcap,
+    ALiBi and sinks together, through the Gluon forward and backward: each against float64 with the recovered
+    mask. (No sequence of one key: its exact dQ is 0, which torch's autograd reproduces exactly, while a flash
+    backward's dS = P (dP - rowsum(dO ∘ O)) carries the rounding of O, scaled by 1 / (1 - p).)"""
     p, hq, hkv, d = 0.2, 4, 2, 128
-    check_varlen([130, 0, 333, 17, 1], [200, 64, 333, 300, 1], hq, hkv, d, torch.bfloat16, p, causal, seed=21,
+    check_varlen([130, 0, 333, 17, 1], [200, 64, 333, 300, 9], hq, hkv, d, torch.bfloat16, p, causal, seed=21,
                  after_run=lambda: _took_gluon_with_dropout(gluon_dropout, p))
 
     gluon_dropout.clear()

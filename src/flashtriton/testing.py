@@ -53,7 +53,7 @@ def _dropout_mask(RNG, OUT, threshold, SEQLEN_Q, SEQLEN_K, BLOCK: tl.constexpr):
     base = OUT + bh.to(tl.int64) * SEQLEN_Q * SEQLEN_K
     for n in range(0, SEQLEN_K, BLOCK):
         cols = n + tl.arange(0, BLOCK)
-        keep = dropout_keep(seed, offset, bh, rows, n, threshold, BLOCK)
+        keep = dropout_keep(seed, offset, bh, pid_m * BLOCK, n, threshold, BLOCK, BLOCK)
         ok = (rows[:, None] < SEQLEN_Q) & (cols[None, :] < SEQLEN_K)
         tl.store(base + rows[:, None] * SEQLEN_K + cols[None, :], keep.to(tl.int8), mask=ok)
 

@@ -6,7 +6,7 @@ from flashtriton.configs import forward as cf
 from flashtriton.kernels.forward_gluon_launch import compile_for_sm90
 from flashtriton.kernels.variant import Variant
 from triton.backends.nvidia.compiler import get_ptxas
-cf.GLUON_DROPOUT = True
+cf.GLUON_DROPOUT = cf.GLUON_DROPOUT_ALL = True
 cuobjdump = get_ptxas(90).path.replace("ptxas", "cuobjdump")
 def counts(compiled):
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:

@@ -150,12 +150,15 @@ def gluon_bwd_pair_config(head_dim: int, head_dim_v: int) -> dict | None:
 
 
 # Dropout in the Gluon backward (the forward's keep-mask regenerated: `kernels.gluon_common.dropout_keep` and
-# `dropout_keep_t`) is off until an H200 run has checked it against float64 (tests/test_dropout.py, the `gluon`
-# tests) and timed it: with it off, dropout calls take the Triton backward. Its builds (triton 3.6's ptxas): up to
-# 8 bytes of spills at D=64 and in dQ; the D=128 dK/dV kernel spills 232 bytes (416 causal) against 8 (20) without
-# dropout (benchmarks/2026-12-03-h200/offline-builds/gluon_dropout_spills.txt). Tiles of 256 columns (two warpgroups sharing 64 keys) have no dropout build: the Triton
-# backward.
-GLUON_BWD_DROPOUT = False
+# `dropout_keep_t`): dense calls of GLUON_BWD_DROPOUT_CASES (tile width, causal), where it is faster than the Triton
+# backward with dropout. H200, p = 0.1, bf16, T = 1k / 4k / 16k (configs.forward.DROPOUT_EVIDENCE): D=128
+# 0.99-1.12x the Triton backward, D=64 non-causal 1.07-1.09x, D=64 causal 0.91-0.99x (the Triton backward keeps
+# it). Varlen dropout calls are not timed: the Triton backward. Tiles of 256 columns (two warpgroups sharing 64
+# keys) have no dropout build. GLUON_BWD_DROPOUT off: every dropout call takes the Triton backward;
+# GLUON_BWD_DROPOUT_ALL on (tests, A/B runs): every dropout call the Gluon backward has a rule for takes it.
+GLUON_BWD_DROPOUT = True
+GLUON_BWD_DROPOUT_ALL = False
+GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 
 
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
@@ -164,9 +167,12 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
     """{"dkdv": config, "dq": config} of the Gluon backward kernels (`GLUON_BWD`), or None (the Triton kernels):
     None with less work than GLUON_BWD_MIN_FLOPS, or at D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS.
     `head_dim_v`: V's head dim where it is not D: `gluon_bwd_pair_config`. `dropout`: the call drops
-    probabilities (None unless GLUON_BWD_DROPOUT)."""
-    if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS) or (
-            dropout and (not GLUON_BWD_DROPOUT or gluon_tile_width(head_dim) >= 256)):
+    probabilities (GLUON_BWD_DROPOUT_CASES, dense, or every case under GLUON_BWD_DROPOUT_ALL)."""
+    if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
+        return None
+    if dropout and (not GLUON_BWD_DROPOUT or gluon_tile_width(head_dim) >= 256 or not GLUON_BWD_DROPOUT_ALL and (
+            varlen or head_dim_v not in (None, head_dim)
+            or (gluon_tile_width(head_dim), bool(causal)) not in GLUON_BWD_DROPOUT_CASES)):
         return None
     if head_dim_v is not None and head_dim_v != head_dim:
         return gluon_bwd_pair_config(head_dim, head_dim_v)

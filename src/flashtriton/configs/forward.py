@@ -180,21 +180,30 @@ GLUON_SEPARATE_V_FWD = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
 ])
 
 
-# Dropout in the Gluon forward (`kernels.gluon_common.dropout_keep`: the portable kernels' mask, bit for bit) is off
-# until an H200 run has checked it against float64 (tests/test_dropout.py, the `gluon` tests) and timed it beside
-# the portable kernel and cuDNN: with it off, dropout calls take the portable forward. The config rules below
-# return None for dropout calls while it is off.
-GLUON_DROPOUT = False
-# Dense dropout calls at D=64 / 128 without a window: the flat loop (OVERLAP, two consumers) at every length. Its
-# dropout builds compile without spills (triton 3.6's ptxas); the item-by-item loop spills 212 bytes at D=128 and
-# three D=64 consumers 304. Other dropout calls take the rules below as they stand (their builds spill 56-232
-# bytes: D=256, varlen). benchmarks/2026-12-03-h200/offline-builds/gluon_dropout_spills.txt
+# Dropout in the Gluon forward (`kernels.gluon_common.dropout_keep`: the portable kernels' mask, bit for bit): dense
+# calls without a window at the head dims GLUON_DROPOUT_FWD times faster than the portable forward with dropout;
+# every other dropout call takes the portable forward. H200, p = 0.1, bf16, T = 1k / 4k / 16k (DROPOUT_EVIDENCE):
+# D=128 1.00-1.16x the portable forward (1.02-1.11x cuDNN's dropout forward); D=64 0.79-0.99x, so the portable
+# forward keeps D=64. The flat loop's dropout builds spill at most 16 bytes (triton 3.6's ptxas); the item-by-item
+# loop spills more (benchmarks/2026-12-03-h200/offline-builds/gluon_dropout_spills.txt). GLUON_DROPOUT off: every
+# dropout call takes the portable forward; GLUON_DROPOUT_ALL on (tests, A/B runs): every dropout call the Gluon
+# forward has a rule for takes it (GLUON_DROPOUT_FWD's, else its rule without dropout).
+DROPOUT_EVIDENCE = "benchmarks/2026-12-03-h200/gluon-dropout-fields16/dropout.json"
+GLUON_DROPOUT = True
+GLUON_DROPOUT_ALL = False
 GLUON_DROPOUT_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
     # gpu dtype  head dim  config           source
-    (SM90, "16", 128,      GLUON_SHORT,     "why: no spills in its dropout build; not timed yet"),
-    (SM90, "16", 64,       GLUON_SHORT_D64, "why: no spills in its dropout build; not timed yet"),
-    (ANY,  ANY,  ANY,      None,            "why: GLUON_FWD's rule, as without dropout"),
+    (SM90, "16", 128,      GLUON_SHORT,     DROPOUT_EVIDENCE),
+    (SM90, "16", 64,       None,            "why: the portable forward is faster with dropout: " + DROPOUT_EVIDENCE),
+    (ANY,  ANY,  ANY,      None,            "why: not timed with dropout: the portable forward"),
 ])
+GLUON_DROPOUT_FWD_ALL = {64: GLUON_SHORT_D64}  # GLUON_DROPOUT_ALL's rule at D=64 (the flat loop; spills nothing)
+
+
+def _dropout_gate(dropout: bool) -> bool:
+    """Whether a call may take a Gluon forward rule by itself: always without dropout, else only under
+    GLUON_DROPOUT_ALL (dense calls without a window have GLUON_DROPOUT_FWD)."""
+    return not dropout or (GLUON_DROPOUT and GLUON_DROPOUT_ALL)
 
 
 def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, band: int = 0,
@@ -203,14 +212,18 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, 
     a query row sees under a sliding window (0: no window), which picks `GLUON_WINDOW_FWD`'s rule where it is
     shorter than the keys. Head dims take the rows of their tiles' (`gluon_head_block`: D=80 those of 128).
     `head_dim_v`: V's head dim (default: D), `GLUON_SEPARATE_V_FWD` where its tiles are narrower than QK's.
-    `dropout`: the call drops probabilities (None unless GLUON_DROPOUT)."""
+    `dropout`: the call drops probabilities (GLUON_DROPOUT_FWD's rule, or None)."""
     head_dim, block_v = gluon_head_block(head_dim), gluon_head_block(head_dim if head_dim_v is None else head_dim_v)
     if head_dim is None or block_v is None or (dropout and not GLUON_DROPOUT):
         return None
     if dropout and block_v == head_dim and not 0 < band < seqlen_k:
         config = GLUON_DROPOUT_FWD.lookup(SM90, "16", head_dim)
+        if config is None and GLUON_DROPOUT_ALL:
+            config = GLUON_DROPOUT_FWD_ALL.get(head_dim)
         if config is not None:
             return config
+    if not _dropout_gate(dropout):
+        return None
     if block_v != head_dim:
         return GLUON_SEPARATE_V_FWD.lookup(SM90, "16", head_dim, block_v)
     if 0 < band < seqlen_k:
@@ -234,9 +247,9 @@ def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, cau
                         head_dim_v: int | None = None, dropout: bool = False) -> dict | None:
     """The Gluon forward's config for packed (varlen) batches (`GLUON_VARLEN_FWD`), or None (the TMA kernel).
     `head_dim_v`: V's head dim (default: D); a V in tiles of another width than QK's has no varlen rule.
-    `dropout`: as `gluon_fwd_config`'s."""
+    `dropout`: the call drops probabilities (None but under GLUON_DROPOUT_ALL: not timed with dropout)."""
     block, block_v = gluon_head_block(head_dim), gluon_head_block(head_dim if head_dim_v is None else head_dim_v)
-    if block is None or block_v != block or (dropout and not GLUON_DROPOUT):
+    if block is None or block_v != block or not _dropout_gate(dropout):
         return None
     return GLUON_VARLEN_FWD.lookup(SM90, "16", block)
 

@@ -178,7 +178,7 @@ def _attn_bwd_dkdv_tile(
             p_t = tl.where(visible(True, rows[None, :], offs_n[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
                            p_t, 0.0)
         if HAS_DROPOUT:
-            keep_t = dropout_keep(seed, offset, bh + g, rows, start_n, dropout_threshold, offs_n.shape[0], True)
+            keep_t = dropout_keep(seed, offset, bh + g, m, start_n, dropout_threshold, BLOCK_M, offs_n.shape[0], True)
             dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv,
                         input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_DV)
         else:
@@ -304,10 +304,11 @@ def _attn_bwd_dq_tile(
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slope=0.0,
-    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0, dropout_scale=1.0,
+    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0, dropout_scale=1.0, m0=0,
 ):
     """Add the contribution of keys [start_n, end_n) to the resident query tile's dQ (HAS_DROPOUT: dS = P ∘
-    (dP ∘ Z / (1 - p) - delta) with the forward's keep-mask Z, `variant.dropout_keep` of `bh`)."""
+    (dP ∘ Z / (1 - p) - delta) with the forward's keep-mask Z, `variant.dropout_keep` of `bh`; the tile's rows
+    start at m0)."""
     k_ptrs += start_n * stride_kn
     v_ptrs += start_n * stride_vn
     for n in range(start_n, end_n, BLOCK_N):
@@ -330,7 +331,7 @@ def _attn_bwd_dq_tile(
                                  HAS_WINDOW, left, right), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if HAS_DROPOUT:
-            dp = tl.where(dropout_keep(seed, offset, bh, offs_m, n, dropout_threshold, BLOCK_N),
+            dp = tl.where(dropout_keep(seed, offset, bh, m0, n, dropout_threshold, offs_m.shape[0], BLOCK_N),
                           dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -414,21 +415,21 @@ def _attn_bwd_dq(
             first, start, seqlen_k, diag, qk_scale,
             True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
-            HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale,
+            HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale, start_m * BLOCK_M,
         )
     dq = _attn_bwd_dq_tile(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         start, lo, seqlen_k, diag, qk_scale,
         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
-        HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale, start_m * BLOCK_M,
     )
     dq = _attn_bwd_dq_tile(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         lo, hi, seqlen_k, diag, qk_scale,
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
-        HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold, dropout_scale, start_m * BLOCK_M,
     )
 
     dq_ptrs = DQ + batch_dq + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd

@@ -68,10 +68,10 @@ def softmax_step(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slope=0.0,
-    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0, n=0,
+    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0, n=0, m0=0,
 ):
     """Fold one K/V tile into the running (acc, l_i, m_i): qk (BLOCK_M, BLOCK_N) are the raw scores Q Kᵀ of
-    keys `cols` (n, n + 1, ...) for query rows `offs_m`, v (BLOCK_N, BLOCK_D) their values. MASKED tiles hide keys past seqlen_k
+    keys `cols` (n, n + 1, ...) for query rows `offs_m` (m0, m0 + 1, ...), v (BLOCK_N, BLOCK_D) their values. MASKED tiles hide keys past seqlen_k
     and the pairs the variant hides (`variant.visible`, diagonal `diag`); HAS_SOFTCAP caps the scores first
     (`variant.softcap_scores`), HAS_ALIBI then adds the row's bias (`variant.alibi_bias`). HAS_DROPOUT drops
     probabilities from P·V only (`variant.dropout_keep` of sequence-and-head `bh`): l_i sums them all, the
@@ -101,7 +101,8 @@ def softmax_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
-        p = tl.where(dropout_keep(seed, offset, bh, offs_m, n, dropout_threshold, cols.shape[0]), p, 0.0)
+        p = tl.where(dropout_keep(seed, offset, bh, m0, n, dropout_threshold, offs_m.shape[0], cols.shape[0]), p,
+                     0.0)
     if UPCAST_DOT:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DOT_PRECISION)
     else:

@@ -34,8 +34,8 @@ HALF = (torch.float16, torch.bfloat16)
 ANY_HEAD_DIM = tuple(range(1, 257))
 # The portable kernels' variant fields.
 SCORES = frozenset({"causal", "window_size", "softcap", "alibi_slopes", "learnable_sink"})
-# The scores' and dropout: the portable and the Gluon kernels (whose config rules take dropout calls where
-# `configs.GLUON_DROPOUT` / `configs.backward.GLUON_BWD_DROPOUT` are on); the TMA forward and decode do not.
+# The scores' and dropout: the portable and the Gluon kernels (whose config rules take the dropout calls
+# `configs.GLUON_DROPOUT_FWD` / `configs.backward.GLUON_BWD_DROPOUT_CASES` name); the TMA forward and decode do not.
 TRAINING = SCORES | {"dropout_p"}
 
 

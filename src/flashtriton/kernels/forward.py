@@ -52,7 +52,7 @@ def _attn_fwd_tile(
     BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, left=0, right=0, HAS_SOFTCAP: tl.constexpr = False, softcap=0.0,
     HAS_ALIBI: tl.constexpr = False, slope=0.0,
-    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0,
+    HAS_DROPOUT: tl.constexpr = False, seed=0, offset=0, bh=0, dropout_threshold=0, m0=0,
     PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1, bt_row=None, stride_kp=0, stride_vp=0,
 ):
     """Fold K/V tiles [start_n, end_n) into the running (acc, l_i, m_i) of one Q tile; K tiles span the head dim
@@ -77,7 +77,7 @@ def _attn_fwd_tile(
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, cols, offs_m, seqlen_k, diag, qk_scale,
                                       MASKED, IS_CAUSAL, UPCAST_DOT, DOT_PRECISION, HAS_WINDOW, left, right,
                                       HAS_SOFTCAP, softcap, HAS_ALIBI, slope, HAS_DROPOUT, seed, offset, bh,
-                                      dropout_threshold, n)
+                                      dropout_threshold, n, m0)
         if not PAGED:
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn
@@ -170,21 +170,21 @@ def _attn_fwd(
             first, start, seqlen_k, diag, qk_scale,
             True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
             HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
-            HAS_DROPOUT, seed, offset, bh, dropout_threshold, PAGED, PAGE_SIZE, bt_row, stride_kb, stride_vb,
+            HAS_DROPOUT, seed, offset, bh, dropout_threshold, start_m * BLOCK_M, PAGED, PAGE_SIZE, bt_row, stride_kb, stride_vb,
         )
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         start, lo, seqlen_k, diag, qk_scale,
         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
-        HAS_DROPOUT, seed, offset, bh, dropout_threshold, PAGED, PAGE_SIZE, bt_row, stride_kb, stride_vb,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold, start_m * BLOCK_M, PAGED, PAGE_SIZE, bt_row, stride_kb, stride_vb,
     )
     acc, l_i, m_i = _attn_fwd_tile(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
         lo, hi, seqlen_k, diag, qk_scale,
         True, IS_CAUSAL, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, UPCAST_DOT, DOT_PRECISION,
         HAS_WINDOW, window_left, window_right, HAS_SOFTCAP, softcap, HAS_ALIBI, slope,
-        HAS_DROPOUT, seed, offset, bh, dropout_threshold, PAGED, PAGE_SIZE, bt_row, stride_kb, stride_vb,
+        HAS_DROPOUT, seed, offset, bh, dropout_threshold, start_m * BLOCK_M, PAGED, PAGE_SIZE, bt_row, stride_kb, stride_vb,
     )
 
     if HAS_SINKS:
@@ -527,7 +527,7 @@ def launch_forward(
     `configs.gluon_varlen_config` (varlen) say so the Gluon kernel (`forward_gluon`; FLASHTRITON_KERNEL=tma turns
     it off). dropout_p > 0 (with rng_state, the call's int64 (seed, offset) tensor on q's device): probabilities
     dropped by `variant.dropout_keep`'s mask, in the portable kernel, or the Gluon kernel where its config rule
-    takes dropout (`configs.GLUON_DROPOUT`); the TMA kernel does not declare dropout.
+    takes dropout (`configs.GLUON_DROPOUT_FWD`); the TMA kernel does not declare dropout.
     Returns (out, lse, compiled kernel or None); the compiled kernel (n_regs, n_spills, metadata.shared) is
     returned when a config is forced on a GPU, for `flashtriton tune`.
     """

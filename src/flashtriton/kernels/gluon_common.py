@@ -15,6 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .host import gluon_tile_width
+from .variant import dropout_fields
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a program may hold on sm_90 (H100 / H200)
 
@@ -28,73 +29,49 @@ def wgmma_layout(n, warps_n=1):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warps_n], instr_shape=[16, n // warps_n, 16])
 
 
-@gluon.jit
-def _kept(seed, offset, bh, c0, c1, threshold):
-    """The Philox calls on counters (c0, c1, bh, offset), each output compared with the threshold: (..., 2, 2),
-    [..., i, j] output i + 2j, key 4 c0 + 2i + j, as `variant.dropout_keep` orders them (bh and offset: one value
-    for every call)."""
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset)
-    k0 = (r0 >> 1).to(gl.int32, bitcast=True) >= threshold
-    k1 = (r1 >> 1).to(gl.int32, bitcast=True) >= threshold
-    k2 = (r2 >> 1).to(gl.int32, bitcast=True) >= threshold
-    k3 = (r3 >> 1).to(gl.int32, bitcast=True) >= threshold
-    return gl.join(gl.join(k0, k1), gl.join(k2, k3))
-
-
 @gluon.constexpr_function
-def dropout_calls_layout(n):
-    """Registers of the (64, n / 4) Philox calls of a (64, n) score tile's dropout (`dropout_keep`): call (i, g)
-    draws the bits of keys 4g .. 4g + 3 of row i (`variant.dropout_keep`'s counters). Lane t of warp w holds the
-    calls of row 16w + t // 4 + 8 (t mod 2) and groups 2r + (t // 2 mod 2), r = 0 .. n / 8 - 1 its registers. In
-    `wgmma_layout(n)` that thread holds rows 16w + t // 4 and 16w + t // 4 + 8, keys 8r + 2 (t mod 4) and the next:
-    each call lands on a thread that holds half of its keys, and the conversion to the accumulator's layout swaps
-    one register bit for one lane bit (warp shuffles between neighbouring lanes, no shared memory)."""
-    regs = [[0, 2 << i] for i in range((n // 8).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[8, 0], [0, 1], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, n // 4])
+def dropout_calls_layout(m, n):
+    """Registers of the (m / 2, n / 4) Philox calls of an (m, n) score tile's dropout (`variant.dropout_keep`; m
+    a multiple of 64, n of 16), each on the thread that holds its eight scores in `wgmma_layout(n)`: lane t of
+    warp w holds rows 16w + t // 4 and 8 more (and 64 more, ...), keys 8r + 2 (t mod 4) and the next, and so
+    call (8w + t // 4, 4 (r // 2) + t mod 4) (`variant.dropout_fields`). Moving the mask to the accumulator's
+    layout moves no data between threads."""
+    regs = ([[0, 4 << i] for i in range((n // 16).bit_length() - 1)]
+            + [[32 << i, 0] for i in range((m // 64).bit_length() - 1)])
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[m // 2, n // 4])
+
+
+@gluon.jit
+def _fields(seed, offset, bh, row0, n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """`variant.dropout_fields` of the (ROWS, BLOCK_N) score tile at (row0, n), in the layout the calls leave
+    them in (`dropout_calls_layout`)."""
+    calls: gl.constexpr = dropout_calls_layout(ROWS, BLOCK_N)
+    c1 = row0 // 2 + gl.arange(0, ROWS // 2, layout=gl.SliceLayout(1, calls))
+    c0 = n // 4 + gl.arange(0, BLOCK_N // 4, layout=gl.SliceLayout(0, calls))
+    c0, c1 = c0[None, :] + c1[:, None] * 0, c1[:, None] + c0[None, :] * 0
+    return dropout_fields(seed, offset, bh, c0, c1)
 
 
 @gluon.jit
 def dropout_keep(seed, offset, bh, row0, n, threshold, BLOCK_N: gl.constexpr):
     """The keep-mask of a (64, BLOCK_N) score tile in `wgmma_layout(BLOCK_N)`: rows row0 .. row0 + 63 against keys
     n .. n + BLOCK_N - 1 of sequence-and-head `bh`, bit for bit `variant.dropout_keep`'s (so the portable
-    backward and `flashtriton.testing.dropout_mask` regenerate it): one Philox4x32-10 call per four keys of a row,
-    in `dropout_calls_layout`, compared with the threshold there, then moved to the accumulator's layout."""
-    calls: gl.constexpr = dropout_calls_layout(BLOCK_N)
-    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, calls))
-    groups = n // 4 + gl.arange(0, BLOCK_N // 4, layout=gl.SliceLayout(0, calls))
-    c0 = groups[None, :] + rows[:, None] * 0
-    c1 = rows[:, None] + groups[None, :] * 0
-    keep = gl.reshape(_kept(seed, offset, bh, c0, c1, threshold), [64, BLOCK_N])
-    return gl.convert_layout(keep, wgmma_layout(BLOCK_N))
-
-
-@gluon.constexpr_function
-def dropout_calls_layout_t(m):
-    """`dropout_calls_layout` for a transposed (64 keys, m queries) score tile, the dK/dV kernel's: its (16, m)
-    Philox calls, call (g, i) for keys 4g .. 4g + 3 of query i. In `wgmma_layout(m)` lane t of warp w holds keys
-    16w + 4 (t // 16) + (t // 4 mod 4) and 8 more, queries 8r + 2 (t mod 4) and the next: the four keys of a group
-    lie in the four lanes that differ in t // 4 mod 4, which between them hold two groups (keys k, k + 8) of two
-    queries, four calls. Here those lanes take one call each (lane bit 2: the next query, bit 3: the group 8 keys
-    on), so that each call's outputs go to the lanes of its group."""
-    regs = [[0, 8 << i] for i in range((m // 8).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 2], [0, 4], [0, 1], [2, 0], [1, 0]],
-                                      warp_bases=[[4, 0], [8, 0]], block_bases=[], shape=[16, m])
+    backward and `flashtriton.testing.dropout_mask` regenerate it): one Philox4x32-10 call per eight scores, each
+    on the thread that holds them. The 32-bit fields change layout (register moves; booleans would be packed
+    into bytes), then meet the threshold."""
+    fields = gl.convert_layout(_fields(seed, offset, bh, row0, n, 64, BLOCK_N), wgmma_layout(BLOCK_N))
+    return fields >= (threshold.to(gl.uint32) << 16)
 
 
 @gluon.jit
 def dropout_keep_t(seed, offset, bh, k0, m0, threshold, QUERIES: gl.constexpr, layout: gl.constexpr):
     """The keep-mask of a transposed (64, QUERIES) score tile in `layout` (the tile's: `wgmma_layout(QUERIES)`, or
     split by columns over two warpgroups): keys k0 .. k0 + 63 against query rows m0 .. m0 + QUERIES - 1 of
-    sequence-and-head `bh`, bit for bit `variant.dropout_keep`'s with KEYS_FIRST (k0 a multiple of 4)."""
-    calls: gl.constexpr = dropout_calls_layout_t(QUERIES)
-    groups = k0 // 4 + gl.arange(0, 16, layout=gl.SliceLayout(1, calls))
-    rows = m0 + gl.arange(0, QUERIES, layout=gl.SliceLayout(0, calls))
-    c0 = groups[:, None] + rows[None, :] * 0  # (16, QUERIES)
-    c1 = rows[None, :] + groups[:, None] * 0
-    keep = _kept(seed, offset, bh, c0, c1, threshold)  # (16, QUERIES, 2, 2)
-    keep = gl.reshape(gl.permute(keep, (0, 2, 3, 1)), [64, QUERIES])
-    return gl.convert_layout(keep, layout)  # (shared memory by stmatrix / ldmatrix for wgmma_layout(QUERIES))
+    sequence-and-head `bh`, bit for bit `variant.dropout_keep`'s with KEYS_FIRST: made as the (QUERIES, 64) tile
+    of the queries' orientation, then transposed (through shared memory)."""
+    keep = _fields(seed, offset, bh, m0, k0, QUERIES, 64) >= (threshold.to(gl.uint32) << 16)
+    return gl.convert_layout(gl.permute(keep, (1, 0)), layout)
 
 
 @gluon.jit

@@ -103,7 +103,7 @@ class Variant:
 
     def dropout_args(self, rng_state=None) -> tuple:
         """(DROPOUT_RNG, dropout_threshold, dropout_scale) as the portable kernels take them: the call's int64
-        (seed, offset) tensor, the 31-bit threshold below which a score is dropped (`dropout_threshold`) and
+        (seed, offset) tensor, the 16-bit threshold below which a score is dropped (`dropout_threshold`) and
         1 / (1 - p); None for each without dropout (constexprs: the kernels compile without them)."""
         if not self.dropout_p:
             return None, None, None
@@ -238,9 +238,9 @@ class Variant:
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """floor(p · 2^31): `dropout_keep` drops a score whose 31 random bits fall below it, so a score is kept with
-    probability 1 - threshold / 2^31 (1 - p to within 2^-31)."""
-    return int(dropout_p * 2**31)
+    """round(p · 2^16), at most 2^16 - 1: `dropout_keep` drops a score whose 16 random bits fall below it, so a
+    score is kept with probability 1 - threshold / 2^16 (1 - p to within 2^-17)."""
+    return min(int(round(dropout_p * 2**16)), 2**16 - 1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -470,28 +470,44 @@ def dropout_state(rng):
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, rows, k0, threshold, BLOCK_K: tl.constexpr, KEYS_FIRST: tl.constexpr = False):
+def dropout_fields(seed, offset, bh, c0, c1):
+    """The random fields of the Philox calls (c0, c1), shape (M / 2, N / 4), laid out as the (M, N) scores they
+    serve (`dropout_keep`): uint32 values whose top 16 bits are the score's field (the bits below it are 0 or
+    another field, which cannot change a comparison with a threshold whose low 16 bits are 0). Call
+    (R, C) = (8a + b, 4m + c) serves rows 16a + b + 8ρ and keys 16m + 2c + 8κ + π: field π (0: bits 0..15,
+    1: bits 16..31) of its output 2ρ + κ. Only register moves lie between the calls' shape and the scores' where
+    a thread holds all eight scores of each of its calls (`gluon_common.dropout_calls_layout`)."""
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset)
+    x0 = tl.join(r0 << 16, r0)  # (M / 2, N / 4, π)
+    x1 = tl.join(r1 << 16, r1)
+    x2 = tl.join(r2 << 16, r2)
+    x3 = tl.join(r3 << 16, r3)
+    z = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # (M / 2, N / 4, π, κ, ρ)
+    M2: tl.constexpr = c0.shape[0]
+    N4: tl.constexpr = c0.shape[1]
+    z = tl.reshape(z, (M2 // 8, 8, N4 // 4, 4, 2, 2, 2))  # (a, b, m, c, π, κ, ρ)
+    z = tl.permute(z, (0, 6, 1, 2, 5, 3, 4))  # (a, ρ, b, m, κ, c, π)
+    return tl.reshape(z, (2 * M2, 4 * N4))
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, m0, k0, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 KEYS_FIRST: tl.constexpr = False):
     """The dropout keep-mask of a tile of scores of sequence-and-head `bh` (batch b · Hq + query head h): query
-    rows `rows` (M,) against keys k0 .. k0 + BLOCK_K - 1, both indices within the sequence (varlen: its own rows and
-    keys); (M, BLOCK_K), or (BLOCK_K, M) for KEYS_FIRST (key-major tiles); True where the score is kept.
-    Counter-based, so that the forward, both backward kernels and `flashtriton.testing.dropout_mask` regenerate the
-    same bits from the same indices, whatever their tiles: one Philox4x32-10 call (`tl.philox`, keyed by the call's
-    64-bit seed) on the counter (key group, query row, bh, offset) (`dropout_state`) gives keys 4g, 4g + 1, 4g + 2,
-    4g + 3 its outputs 0, 2, 1, 3 (Philox costs about 60 integer instructions a call: one per four scores, not one
-    per score). k0 is a multiple of 4 (every kernel's key tiles start at multiples of BLOCK_N). A score is
-    kept iff the top 31 bits of its output are >= threshold (`dropout_threshold`)."""
-    M: tl.constexpr = rows.shape[0]
-    groups = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+    rows m0 .. m0 + BLOCK_M - 1 against keys k0 .. k0 + BLOCK_K - 1, both counted within the sequence (varlen: its
+    own rows and keys); m0, k0 and the tile sizes are multiples of 16 (every kernel's tiles are). (BLOCK_M,
+    BLOCK_K), or (BLOCK_K, BLOCK_M) for KEYS_FIRST (key-major tiles); True where the score is kept.
+    Counter-based, so that the forward, both backward kernels and `flashtriton.testing.dropout_mask` regenerate
+    the same bits from the same indices, whatever their tiles: score (i, j) takes 16 bits of the Philox4x32-10
+    call (`tl.philox`, keyed by the call's 64-bit seed) on the counter (4 (j // 16) + (j mod 8) // 2,
+    8 (i // 16) + i mod 8, bh, offset) (`dropout_state`), field j mod 2 of its output 2 ((i // 8) mod 2) +
+    (j // 8) mod 2 (`dropout_fields`). One call (about 50 integer instructions) serves eight scores. A score is
+    kept iff its field is >= threshold (`dropout_threshold`)."""
+    calls_m = m0 // 2 + tl.arange(0, BLOCK_M // 2)
+    calls_k = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+    c0 = calls_k[None, :] + calls_m[:, None] * 0  # (BLOCK_M / 2, BLOCK_K / 4)
+    c1 = calls_m[:, None] + calls_k[None, :] * 0
+    keep = dropout_fields(seed, offset, bh, c0, c1) >= (threshold.to(tl.uint32) << 16)
     if KEYS_FIRST:
-        c0 = groups[:, None] + rows[None, :] * 0  # (BLOCK_K / 4, M)
-        c1 = rows[None, :] + groups[:, None] * 0
-    else:
-        c0 = groups[None, :] + rows[:, None] * 0  # (M, BLOCK_K / 4)
-        c1 = rows[:, None] + groups[None, :] * 0
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c0 * 0 + bh, c0 * 0 + offset)
-    bits = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [..., i, j]: output i + 2j, key 4g + 2i + j
-    if KEYS_FIRST:
-        bits = tl.reshape(tl.permute(bits, (0, 2, 3, 1)), (BLOCK_K, M))
-    else:
-        bits = tl.reshape(bits, (M, BLOCK_K))
-    return (bits >> 1).to(tl.int32, bitcast=True) >= threshold
+        keep = tl.trans(keep)
+    return keep
