@@ -339,7 +339,7 @@ def sweep_gluon_bwd(opts):
                 def run(gluon_cfg):
                     dispatch.CHOICE = dispatch.Choice(gluon_bwd=gluon_cfg is not None)
                     if gluon_cfg is not None:
-                        configs.gluon_bwd_config = lambda *a, c=gluon_cfg: c
+                        configs.gluon_bwd_config = lambda *a, c=gluon_cfg, **kw: c
                     return B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal)
 
                 real_config = configs.gluon_bwd_config
@@ -430,7 +430,7 @@ def sweep_varlen_bwd(opts):
 
         def run(gc, use=True, order="dispatch"):
             dispatch.CHOICE = dispatch.Choice(gluon_bwd=use)
-            configs.gluon_bwd_config = (lambda *a, c=gc: c) if gc is not None else real_config
+            configs.gluon_bwd_config = (lambda *a, c=gc, **kw: c) if gc is not None else real_config
             real_order, real_table = configs.VARLEN_BWD_ORDER[causal], BG.cached_work_table
             if order == "grid_table":  # the grid's programs, empty ones included, in its order, from a work table
                 configs.VARLEN_BWD_ORDER[causal] = "as_given"
@@ -572,7 +572,7 @@ def sweep_bwd_host(opts):
         for name, on in (("gluon", True), ("triton", False)):
             dispatch.CHOICE = dispatch.Choice(gluon_bwd=on)
             forced = real_config(D, T, T, causal)  # the Gluon kernels whatever the size (no host-time threshold)
-            configs.gluon_bwd_config = lambda *a, c=forced: c
+            configs.gluon_bwd_config = lambda *a, c=forced, **kw: c
             direct = lambda: B.attention_backward(do, q, k, v, out, lse, D ** -0.5, causal)  # noqa: E731
             o = flashtriton.flash_attn_func(*leaves, causal=causal)
 

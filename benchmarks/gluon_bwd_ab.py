@@ -2,12 +2,16 @@
 
 Cases (`--cases`, comma list of CASES' names):
   window1024, window4096   B=1 H=16 T=16384 D=128 bf16 causal, window (w - 1, 0): issue 25's window backward
+  dense16k                 the same shape causal without a window (the window's reference)
+  dense4k, dense4k_full    B=4 H=16 T=4096 D=128 bf16, causal / not
+  dense4k_d64(_full)       B=4 H=32 T=4096 D=64 bf16, causal / not
   mla, mla_causal          QK 192 / V 128 (DeepSeek's MLA), B=4 H=10 T=4096 bf16, non-causal / causal
 Candidates per case: the dispatch's config (`configs.gluon_bwd_config`) and the overrides of CANDIDATES[case] on it
 (constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, ...). Each candidate's gradients are
 checked against the dispatch config's (the same sums: equal but for the order of additions, judged at 1e-2 of
 their scale), then the backward (`torch.autograd.grad` of one forward, retained) is timed by `triton.testing.do_bench`
-(L2 flushed), median of `--rounds` rounds in rotating order after a warmup. Prints a table and writes
+(L2 flushed), median of `--rounds` rounds in rotating order after a warmup, and each kernel's device time per
+call read by torch.profiler over 10 calls (the preprocess, dK/dV, dQ). Prints a table and writes
 DIR/gluon_bwd_ab.json with the GPU, torch, triton and git sha.
 
     python benchmarks/gluon_bwd_ab.py --out DIR [--cases window1024,mla_causal] [--rounds 5]
@@ -29,13 +33,26 @@ from flashtriton.tools import bench_core as C
 
 CASES = {  # name: (B, H, T, D, Dv, causal, window)
     "window1024": (1, 16, 16384, 128, 128, True, (1023, 0)),
+    "dense16k": (1, 16, 16384, 128, 128, True, (-1, -1)),
+    "dense4k": (4, 16, 4096, 128, 128, True, (-1, -1)),
+    "dense4k_full": (4, 16, 4096, 128, 128, False, (-1, -1)),
+    "dense4k_d64": (4, 32, 4096, 64, 64, True, (-1, -1)),
+    "dense4k_d64_full": (4, 32, 4096, 64, 64, False, (-1, -1)),
     "window4096": (1, 16, 16384, 128, 128, True, (4095, 0)),
     "mla": (4, 10, 4096, 192, 128, False, (-1, -1)),
     "mla_causal": (4, 10, 4096, 192, 128, True, (-1, -1)),
 }
+PERSISTENT = {"dK/dV 2 stages": {"dkdv": dict(NUM_STAGES=2)},
+              "persistent dK/dV": {"dkdv": dict(NUM_STAGES=2, PERSISTENT=True)},
+              "persistent dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3, PERSISTENT=True)}}
 CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
-    "window1024": {"dK/dV 2 stages": {"dkdv": dict(NUM_STAGES=2)}},
-    "window4096": {"dK/dV 2 stages": {"dkdv": dict(NUM_STAGES=2)}},
+    "dense16k": PERSISTENT,
+    "dense4k": PERSISTENT,
+    "dense4k_full": PERSISTENT,
+    "dense4k_d64": PERSISTENT,
+    "dense4k_d64_full": PERSISTENT,
+    "window1024": PERSISTENT,
+    "window4096": PERSISTENT,
     "mla": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
             "dQ 64-key tiles": {"dq": dict(BLOCK_N=64)}},
     "mla_causal": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
@@ -65,6 +82,22 @@ def backward_call(case, config):
             configs.gluon_bwd_config = real
 
     return call, call()
+
+
+def kernel_times(call, calls: int = 10) -> dict:
+    """{kernel name: device time per call (us)} of `calls` calls of `call` (torch.profiler), after one warm call."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        if total and event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.key[:40]] = total / calls
+    return times
 
 
 def main() -> int:
@@ -100,10 +133,12 @@ def main() -> int:
                 times[label].append(triton.testing.do_bench(calls[label], warmup=10, rep=100))
         ms = {label: statistics.median(t) for label, t in times.items()}
         for label in labels:
+            kernels = kernel_times(calls[label])
             rows.append(dict(env, case=case, shape=CASES[case], candidate=label, config=candidates[label],
-                             ms=ms[label], times=times[label], over_dispatch=ms["dispatch"] / ms[label]))
-            print(f"{case:12s} {label:20s} {ms[label]:8.3f} ms  x{ms['dispatch'] / ms[label]:.3f} of the dispatch's",
-                  flush=True)
+                             ms=ms[label], times=times[label], over_dispatch=ms["dispatch"] / ms[label],
+                             kernel_us=kernels))
+            print(f"{case:12s} {label:20s} {ms[label]:8.3f} ms  x{ms['dispatch'] / ms[label]:.3f} of the dispatch's"
+                  f"  ({', '.join(f'{k}: {t:.0f} us' for k, t in sorted(kernels.items()))})", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gluon_bwd_ab.json"), "w") as f:

@@ -59,7 +59,7 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
     monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice(gluon_bwd=use_gluon))
     if use_gluon:
         config = config or configs.gluon_bwd_config(q.shape[-1], 4096, 4096, causal)
-        monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
+        monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: config)
     ran = record_gluon_launches(monkeypatch)
     grads = B.attention_backward(dout, q, k, v, out, lse, scale, causal, bottom_right)
     expected = []
@@ -88,6 +88,9 @@ CONFIGS = {
     "dQ by 64-key tiles, 2 stages": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                                      "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)},
     "dK/dV 3 stages, Triton dQ": {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240), "dq": None},
+    # persistent dK/dV programs: one per SM, or 3 (each then takes many items, through both K/V buffer pairs)
+    "persistent dK/dV": {**_DEFAULT, "dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, PERSISTENT=True)},
+    "persistent dK/dV, 3 programs": {**_DEFAULT, "dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, PERSISTENT=3)},
 }
 
 
@@ -252,6 +255,17 @@ def test_dispatch_config():
     assert configs.gluon_bwd_config(192, 4096, 4096, True) == configs.gluon_bwd_config(256, 4096, 4096, True)
     assert configs.gluon_bwd_config(72, 4096, 4096, False) is None
     assert configs.gluon_bwd_config(160, 4096, 4096, False) is None
+    # a window: dK/dV with 2 stages in 128-column tiles, dense and without dropout; the rest as without one
+    for head_dim in (80, 128):
+        windowed = configs.gluon_bwd_config(head_dim, 16384, 16384, True, window=True)
+        plain = configs.gluon_bwd_config(head_dim, 16384, 16384, True)
+        assert windowed["dkdv"] == dict(plain["dkdv"], NUM_STAGES=2) != plain["dkdv"] and windowed["dq"] == plain["dq"]
+        assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, varlen=True, window=True) == plain
+        assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, dropout=True, window=True) == \
+            configs.gluon_bwd_config(head_dim, 16384, 16384, True, dropout=True)
+    for head_dim in (64, 256):
+        assert configs.gluon_bwd_config(head_dim, 4096, 4096, True, window=True) == \
+            configs.gluon_bwd_config(head_dim, 4096, 4096, True)
     # D = 256: dK/dV programs of 64 keys (K and V 64 KB, per stage Q, dO 64 KB and lse, delta 512 B)
     assert BG.program_block("dkdv", 256) == 64 and BG.program_block("dkdv", 128) == 128
     assert BG.shared_memory_bytes(dict(NUM_STAGES=2), 256) == 65536 + 2 * 66048
@@ -297,7 +311,7 @@ def test_gluon_backward_varlen(causal, head_dim, head_dim_v, order, device, monk
     else:
         config = _DEFAULT if head_dim > 64 else {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                                                   "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
-    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
+    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: config)
     ran = record_gluon_launches(monkeypatch)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out = flashtriton.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal)
@@ -383,7 +397,7 @@ def test_gluon_backward_varlen_without_sequences(causal, device, monkeypatch):
     gradient row is 0 (these rows belong to no sequence)."""
     q, k, v = (torch.randn(300, 2, 128, dtype=torch.float16, device=device) for _ in range(3))
     cu = torch.zeros(1, dtype=torch.int32, device=device)
-    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: _DEFAULT)
+    monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: _DEFAULT)
     ran = record_gluon_launches(monkeypatch)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flashtriton.flash_attn_varlen_func(*leaves, cu, cu, 8, 8, causal=causal)
@@ -401,8 +415,26 @@ def test_shared_memory_estimate_and_limit():
     assert BG.shared_memory_bytes(too_big, 64, "dq") <= BG.SHARED_MEMORY_LIMIT < BG.shared_memory_bytes(too_big, 128, "dq")
     with pytest.raises(ValueError, match="shared memory"):
         BG.launch_parts((1, 256, 2, 128), (1, 256, 2, 128), False, True, too_big, "dq")
-    # dK/dV at D = 128, 2 stages: K and V of 128 keys (64 KB), per stage Q, dO (32 KB) and lse, delta (512 B)
+    # dK/dV at D = 128, 2 stages: K and V of 128 keys (64 KB), per stage Q, dO (32 KB) and lse, delta (512 B);
+    # persistent: two items' K and V
     assert BG.shared_memory_bytes(dict(NUM_STAGES=2), 128) == 65536 + 2 * 33280
+    assert BG.shared_memory_bytes(dict(NUM_STAGES=2, PERSISTENT=True), 128) == 2 * 65536 + 2 * 33280
+
+
+def test_persistent_dkdv_launch_parts():
+    """A persistent dK/dV launch: one program per SM (`programs`) or PERSISTENT's number, never more than the grid's
+    items (key blocks x kv heads x batch entries); dense calls with tiles up to 128 wide only."""
+    config = dict(NUM_STAGES=2, CONSUMER_REGS=240, PERSISTENT=True)
+    q, k = (2, 1000, 8, 128), (2, 1000, 2, 128)  # 8 key blocks x 2 kv heads x 2 = 32 items
+    grid, _, meta = BG.launch_parts(q, k, True, True, config, "dkdv", programs=132)
+    assert grid == (32, 1, 1) and meta["PERSISTENT"] is True
+    assert BG.launch_parts(q, k, True, True, config, "dkdv", programs=20)[0] == (20, 1, 1)
+    assert BG.launch_parts(q, k, True, True, dict(config, PERSISTENT=3), "dkdv", programs=132)[0] == (3, 1, 1)
+    assert BG.launch_parts(q, k, True, True, dict(config, PERSISTENT=False), "dkdv")[0] == (8, 2, 2)
+    with pytest.raises(ValueError, match="PERSISTENT"):
+        BG.launch_parts((3000, 8, 128), (3000, 2, 128), True, True, config, "dkdv", 2, 1500, 1500)  # varlen
+    with pytest.raises(ValueError, match="PERSISTENT"):
+        BG.launch_parts((2, 1000, 8, 256), (2, 1000, 2, 256), True, True, config, "dkdv")
 
 
 def test_gluon_backward_compiles_for_sm90_without_a_gpu():
@@ -474,7 +506,7 @@ def variant_grads(q, k, v, dout, kwargs, sinks, use_gluon, monkeypatch, config=N
     expected = []
     if use_gluon:
         config = config or configs.gluon_bwd_config(q.shape[-1], 4096, 4096, kwargs.get("causal", False))
-        monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a: config)
+        monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: config)
         expected = ["launch_dkdv_gluon"] + (["launch_dq_gluon"] if config["dq"] is not None else [])
     ran = record_gluon_launches(monkeypatch)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -528,7 +560,8 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
 @pytest.mark.parametrize("name", ["causal_window", "window_both", "window_softcap_alibi",
                                   "causal_window_softcap_alibi_sinks"])
 @pytest.mark.parametrize("config_name", ["dQ by 128-key tiles", "dQ by 64-key tiles, 2 stages",
-                                         "dK/dV 3 stages, Triton dQ"])
+                                         "dK/dV 3 stages, Triton dQ", "persistent dK/dV",
+                                         "persistent dK/dV, 3 programs"])
 def test_gluon_backward_variants_other_configs(name, config_name, device, monkeypatch):
     """The variants under every Gluon config the sweeps tried (dQ tiles of 64 and 128 keys, the Triton dQ)."""
     shape = (1, 1000, 1000, 4, 2)
@@ -667,6 +700,14 @@ VARIANT_BUILDS = {
     ("dkdv", 256, True, True, True, True, True): 4,
     ("dq", 256, False, False, True, True, True): 0,
 }
+# Persistent dK/dV builds (`configs.backward.GLUON_BWD_PERSISTENT`): the items' places and loop state, kept across
+# the tile loop, spill (the tile loop itself reloads three values more than the one-item build's)
+PERSISTENT_BUILDS = {
+    # (kernel, head dim, causal, varlen, window, softcap, alibi): spill budget
+    ("dkdv", 128, True, False, True, False, False): 200,
+    ("dkdv", 64, True, False, True, False, False): 0,
+    ("dkdv", 128, False, False, False, False, False): 108,
+}
 
 
 def test_gluon_backward_variants_compile_for_sm90_without_a_gpu():
@@ -688,6 +729,24 @@ def test_gluon_backward_variants_compile_for_sm90_without_a_gpu():
         "    print('compiled', kernel, d, causal, varlen, window, softcap, alibi, 'spill', spill)\n"
     )
     assert_within_spill_budgets(compile_in_fresh_process(script), VARIANT_BUILDS)
+
+
+def test_persistent_dkdv_compiles_for_sm90_without_a_gpu():
+    """The persistent dK/dV builds (windows, and without a variant) compile to sm_90 code within their spill
+    budgets. In a fresh process, as above."""
+    script = (
+        "import torch\n"
+        "from flashtriton import configs\n"
+        "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
+        f"for kernel, d, causal, varlen, window, softcap, alibi in {list(PERSISTENT_BUILDS)!r}:\n"
+        "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], NUM_STAGES=2, PERSISTENT=True)\n"
+        "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen,\n"
+        "                                window_size=(1023, 0) if window else (-1, -1))\n"
+        "    ptx = compiled.asm['ptx']\n"
+        "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin']\n"
+        "    print('compiled', kernel, d, causal, varlen, window, softcap, alibi, 'spill', spill_bytes(compiled))\n"
+    )
+    assert_within_spill_budgets(compile_in_fresh_process(script), PERSISTENT_BUILDS)
 
 
 def assert_within_spill_budgets(out: str, budgets: dict) -> None:

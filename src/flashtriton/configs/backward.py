@@ -5,7 +5,8 @@ from __future__ import annotations
 import triton
 
 from ..kernels.host import gluon_tile_width
-from .table import ANY, CAUSAL, H200, H200_LATE, H200_WIDE, SM90, Table, padded_head_dims, tiles, variant_class, width
+from .table import (ANY, CAUSAL, H200, H200_DEC4, H200_LATE, H200_WIDE, SM90, Table, padded_head_dims, tiles,
+                    variant_class, width)
 
 # Two tuned kernels: dK/dV (one program per BLOCK_N keys, streaming BLOCK_M query rows of every head of its GQA
 # group) and dQ (one program per BLOCK_M query rows, streaming BLOCK_N keys). The delta kernel is not tuned.
@@ -161,13 +162,23 @@ GLUON_BWD_DROPOUT_ALL = False
 GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 
 
+# A window's dK/dV kernel with 2 stages of Q / dO instead of D=128's 3: its kernel time at T=16k, H=16, bf16, causal
+# 0.97x (window 1024) and 0.91-0.95x (window 4096) of 3 stages', in three runs (the kernels' times by torch.profiler
+# beside do_bench's totals: benchmarks/2026-12-04-h200/gluon-bwd-ab/first_breakdown.json,
+# benchmarks/2026-12-04-h200/gluon-bwd-ab/persistent_strided.json, GLUON_BWD_WINDOW_SOURCE); without a window 2
+# stages are level at causal T=16k and T=4k, and 3 stages stay. Dense calls without dropout (what was timed).
+GLUON_BWD_WINDOW_DKDV = dict(NUM_STAGES=2)
+GLUON_BWD_WINDOW_SOURCE = H200_DEC4 + "gluon-bwd-ab/persistent_rounds.json"
+
+
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
                      fwd_flops: float = float("inf"), varlen: bool = False,
-                     head_dim_v: int | None = None, dropout: bool = False) -> dict | None:
+                     head_dim_v: int | None = None, dropout: bool = False, window: bool = False) -> dict | None:
     """{"dkdv": config, "dq": config} of the Gluon backward kernels (`GLUON_BWD`), or None (the Triton kernels):
     None with less work than GLUON_BWD_MIN_FLOPS, or at D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS.
     `head_dim_v`: V's head dim where it is not D: `gluon_bwd_pair_config`. `dropout`: the call drops
-    probabilities (GLUON_BWD_DROPOUT_CASES, dense, or every case under GLUON_BWD_DROPOUT_ALL)."""
+    probabilities (GLUON_BWD_DROPOUT_CASES, dense, or every case under GLUON_BWD_DROPOUT_ALL). `window`: the call
+    has a sliding window (dense, without dropout, in 128-column tiles: GLUON_BWD_WINDOW_DKDV)."""
     if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
         return None
     if dropout and (not GLUON_BWD_DROPOUT or gluon_tile_width(head_dim) >= 256 or not GLUON_BWD_DROPOUT_ALL and (
@@ -178,7 +189,10 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
         return gluon_bwd_pair_config(head_dim, head_dim_v)
     if head_dim not in GLUON_BWD_HEAD_DIMS:
         return None
-    return GLUON_BWD.lookup(SM90, "16", gluon_tile_width(head_dim))  # the tiles' columns: their table row
+    config = GLUON_BWD.lookup(SM90, "16", gluon_tile_width(head_dim))  # the tiles' columns: their table row
+    if window and not (varlen or dropout) and gluon_tile_width(head_dim) == 128:
+        config = {**config, "dkdv": {**config["dkdv"], **GLUON_BWD_WINDOW_DKDV}}
+    return config
 
 
 # Where a varlen Gluon backward's programs come from, per causal mode: "grid" (the longest sequence's blocks ×

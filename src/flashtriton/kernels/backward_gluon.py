@@ -120,6 +120,50 @@ def _work_item(WORK):
 
 
 @gluon.jit
+def _query_tiles(start_n, seqlen_q, diag, window_left, window_right, IS_CAUSAL: gl.constexpr,
+                 HAS_WINDOW: gl.constexpr, PROGRAM_KEYS: gl.constexpr):
+    """(lo, n_m) of the keys [start_n, start_n + PROGRAM_KEYS): the first query tile with a row that sees one of them
+    and the number of query tiles per head from there (0: dK = dV = 0)."""
+    if HAS_WINDOW:  # the query tiles with a row that sees one of the keys: [lo, q_end)
+        lo, _, _, q_end = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, PROGRAM_KEYS, HAS_WINDOW,
+                                       window_left, window_right)
+        n_m = gl.cdiv(q_end - lo, BLOCK_M)
+    else:
+        lo = query_first(start_n, diag, IS_CAUSAL, BLOCK_M)  # the first query tile with a row that sees key start_n
+        n_m = gl.cdiv(gl.maximum(seqlen_q - lo, 0), BLOCK_M)
+    return lo, n_m
+
+
+@gluon.jit
+def _round_item(r, schedule):
+    """The item a persistent dK/dV program takes in round r: items r · programs ... (r + 1) · programs − 1 go one to a
+    program, in program order in even rounds and in reverse in odd ones, so that with items of decreasing length
+    (`_item_place`) each program's sum stays near the mean (a plain stride gives the first programs the longest
+    item of every round: 1.6x the mean at causal T=16k). Past the last item: nothing to do."""
+    pid = schedule[0]
+    programs = schedule[2]
+    return r * programs + pid + (r % 2) * (programs - 1 - 2 * pid)
+
+
+@gluon.jit
+def _item_place(item, schedule, seqlen_q):
+    """A persistent dK/dV program's item `item`, key block by key block (causal: the first keys, which see the most
+    queries, first), within one the batch entries' kv heads: its place (off_b, off_hk, start_n, lo, n_m,
+    n_iters), as `_attn_bwd_dkdv_gluon` makes it.
+    `schedule`: (first item, items, programs, key blocks, kv heads, group size, diag, window left, right,
+    IS_CAUSAL, HAS_WINDOW, PROGRAM_KEYS, ALiBi slopes' batch stride, Hq)."""
+    heads_kv = schedule[4]
+    per_block = schedule[1] // schedule[3]  # kv heads x batch entries
+    start_n = (item // per_block) * schedule[11]
+    rest = item % per_block
+    off_hk = rest % heads_kv
+    off_b = rest // heads_kv
+    lo, n_m = _query_tiles(start_n, seqlen_q, schedule[6], schedule[7], schedule[8], schedule[9], schedule[10],
+                           schedule[11])
+    return off_b, off_hk, start_n, lo, n_m, n_m * schedule[5]
+
+
+@gluon.jit
 def _store_rows(base, stride_n, first, n_valid, vals, layout: gl.constexpr, HEAD_DIM: gl.constexpr, d_valid):
     """Varlen epilogue: rows first + i (i < n_valid) of a packed (total, H, D) tensor, from registers; `base`
     points at (token 0, this head). A TMA store would also write the rows past the sequence, the next one's.
@@ -131,23 +175,26 @@ def _store_rows(base, stride_n, first, n_valid, vals, layout: gl.constexpr, HEAD
 
 
 @gluon.jit
-def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl.constexpr,
-              NUM_STAGES: gl.constexpr, KV_BLOCKS: gl.constexpr):
-    """K/V of the program's keys once (KV_BLOCKS blocks of 64), then for each (query head g of the group, query
-    tile) its Q, dO, lse and delta into stage it % NUM_STAGES, once the consumers released the tile it held."""
+def _produce_keys(shared, place, seq, group_size, heads_q, seqlen_pad, kv_bar, kv_base, it0, IS_VARLEN: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, KV_BLOCKS: gl.constexpr):
+    """One program's keys (`place`): their K/V (KV_BLOCKS blocks of 64) into K/V buffers kv_base + w once, signalled
+    on `kv_bar`, then for each (query head g of the group, query tile) its Q, dO, lse and delta into stage
+    it % NUM_STAGES of the ring (`it` counting from it0 the tiles the program streamed before), once the consumers
+    released the tile it held."""
     (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
      kv_ready, ready, empty) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
-    mbarrier.expect(kv_ready, KV_BLOCKS * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
+    mbarrier.expect(kv_bar, KV_BLOCKS * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
     for w in gl.static_range(KV_BLOCKS):
-        tma_load(desc_k, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, k_bufs.index(w))
-        tma_load(desc_v, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_ready, v_bufs.index(w))
+        tma_load(desc_k, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_bar, k_bufs.index(kv_base + w))
+        tma_load(desc_v, IS_VARLEN, off_b, k_start + start_n + w * ROWS, off_hk, kv_bar, v_bufs.index(kv_base + w))
     TILE_BYTES: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                                 + 2 * desc_lse.block_type.nbytes)  # Q, dO, lse, delta
-    for it in range(n_iters):
-        g = it // n_m
-        m = lo + (it - g * n_m) * BLOCK_M
+    for t in range(n_iters):
+        it = it0 + t
+        g = t // n_m
+        m = lo + (t - g * n_m) * BLOCK_M
         off_h = off_hk * group_size + g
         stage = it % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1, pred=it >= NUM_STAGES)
@@ -160,14 +207,43 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 
 
 @gluon.jit
-def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
-              WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-              NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-              HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr = False):
-    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) over the streamed tiles, then their stores (dK in
-    QK's tiles, dV in V's: HEAD_DIM_V).
-    `variant`: (window left, right, softcap, the group's first query head's ALiBi slope pointer, dropout), None
-    where off; dropout = (seed, offset, threshold, 1 / (1 - p), b · Hq + the group's first query head).
+def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl.constexpr,
+              NUM_STAGES: gl.constexpr, KV_BLOCKS: gl.constexpr, schedule=None, kv_empty=None,
+              PERSISTENT: gl.constexpr = False):
+    """The program's keys (`_produce_keys`). PERSISTENT: the keys of every item of the program (`_round_item`), the K/V of
+    item j into buffer pair j % 2 once the consumers released that pair's item j - 2 (`kv_empty`), while item
+    j - 1's tiles still run, and the ring's tiles counted across items."""
+    if PERSISTENT:
+        kv_ready = shared[12]
+        it = 0
+        j = 0
+        for r in range(gl.cdiv(schedule[1], schedule[2])):
+            item = _round_item(r, schedule)
+            if item < schedule[1]:
+                place = _item_place(item, schedule, seq[1])
+                buf = j % 2
+                mbarrier.wait(kv_empty.index(buf), ((j // 2) & 1) ^ 1, pred=j >= 2)
+                _produce_keys(shared, place, seq, group_size, heads_q, seqlen_pad, kv_ready.index(buf),
+                              buf * KV_BLOCKS, it, IS_VARLEN, NUM_STAGES, KV_BLOCKS)
+                it += place[5]
+                j += 1
+    else:
+        _produce_keys(shared, place, seq, group_size, heads_q, seqlen_pad, shared[12], 0, 0, IS_VARLEN, NUM_STAGES,
+                      KV_BLOCKS)
+
+
+@gluon.jit
+def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv_bar, kv_phase, kv_base, it0,
+                  release, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr,
+                  HAS_DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr):
+    """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) of one program's keys (`place`) over the streamed
+    tiles, then their stores (dK in QK's tiles, dV in V's: HEAD_DIM_V), through K/V buffers kv_base + WG, whose
+    load completes phase `kv_phase` of `kv_bar`; `it0`: the tiles the program streamed before.
+    PERSISTENT: the stores are not waited for here; once this item's first tile is done (or at its end, without
+    tiles), the previous item's stores are, and its K/V buffers go back to the producer: `release` = (the barrier,
+    whether there was a previous item).
     WARPS_N = 2 (WIDE): the partition is two warpgroups that split every tile by columns (`wgmma_layout`): Sᵀ
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
     between them through shared memory in `gl.convert_layout`."""
@@ -193,12 +269,13 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, acc_v_layout)
-    k = k_bufs.index(WG).reshape([ROWS, HEAD_DIM])
-    v = v_bufs.index(WG).reshape([ROWS, HEAD_DIM_V])
-    mbarrier.wait(kv_ready, 0)
-    for it in range(n_iters):
-        g = it // n_m
-        m = lo + (it - g * n_m) * BLOCK_M
+    k = k_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM])
+    v = v_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM_V])
+    mbarrier.wait(kv_bar, kv_phase)
+    for t in range(n_iters):
+        it = it0 + t
+        g = t // n_m
+        m = lo + (t - g * n_m) * BLOCK_M
         stage = it % NUM_STAGES
         mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
         q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
@@ -246,6 +323,12 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
         dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         mbarrier.arrive(empty.index(stage), count=1)
+        if PERSISTENT:
+            if (t == 0) & release[1]:
+                _release_keys(release[0])
+    if PERSISTENT:
+        if (n_iters == 0) & release[1]:
+            _release_keys(release[0])
 
     dk = (dk * softmax_scale).to(dtype)
     dv = dv.to(dtype)
@@ -259,9 +342,56 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
         k.store(dk)  # the buffers are this warpgroup's alone, its last wgmma done
         v.store(dv)
         fence_async_shared()
-        tma_store(desc_dk, IS_VARLEN, off_b, k_start + first_key, off_hk, k_bufs.index(WG))
-        tma_store(desc_dv, IS_VARLEN, off_b, k_start + first_key, off_hk, v_bufs.index(WG))
+        tma_store(desc_dk, IS_VARLEN, off_b, k_start + first_key, off_hk, k_bufs.index(kv_base + WG))
+        tma_store(desc_dv, IS_VARLEN, off_b, k_start + first_key, off_hk, v_bufs.index(kv_base + WG))
+        if not PERSISTENT:
+            tma.store_wait(0)
+
+
+@gluon.jit
+def _release_keys(kv_empty):
+    """The previous item's dK / dV stores have read their buffers: its K/V buffers go back to the producer."""
+    tma.store_wait(0)
+    mbarrier.arrive(kv_empty, count=1)
+
+
+@gluon.jit
+def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
+              WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+              NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+              HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr = False, schedule=None,
+              kv_empty=None, PERSISTENT: gl.constexpr = False):
+    """dK, dV of the program's keys (`_consume_keys`). `variant`: (window left, right, softcap, the group's first
+    query head's ALiBi slope pointer, dropout), None where off; dropout = (seed, offset, threshold, 1 / (1 - p),
+    b · Hq + the group's first query head). PERSISTENT: those of every item of the program (`_round_item`), item j's
+    through buffer pair j % 2 (`_producer`)."""
+    kv_ready = shared[6]
+    if PERSISTENT:
+        KV_BLOCKS: gl.constexpr = 2 // WARPS_N
+        it = 0
+        j = 0
+        for r in range(gl.cdiv(schedule[1], schedule[2])):
+            item = _round_item(r, schedule)
+            if item < schedule[1]:
+                place = _item_place(item, schedule, seq[1])
+                buf = j % 2
+                # the variant's per-head parts for the item's (batch entry, group): the kernel made them for (0, 0)
+                heads_base = place[0] * schedule[13] + place[1] * schedule[5]  # b · Hq + the group's first head
+                item_variant = (variant[0], variant[1], variant[2],
+                                variant[3] + place[0] * schedule[12] + place[1] * schedule[5] if HAS_ALIBI else None,
+                                (variant[4][0], variant[4][1], variant[4][2], variant[4][3], heads_base)
+                                if HAS_DROPOUT else variant[4])
+                _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, item_variant, kv_ready.index(buf),
+                              (j // 2) & 1, buf * KV_BLOCKS, it, (kv_empty.index(1 - buf), j > 0), WG, IS_CAUSAL,
+                              IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
+                              HAS_DROPOUT, True)
+                it += place[5]
+                j += 1
         tma.store_wait(0)
+    else:
+        _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv_ready, 0, 0, 0, None, WG,
+                      IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
+                      HAS_DROPOUT, False)
 
 
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dkn", "stride_dkh",
@@ -278,17 +408,26 @@ def _attn_bwd_dkdv_gluon(
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
-    HAS_DROPOUT: gl.constexpr = False,
+    HAS_DROPOUT: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
-    exist, in the table's order). num_warps=4: the producer; two consumer warpgroups as workers, each with its 64
+    exist, in the table's order). PERSISTENT (dense, 128 keys a program): a grid of (programs,), each program taking
+    one item (key block, kv head, batch entry) per round (`_round_item`, `_item_place`), with two K/V buffer pairs,
+    so that an item's K/V loads and first Q / dO tiles and the previous item's dK / dV stores overlap the tiles of
+    the item before (`_producer`, `_consumer`). num_warps=4: the producer; two consumer warpgroups as workers, each with its 64
     keys, or at WIDE_HEAD_DIM one worker of two warpgroups sharing 64 keys. Causal: the second warpgroup's first
     query tile lies wholly before its keys (P = 0); it is computed anyway: skipping it cost registers (spills) and
     12-15 % (explore11/run_04538af9a0df)."""
     PROGRAM_KEYS: gl.constexpr = dkdv_keys(HEAD_DIM)
     WIDE: gl.constexpr = PROGRAM_KEYS == ROWS
-    if IS_VARLEN and WORK_TABLE:
+    gl.static_assert(not PERSISTENT or not (IS_VARLEN or WIDE), "PERSISTENT: dense, 128 keys a program")
+    if PERSISTENT:  # the first item's place (the partitions work out each item's: `_item_place`)
+        start_n = gl.program_id(0) * 0
+        off_hk = start_n
+        off_b = start_n
+        seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K), False)
+    elif IS_VARLEN and WORK_TABLE:
         off_b, off_hk, start_n, seq = _work_item(WORK)
         if off_b < 0:  # the table's padding past its last item
             return
@@ -300,13 +439,7 @@ def _attn_bwd_dkdv_gluon(
                        IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
     diag = diagonal(seqlen_q, seqlen_k, IS_CAUSAL, CAUSAL_BOTTOM_RIGHT, HAS_WINDOW or HAS_ALIBI)
-    if HAS_WINDOW:  # the query tiles with a row that sees one of the program's keys: [lo, q_end)
-        lo, _, _, q_end = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, PROGRAM_KEYS, HAS_WINDOW, window_left,
-                                       window_right)
-        n_m = gl.cdiv(q_end - lo, BLOCK_M)  # query tiles per head; 0: dK = dV = 0
-    else:
-        lo = query_first(start_n, diag, IS_CAUSAL, BLOCK_M)  # the first query tile with a row that sees key start_n
-        n_m = gl.cdiv(gl.maximum(seqlen_q - lo, 0), BLOCK_M)  # query tiles per head; 0: dK = dV = 0
+    lo, n_m = _query_tiles(start_n, seqlen_q, diag, window_left, window_right, IS_CAUSAL, HAS_WINDOW, PROGRAM_KEYS)
     if IS_VARLEN:
         if start_n >= seqlen_k:  # keys past a shorter sequence's end: nothing to do (no K/V load, no barrier)
             return
@@ -314,15 +447,24 @@ def _attn_bwd_dkdv_gluon(
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + desc_q.block_type.shape, desc_q.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + desc_do.block_type.shape, desc_do.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [PROGRAM_KEYS // ROWS] + desc_k.block_type.shape, desc_k.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [PROGRAM_KEYS // ROWS] + desc_v.block_type.shape, desc_v.layout)
+    KV_BUFS: gl.constexpr = (2 if PERSISTENT else 1) * (PROGRAM_KEYS // ROWS)  # PERSISTENT: two pairs, item j's j % 2
+    k_bufs = gl.allocate_shared_memory(dtype, [KV_BUFS] + desc_k.block_type.shape, desc_k.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [KV_BUFS] + desc_v.block_type.shape, desc_v.layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + desc_lse.block_type.shape, desc_lse.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + desc_delta.block_type.shape,
                                            desc_delta.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if PERSISTENT:  # per K/V buffer pair: loaded (kv_ready), and released by both consumers (kv_empty)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+    else:
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_empty = None
+        mbarrier.init(kv_ready, count=1)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1 if WIDE else 2)  # one arrive per consumer partition
@@ -357,6 +499,23 @@ def _attn_bwd_dkdv_gluon(
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
                          gl.constexpr(2), HAS_DROPOUT)),
         ], [8], [CONSUMER_REGS])
+    elif PERSISTENT:
+        schedule = (gl.program_id(0), gl.cdiv(SEQLEN_K, PROGRAM_KEYS) * (HEADS_Q // GROUP_SIZE) * BATCH,
+                    gl.num_programs(0), gl.to_tensor(gl.cdiv(SEQLEN_K, PROGRAM_KEYS)),
+                    gl.to_tensor(HEADS_Q // GROUP_SIZE), group_size, diag,
+                    variant[0] if HAS_WINDOW else gl.constexpr(0), variant[1] if HAS_WINDOW else gl.constexpr(0),
+                    IS_CAUSAL, HAS_WINDOW, PROGRAM_KEYS,  # (0 for what the variant lacks: no None in it)
+                    gl.to_tensor(stride_alibi_b) if HAS_ALIBI else gl.constexpr(0), gl.to_tensor(HEADS_Q))
+        gl.warp_specialize([
+            (_producer, (producer_args, place, seq, group_size, heads_pad[0], heads_pad[1], IS_VARLEN, NUM_STAGES,
+                         gl.constexpr(2), schedule, kv_empty, True)),
+            (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
+                         IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True)),
+            (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
+                         IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (producer_args, place, seq, group_size, heads_pad[0], heads_pad[1], IS_VARLEN, NUM_STAGES,

@@ -60,10 +60,10 @@ def program_block(kernel: str, head_dim: int) -> int:
 def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_bytes: int = 2,
                         head_dim_v: int | None = None) -> int:
     """Shared memory of a kernel's tiles (barriers and layout conversions aside), at tiles `head_dim` wide (Q, K)
-    and `head_dim_v` (V, dO; default the same). dK/dV: K and V of the program's keys, and per stage a 64-row Q and
-    dO tile with their lse and delta. dQ: Q and dO of 128 rows, and per stage a K and a V tile."""
+    and `head_dim_v` (V, dO; default the same). dK/dV: K and V of the program's keys (two items' under PERSISTENT),
+    and per stage a 64-row Q and dO tile with their lse and delta. dQ: Q and dO of 128 rows, and per stage a K and a V tile."""
     widths = head_dim + (head_dim if head_dim_v is None else head_dim_v)  # a row of Q and dO, or of K and V
-    resident = program_block(kernel, head_dim) * widths * elem_bytes
+    resident = program_block(kernel, head_dim) * widths * elem_bytes * (2 if config.get("PERSISTENT") else 1)
     if kernel == "dkdv":
         per_stage = BLOCK_M.value * (widths * elem_bytes + 8)
     else:
@@ -73,13 +73,15 @@ def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_
 
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv",
                  batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                 variant: Variant | None = None, head_dim_v: int | None = None):
+                 variant: Variant | None = None, head_dim_v: int | None = None, programs: int = 132):
     """(grid, int arguments after the scales and output strides, constexprs and options) of the dK/dV or the dQ
     kernel. Dense (batch None): q (B, Sq, Hq, D), k (B, Sk, Hkv, D). Varlen: q (total_q, Hq, D),
     k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens. `variant`: the call's
     (window, softcap, ALiBi: `Variant.score_constexprs`); None: causal or not, nothing else. `head_dim_v`: V's (and
     dO's, dV's) head dim where it is not D (`separate_v_ok` pairs); the kernels read its tiles' width from the V
-    descriptor, and the dK/dV kernel stores dV's own columns (DV_VALID)."""
+    descriptor, and the dK/dV kernel stores dV's own columns (DV_VALID). A dK/dV config with PERSISTENT (dense,
+    tiles up to 128 wide) launches at most `programs` programs (the GPU's SM count: one resident program each), or
+    at most PERSISTENT programs where it is a number (tests: many items a program)."""
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
     block_d = head_block(head_dim)  # the tiles' head dim (HEAD_DIM); D_VALID the head's own
@@ -96,7 +98,13 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     if smem > SHARED_MEMORY_LIMIT:
         raise ValueError(f"Gluon {kernel} config {config} needs {smem} bytes of shared memory at head dims "
                          f"{head_dim} / {head_dim_v or head_dim}; sm_90 has {SHARED_MEMORY_LIMIT}")
-    if kernel == "dkdv":
+    persistent = config.get("PERSISTENT") if kernel == "dkdv" else None
+    if persistent:  # True: one program per SM; a number: at most that many programs (tests)
+        if varlen or block_d >= WIDE_HEAD_DIM.value:
+            raise ValueError(f"Gluon dkdv config {config}: PERSISTENT takes dense calls with tiles up to 128 wide")
+        programs = programs if persistent is True else int(persistent)
+        grid = (max(1, min(cdiv(seqlen_k, program_block(kernel, block_d)) * heads_kv * batch, programs)), 1, 1)
+    elif kernel == "dkdv":
         grid = (cdiv(seqlen_k, program_block(kernel, block_d)), heads_kv, batch)
     else:
         grid = (cdiv(seqlen_q, KEYS.value), heads_q, batch)
@@ -206,8 +214,9 @@ def _dense_plan(kernel, q_shape, k_shape, dtype, device, causal, causal_bottom_r
                 variant=None, head_dim_v=None) -> _DensePlan:
     """The plan of one call shape and variant (`Variant` equality: its window, softcap and whether ALiBi slopes
     are given; the scalars and slopes themselves are arguments of each launch); `head_dim_v`: V's head dim."""
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     return _DensePlan(*launch_parts(q_shape, k_shape, causal, causal_bottom_right, dict(config_items), kernel,
-                                    variant=variant, head_dim_v=head_dim_v))
+                                    variant=variant, head_dim_v=head_dim_v, programs=programs))
 
 
 def _launch_parts_for(kernel, q, k, v, variant, config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
