@@ -5,13 +5,15 @@ Cases (`--cases`, comma list of CASES' names):
   dense16k                 the same shape causal without a window (the window's reference)
   dense4k, dense4k_full    B=4 H=16 T=4096 D=128 bf16, causal / not
   dense4k_d64(_full)       B=4 H=32 T=4096 D=64 bf16, causal / not
+  softcap4k                B=4 H=16 T=4096 D=128 bf16 causal, softcap 50
   mla, mla_causal          QK 192 / V 128 (DeepSeek's MLA), B=4 H=10 T=4096 bf16, non-causal / causal
 Candidates per case: the dispatch's config (`configs.gluon_bwd_config`) and the overrides of CANDIDATES[case] on it
 (constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, ...). Each candidate's gradients are
 checked against the dispatch config's (the same sums: equal but for the order of additions, judged at 1e-2 of
 their scale), then the backward (`torch.autograd.grad` of one forward, retained) is timed by `triton.testing.do_bench`
 (L2 flushed), median of `--rounds` rounds in rotating order after a warmup, and each kernel's device time per
-call read by torch.profiler over 10 calls (the preprocess, dK/dV, dQ). Prints a table and writes
+call read by torch.profiler over 5 calls, median of `--rounds` readings in rotating order (the preprocess, dK/dV,
+dQ; a candidate read right after the timing rounds reads 3-6 % high, so no candidate always goes first). Prints a table and writes
 DIR/gluon_bwd_ab.json with the GPU, torch, triton and git sha.
 
     python benchmarks/gluon_bwd_ab.py --out DIR [--cases window1024,mla_causal] [--rounds 5]
@@ -37,22 +39,23 @@ CASES = {  # name: (B, H, T, D, Dv, causal, window)
     "dense4k": (4, 16, 4096, 128, 128, True, (-1, -1)),
     "dense4k_full": (4, 16, 4096, 128, 128, False, (-1, -1)),
     "dense4k_d64": (4, 32, 4096, 64, 64, True, (-1, -1)),
+    "softcap4k": (4, 16, 4096, 128, 128, True, (-1, -1), 50.0),
     "dense4k_d64_full": (4, 32, 4096, 64, 64, False, (-1, -1)),
     "window4096": (1, 16, 16384, 128, 128, True, (4095, 0)),
     "mla": (4, 10, 4096, 192, 128, False, (-1, -1)),
     "mla_causal": (4, 10, 4096, 192, 128, True, (-1, -1)),
 }
-PERSISTENT = {"dK/dV 2 stages": {"dkdv": dict(NUM_STAGES=2)},
-              "persistent dK/dV": {"dkdv": dict(NUM_STAGES=2, PERSISTENT=True)},
-              "persistent dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3, PERSISTENT=True)}}
+SPLIT = {"dK/dV 2 stages": {"dkdv": dict(NUM_STAGES=2)}, "dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)},
+         "split, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=1)},
+         "split, 3 stages": {"dkdv": dict(NUM_STAGES=3, SPLIT=1)},
+         "split late dP, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=2)}}
 CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
-    "dense16k": PERSISTENT,
-    "dense4k": PERSISTENT,
-    "dense4k_full": PERSISTENT,
-    "dense4k_d64": PERSISTENT,
-    "dense4k_d64_full": PERSISTENT,
-    "window1024": PERSISTENT,
-    "window4096": PERSISTENT,
+    "dense16k": SPLIT,
+    "dense4k": SPLIT,
+    "dense4k_d64": SPLIT,
+    "softcap4k": SPLIT,
+    "window1024": SPLIT,
+    "window4096": SPLIT,
     "mla": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
             "dQ 64-key tiles": {"dq": dict(BLOCK_N=64)}},
     "mla_causal": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
@@ -62,14 +65,15 @@ CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
 
 def backward_call(case, config):
     """(call, grads): the timed backward of one forward of `case` under the Gluon config `config`."""
-    B, H, T, D, Dv, causal, window = CASES[case]
+    B, H, T, D, Dv, causal, window = CASES[case][:7]
+    softcap = CASES[case][7] if len(CASES[case]) > 7 else 0.0
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(B, T, H, D, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
             for _ in range(2))
     v = torch.randn(B, T, H, Dv, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
     dout = torch.randn(B, T, H, Dv, device="cuda", generator=gen, dtype=torch.bfloat16)
     real = configs.gluon_bwd_config
-    out = flashtriton.flash_attn_func(q, k, v, causal=causal, window_size=window)
+    out = flashtriton.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
 
     def fixed(*a, **kw):  # one function per candidate: the backward keeps its plan under it (`backward._plan_key`)
         return config
@@ -109,8 +113,8 @@ def main() -> int:
     env = C.environment()
     rows = []
     for case in args.cases.split(","):
-        B, H, T, D, Dv, causal, window = CASES[case]
-        base = configs.gluon_bwd_config(D, T, T, causal, head_dim_v=Dv)
+        B, H, T, D, Dv, causal, window = CASES[case][:7]
+        base = configs.gluon_bwd_config(D, T, T, causal, head_dim_v=Dv, window=window != (-1, -1))
         candidates = {"dispatch": base}
         for label, over in CANDIDATES[case].items():
             candidates[label] = {kernel: dict(base[kernel], **over.get(kernel, {})) for kernel in ("dkdv", "dq")}
@@ -132,8 +136,13 @@ def main() -> int:
             for label in labels[r % len(labels):] + labels[:r % len(labels)]:
                 times[label].append(triton.testing.do_bench(calls[label], warmup=10, rep=100))
         ms = {label: statistics.median(t) for label, t in times.items()}
+        readings = {label: [] for label in labels}  # kernel times in rotating order too (the first reads high)
+        for r in range(args.rounds):
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                readings[label].append(kernel_times(calls[label], calls=5))
         for label in labels:
-            kernels = kernel_times(calls[label])
+            kernels = {name: statistics.median(reading.get(name, 0.0) for reading in readings[label])
+                       for name in readings[label][0]}
             rows.append(dict(env, case=case, shape=CASES[case], candidate=label, config=candidates[label],
                              ms=ms[label], times=times[label], over_dispatch=ms["dispatch"] / ms[label],
                              kernel_us=kernels))

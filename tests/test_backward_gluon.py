@@ -91,6 +91,9 @@ CONFIGS = {
     # persistent dK/dV programs: one per SM, or 3 (each then takes many items, through both K/V buffer pairs)
     "persistent dK/dV": {**_DEFAULT, "dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, PERSISTENT=True)},
     "persistent dK/dV, 3 programs": {**_DEFAULT, "dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, PERSISTENT=3)},
+    # dK/dV tiles in three loops (masked, whole, masked), the whole tiles' dPᵀ issued early (1) or late (2)
+    "split dK/dV": {**_DEFAULT, "dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, SPLIT=1)},
+    "split dK/dV, late dP, 3 stages": {**_DEFAULT, "dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240, SPLIT=2)},
 }
 
 
@@ -255,17 +258,26 @@ def test_dispatch_config():
     assert configs.gluon_bwd_config(192, 4096, 4096, True) == configs.gluon_bwd_config(256, 4096, 4096, True)
     assert configs.gluon_bwd_config(72, 4096, 4096, False) is None
     assert configs.gluon_bwd_config(160, 4096, 4096, False) is None
-    # a window: dK/dV with 2 stages in 128-column tiles, dense and without dropout; the rest as without one
+    # split dK/dV loops (dense, without dropout): a window in 128-column tiles (with 2 stages), causal softcap there,
+    # causal at D=64; the rest as without them
     for head_dim in (80, 128):
-        windowed = configs.gluon_bwd_config(head_dim, 16384, 16384, True, window=True)
         plain = configs.gluon_bwd_config(head_dim, 16384, 16384, True)
-        assert windowed["dkdv"] == dict(plain["dkdv"], NUM_STAGES=2) != plain["dkdv"] and windowed["dq"] == plain["dq"]
+        assert "SPLIT" not in plain["dkdv"]
+        for causal in (False, True):
+            windowed = configs.gluon_bwd_config(head_dim, 16384, 16384, causal, window=True)
+            assert windowed["dkdv"] == dict(plain["dkdv"], NUM_STAGES=2, SPLIT=1) and windowed["dq"] == plain["dq"]
+        assert configs.gluon_bwd_config(head_dim, 4096, 4096, True, softcap=True)["dkdv"] == dict(plain["dkdv"], SPLIT=1)
+        assert configs.gluon_bwd_config(head_dim, 4096, 4096, False, softcap=True) == \
+            configs.gluon_bwd_config(head_dim, 4096, 4096, False)
         assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, varlen=True, window=True) == plain
+        assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, window=True, alibi=True) == plain
         assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, dropout=True, window=True) == \
             configs.gluon_bwd_config(head_dim, 16384, 16384, True, dropout=True)
-    for head_dim in (64, 256):
-        assert configs.gluon_bwd_config(head_dim, 4096, 4096, True, window=True) == \
-            configs.gluon_bwd_config(head_dim, 4096, 4096, True)
+    d64 = configs.gluon_bwd_config(64, 4096, 4096, False)
+    assert configs.gluon_bwd_config(64, 4096, 4096, True)["dkdv"] == dict(d64["dkdv"], SPLIT=1)
+    assert configs.gluon_bwd_config(64, 4096, 4096, True, window=True) == configs.gluon_bwd_config(64, 4096, 4096, True)
+    assert configs.gluon_bwd_config(64, 4096, 4096, True, varlen=True) == d64
+    assert configs.gluon_bwd_config(256, 4096, 4096, True, window=True) == configs.gluon_bwd_config(256, 4096, 4096, True)
     # D = 256: dK/dV programs of 64 keys (K and V 64 KB, per stage Q, dO 64 KB and lse, delta 512 B)
     assert BG.program_block("dkdv", 256) == 64 and BG.program_block("dkdv", 128) == 128
     assert BG.shared_memory_bytes(dict(NUM_STAGES=2), 256) == 65536 + 2 * 66048
@@ -561,7 +573,8 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
                                   "causal_window_softcap_alibi_sinks"])
 @pytest.mark.parametrize("config_name", ["dQ by 128-key tiles", "dQ by 64-key tiles, 2 stages",
                                          "dK/dV 3 stages, Triton dQ", "persistent dK/dV",
-                                         "persistent dK/dV, 3 programs"])
+                                         "persistent dK/dV, 3 programs", "split dK/dV",
+                                         "split dK/dV, late dP, 3 stages"])
 def test_gluon_backward_variants_other_configs(name, config_name, device, monkeypatch):
     """The variants under every Gluon config the sweeps tried (dQ tiles of 64 and 128 keys, the Triton dQ)."""
     shape = (1, 1000, 1000, 4, 2)
@@ -700,13 +713,18 @@ VARIANT_BUILDS = {
     ("dkdv", 256, True, True, True, True, True): 4,
     ("dq", 256, False, False, True, True, True): 0,
 }
-# Persistent dK/dV builds (`configs.backward.GLUON_BWD_PERSISTENT`): the items' places and loop state, kept across
-# the tile loop, spill (the tile loop itself reloads three values more than the one-item build's)
+# Persistent dK/dV builds (PERSISTENT, off in the dispatch): the items' places and loop state, kept across the tile
+# loop, spill (the tile loop itself reloads three values more than the one-item build's). Split dK/dV loops (SPLIT,
+# as `configs.backward.GLUON_BWD_SPLIT_WINDOW` / `GLUON_BWD_SPLIT` dispatch them): none of their tile loops spills.
 PERSISTENT_BUILDS = {
-    # (kernel, head dim, causal, varlen, window, softcap, alibi): spill budget
-    ("dkdv", 128, True, False, True, False, False): 200,
-    ("dkdv", 64, True, False, True, False, False): 0,
-    ("dkdv", 128, False, False, False, False, False): 108,
+    # (kernel, head dim, causal, varlen, window, softcap, alibi, config's overrides): spill budget
+    ("dkdv", 128, True, False, True, False, False, "persistent"): 200,
+    ("dkdv", 64, True, False, True, False, False, "persistent"): 0,
+    ("dkdv", 128, False, False, False, False, False, "persistent"): 108,
+    ("dkdv", 128, True, False, True, False, False, "split"): 64,
+    ("dkdv", 128, False, False, True, True, False, "split"): 64,
+    ("dkdv", 128, True, False, False, True, False, "split"): 44,
+    ("dkdv", 64, True, False, False, False, False, "split"): 0,
 }
 
 
@@ -731,20 +749,22 @@ def test_gluon_backward_variants_compile_for_sm90_without_a_gpu():
     assert_within_spill_budgets(compile_in_fresh_process(script), VARIANT_BUILDS)
 
 
-def test_persistent_dkdv_compiles_for_sm90_without_a_gpu():
-    """The persistent dK/dV builds (windows, and without a variant) compile to sm_90 code within their spill
-    budgets. In a fresh process, as above."""
+def test_persistent_and_split_dkdv_compile_for_sm90_without_a_gpu():
+    """The persistent and the split dK/dV builds compile to sm_90 code within their spill budgets. In a fresh
+    process, as above."""
     script = (
         "import torch\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
-        f"for kernel, d, causal, varlen, window, softcap, alibi in {list(PERSISTENT_BUILDS)!r}:\n"
-        "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], NUM_STAGES=2, PERSISTENT=True)\n"
+        "OVERRIDES = {'persistent': dict(NUM_STAGES=2, PERSISTENT=True), 'split': dict(NUM_STAGES=2, SPLIT=1)}\n"
+        f"for kernel, d, causal, varlen, window, softcap, alibi, kind in {list(PERSISTENT_BUILDS)!r}:\n"
+        "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], **OVERRIDES[kind])\n"
         "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen,\n"
-        "                                window_size=(1023, 0) if window else (-1, -1))\n"
+        "                                window_size=(1023, 0) if window else (-1, -1),\n"
+        "                                softcap=30.0 if softcap else 0.0, alibi=alibi)\n"
         "    ptx = compiled.asm['ptx']\n"
         "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin']\n"
-        "    print('compiled', kernel, d, causal, varlen, window, softcap, alibi, 'spill', spill_bytes(compiled))\n"
+        "    print('compiled', kernel, d, causal, varlen, window, softcap, alibi, kind, 'spill', spill_bytes(compiled))\n"
     )
     assert_within_spill_budgets(compile_in_fresh_process(script), PERSISTENT_BUILDS)
 
@@ -758,7 +778,7 @@ def assert_within_spill_budgets(out: str, budgets: dict) -> None:
     assert len(lines) == len(budgets), out
     for line in lines:
         _, kernel, d, *flags, _, spill = line.split()
-        key = (kernel, int(d), *(f == "True" for f in flags))
+        key = (kernel, int(d), *(f == "True" if f in ("True", "False") else f for f in flags))
         assert key in budgets, line
         if triton.__version__.startswith("3.6"):
             assert int(spill) <= budgets[key], f"{line}: more spills than {budgets[key]} bytes"

@@ -162,23 +162,28 @@ GLUON_BWD_DROPOUT_ALL = False
 GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 
 
-# A window's dK/dV kernel with 2 stages of Q / dO instead of D=128's 3: its kernel time at T=16k, H=16, bf16, causal
-# 0.97x (window 1024) and 0.91-0.95x (window 4096) of 3 stages', in three runs (the kernels' times by torch.profiler
-# beside do_bench's totals: benchmarks/2026-12-04-h200/gluon-bwd-ab/first_breakdown.json,
-# benchmarks/2026-12-04-h200/gluon-bwd-ab/persistent_strided.json, GLUON_BWD_WINDOW_SOURCE); without a window 2
-# stages are level at causal T=16k and T=4k, and 3 stages stay. Dense calls without dropout (what was timed).
-GLUON_BWD_WINDOW_DKDV = dict(NUM_STAGES=2)
-GLUON_BWD_WINDOW_SOURCE = H200_DEC4 + "gluon-bwd-ab/persistent_rounds.json"
+# dK/dV tiles in three loops, the masked ones around those every pair of which is visible (SPLIT = 1: those run
+# without mask code, their dPᵀ issued beside Sᵀ). Kernel time at bf16, T=16k H=16 windows / T=4k B=4 causal
+# (GLUON_BWD_SPLIT_SOURCE, each candidate beside the same config unsplit in one run): window 1024 0.96x, window
+# 4096 0.95x (with 2 stages of Q / dO: 3 stages 1.00x there), softcap 50 0.96x, D=64 causal 0.94x; D=128 causal
+# without a variant level at T=4k and 16k (1.00-1.01x), so it stays unsplit. Dense calls without dropout (what was
+# timed; split, varlen builds spill 180 bytes, and with ALiBi the whole tiles' loop spills 14 values a tile).
+GLUON_BWD_SPLIT_WINDOW = dict(NUM_STAGES=2, SPLIT=1)
+GLUON_BWD_SPLIT = dict(SPLIT=1)
+GLUON_BWD_SPLIT_SOURCE = H200_DEC4 + "gluon-bwd-ab/split.json"
 
 
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
                      fwd_flops: float = float("inf"), varlen: bool = False,
-                     head_dim_v: int | None = None, dropout: bool = False, window: bool = False) -> dict | None:
+                     head_dim_v: int | None = None, dropout: bool = False, window: bool = False,
+                     softcap: bool = False, alibi: bool = False) -> dict | None:
     """{"dkdv": config, "dq": config} of the Gluon backward kernels (`GLUON_BWD`), or None (the Triton kernels):
     None with less work than GLUON_BWD_MIN_FLOPS, or at D = 64 with fewer keys than GLUON_BWD_D64_MIN_KEYS.
     `head_dim_v`: V's head dim where it is not D: `gluon_bwd_pair_config`. `dropout`: the call drops
-    probabilities (GLUON_BWD_DROPOUT_CASES, dense, or every case under GLUON_BWD_DROPOUT_ALL). `window`: the call
-    has a sliding window (dense, without dropout, in 128-column tiles: GLUON_BWD_WINDOW_DKDV)."""
+    probabilities (GLUON_BWD_DROPOUT_CASES, dense, or every case under GLUON_BWD_DROPOUT_ALL). `window`,
+    `softcap`, `alibi`: the call has a sliding window, a softcap, ALiBi slopes (dense calls without dropout or
+    ALiBi: GLUON_BWD_SPLIT_WINDOW in 128-column tiles; GLUON_BWD_SPLIT causal with softcap there, and causal at
+    D=64)."""
     if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
         return None
     if dropout and (not GLUON_BWD_DROPOUT or gluon_tile_width(head_dim) >= 256 or not GLUON_BWD_DROPOUT_ALL and (
@@ -190,8 +195,13 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
     if head_dim not in GLUON_BWD_HEAD_DIMS:
         return None
     config = GLUON_BWD.lookup(SM90, "16", gluon_tile_width(head_dim))  # the tiles' columns: their table row
-    if window and not (varlen or dropout) and gluon_tile_width(head_dim) == 128:
-        config = {**config, "dkdv": {**config["dkdv"], **GLUON_BWD_WINDOW_DKDV}}
+    if varlen or dropout or alibi:
+        return config
+    width_ = gluon_tile_width(head_dim)
+    if window and width_ == 128:
+        config = {**config, "dkdv": {**config["dkdv"], **GLUON_BWD_SPLIT_WINDOW}}
+    elif causal and (width_ == 64 or softcap and width_ == 128):
+        config = {**config, "dkdv": {**config["dkdv"], **GLUON_BWD_SPLIT}}
     return config
 
 

@@ -582,7 +582,9 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
             fwd_flops = 4 * rows * heads_q * seqlen_k * head_dim / (2 if causal else 1)
         gluon_config = configs.gluon_bwd_config(head_dim, seqlen_q, seqlen_k, bool(causal), fwd_flops, varlen,
                                                 head_dim_v, bool(variant.dropout_p),
-                                                window="window_size" in variant.fields())
+                                                window="window_size" in variant.fields(),
+                                                softcap="softcap" in variant.fields(),
+                                                alibi="alibi_slopes" in variant.fields())
         if gluon_config is not None and heads_q * (1 if varlen else batch) * backward_gluon_launch.padded_rows(
                 q.shape[0] if varlen else seqlen_q, varlen, batch) >= 2**31:  # the padded lse / delta's TMA
             gluon_config = None  # coordinates are int32

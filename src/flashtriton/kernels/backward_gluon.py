@@ -233,17 +233,94 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 
 
 @gluon.jit
+def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, qk_scale, variant,
+               MASK: gl.constexpr, LATE_DP: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+               HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+               HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+    """One streamed tile (query head g, rows [m, m + BLOCK_M), ring slot `it`) into a warpgroup's dK, dV (returned).
+    `tiles`: (Q, dO, lse, delta buffers, ready, empty, K, V, a zero score tile). MASK: 0 masks the tile where it
+    crosses the diagonal or a window's edge (`key_tile_masked`), 1 never (a tile every pair of which is visible),
+    2 always. LATE_DP: dPᵀ issued once Pᵀ is on its way to dV (fewer live registers), else beside Sᵀ."""
+    q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k, v, s_zero = tiles
+    left, right, softcap, slopes, dropout = variant
+    HEAD_DIM_V: gl.constexpr = v.shape[1]
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_M, WARPS_N)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, WARPS_N)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    acc_v_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, WARPS_N)
+    op_v_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_v_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_bufs.dtype
+    stage = it % NUM_STAGES
+    mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
+    q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+    do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM_V])
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
+    if not LATE_DP:
+        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
+    lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
+    if IS_VARLEN:  # rows past the sequence: the layout's gap (never written) or the next sequence's; no P there
+        in_seq = m + cols < seqlen_q
+        lse = gl.where(in_seq, lse, float("-inf"))
+    lse = _lse_base2(lse)
+    slope = gl.load(slopes + g) * 1.4426950408889634 if HAS_ALIBI else None  # query head g's, in base 2
+    if LATE_DP:
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        p, cap_grad = _probabilities(s, lse[None, :], (m + cols)[None, :], keys[:, None], diag, qk_scale, softcap,
+                                     slope, HAS_SOFTCAP, HAS_ALIBI)  # Pᵀ (ROWS, BLOCK_M)
+    else:
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
+    # the tile reaches past some row's diagonal (or a window's edge); with a window, tiles none of whose rows
+    # see this warpgroup's keys are computed too (P = 0): skipping them cost spills, as causal's
+    if MASK == 0:
+        if key_tile_masked(first_key + ROWS - 1, m, diag, IS_CAUSAL, HAS_WINDOW, left, right, first_key,
+                           m + (BLOCK_M - 1)):
+            p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL, HAS_WINDOW, left,
+                                 right), p, 0.0)
+    elif MASK == 2:
+        p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right), p,
+                     0.0)
+    if HAS_DROPOUT:  # the forward's mask (query head g's); dV takes the kept probabilities, scaled
+        keep = dropout_keep_t(dropout[0], dropout[1], dropout[4] + g, first_key, m, dropout[2], BLOCK_M, s_layout)
+        p_op = gl.convert_layout(gl.where(keep, p * dropout[3], 0.0).to(dtype), op_v_layout)
+    else:
+        p_op = gl.convert_layout(p.to(dtype), op_v_layout)
+    if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
+        p = p * cap_grad
+    dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+    if LATE_DP:
+        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
+    delta = delta_bufs.index(stage).load(col_layout)
+    if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
+        delta = gl.where(in_seq, delta, 0.0)
+    dp = warpgroup_mma_wait(0 if LATE_DP else 1, deps=(dp_tok, ))
+    if HAS_DROPOUT:
+        dp = gl.where(keep, dp * dropout[3], 0.0)
+    ds = p * (dp - delta[None, :])  # dSᵀ
+    ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+    dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+    mbarrier.arrive(empty.index(stage), count=1)
+    return dk, dv
+
+
+@gluon.jit
 def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv_bar, kv_phase, kv_base, it0,
                   release, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr,
-                  HAS_DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr):
+                  HAS_DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, SPLIT: gl.constexpr = 0):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) of one program's keys (`place`) over the streamed
     tiles, then their stores (dK in QK's tiles, dV in V's: HEAD_DIM_V), through K/V buffers kv_base + WG, whose
     load completes phase `kv_phase` of `kv_bar`; `it0`: the tiles the program streamed before.
     PERSISTENT: the stores are not waited for here; once this item's first tile is done (or at its end, without
     tiles), the previous item's stores are, and its K/V buffers go back to the producer: `release` = (the barrier,
     whether there was a previous item).
+    SPLIT (dense, causal or a window, 128 keys a program, not PERSISTENT): the tiles of each query head in three loops, the
+    masked ones (`_dkdv_tile`'s MASK 2: across the diagonal or a window's edges) around those every pair of which is
+    visible (MASK 1: no mask code, ~40 % fewer instructions a tile than the loop that decides per tile); SPLIT = 1
+    issues those tiles' dPᵀ beside Sᵀ, as without a variant, 2 after Pᵀ, as the masked ones.
     WARPS_N = 2 (WIDE): the partition is two warpgroups that split every tile by columns (`wgmma_layout`): Sᵀ
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
     between them through shared memory in `gl.convert_layout`."""
@@ -255,6 +332,7 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     # A variant's score tile takes more registers (the softcap's gradient, ALiBi's and the window's indices): its
     # dPᵀ is issued once Pᵀ is on its way to dV, so that the dPᵀ accumulator is not live while Pᵀ is computed.
     LATE_DP: gl.constexpr = HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_DROPOUT
+    LATE_DP_WHOLE: gl.constexpr = HAS_SOFTCAP or HAS_ALIBI or HAS_DROPOUT  # a tile without a mask (SPLIT == 1)
     HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]  # V's, dO's and dV's tiles (QK's: HEAD_DIM)
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M, WARPS_N)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, WARPS_N)
@@ -272,63 +350,44 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     k = k_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM])
     v = v_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(kv_bar, kv_phase)
-    for t in range(n_iters):
-        it = it0 + t
-        g = t // n_m
-        m = lo + (t - g * n_m) * BLOCK_M
-        stage = it % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
-        q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM_V])
-        s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
-        if not LATE_DP:
-            dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
-        lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
-        if IS_VARLEN:  # rows past the sequence: the layout's gap (never written) or the next sequence's; no P there
-            in_seq = m + cols < seqlen_q
-            lse = gl.where(in_seq, lse, float("-inf"))
-        lse = _lse_base2(lse)
-        slope = gl.load(slopes + g) * 1.4426950408889634 if HAS_ALIBI else None  # query head g's, in base 2
-        if LATE_DP:
-            s = warpgroup_mma_wait(0, deps=(s_tok, ))
-            p, cap_grad = _probabilities(s, lse[None, :], (m + cols)[None, :], keys[:, None], diag, qk_scale, softcap,
-                                         slope, HAS_SOFTCAP, HAS_ALIBI)  # Pᵀ (ROWS, BLOCK_M)
-        else:
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))
-            p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
-        # the tile reaches past some row's diagonal (or a window's edge); with a window, tiles none of whose rows
-        # see this warpgroup's keys are computed too (P = 0): skipping them cost spills, as causal's
-        if key_tile_masked(first_key + ROWS - 1, m, diag, IS_CAUSAL, HAS_WINDOW, left, right, first_key,
-                           m + (BLOCK_M - 1)):
-            p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
-                         p, 0.0)
-        if HAS_DROPOUT:  # the forward's mask (query head g's); dV takes the kept probabilities, scaled
-            keep = dropout_keep_t(dropout[0], dropout[1], dropout[4] + g, first_key, m, dropout[2], BLOCK_M, s_layout)
-            p_op = gl.convert_layout(gl.where(keep, p * dropout[3], 0.0).to(dtype), op_v_layout)
-        else:
-            p_op = gl.convert_layout(p.to(dtype), op_v_layout)
-        if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
-            p = p * cap_grad
-        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-        if LATE_DP:
-            dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
-        delta = delta_bufs.index(stage).load(col_layout)
-        if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
-            delta = gl.where(in_seq, delta, 0.0)
-        dp = warpgroup_mma_wait(0 if LATE_DP else 1, deps=(dp_tok, ))
-        if HAS_DROPOUT:
-            dp = gl.where(keep, dp * dropout[3], 0.0)
-        ds = p * (dp - delta[None, :])  # dSᵀ
-        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-        mbarrier.arrive(empty.index(stage), count=1)
+    tiles = (q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k, v, s_zero)
+    # (SPLIT takes dense causal calls and windows in one-item programs of 128 keys: elsewhere there is nothing to
+    # split, and varlen builds spill 180 bytes with it, ptxas)
+    SPLIT_ON: gl.constexpr = SPLIT and (IS_CAUSAL or HAS_WINDOW) and WARPS_N == 1 and not (PERSISTENT or IS_VARLEN)
+    if SPLIT_ON:  # the tiles in three runs: masked (the diagonal or right edge), whole, masked (the left edge)
+        _, mid, full, _ = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, 2 * ROWS, HAS_WINDOW, left, right)
+        n_head = (mid - lo) // BLOCK_M
+        n_mid = (full - mid) // BLOCK_M
+        it = it0
+        for g in range(n_iters // gl.maximum(n_m, 1)):
+            for i in range(n_head):
+                dk, dv = _dkdv_tile(tiles, dk, dv, it, g, lo + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
+                                    qk_scale, variant, 2, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES,
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT)
+                it += 1
+            for i in range(n_mid):
+                dk, dv = _dkdv_tile(tiles, dk, dv, it, g, mid + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
+                                    qk_scale, variant, 1, LATE_DP if SPLIT == 2 else LATE_DP_WHOLE, IS_CAUSAL,
+                                    IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
+                                    HAS_DROPOUT)
+                it += 1
+            for i in range(n_m - n_head - n_mid):
+                dk, dv = _dkdv_tile(tiles, dk, dv, it, g, full + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
+                                    qk_scale, variant, 2, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES,
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT)
+                it += 1
+    else:
+        for t in range(n_iters):
+            g = t // n_m
+            dk, dv = _dkdv_tile(tiles, dk, dv, it0 + t, g, lo + (t - g * n_m) * BLOCK_M, first_key, keys, cols,
+                                seqlen_q, diag, qk_scale, variant, 0, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM,
+                                NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT)
+            if PERSISTENT:
+                if (t == 0) & release[1]:
+                    _release_keys(release[0])
         if PERSISTENT:
-            if (t == 0) & release[1]:
+            if (n_iters == 0) & release[1]:
                 _release_keys(release[0])
-    if PERSISTENT:
-        if (n_iters == 0) & release[1]:
-            _release_keys(release[0])
 
     dk = (dk * softmax_scale).to(dtype)
     dv = dv.to(dtype)
@@ -360,7 +419,7 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
               NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
               HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr = False, schedule=None,
-              kv_empty=None, PERSISTENT: gl.constexpr = False):
+              kv_empty=None, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0):
     """dK, dV of the program's keys (`_consume_keys`). `variant`: (window left, right, softcap, the group's first
     query head's ALiBi slope pointer, dropout), None where off; dropout = (seed, offset, threshold, 1 / (1 - p),
     b · Hq + the group's first query head). PERSISTENT: those of every item of the program (`_round_item`), item j's
@@ -391,7 +450,7 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
     else:
         _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv_ready, 0, 0, 0, None, WG,
                       IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                      HAS_DROPOUT, False)
+                      HAS_DROPOUT, False, SPLIT)
 
 
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dkn", "stride_dkh",
@@ -408,7 +467,7 @@ def _attn_bwd_dkdv_gluon(
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
-    HAS_DROPOUT: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
+    HAS_DROPOUT: gl.constexpr = False, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
@@ -522,10 +581,10 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(2))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT)),
+                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT)),
+                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
