@@ -45,7 +45,8 @@ CASES = {  # name: (B, H, T, D, Dv, causal, window)
     "mla": (4, 10, 4096, 192, 128, False, (-1, -1)),
     "mla_causal": (4, 10, 4096, 192, 128, True, (-1, -1)),
 }
-SPLIT = {"dK/dV 2 stages": {"dkdv": dict(NUM_STAGES=2)}, "dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)},
+SPLIT = {"unsplit, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=0)},
+         "unsplit, 3 stages": {"dkdv": dict(NUM_STAGES=3, SPLIT=0)},
          "split, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=1)},
          "split, 3 stages": {"dkdv": dict(NUM_STAGES=3, SPLIT=1)},
          "split late dP, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=2)}}
