@@ -8,12 +8,12 @@ Cases (`--cases`, comma list of CASES' names):
   softcap4k                B=4 H=16 T=4096 D=128 bf16 causal, softcap 50
   mla, mla_causal          QK 192 / V 128 (DeepSeek's MLA), B=4 H=10 T=4096 bf16, non-causal / causal
 Candidates per case: the dispatch's config (`configs.gluon_bwd_config`) and the overrides of CANDIDATES[case] on it
-(constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, ...). Each candidate's gradients are
-checked against the dispatch config's (the same sums: equal but for the order of additions, judged at 1e-2 of
-their scale), then the backward (`torch.autograd.grad` of one forward, retained) is timed by `triton.testing.do_bench`
-(L2 flushed), median of `--rounds` rounds in rotating order after a warmup, and each kernel's device time per
-call read by torch.profiler over 5 calls, median of `--rounds` readings in rotating order (the preprocess, dK/dV,
-dQ; a candidate read right after the timing rounds reads 3-6 % high, so no candidate always goes first). Prints a table and writes
+(constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, ...). Each candidate's gradients are checked against
+the dispatch config's (the same sums: equal but for the order of additions, judged at 1e-2 of their scale), then the
+backward (`torch.autograd.grad` of one forward, retained) is timed by `triton.testing.do_bench` (L2 flushed), median
+of `--rounds` rounds in rotating order after a warmup, and each kernel's device time per call read by torch.profiler
+over 5 calls, median of `--rounds` readings in rotating order (the preprocess, dK/dV, dQ; a candidate read right after
+the timing rounds reads 3-6 % high, so no candidate always goes first). Prints a table and writes
 DIR/gluon_bwd_ab.json with the GPU, torch, triton and git sha.
 
     python benchmarks/gluon_bwd_ab.py --out DIR [--cases window1024,mla_causal] [--rounds 5]

@@ -266,7 +266,8 @@ def test_dispatch_config():
         for causal in (False, True):
             windowed = configs.gluon_bwd_config(head_dim, 16384, 16384, causal, window=True)
             assert windowed["dkdv"] == dict(plain["dkdv"], NUM_STAGES=2, SPLIT=1) and windowed["dq"] == plain["dq"]
-        assert configs.gluon_bwd_config(head_dim, 4096, 4096, True, softcap=True)["dkdv"] == dict(plain["dkdv"], SPLIT=1)
+        softcapped = configs.gluon_bwd_config(head_dim, 4096, 4096, True, softcap=True)
+        assert softcapped["dkdv"] == dict(plain["dkdv"], SPLIT=1)
         assert configs.gluon_bwd_config(head_dim, 4096, 4096, False, softcap=True) == \
             configs.gluon_bwd_config(head_dim, 4096, 4096, False)
         assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, varlen=True, window=True) == plain
@@ -277,7 +278,8 @@ def test_dispatch_config():
     assert configs.gluon_bwd_config(64, 4096, 4096, True)["dkdv"] == dict(d64["dkdv"], SPLIT=1)
     assert configs.gluon_bwd_config(64, 4096, 4096, True, window=True) == configs.gluon_bwd_config(64, 4096, 4096, True)
     assert configs.gluon_bwd_config(64, 4096, 4096, True, varlen=True) == d64
-    assert configs.gluon_bwd_config(256, 4096, 4096, True, window=True) == configs.gluon_bwd_config(256, 4096, 4096, True)
+    assert configs.gluon_bwd_config(256, 4096, 4096, True, window=True) == \
+        configs.gluon_bwd_config(256, 4096, 4096, True)
     # D = 256: dK/dV programs of 64 keys (K and V 64 KB, per stage Q, dO 64 KB and lse, delta 512 B)
     assert BG.program_block("dkdv", 256) == 64 and BG.program_block("dkdv", 128) == 128
     assert BG.shared_memory_bytes(dict(NUM_STAGES=2), 256) == 65536 + 2 * 66048

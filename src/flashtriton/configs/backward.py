@@ -164,12 +164,13 @@ GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 
 # dK/dV tiles in three loops, the masked ones around those every pair of which is visible (SPLIT = 1: those run
 # without mask code, their dPᵀ issued beside Sᵀ). dK/dV kernel time (torch.profiler, candidates read in rotating
-# order; bf16, T=16k H=16 windows / T=4k B=4 causal) against the same config unsplit in one run (GLUON_BWD_SPLIT_SOURCE):
-# window 1024 0.96x, window 4096 0.95x (with 2 stages of Q / dO; against the 3 stages of D=128's row 0.94x / 0.94x),
-# D=64 causal 0.95x; softcap 50 causal 0.97x (benchmarks/2026-12-04-h200/gluon-bwd-ab/split_rotated.json). D=128
-# causal without a variant level at T=4k and 16k (1.00-1.01x, benchmarks/2026-12-04-h200/gluon-bwd-ab/split.json),
-# so it stays unsplit. Dense calls without dropout (what was timed; split, varlen builds spill 180 bytes, and with
-# ALiBi the whole tiles' loop spills 14 values a tile).
+# order; bf16, T=16k H=16 windows / T=4k B=4 causal) against the same config unsplit in one run
+# (GLUON_BWD_SPLIT_SOURCE): window 1024 0.96x, window 4096 0.95x (with 2 stages of Q / dO; against the 3 stages of
+# D=128's row 0.94x / 0.94x), D=64 causal 0.95x; softcap 50 causal 0.97x
+# (benchmarks/2026-12-04-h200/gluon-bwd-ab/split_rotated.json). D=128 causal without a variant level at T=4k and 16k
+# (1.00-1.01x, benchmarks/2026-12-04-h200/gluon-bwd-ab/split.json), so it stays unsplit. Dense calls without dropout
+# (what was timed; split, varlen builds spill 180 bytes, and with ALiBi the whole tiles' loop spills 14 values a
+# tile).
 GLUON_BWD_SPLIT_WINDOW = dict(NUM_STAGES=2, SPLIT=1)
 GLUON_BWD_SPLIT = dict(SPLIT=1)
 GLUON_BWD_SPLIT_SOURCE = H200_DEC4 + "gluon-bwd-ab/split_unsplit.json"

@@ -34,13 +34,16 @@ Variants (`Variant.score_constexprs`: HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, with t
 off, so that a kernel without them compiles as it would without the code): a window's dK/dV program streams only the
 query tiles of `variant.query_blocks` for its 128 keys, a dQ program only the key tiles of `variant.key_blocks` for its
 128 rows (and skips a warpgroup's tile of no visible pair, `tile_hidden`); tiles on the band's edges are masked
-(`key_tile_masked` / `tile_masked`, `visible`). Softcap: the capped scores and 1 − tanh², which multiplies dS
+(`key_tile_masked` / `tile_masked`, `visible`), or, where the config says SPLIT, the dK/dV tiles run in three loops,
+the masked ones around those every pair of which is visible, which carry no mask code (`_consume_keys`). Softcap: the capped scores and 1 − tanh², which multiplies dS
 (`softcap_scores_and_grad`; folded into P once dV has its copy); ALiBi: `alibi_bias` before exp2, the slopes (B or 1,
-Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after its Pᵀ (fewer live registers: `_consumer`). Sinks
+Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after its Pᵀ (fewer live registers: `_consume_keys`). Sinks
 need nothing here: lse includes them, and their gradient comes from the preprocess (`backward.preprocess`).
 Dropout (HAS_DROPOUT, the forward's keep-mask Z regenerated: `gluon_common.dropout_keep` / `dropout_keep_t`, bit
 for bit `variant.dropout_keep`): dV += (Pᵀ ∘ Zᵀ / (1 − p)) dO and dSᵀ = Pᵀ ∘ (dPᵀ ∘ Zᵀ / (1 − p) − delta), dS
 likewise.
+Persistent dK/dV (PERSISTENT, a config constexpr off in the dispatch: `_attn_bwd_dkdv_gluon`): one program per SM
+taking an item per round, two K/V buffer pairs.
 Head dims: Q and K in tiles of 64, 128 or 256 columns (HEAD_DIM: `gluon_common.head_block` of D); V, dO and dV in
 tiles of V's own width, read from the V descriptor (HEAD_DIM_V; a pair such as DeepSeek's MLA, QK 192 / V 128, runs
 V's matmuls at 128 columns: `backward_gluon_launch.separate_v_ok` says which pairs). fp16/bf16; sm_90.
@@ -210,9 +213,9 @@ def _produce_keys(shared, place, seq, group_size, heads_q, seqlen_pad, kv_bar, k
 def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl.constexpr,
               NUM_STAGES: gl.constexpr, KV_BLOCKS: gl.constexpr, schedule=None, kv_empty=None,
               PERSISTENT: gl.constexpr = False):
-    """The program's keys (`_produce_keys`). PERSISTENT: the keys of every item of the program (`_round_item`), the K/V of
-    item j into buffer pair j % 2 once the consumers released that pair's item j - 2 (`kv_empty`), while item
-    j - 1's tiles still run, and the ring's tiles counted across items."""
+    """The program's keys (`_produce_keys`). PERSISTENT: the keys of every item of the program (`_round_item`), the
+    K/V of item j into buffer pair j % 2 once the consumers released that pair's item j - 2 (`kv_empty`), while
+    item j - 1's tiles still run, and the ring's tiles counted across items."""
     if PERSISTENT:
         kv_ready = shared[12]
         it = 0
@@ -317,10 +320,10 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     PERSISTENT: the stores are not waited for here; once this item's first tile is done (or at its end, without
     tiles), the previous item's stores are, and its K/V buffers go back to the producer: `release` = (the barrier,
     whether there was a previous item).
-    SPLIT (dense, causal or a window, 128 keys a program, not PERSISTENT): the tiles of each query head in three loops, the
-    masked ones (`_dkdv_tile`'s MASK 2: across the diagonal or a window's edges) around those every pair of which is
-    visible (MASK 1: no mask code, ~40 % fewer instructions a tile than the loop that decides per tile); SPLIT = 1
-    issues those tiles' dPᵀ beside Sᵀ, as without a variant, 2 after Pᵀ, as the masked ones.
+    SPLIT (dense, causal or a window, 128 keys a program, not PERSISTENT): the tiles of each query head in three
+    loops, the masked ones (`_dkdv_tile`'s MASK 2: across the diagonal or a window's edges) around those every pair
+    of which is visible (MASK 1: no mask code, ~40 % fewer instructions a tile than the loop that decides per tile);
+    SPLIT = 1 issues those tiles' dPᵀ beside Sᵀ, as without a variant, 2 after Pᵀ, as the masked ones.
     WARPS_N = 2 (WIDE): the partition is two warpgroups that split every tile by columns (`wgmma_layout`): Sᵀ
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
     between them through shared memory in `gl.convert_layout`."""
@@ -474,10 +477,10 @@ def _attn_bwd_dkdv_gluon(
     exist, in the table's order). PERSISTENT (dense, 128 keys a program): a grid of (programs,), each program taking
     one item (key block, kv head, batch entry) per round (`_round_item`, `_item_place`), with two K/V buffer pairs,
     so that an item's K/V loads and first Q / dO tiles and the previous item's dK / dV stores overlap the tiles of
-    the item before (`_producer`, `_consumer`). num_warps=4: the producer; two consumer warpgroups as workers, each with its 64
-    keys, or at WIDE_HEAD_DIM one worker of two warpgroups sharing 64 keys. Causal: the second warpgroup's first
-    query tile lies wholly before its keys (P = 0); it is computed anyway: skipping it cost registers (spills) and
-    12-15 % (explore11/run_04538af9a0df)."""
+    the item before (`_producer`, `_consumer`). num_warps=4: the producer; two consumer warpgroups as workers, each
+    with its 64 keys, or at WIDE_HEAD_DIM one worker of two warpgroups sharing 64 keys. Causal: the second
+    warpgroup's first query tile lies wholly before its keys (P = 0); it is computed anyway: skipping it cost
+    registers (spills) and 12-15 % (explore11/run_04538af9a0df)."""
     PROGRAM_KEYS: gl.constexpr = dkdv_keys(HEAD_DIM)
     WIDE: gl.constexpr = PROGRAM_KEYS == ROWS
     gl.static_assert(not PERSISTENT or not (IS_VARLEN or WIDE), "PERSISTENT: dense, 128 keys a program")
