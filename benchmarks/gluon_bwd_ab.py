@@ -49,7 +49,8 @@ SPLIT = {"unsplit, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=0)},
          "unsplit, 3 stages": {"dkdv": dict(NUM_STAGES=3, SPLIT=0)},
          "split, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=1)},
          "split, 3 stages": {"dkdv": dict(NUM_STAGES=3, SPLIT=1)},
-         "split late dP, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=2)}}
+         "split late dP, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=2)},
+         "split dQ": {"dq": dict(SPLIT=1)}}
 CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
     "dense16k": SPLIT,
     "dense4k": SPLIT,

@@ -94,6 +94,9 @@ CONFIGS = {
     # dK/dV tiles in three loops (masked, whole, masked), the whole tiles' dPᵀ issued early (1) or late (2)
     "split dK/dV": {**_DEFAULT, "dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, SPLIT=1)},
     "split dK/dV, late dP, 3 stages": {**_DEFAULT, "dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240, SPLIT=2)},
+    # both kernels' tiles in three loops (the dQ kernel's SPLIT: built, not yet run on the H200)
+    "split dK/dV and dQ": {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, SPLIT=1),
+                           "dq": dict(_DEFAULT["dq"], SPLIT=1)},
 }
 
 
@@ -576,7 +579,7 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
 @pytest.mark.parametrize("config_name", ["dQ by 128-key tiles", "dQ by 64-key tiles, 2 stages",
                                          "dK/dV 3 stages, Triton dQ", "persistent dK/dV",
                                          "persistent dK/dV, 3 programs", "split dK/dV",
-                                         "split dK/dV, late dP, 3 stages"])
+                                         "split dK/dV, late dP, 3 stages", "split dK/dV and dQ"])
 def test_gluon_backward_variants_other_configs(name, config_name, device, monkeypatch):
     """The variants under every Gluon config the sweeps tried (dQ tiles of 64 and 128 keys, the Triton dQ)."""
     shape = (1, 1000, 1000, 4, 2)
@@ -717,7 +720,8 @@ VARIANT_BUILDS = {
 }
 # Persistent dK/dV builds (PERSISTENT, off in the dispatch): the items' places and loop state, kept across the tile
 # loop, spill (the tile loop itself reloads three values more than the one-item build's). Split dK/dV loops (SPLIT,
-# as `configs.backward.GLUON_BWD_SPLIT_WINDOW` / `GLUON_BWD_SPLIT` dispatch them): none of their tile loops spills.
+# as `configs.backward.GLUON_BWD_SPLIT_WINDOW` / `GLUON_BWD_SPLIT` dispatch them): none of their tile loops spills;
+# the dQ kernel's (off in the dispatch) spills nothing.
 PERSISTENT_BUILDS = {
     # (kernel, head dim, causal, varlen, window, softcap, alibi, config's overrides): spill budget
     ("dkdv", 128, True, False, True, False, False, "persistent"): 200,
@@ -727,6 +731,9 @@ PERSISTENT_BUILDS = {
     ("dkdv", 128, False, False, True, True, False, "split"): 64,
     ("dkdv", 128, True, False, False, True, False, "split"): 44,
     ("dkdv", 64, True, False, False, False, False, "split"): 0,
+    ("dq", 128, True, False, True, False, False, "split"): 0,
+    ("dq", 128, True, True, False, True, True, "split"): 0,
+    ("dq", 64, True, False, False, False, False, "split"): 0,
 }
 
 
@@ -751,16 +758,17 @@ def test_gluon_backward_variants_compile_for_sm90_without_a_gpu():
     assert_within_spill_budgets(compile_in_fresh_process(script), VARIANT_BUILDS)
 
 
-def test_persistent_and_split_dkdv_compile_for_sm90_without_a_gpu():
-    """The persistent and the split dK/dV builds compile to sm_90 code within their spill budgets. In a fresh
-    process, as above."""
+def test_persistent_and_split_builds_compile_for_sm90_without_a_gpu():
+    """The persistent and the split dK/dV builds, and the split dQ ones, compile to sm_90 code within their spill
+    budgets. In a fresh process, as above."""
     script = (
         "import torch\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
-        "OVERRIDES = {'persistent': dict(NUM_STAGES=2, PERSISTENT=True), 'split': dict(NUM_STAGES=2, SPLIT=1)}\n"
+        "OVERRIDES = {('dkdv', 'persistent'): dict(NUM_STAGES=2, PERSISTENT=True),\n"
+        "             ('dkdv', 'split'): dict(NUM_STAGES=2, SPLIT=1), ('dq', 'split'): dict(SPLIT=1)}\n"
         f"for kernel, d, causal, varlen, window, softcap, alibi, kind in {list(PERSISTENT_BUILDS)!r}:\n"
-        "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], **OVERRIDES[kind])\n"
+        "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], **OVERRIDES[kernel, kind])\n"
         "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen,\n"
         "                                window_size=(1023, 0) if window else (-1, -1),\n"
         "                                softcap=30.0 if softcap else 0.0, alibi=alibi)\n"

@@ -32,13 +32,15 @@ Causal: the dQ kernel's first warpgroup skips the key tile it sees nothing of (t
 masked tile: skipping it there cost spills and 12-15 %).
 Variants (`Variant.score_constexprs`: HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, with their scalars; None arguments where
 off, so that a kernel without them compiles as it would without the code): a window's dK/dV program streams only the
-query tiles of `variant.query_blocks` for its 128 keys, a dQ program only the key tiles of `variant.key_blocks` for its
-128 rows (and skips a warpgroup's tile of no visible pair, `tile_hidden`); tiles on the band's edges are masked
+query tiles of `variant.query_blocks` for its 128 keys, a dQ program only the key tiles of `variant.key_blocks` for
+its 128 rows (and skips a warpgroup's tile of no visible pair, `tile_hidden`); tiles on the band's edges are masked
 (`key_tile_masked` / `tile_masked`, `visible`), or, where the config says SPLIT, the dK/dV tiles run in three loops,
-the masked ones around those every pair of which is visible, which carry no mask code (`_consume_keys`). Softcap: the capped scores and 1 − tanh², which multiplies dS
-(`softcap_scores_and_grad`; folded into P once dV has its copy); ALiBi: `alibi_bias` before exp2, the slopes (B or 1,
-Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after its Pᵀ (fewer live registers: `_consume_keys`). Sinks
-need nothing here: lse includes them, and their gradient comes from the preprocess (`backward.preprocess`).
+the masked ones around those every pair of which is visible, which carry no mask code (`_consume_keys`; the dQ
+kernel likewise under its own SPLIT, `_dq_consumer`, off in the dispatch). Softcap: the
+capped scores and 1 − tanh², which multiplies dS (`softcap_scores_and_grad`; folded into P once dV has its copy);
+ALiBi: `alibi_bias` before exp2, the slopes (B or 1, Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after
+its Pᵀ (fewer live registers: `_consume_keys`). Sinks need nothing here: lse includes them, and their gradient comes
+from the preprocess (`backward.preprocess`).
 Dropout (HAS_DROPOUT, the forward's keep-mask Z regenerated: `gluon_common.dropout_keep` / `dropout_keep_t`, bit
 for bit `variant.dropout_keep`): dV += (Pᵀ ∘ Zᵀ / (1 − p)) dO and dSᵀ = Pᵀ ∘ (dPᵀ ∘ Zᵀ / (1 − p) − delta), dS
 likewise.
@@ -613,13 +615,78 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
 
 
 @gluon.jit
+def _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale, slope, variant,
+             MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+             NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+             HAS_DROPOUT: gl.constexpr):
+    """One K/V tile (ring slot j, keys [n, n + BLOCK_N) with n = key_lo + j · BLOCK_N) into a warpgroup's dQ
+    (returned). `tiles`: (K, V buffers, kv_ready, kv_empty, the warpgroup's Q and dO, a zero score tile). MASK: 0
+    skips a tile none of whose pairs is visible (`tile_hidden`) and masks one that needs it, 1 neither (a tile every
+    pair of which is visible), 2 skips hidden tiles and masks the rest."""
+    k_bufs, v_bufs, kv_ready, kv_empty, q, do, s_zero = tiles
+    left, right, softcap, slopes, dropout = variant
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]
+    dtype: gl.constexpr = q.dtype
+    stage = j % NUM_STAGES
+    mbarrier.wait(kv_ready.index(stage), (j // NUM_STAGES) & 1)
+    n = key_lo + j * BLOCK_N
+    hidden = False
+    if MASK != 1:
+        hidden = tile_hidden(row0 + (ROWS - 1), n, diag, IS_CAUSAL, HAS_WINDOW, left, right, row0, n + (BLOCK_N - 1))
+    if hidden:
+        # No row of this warpgroup sees a key of the tile (causal: the first warpgroup's last tile; a window's
+        # edges): nothing to add.
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+    else:
+        k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        v = v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM_V])
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S (ROWS, BLOCK_N)
+        dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        if HAS_SOFTCAP or HAS_ALIBI:
+            p, cap_grad = _probabilities(s, lse[:, None], rows[:, None], (n + cols)[None, :], diag, qk_scale,
+                                         softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
+            if HAS_SOFTCAP:  # dS's factor folded into P (P feeds dS only): one score tile fewer stays live
+                p = p * cap_grad
+        else:
+            p = gl.exp2(s * qk_scale - lse[:, None])
+        if MASK == 0:
+            need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL, HAS_WINDOW,
+                                                               left, right, row0 + (ROWS - 1), n)
+            if need_mask:
+                keep = visible((n + cols)[None, :] < seqlen_k, rows[:, None], (n + cols)[None, :], diag,
+                               IS_CAUSAL, HAS_WINDOW, left, right)
+                p = gl.where(keep, p, 0.0)
+        elif MASK == 2:
+            keep = visible((n + cols)[None, :] < seqlen_k, rows[:, None], (n + cols)[None, :], diag, IS_CAUSAL,
+                           HAS_WINDOW, left, right)
+            p = gl.where(keep, p, 0.0)
+        if HAS_DROPOUT:  # the forward's mask, made while dP runs
+            kept = dropout_keep(dropout[0], dropout[1], dropout[4], row0, n, dropout[2], BLOCK_N)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        if HAS_DROPOUT:
+            dp = gl.where(kept, dp * dropout[3], 0.0)
+        ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+    return dq
+
+
+@gluon.jit
 def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, delta_ptr, variant,
                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                 HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr = False):
+                 HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr = False,
+                 SPLIT: gl.constexpr = 0):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. `variant`:
     (window left, right, softcap, pointer at the head's ALiBi slope, dropout), None where off; dropout = (seed,
-    offset, threshold, 1 / (1 - p), b · Hq + h)."""
+    offset, threshold, 1 / (1 - p), b · Hq + h). SPLIT (causal or a window): the tiles in three loops, the masked
+    ones (`_dq_tile`'s MASK 2) around those every pair of which is visible (MASK 1: no mask code)."""
     (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh,
      d_valid) = shared
     off_b, off_h, off_hk, start_m, n_tiles, key_lo = place
@@ -645,43 +712,30 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
     do = do_bufs.index(WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(q_ready, 0)
-    for j in range(n_tiles):
-        stage = j % NUM_STAGES
-        mbarrier.wait(kv_ready.index(stage), (j // NUM_STAGES) & 1)
-        n = key_lo + j * BLOCK_N
-        if tile_hidden(row0 + (ROWS - 1), n, diag, IS_CAUSAL, HAS_WINDOW, left, right, row0, n + (BLOCK_N - 1)):
-            # No row of this warpgroup sees a key of the tile (causal: the first warpgroup's last tile; a window's
-            # edges): nothing to add.
-            mbarrier.arrive(kv_empty.index(stage), count=1)
-        else:
-            k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
-            v = v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM_V])
-            s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S (ROWS, BLOCK_N)
-            dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))
-            if HAS_SOFTCAP or HAS_ALIBI:
-                p, cap_grad = _probabilities(s, lse[:, None], rows[:, None], (n + cols)[None, :], diag, qk_scale,
-                                             softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
-                if HAS_SOFTCAP:  # dS's factor folded into P (P feeds dS only): one score tile fewer stays live
-                    p = p * cap_grad
-            else:
-                p = gl.exp2(s * qk_scale - lse[:, None])
-            need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL, HAS_WINDOW,
-                                                               left, right, row0 + (ROWS - 1), n)
-            if need_mask:
-                keep = visible((n + cols)[None, :] < seqlen_k, rows[:, None], (n + cols)[None, :], diag, IS_CAUSAL,
-                               HAS_WINDOW, left, right)
-                p = gl.where(keep, p, 0.0)
-            if HAS_DROPOUT:  # the forward's mask, made while dP runs
-                kept = dropout_keep(dropout[0], dropout[1], dropout[4], row0, n, dropout[2], BLOCK_N)
-            dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-            if HAS_DROPOUT:
-                dp = gl.where(kept, dp * dropout[3], 0.0)
-            ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
-            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-            dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
-            dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
-            mbarrier.arrive(kv_empty.index(stage), count=1)
+    tiles = (k_bufs, v_bufs, kv_ready, kv_empty, q, do, s_zero)
+    # (SPLIT takes causal calls and windows: elsewhere only the keys' end is masked)
+    if SPLIT and (IS_CAUSAL or HAS_WINDOW):  # the tiles in three runs: masked (a window's left edge), whole, masked
+        first, start, lo, _ = key_blocks(start_m // KEYS, seqlen_k, diag, IS_CAUSAL, KEYS, BLOCK_N, HAS_WINDOW, left,
+                                         right)
+        n_head = (start - first) // BLOCK_N
+        n_whole = (lo - start) // BLOCK_N
+        for j in range(n_head):
+            dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
+                          slope, variant, 2, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
+                          HAS_ALIBI, HAS_DROPOUT)
+        for j in range(n_head, n_head + n_whole):
+            dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
+                          slope, variant, 1, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
+                          HAS_ALIBI, HAS_DROPOUT)
+        for j in range(n_head + n_whole, n_tiles):
+            dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
+                          slope, variant, 2, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
+                          HAS_ALIBI, HAS_DROPOUT)
+    else:
+        for j in range(n_tiles):
+            dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
+                          slope, variant, 0, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
+                          HAS_ALIBI, HAS_DROPOUT)
 
     dq = (dq * softmax_scale).to(dtype)
     if IS_VARLEN and seqlen_q - row0 < ROWS:  # the sequence ends in this block: no TMA store (the next one's rows)
@@ -707,7 +761,7 @@ def _attn_bwd_dq_gluon(
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr = False,
+    HAS_DROPOUT: gl.constexpr = False, SPLIT: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
@@ -780,8 +834,8 @@ def _attn_bwd_dq_gluon(
         (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
