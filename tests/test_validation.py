@@ -28,6 +28,42 @@ def test_a_bad_dropout_p_is_refused_by_name(dropout_p, error, device):
             call()
 
 
+@pytest.mark.parametrize("flag", ["False", "True", None, 1.0, torch.tensor(False), [True]])
+def test_a_bool_argument_that_is_not_a_bool_is_refused_by_name(flag, device):
+    """causal="False" would be true by its truth value: every bool argument of the public functions takes a Python
+    or NumPy bool or an integer and refuses the rest by name."""
+    q, k, v = qkv(device)
+    kc, vc = (torch.zeros(1, 16, 2, 16, device=device, dtype=q.dtype) for _ in range(2))
+    lens = torch.tensor([4], device=device, dtype=torch.int32)
+    sdpa = lambda **kw: flashtriton.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), **kw)  # noqa: E731
+    calls = {
+        "causal": [lambda f: flashtriton.flash_attn_func(q, k, v, causal=f),
+                   lambda f: flashtriton.flash_attn_varlen_func(q[0], k[0], v[0], *_cu(device), 8, 8, causal=f),
+                   lambda f: flashtriton.flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=lens, causal=f)],
+        "return_attn_probs": [lambda f: flashtriton.flash_attn_func(q, k, v, return_attn_probs=f)],
+        "deterministic": [lambda f: flashtriton.flash_attn_varlen_func(q[0], k[0], v[0], *_cu(device), 8, 8,
+                                                                       deterministic=f)],
+        "is_causal": [lambda f: sdpa(is_causal=f)],
+        "enable_gqa": [lambda f: sdpa(enable_gqa=f)],
+        "rotary_interleaved": [lambda f: flashtriton.flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=lens,
+                                                                             rotary_interleaved=f)],
+        "return_softmax_lse": [lambda f: flashtriton.flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=lens,
+                                                                             return_softmax_lse=f)],
+    }
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(TypeError, match=name):
+                fn(flag)
+
+
+def test_bool_arguments_take_numpy_bools_and_integers(device):
+    q, k, v = qkv(device)
+    causal = flashtriton.flash_attn_func(q, k, v, causal=True)
+    for flag in (np.bool_(True), 1):
+        assert torch.equal(flashtriton.flash_attn_func(q, k, v, causal=flag), causal)
+    assert torch.equal(flashtriton.flash_attn_func(q, k, v, causal=np.bool_(False)), flashtriton.flash_attn_func(q, k, v))
+
+
 @pytest.mark.parametrize("window,error", [((-2, 0), ValueError), ((1.5, 0), TypeError), ((True, 0), TypeError),
                                           (3, TypeError), ((1, 2, 3), TypeError), (torch.tensor([1.0, 1.0]), TypeError),
                                           (torch.tensor([1, 2, 3]), TypeError), (torch.tensor([[1, 1]]), TypeError),

@@ -110,6 +110,8 @@ def flash_attn_func(
         out: (batch, seqlen_q, nheads, headdim_v)
         and if return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q) fp32 natural log, S_dmask or None)
     """
+    causal, return_attn_probs = V.check_flag("causal", causal), V.check_flag("return_attn_probs", return_attn_probs)
+    V.check_flag("deterministic", deterministic)
     key = V.checked_key((q, k, v), (alibi_slopes, learnable_sink), (dropout_p, softmax_scale, window_size, softcap))
     seen = V.checked(key)
     if seen is not None:  # this signature passed every check below: what depends on more than it
@@ -135,11 +137,11 @@ def flash_attn_func(
         V.remember_checked(key, (dropout_p, window_size, softcap))
     q, scale = _positive_scale(q, _default_scale(softmax_scale, q.shape[-1]))
     rng_state = _probs_state(return_attn_probs, dropout_p, q.device)
-    out, lse = attention(q, k, v, scale, bool(causal), True, None, None, q.shape[1], k.shape[1], window_size, softcap,
+    out, lse = attention(q, k, v, scale, causal, True, None, None, q.shape[1], k.shape[1], window_size, softcap,
                          alibi_slopes, learnable_sink, dropout_p, rng_state=rng_state)
     if not return_attn_probs:
         return out
-    probs = None if rng_state is None else dropout_probs(q, k, rng_state, scale, bool(causal), window_size, softcap,
+    probs = None if rng_state is None else dropout_probs(q, k, rng_state, scale, causal, window_size, softcap,
                                                          alibi_slopes, dropout_p)
     return out, lse, probs
 
@@ -199,6 +201,8 @@ def flash_attn_varlen_func(
         max_seqlen_q, max_seqlen_k rounded up to 128; sequence b in row b from its start) with dropout and
         contiguous keys, else None)
     """
+    causal, return_attn_probs = V.check_flag("causal", causal), V.check_flag("return_attn_probs", return_attn_probs)
+    V.check_flag("deterministic", deterministic)
     dropout_p, window_size, softcap = _variant_args(dropout_p, window_size, softcap)
     paged = block_table is not None
     if paged:
@@ -228,14 +232,14 @@ def flash_attn_varlen_func(
     # (paged calls and seqused_k: no S_dmask, which is rebuilt from contiguous keys; their lse is returned)
     rng_state = None if paged or seqused_k is not None else _probs_state(return_attn_probs, dropout_p, q.device)
     with torch.no_grad() if no_grad_message else contextlib.nullcontext():
-        out, lse = attention(q, k, v, scale, bool(causal), True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        out, lse = attention(q, k, v, scale, causal, True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, window_size, softcap, alibi_slopes, learnable_sink, dropout_p, block_table,
                              seqused_k, rng_state=rng_state)
     if no_grad_message:  # flash-attn runs the forward; its backward is the one that cannot be
         out, lse = P.ForwardOnly.apply(no_grad_message, out, lse, q, k, v, learnable_sink)
     if not return_attn_probs:
         return out
-    probs = None if rng_state is None else dropout_probs(q, k, rng_state, scale, bool(causal), window_size, softcap,
+    probs = None if rng_state is None else dropout_probs(q, k, rng_state, scale, causal, window_size, softcap,
                                                          alibi_slopes, dropout_p, cu_seqlens_q, cu_seqlens_k,
                                                          max_seqlen_q, max_seqlen_k)
     return out, lse, probs
@@ -260,6 +264,7 @@ def scaled_dot_product_attention(
     not supported yet (NotImplementedError). The result is a (B, Hq, Sq, Dv) view of a (B, Sq, Hq, Dv) tensor, as torch's flash
     backend returns it.
     """
+    is_causal, enable_gqa = V.check_flag("is_causal", is_causal), V.check_flag("enable_gqa", enable_gqa)
     checks_key = V.checked_key((query, key, value), (attn_mask,), (dropout_p, scale, enable_gqa))
     seen = V.checked(checks_key)
     if seen is not None:  # this signature passed every check below
@@ -288,6 +293,6 @@ def scaled_dot_product_attention(
         V.check_grid(q.shape[0], q.shape[2])
         V.remember_checked(checks_key, (dropout_p,))
     q, softmax_scale = _positive_scale(q, _default_scale(scale, q.shape[-1]))
-    out, _ = attention(q, k, v, softmax_scale, bool(is_causal), False, None, None, q.shape[1], k.shape[1],
+    out, _ = attention(q, k, v, softmax_scale, is_causal, False, None, None, q.shape[1], k.shape[1],
                        dropout_p=dropout_p)
     return out.transpose(1, 2)  # (B, Hq, Sq, Dv)

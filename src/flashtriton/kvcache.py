@@ -173,6 +173,8 @@ def flash_attn_with_kvcache(
     # Eager calls of a signature seen before (decoding repeats one at every step) run its plan: no check
     # repeated, the launches kept (`kvcache_plan`). The values of the device tensors are checked where the work
     # runs (`CallPlan.__call__`, `_decode_step`), at every call.
+    causal, rotary_interleaved = V.check_flag("causal", causal), V.check_flag("rotary_interleaved", rotary_interleaved)
+    return_softmax_lse = V.check_flag("return_softmax_lse", return_softmax_lse)
     key = None
     if not (_is_compiling() or _get_current_dispatch_mode() is not None or _TRANSFORMS_ACTIVE()):
         try:

@@ -105,6 +105,17 @@ def check_same(what: str, **values: int) -> None:
         raise ValueError(f"{what} must match, got " + ", ".join(f"{n}: {v}" for n, v in values.items()))
 
 
+def check_flag(name: str, value) -> bool:
+    """A boolean argument (causal, is_causal, return_attn_probs, ...) as a bool: a Python or NumPy bool or an
+    integer, as flash-attn's and torch's bool parameters take them; anything else (a string such as "False", whose
+    truth would be True; None; a tensor, whose truth would wait for the GPU) raises, naming the argument."""
+    if isinstance(value, (bool, numbers.Integral)) or (type(value).__module__ == "numpy"
+                                                        and type(value).__name__ in ("bool_", "bool")):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__}" + (f" {value!r}" if isinstance(value, str)
+                                                                             else ""))
+
+
 def check_scale(name: str, scale, allow_negative: bool = False) -> None:
     """None, or a finite real number (Python or NumPy; not a bool, not a tensor). Negative only with
     `allow_negative`: the kernels take the running row maximum of the unscaled scores times the scale, which a
