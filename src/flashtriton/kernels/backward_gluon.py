@@ -333,7 +333,7 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
      stride_dkn, stride_dkh, stride_dvn, stride_dvh, d_valid, dv_valid) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
     q_start, seqlen_q, k_start, seqlen_k = seq
-    left, right, softcap, slopes, dropout = variant
+    left, right = variant[0], variant[1]  # (the tiles take the rest: `_dkdv_tile`)
     # A variant's score tile takes more registers (the softcap's gradient, ALiBi's and the window's indices): its
     # dPᵀ is issued once Pᵀ is on its way to dV, so that the dPᵀ accumulator is not live while Pᵀ is computed.
     LATE_DP: gl.constexpr = HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_DROPOUT
@@ -341,9 +341,7 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]  # V's, dO's and dV's tiles (QK's: HEAD_DIM)
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M, WARPS_N)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, WARPS_N)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     acc_v_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, WARPS_N)
-    op_v_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_v_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_bufs.dtype
     first_key = start_n + WG * ROWS  # in the sequence
