@@ -169,8 +169,8 @@ GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 # D=128's row 0.94x / 0.94x), D=64 causal 0.95x; softcap 50 causal 0.97x
 # (benchmarks/2026-12-04-h200/gluon-bwd-ab/split_rotated.json). D=128 causal without a variant level at T=4k and 16k
 # (1.00-1.01x, benchmarks/2026-12-04-h200/gluon-bwd-ab/split.json), so it stays unsplit. Dense calls without dropout
-# (what was timed; split, varlen builds spill 180 bytes, and with ALiBi the whole tiles' loop spills 14 values a
-# tile).
+# (what was timed; varlen calls are not split, and with ALiBi the whole tiles' loop spills 14 values a tile:
+# benchmarks/2026-12-04-h200/offline-builds/split_sass_counts.txt).
 GLUON_BWD_SPLIT_WINDOW = dict(NUM_STAGES=2, SPLIT=1)
 GLUON_BWD_SPLIT = dict(SPLIT=1)
 GLUON_BWD_SPLIT_SOURCE = H200_DEC4 + "gluon-bwd-ab/split_unsplit.json"

@@ -355,7 +355,7 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     mbarrier.wait(kv_bar, kv_phase)
     tiles = (q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k, v, s_zero)
     # (SPLIT takes dense causal calls and windows in one-item programs of 128 keys: elsewhere there is nothing to
-    # split, and varlen builds spill 180 bytes with it, ptxas)
+    # split, and a varlen split is neither tested nor timed)
     SPLIT_ON: gl.constexpr = SPLIT and (IS_CAUSAL or HAS_WINDOW) and WARPS_N == 1 and not (PERSISTENT or IS_VARLEN)
     if SPLIT_ON:  # the tiles in three runs: masked (the diagonal or right edge), whole, masked (the left edge)
         _, mid, full, _ = query_blocks(start_n, seqlen_q, diag, IS_CAUSAL, BLOCK_M, 2 * ROWS, HAS_WINDOW, left, right)
