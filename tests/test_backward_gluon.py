@@ -720,7 +720,7 @@ VARIANT_BUILDS = {
 }
 # Persistent dK/dV builds (PERSISTENT, off in the dispatch): the items' places and loop state, kept across the tile
 # loop, spill (the tile loop itself reloads three values more than the one-item build's). Split dK/dV loops (SPLIT,
-# as `configs.backward.GLUON_BWD_SPLIT_WINDOW` / `GLUON_BWD_SPLIT` dispatch them): none of their tile loops spills;
+# as `configs.backward.GLUON_BWD_SPLIT_CASES` dispatch them): none of their tile loops spills;
 # the dQ kernel's (off in the dispatch) spills nothing.
 PERSISTENT_BUILDS = {
     # (kernel, head dim, causal, varlen, window, softcap, alibi, config's overrides): spill budget

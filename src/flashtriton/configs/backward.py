@@ -171,8 +171,11 @@ GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 # (1.00-1.01x, benchmarks/2026-12-04-h200/gluon-bwd-ab/split.json), so it stays unsplit. Dense calls without dropout
 # (what was timed; varlen calls are not split, and with ALiBi the whole tiles' loop spills 14 values a tile:
 # benchmarks/2026-12-04-h200/offline-builds/split_sass_counts.txt).
-GLUON_BWD_SPLIT_WINDOW = dict(NUM_STAGES=2, SPLIT=1)
-GLUON_BWD_SPLIT = dict(SPLIT=1)
+GLUON_BWD_SPLIT_CASES = {  # (the tiles' width, what the call has): the dK/dV config's overrides
+    (128, "window"): dict(NUM_STAGES=2, SPLIT=1),
+    (128, "causal softcap"): dict(SPLIT=1),
+    (64, "causal"): dict(SPLIT=1),
+}
 GLUON_BWD_SPLIT_SOURCE = H200_DEC4 + "gluon-bwd-ab/split_unsplit.json"
 
 
@@ -185,8 +188,7 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
     `head_dim_v`: V's head dim where it is not D: `gluon_bwd_pair_config`. `dropout`: the call drops
     probabilities (GLUON_BWD_DROPOUT_CASES, dense, or every case under GLUON_BWD_DROPOUT_ALL). `window`,
     `softcap`, `alibi`: the call has a sliding window, a softcap, ALiBi slopes (dense calls without dropout or
-    ALiBi: GLUON_BWD_SPLIT_WINDOW in 128-column tiles; GLUON_BWD_SPLIT causal with softcap there, and causal at
-    D=64)."""
+    ALiBi: the first of GLUON_BWD_SPLIT_CASES' rules that the call's tiles and variant have)."""
     if fwd_flops < GLUON_BWD_MIN_FLOPS or (head_dim == 64 and seqlen_k < GLUON_BWD_D64_MIN_KEYS):
         return None
     if dropout and (not GLUON_BWD_DROPOUT or gluon_tile_width(head_dim) >= 256 or not GLUON_BWD_DROPOUT_ALL and (
@@ -200,12 +202,10 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
     config = GLUON_BWD.lookup(SM90, "16", gluon_tile_width(head_dim))  # the tiles' columns: their table row
     if varlen or dropout or alibi:
         return config
-    width_ = gluon_tile_width(head_dim)
-    if window and width_ == 128:
-        config = {**config, "dkdv": {**config["dkdv"], **GLUON_BWD_SPLIT_WINDOW}}
-    elif causal and (width_ == 64 or softcap and width_ == 128):
-        config = {**config, "dkdv": {**config["dkdv"], **GLUON_BWD_SPLIT}}
-    return config
+    kinds = ["window"] * bool(window) + ["causal softcap"] * bool(causal and softcap) + ["causal"] * bool(causal)
+    split = next((GLUON_BWD_SPLIT_CASES[gluon_tile_width(head_dim), kind] for kind in kinds
+                  if (gluon_tile_width(head_dim), kind) in GLUON_BWD_SPLIT_CASES), None)
+    return config if split is None else {**config, "dkdv": {**config["dkdv"], **split}}
 
 
 # Where a varlen Gluon backward's programs come from, per causal mode: "grid" (the longest sequence's blocks ×
