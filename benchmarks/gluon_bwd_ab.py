@@ -16,7 +16,7 @@ over 5 calls, median of `--rounds` readings in rotating order (the preprocess, d
 the timing rounds reads 3-6 % high, so no candidate always goes first). Prints a table and writes
 DIR/gluon_bwd_ab.json with the GPU, torch, triton and git sha.
 
-    python benchmarks/gluon_bwd_ab.py --out DIR [--cases window1024,mla_causal] [--rounds 5]
+    python benchmarks/gluon_bwd_ab.py --out DIR [--cases window1024,mla_causal] [--rounds 5] [--labels "split dQ"]
 """
 
 from __future__ import annotations
@@ -110,15 +110,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--labels", default="", help="comma list: only these candidates beside the dispatch's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     env = C.environment()
     rows = []
     for case in args.cases.split(","):
         B, H, T, D, Dv, causal, window = CASES[case][:7]
-        base = configs.gluon_bwd_config(D, T, T, causal, head_dim_v=Dv, window=window != (-1, -1))
+        softcap = CASES[case][7] if len(CASES[case]) > 7 else 0.0
+        base = configs.gluon_bwd_config(D, T, T, causal, head_dim_v=Dv, window=window != (-1, -1),
+                                        softcap=softcap > 0)
         candidates = {"dispatch": base}
         for label, over in CANDIDATES[case].items():
+            if args.labels and label not in args.labels.split(","):
+                continue
             candidates[label] = {kernel: dict(base[kernel], **over.get(kernel, {})) for kernel in ("dkdv", "dq")}
         calls, reference = {}, None
         for label, config in candidates.items():
