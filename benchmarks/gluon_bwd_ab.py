@@ -8,7 +8,8 @@ Cases (`--cases`, comma list of CASES' names):
   softcap4k                B=4 H=16 T=4096 D=128 bf16 causal, softcap 50
   mla, mla_causal          QK 192 / V 128 (DeepSeek's MLA), B=4 H=10 T=4096 bf16, non-causal / causal
 Candidates per case: the dispatch's config (`configs.gluon_bwd_config`) and the overrides of CANDIDATES[case] on it
-(constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, ...). Each candidate's gradients are checked against
+(constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, ...; "switches": `configs.backward`'s module
+switches set for the candidate's calls). Each candidate's gradients are checked against
 the dispatch config's (the same sums: equal but for the order of additions, judged at 1e-2 of their scale), then the
 backward (`torch.autograd.grad` of one forward, retained) is timed by `triton.testing.do_bench` (L2 flushed), median
 of `--rounds` rounds in rotating order after a warmup, and each kernel's device time per call read by torch.profiler
@@ -50,7 +51,9 @@ SPLIT = {"unsplit, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=0)},
          "split, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=1)},
          "split, 3 stages": {"dkdv": dict(NUM_STAGES=3, SPLIT=1)},
          "split late dP, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=2)},
-         "split dQ": {"dq": dict(SPLIT=1)}}
+         "split dQ": {"dq": dict(SPLIT=1)},
+         # the preprocess as a kernel of its own, dK/dV, then dQ (what runs with a sink or varlen)
+         "preprocess kernel": {"switches": dict(GLUON_BWD_FUSED_DELTA=False)}}
 CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
     "dense16k": SPLIT,
     "dense4k": SPLIT,
@@ -65,8 +68,10 @@ CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
 }
 
 
-def backward_call(case, config):
-    """(call, grads): the timed backward of one forward of `case` under the Gluon config `config`."""
+def backward_call(case, config, switches=None):
+    """(call, grads): the timed backward of one forward of `case` under the Gluon config `config` and
+    `configs.backward`'s switches as `switches` ({name: value}) sets them."""
+    switches = switches or {}
     B, H, T, D, Dv, causal, window = CASES[case][:7]
     softcap = CASES[case][7] if len(CASES[case]) > 7 else 0.0
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -82,10 +87,15 @@ def backward_call(case, config):
 
     def call():
         configs.gluon_bwd_config = fixed
+        saved = {name: getattr(configs.backward, name) for name in switches}
+        for name, value in switches.items():
+            setattr(configs.backward, name, value)
         try:
             return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         finally:
             configs.gluon_bwd_config = real
+            for name, value in saved.items():
+                setattr(configs.backward, name, value)
 
     return call, call()
 
@@ -120,14 +130,15 @@ def main() -> int:
         softcap = CASES[case][7] if len(CASES[case]) > 7 else 0.0
         base = configs.gluon_bwd_config(D, T, T, causal, head_dim_v=Dv, window=window != (-1, -1),
                                         softcap=softcap > 0)
-        candidates = {"dispatch": base}
+        candidates, switches = {"dispatch": base}, {}
         for label, over in CANDIDATES[case].items():
             if args.labels and label not in args.labels.split(","):
                 continue
             candidates[label] = {kernel: dict(base[kernel], **over.get(kernel, {})) for kernel in ("dkdv", "dq")}
+            switches[label] = over.get("switches", {})
         calls, reference = {}, None
         for label, config in candidates.items():
-            calls[label], grads = backward_call(case, config)
+            calls[label], grads = backward_call(case, config, switches.get(label))
             if reference is None:
                 reference = grads
             for name, g, r in zip(("dq", "dk", "dv"), grads, reference):
@@ -151,6 +162,7 @@ def main() -> int:
             kernels = {name: statistics.median(reading.get(name, 0.0) for reading in readings[label])
                        for name in readings[label][0]}
             rows.append(dict(env, case=case, shape=CASES[case], candidate=label, config=candidates[label],
+                             switches=switches.get(label, {}),
                              ms=ms[label], times=times[label], over_dispatch=ms["dispatch"] / ms[label],
                              kernel_us=kernels))
             print(f"{case:12s} {label:20s} {ms[label]:8.3f} ms  x{ms['dispatch'] / ms[label]:.3f} of the dispatch's"

@@ -50,6 +50,17 @@ def record_gluon_launches(monkeypatch) -> list:
     return ran
 
 
+def expected_launches(config, dense=True, sinks=False) -> list:
+    """The Gluon launches of a backward under `config`, in order: a dense call without a sink runs the dQ kernel
+    first, which does the preprocess' work (`configs.backward.GLUON_BWD_FUSED_DELTA`); the Triton dQ (config
+    "dq" None) is not recorded."""
+    if config["dq"] is None:
+        return ["launch_dkdv_gluon"]
+    if dense and not sinks and configs.backward.GLUON_BWD_FUSED_DELTA:
+        return ["launch_dq_gluon", "launch_dkdv_gluon"]
+    return ["launch_dkdv_gluon", "launch_dq_gluon"]
+
+
 def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softmax_scale=None, config=None):
     """(dq, dk, dv) of the forward + `attention_backward`, with the Gluon kernels on (under `config`, else the
     dispatch's config for the head dim, whatever the size of the problem) or off; asserts that the kernels asked
@@ -62,9 +73,7 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
         monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: config)
     ran = record_gluon_launches(monkeypatch)
     grads = B.attention_backward(dout, q, k, v, out, lse, scale, causal, bottom_right)
-    expected = []
-    if use_gluon:
-        expected = ["launch_dkdv_gluon"] + (["launch_dq_gluon"] if config["dq"] is not None else [])
+    expected = expected_launches(config) if use_gluon else []
     assert ran == expected, f"Gluon kernels that ran: {ran}, expected {expected}"
     return grads
 
@@ -261,24 +270,25 @@ def test_dispatch_config():
     assert configs.gluon_bwd_config(192, 4096, 4096, True) == configs.gluon_bwd_config(256, 4096, 4096, True)
     assert configs.gluon_bwd_config(72, 4096, 4096, False) is None
     assert configs.gluon_bwd_config(160, 4096, 4096, False) is None
-    # split dK/dV loops (dense, without dropout): a window in 128-column tiles (with 2 stages), causal softcap there,
-    # causal at D=64; the rest as without them
+    # split loops (dense, without dropout or ALiBi): in 128-column tiles a window (dK/dV with 2 stages) and causal
+    # softcap split both kernels, causal without a variant dQ alone; at D=64 causal both; the rest as without them
     for head_dim in (80, 128):
+        unsplit = configs.gluon_bwd_config(head_dim, 16384, 16384, False)
         plain = configs.gluon_bwd_config(head_dim, 16384, 16384, True)
-        assert "SPLIT" not in plain["dkdv"]
+        assert plain == dict(unsplit, dq=dict(unsplit["dq"], SPLIT=1))
         for causal in (False, True):
             windowed = configs.gluon_bwd_config(head_dim, 16384, 16384, causal, window=True)
-            assert windowed["dkdv"] == dict(plain["dkdv"], NUM_STAGES=2, SPLIT=1) and windowed["dq"] == plain["dq"]
+            assert windowed == dict(dkdv=dict(unsplit["dkdv"], NUM_STAGES=2, SPLIT=1), dq=plain["dq"])
         softcapped = configs.gluon_bwd_config(head_dim, 4096, 4096, True, softcap=True)
-        assert softcapped["dkdv"] == dict(plain["dkdv"], SPLIT=1)
-        assert configs.gluon_bwd_config(head_dim, 4096, 4096, False, softcap=True) == \
-            configs.gluon_bwd_config(head_dim, 4096, 4096, False)
-        assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, varlen=True, window=True) == plain
-        assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, window=True, alibi=True) == plain
+        assert softcapped == dict(dkdv=dict(unsplit["dkdv"], SPLIT=1), dq=plain["dq"])
+        assert configs.gluon_bwd_config(head_dim, 4096, 4096, False, softcap=True) == unsplit
+        assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, varlen=True, window=True) == unsplit
+        assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, window=True, alibi=True) == unsplit
+        assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, alibi=True) == unsplit
         assert configs.gluon_bwd_config(head_dim, 16384, 16384, True, dropout=True, window=True) == \
             configs.gluon_bwd_config(head_dim, 16384, 16384, True, dropout=True)
     d64 = configs.gluon_bwd_config(64, 4096, 4096, False)
-    assert configs.gluon_bwd_config(64, 4096, 4096, True)["dkdv"] == dict(d64["dkdv"], SPLIT=1)
+    assert configs.gluon_bwd_config(64, 4096, 4096, True) == {kernel: dict(d64[kernel], SPLIT=1) for kernel in d64}
     assert configs.gluon_bwd_config(64, 4096, 4096, True, window=True) == d64
     assert configs.gluon_bwd_config(64, 4096, 4096, True, varlen=True) == d64
     assert configs.gluon_bwd_config(256, 4096, 4096, True, window=True) == \
@@ -293,7 +303,7 @@ def test_dispatch_config():
 @hopper_only
 def test_dispatch_takes_the_gluon_kernels_for_large_problems_only(device, monkeypatch):
     ran = record_gluon_launches(monkeypatch)
-    for seqlen, expected in ((64, []), (4096, ["launch_dkdv_gluon", "launch_dq_gluon"])):
+    for seqlen, expected in ((64, []), (4096, expected_launches({"dq": {}}))):
         q, k, v, dout = make_qkv(4, seqlen, seqlen, 16, 16, 128, torch.bfloat16, device)
         leaves = [t.requires_grad_() for t in (q, k, v)]
         flashtriton.flash_attn_func(*leaves, causal=False).backward(dout)
@@ -524,7 +534,7 @@ def variant_grads(q, k, v, dout, kwargs, sinks, use_gluon, monkeypatch, config=N
     if use_gluon:
         config = config or configs.gluon_bwd_config(q.shape[-1], 4096, 4096, kwargs.get("causal", False))
         monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: config)
-        expected = ["launch_dkdv_gluon"] + (["launch_dq_gluon"] if config["dq"] is not None else [])
+        expected = expected_launches(config, varlen is None, sinks is not None)
     ran = record_gluon_launches(monkeypatch)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     if sinks is not None:
@@ -734,6 +744,10 @@ PERSISTENT_BUILDS = {
     ("dq", 128, True, False, True, False, False, "split"): 0,
     ("dq", 128, True, True, False, True, True, "split"): 0,
     ("dq", 64, True, False, False, False, False, "split"): 0,
+    # the preprocess in the dQ kernel (FUSED_DELTA 1; 2 with dlse), with the dispatch's split rule where it has one
+    ("dq", 128, True, False, False, False, False, "fused1"): 0,
+    ("dq", 128, True, False, True, True, True, "fused2"): 0,
+    ("dq", 64, False, False, False, False, False, "fused2"): 0,
 }
 
 
@@ -759,19 +773,21 @@ def test_gluon_backward_variants_compile_for_sm90_without_a_gpu():
 
 
 def test_persistent_and_split_builds_compile_for_sm90_without_a_gpu():
-    """The persistent and the split dK/dV builds, and the split dQ ones, compile to sm_90 code within their spill
-    budgets. In a fresh process, as above."""
+    """The persistent and the split dK/dV builds, the split dQ ones and those that do the preprocess' work compile
+    to sm_90 code within their spill budgets. In a fresh process, as above."""
     script = (
         "import torch\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
         "OVERRIDES = {('dkdv', 'persistent'): dict(NUM_STAGES=2, PERSISTENT=True),\n"
-        "             ('dkdv', 'split'): dict(NUM_STAGES=2, SPLIT=1), ('dq', 'split'): dict(SPLIT=1)}\n"
+        "             ('dkdv', 'split'): dict(NUM_STAGES=2, SPLIT=1), ('dq', 'split'): dict(SPLIT=1),\n"
+        "             ('dq', 'fused1'): {}, ('dq', 'fused2'): {}}\n"
         f"for kernel, d, causal, varlen, window, softcap, alibi, kind in {list(PERSISTENT_BUILDS)!r}:\n"
         "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], **OVERRIDES[kernel, kind])\n"
         "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen,\n"
         "                                window_size=(1023, 0) if window else (-1, -1),\n"
-        "                                softcap=30.0 if softcap else 0.0, alibi=alibi)\n"
+        "                                softcap=30.0 if softcap else 0.0, alibi=alibi,\n"
+        "                                fused_delta={'fused1': 1, 'fused2': 2}.get(kind, 0))\n"
         "    ptx = compiled.asm['ptx']\n"
         "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin']\n"
         "    print('compiled', kernel, d, causal, varlen, window, softcap, alibi, kind, 'spill', spill_bytes(compiled))\n"
@@ -830,6 +846,21 @@ def test_dense_launches_share_descriptors(variant, monkeypatch):
         assert plan_a is plan_b and grid_a == grid_b and meta_a == meta_b and len(args_a) == len(args_b)
         assert all(same(a, b) for a, b in zip(args_a, args_b))
     assert ours[0][3][0] is ours[1][3][0] and ours[0][3][3] is ours[1][3][3]  # the Q and dO descriptors, shared
+    # the preprocess in the dQ kernel (FUSED_DELTA 1, or 2 with dlse): dQ first, with the forward's out, lse, dlse
+    out, lse_in, dlse = torch.empty_like(dout), torch.empty(2, 8, 300), torch.empty(2, 300, 8).transpose(1, 2)
+    for fused, grad_lse in ((1, None), (2, dlse)):
+        plan = BG.DenseBackward(q, k, variant, config, 0.1, alibi, fused=fused)
+        seen = launches(lambda: BG.launch_dense(plan, q, k, v, dout, dq, dk, dv, lse, delta, 0.1, alibi, None, out,
+                                                lse_in, grad_lse))
+        assert [x[0] for x in seen] == [BG._attn_bwd_dq_gluon, BG._attn_bwd_dkdv_gluon]
+        (_, _, grid_q, args_q, meta_q), (_, _, grid_kv, args_kv, meta_kv) = seen
+        assert meta_q == dict(theirs[1][4], FUSED_DELTA=fused) and (grid_kv, meta_kv) == theirs[0][2::2]
+        assert all(same(a, b) for a, b in zip(args_kv, theirs[0][3]))
+        assert all(same(a, b) for a, b in zip(args_q[:-12], theirs[1][3][:-12]))
+        assert theirs[1][3][-12:] == (None,) * 12  # unfused: the kernel's FUSED_DELTA arguments off
+        d_s = (None,) * 3 if grad_lse is None else grad_lse.stride()
+        assert args_q[-12] is out and args_q[-11] is lse_in and args_q[-10] is grad_lse
+        assert args_q[-9:] == (*out.stride()[:3], *lse_in.stride()[:2], *d_s, 128)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -879,7 +910,8 @@ def test_separate_v_pairs_and_their_configs():
                 assert config == {"dkdv": configs.GLUON_BWD_D256["dkdv"],
                                   "dq": dict(BLOCK_N=64, NUM_STAGES=2, CONSUMER_REGS=240)}
             else:
-                assert config == configs.gluon_bwd_config(wider, 4096, 4096, causal), (head_dim, head_dim_v)
+                # the wider tiles' table row (the split rules take calls whose V has QK's head dim)
+                assert config == configs.GLUON_BWD.lookup(configs.table.SM90, "16", wider), (head_dim, head_dim_v)
             for kernel in ("dkdv", "dq"):
                 assert BG.shared_memory_bytes(config[kernel], BG.head_block(head_dim), kernel, 2,
                                               BG.head_block(head_dim_v)) <= BG.SHARED_MEMORY_LIMIT

@@ -162,21 +162,33 @@ GLUON_BWD_DROPOUT_ALL = False
 GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 
 
-# dK/dV tiles in three loops, the masked ones around those every pair of which is visible (SPLIT = 1: those run
-# without mask code, their dPᵀ issued beside Sᵀ). dK/dV kernel time (torch.profiler, candidates read in rotating
-# order; bf16, T=16k H=16 windows / T=4k B=4 causal) against the same config unsplit in one run
-# (GLUON_BWD_SPLIT_SOURCE): window 1024 0.96x, window 4096 0.95x (with 2 stages of Q / dO; against the 3 stages of
-# D=128's row 0.94x / 0.94x), D=64 causal 0.95x; softcap 50 causal 0.97x
-# (benchmarks/2026-12-04-h200/gluon-bwd-ab/split_rotated.json). D=128 causal without a variant level at T=4k and 16k
-# (1.00-1.01x, benchmarks/2026-12-04-h200/gluon-bwd-ab/split.json), so it stays unsplit. Dense calls without dropout
-# (what was timed; varlen calls are not split, and with ALiBi the whole tiles' loop spills 14 values a tile:
-# benchmarks/2026-12-04-h200/offline-builds/split_sass_counts.txt).
-GLUON_BWD_SPLIT_CASES = {  # (the tiles' width, what the call has): the dK/dV config's overrides
-    (128, "window"): dict(NUM_STAGES=2, SPLIT=1),
-    (128, "causal softcap"): dict(SPLIT=1),
-    (64, "causal"): dict(SPLIT=1),
+# The dense Gluon backward's preprocess (delta = rowsum(dO ∘ O), lse into the padded layout) done by its dQ kernel,
+# which then runs first (`kernels.backward_gluon._fused_delta`): one launch and one pass over O and dO fewer. Not
+# with a sink (its gradient's parts come from the preprocess) nor varlen. Off: the preprocess kernel, then dK/dV,
+# then dQ.
+GLUON_BWD_FUSED_DELTA = True
+
+
+# Tiles in three loops, the masked ones around those every pair of which is visible (SPLIT = 1: those run without
+# mask code; in dK/dV their dPᵀ issued beside Sᵀ), per kernel. Kernel times (torch.profiler, candidates read in
+# rotating order; bf16, T=16k H=16 windows and dense causal, T=4k B=4 softcap 50 and D=64 causal) against the same
+# config unsplit in one run:
+# - dK/dV (GLUON_BWD_SPLIT_SOURCE): window 1024 0.96x, window 4096 0.95x (with 2 stages of Q / dO; against the 3
+#   stages of D=128's row 0.94x / 0.94x), D=64 causal 0.95x, softcap 0.97x
+#   (benchmarks/2026-12-04-h200/gluon-bwd-ab/split_rotated.json); D=128 causal without a variant level at T=4k and
+#   16k (1.00-1.01x, benchmarks/2026-12-04-h200/gluon-bwd-ab/split.json), so its dK/dV stays unsplit.
+# - dQ (GLUON_BWD_SPLIT_DQ_SOURCE): window 1024 0.99x, window 4096 0.98x, D=128 causal 0.96x, softcap 0.97x, D=64
+#   causal 0.97x.
+# Dense calls without dropout or ALiBi (what was timed; varlen calls are not split, and with ALiBi the whole
+# dK/dV tiles' loop spills 14 values a tile: benchmarks/2026-12-04-h200/offline-builds/split_sass_counts.txt).
+GLUON_BWD_SPLIT_CASES = {  # (the tiles' width, what the call has): {kernel: its config's overrides}
+    (128, "window"): {"dkdv": dict(NUM_STAGES=2, SPLIT=1), "dq": dict(SPLIT=1)},
+    (128, "causal softcap"): {"dkdv": dict(SPLIT=1), "dq": dict(SPLIT=1)},
+    (128, "causal"): {"dq": dict(SPLIT=1)},
+    (64, "causal"): {"dkdv": dict(SPLIT=1), "dq": dict(SPLIT=1)},
 }
 GLUON_BWD_SPLIT_SOURCE = H200_DEC4 + "gluon-bwd-ab/split_unsplit.json"
+GLUON_BWD_SPLIT_DQ_SOURCE = H200_DEC4 + "gluon-bwd-ab/split_dq.json"
 
 
 def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
@@ -206,7 +218,7 @@ def gluon_bwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
     kinds = ["window"] if window else ["causal softcap"] * bool(causal and softcap) + ["causal"] * bool(causal)
     split = next((GLUON_BWD_SPLIT_CASES[gluon_tile_width(head_dim), kind] for kind in kinds
                   if (gluon_tile_width(head_dim), kind) in GLUON_BWD_SPLIT_CASES), None)
-    return config if split is None else {**config, "dkdv": {**config["dkdv"], **split}}
+    return config if split is None else {kernel: {**config[kernel], **split.get(kernel, {})} for kernel in config}
 
 
 # Where a varlen Gluon backward's programs come from, per causal mode: "grid" (the longest sequence's blocks ×

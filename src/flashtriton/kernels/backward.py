@@ -552,7 +552,8 @@ def _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_
             cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k,
             tuple((t.shape, t.stride(), t.dtype) for t in extras),  # (cu_seqlens' shapes: the sequence count)
             dispatch.CHOICE, configs.AUTOTUNE, configs.gluon_bwd_config, configs.backward.GLUON_BWD_MIN_FLOPS,
-            configs.backward.GLUON_BWD_D64_MIN_KEYS, configs.backward.GLUON_BWD_DROPOUT)
+            configs.backward.GLUON_BWD_D64_MIN_KEYS, configs.backward.GLUON_BWD_DROPOUT,
+            configs.backward.GLUON_BWD_FUSED_DELTA)
 
 
 def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, cu_seqlens_q, max_seqlen_q,
@@ -599,8 +600,11 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
                                 learnable_sink, keep)
     plan.dkdv = plan.dq = plan.gluon_dense = None
     if gluon_config is not None and not varlen and not accumulate and gluon_config["dq"] is not None:
+        # the preprocess in the dQ kernel (`_attn_bwd_dq_gluon`'s FUSED_DELTA), but for the sink's gradient
+        fused = 0 if learnable_sink is not None or not configs.backward.GLUON_BWD_FUSED_DELTA else \
+            1 if dlse is None else 2
         plan.gluon_dense = backward_gluon_launch.DenseBackward(q, k, variant, gluon_config, softmax_scale, alibi_slopes,
-                                                               head_dim_v)
+                                                               head_dim_v, fused)
     if gluon_config is not None and (accumulate or gluon_config["dq"] is not None):
         return plan  # the Gluon kernels take the whole call (accumulating: `attention_backward` runs it anew)
 
@@ -748,6 +752,12 @@ def attention_backward(
             buffer.add_(grad)
         return (dq, dk, dv, *grads[3:])
 
+    if plan.gluon_dense is not None and plan.gluon_dense.fused:  # the dQ kernel fills the padded lse / delta
+        lse_pad = torch.empty(plan.pre.lse_shape, dtype=torch.float32, device=q.device)
+        backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse_pad,
+                                           torch.empty_like(lse_pad), softmax_scale, alibi_slopes,
+                                           rng_state if dropout_p else None, out, lse, dlse)
+        return dq, dk, dv
     lse, delta, dsink = _run_preprocess(plan.pre, out, dout, lse, cu_seqlens_q, dlse, learnable_sink)
     if plan.gluon_dense is not None:
         backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse, delta, softmax_scale,

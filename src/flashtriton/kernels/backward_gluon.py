@@ -613,6 +613,34 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
 
 
 @gluon.jit
+def _fused_delta(fused, do_buf, rows, seqlen_q, lse_ptr, delta_ptr, s_layout: gl.constexpr,
+                 FUSED_DELTA: gl.constexpr):
+    """A dQ warpgroup's rows' (lse, delta) where the preprocess' work is the dQ kernel's (dense): delta = rowsum(dO ∘
+    O) in fp32, minus dlse (FUSED_DELTA 2) where lse is finite, as `backward._attn_bwd_preprocess` works them out;
+    both stored into the padded lse_ptr / delta_ptr for the dK/dV kernel, rows past Sq as -inf / 0. `fused`: (O at
+    this (batch, head), O's row stride, lse there, dlse there or None, dlse's row stride, Dv); do_buf: this
+    warpgroup's dO tile (landed)."""
+    o_ptr, stride_om, lse_in, dlse_ptr, stride_dm, dv_out = fused
+    DV: gl.constexpr = do_buf.shape[len(do_buf.shape) - 1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads along a row
+    o_rows = rows.to(gl.int64)
+    in_seq = rows < seqlen_q
+    t_rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    t_cols = gl.arange(0, DV, layout=gl.SliceLayout(0, layout))
+    mask = (t_rows < seqlen_q)[:, None] & (t_cols < dv_out)[None, :]
+    o = gl.load(o_ptr + t_rows.to(gl.int64)[:, None] * stride_om + t_cols[None, :], mask=mask, other=0.0)
+    lse = gl.load(lse_in + o_rows, mask=in_seq, other=float("-inf"))
+    do = do_buf.reshape([ROWS, DV]).load(layout)  # (columns past Dv and rows past Sq: 0, as the TMA filled them)
+    delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.to(gl.float32), 1), gl.SliceLayout(1, s_layout))
+    if FUSED_DELTA == 2:
+        dlse = gl.load(dlse_ptr + o_rows * stride_dm, mask=in_seq, other=0.0)
+        delta -= gl.where(lse == float("-inf"), 0.0, dlse)
+    gl.store(lse_ptr + rows, lse)
+    gl.store(delta_ptr + rows, delta)
+    return lse, delta
+
+
+@gluon.jit
 def _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale, slope, variant,
              MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
@@ -680,8 +708,9 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr = False,
-                 SPLIT: gl.constexpr = 0):
-    """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. `variant`:
+                 SPLIT: gl.constexpr = 0, fused=0, FUSED_DELTA: gl.constexpr = 0):
+    """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. FUSED_DELTA:
+    their lse and delta from `fused` (`_fused_delta`), else from the padded lse_ptr / delta_ptr. `variant`:
     (window left, right, softcap, pointer at the head's ALiBi slope, dropout), None where off; dropout = (seed,
     offset, threshold, 1 / (1 - p), b · Hq + h). SPLIT (causal or a window): the tiles in three loops, the masked
     ones (`_dq_tile`'s MASK 2) around those every pair of which is visible (MASK 1: no mask code)."""
@@ -698,8 +727,13 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     row0 = start_m + WG * ROWS  # in the sequence
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (BLOCK_N,)
-    lse = gl.load(lse_ptr + rows)  # padded: rows past the last sequence hold -inf
-    delta = gl.load(delta_ptr + rows)
+    if FUSED_DELTA:
+        mbarrier.wait(q_ready, 0)
+        lse, delta = _fused_delta(fused, do_bufs.index(WG), rows, seqlen_q, lse_ptr, delta_ptr, s_layout,
+                                  FUSED_DELTA)
+    else:
+        lse = gl.load(lse_ptr + rows)  # padded: rows past the last sequence hold -inf
+        delta = gl.load(delta_ptr + rows)
     if IS_VARLEN:  # rows past the sequence: the layout's gap or the next sequence's; no P there (and 0 · NaN)
         lse = gl.where(rows < seqlen_q, lse, float("-inf"))
         delta = gl.where(rows < seqlen_q, delta, 0.0)
@@ -747,8 +781,10 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
 
 
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dqm", "stride_dqh", "HEADS_Q",
-                              "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD", "dropout_threshold"],
-           do_not_specialize_on_alignment=["ALIBI"])
+                              "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD", "dropout_threshold",
+                              "stride_ob", "stride_om", "stride_oh", "stride_lib", "stride_lih", "stride_db",
+                              "stride_dh", "stride_dm", "DV_OUT"],
+           do_not_specialize_on_alignment=["ALIBI", "DLSE"])
 def _attn_bwd_dq_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, WORK, softmax_scale,
     qk_scale,
@@ -756,14 +792,19 @@ def _attn_bwd_dq_gluon(
     ALIBI, stride_alibi_b,  # fp32 slopes (B or 1, Hq) and their batch stride, None without ALiBi
     DROPOUT_RNG, dropout_threshold, dropout_scale,  # `Variant.dropout_args`, None without dropout
     stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
+    O, LSE_IN, DLSE, stride_ob, stride_om, stride_oh, stride_lib, stride_lih, stride_db, stride_dh, stride_dm,
+    DV_OUT,  # FUSED_DELTA: the forward's out (B, Sq, Hq, Dv) and lse (B, Hq, Sq), dlse, their strides, Dv; else None
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr = False, SPLIT: gl.constexpr = 0,
+    HAS_DROPOUT: gl.constexpr = False, SPLIT: gl.constexpr = 0, FUSED_DELTA: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
-    the last query tiles (the most keys) start first."""
+    the last query tiles (the most keys) start first.
+    FUSED_DELTA (dense; 1, or 2 with dlse): the preprocess' work is this kernel's (`_fused_delta`): each
+    warpgroup works out its rows' delta from O and dO, and writes them and its lse into the padded LSE / DELTA,
+    which the dK/dV kernel, launched after this one, reads (one launch and one pass over O and dO fewer)."""
     if IS_VARLEN and WORK_TABLE:
         off_b, off_h, start_m, seq = _work_item(WORK)
         if off_b < 0:  # the table's padding past its last item
@@ -819,6 +860,13 @@ def _attn_bwd_dq_gluon(
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     lse_ptr = LSE + rows_base
     delta_ptr = DELTA + rows_base
+    if FUSED_DELTA:
+        fused = (O + off_b.to(gl.int64) * stride_ob + off_h * stride_oh, gl.to_tensor(stride_om),
+                 LSE_IN + off_b.to(gl.int64) * stride_lib + off_h * stride_lih,
+                 DLSE + off_b.to(gl.int64) * stride_db + off_h * stride_dh if FUSED_DELTA == 2 else None,
+                 gl.to_tensor(stride_dm) if FUSED_DELTA == 2 else None, gl.to_tensor(DV_OUT))
+    else:
+        fused = gl.constexpr(0)
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
     if HAS_DROPOUT:
         seed, offset = dropout_state(DROPOUT_RNG)
@@ -832,8 +880,8 @@ def _attn_bwd_dq_gluon(
         (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

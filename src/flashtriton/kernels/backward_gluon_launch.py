@@ -268,7 +268,18 @@ def _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, cu_q, cu_k, work, so
     """The dQ kernel's arguments, with the Q and dO descriptors given."""
     return (desc_q, descriptor(k, block_n, varlen, d), descriptor(v, block_n, varlen, dv_block), desc_do,
             descriptor(dq, ROWS.value, varlen, d), lse_pad, delta_pad, dq, cu_q, cu_k, work, softmax_scale, *scalars,
-            dq.stride(-3), dq.stride(-2), *ints)
+            dq.stride(-3), dq.stride(-2), *ints, *_NOT_FUSED)
+
+
+_NOT_FUSED = (None,) * 12  # the dQ kernel's FUSED_DELTA arguments, off
+
+
+def _fused_args(out, lse, dlse) -> tuple:
+    """The dQ kernel's FUSED_DELTA arguments: dense out (B, Sq, Hq, Dv), lse (B, Hq, Sq) with a contiguous last
+    dim, dlse (B, Hq, Sq) any strides or None."""
+    d_s = (None, None, None) if dlse is None else dlse.stride()
+    return (out, lse, dlse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *d_s,
+            out.shape[-1])
 
 
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
@@ -314,10 +325,10 @@ class DenseBackward:
     plans (`_DensePlan`), the variant's scalars and the tiles' head dim. `launch_dense` runs it on a call's
     tensors, with one Q and one dO descriptor for both kernels."""
 
-    __slots__ = ("dkdv", "dq", "scalars", "alibi_stride", "d", "dv_block", "block_n", "variant")
+    __slots__ = ("dkdv", "dq", "scalars", "alibi_stride", "d", "dv_block", "block_n", "variant", "fused")
 
     def __init__(self, q, k, variant: Variant, config: dict, softmax_scale: float, alibi_slopes=None,
-                 head_dim_v: int | None = None):
+                 head_dim_v: int | None = None, fused: int = 0):
         variant = Variant.of(variant.causal, variant.bottom_right, variant.window, variant.softcap,
                              variant.alibi_slopes is not None,
                              dropout_p=variant.dropout_p)  # (as `_variant_args`: what these kernels compile)
@@ -325,33 +336,41 @@ class DenseBackward:
         head_dim_v = q.shape[-1] if head_dim_v is None else head_dim_v
         items = tuple(q.shape), tuple(k.shape), q.dtype, q.device, variant.causal, variant.bottom_right
         self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant, head_dim_v)
-        self.dq = _dense_plan("dq", *items, tuple(sorted(config["dq"].items())), variant, head_dim_v)
+        dq_config = dict(config["dq"], FUSED_DELTA=fused) if fused else config["dq"]
+        self.dq = _dense_plan("dq", *items, tuple(sorted(dq_config.items())), variant, head_dim_v)
+        self.fused = fused
         self.scalars = variant.scalars(softmax_scale)
         self.alibi_stride = alibi_batch_stride(alibi_slopes)
         self.d, self.dv_block, self.block_n = head_block(q.shape[-1]), head_block(head_dim_v), config["dq"]["BLOCK_N"]
 
 
 def launch_dense(plan: DenseBackward, q, k, v, dout, dq, dk, dv, lse_pad, delta_pad, softmax_scale,
-                 alibi_slopes=None, rng_state=None) -> None:
+                 alibi_slopes=None, rng_state=None, out=None, lse=None, dlse=None) -> None:
     """dK/dV then dQ of a dense call, as `launch_dkdv_gluon` and `launch_dq_gluon` launch them (the inputs as theirs),
-    through `plan` (built for these tensors' signature)."""
+    through `plan` (built for these tensors' signature). With `plan.fused` the preprocess is the dQ kernel's:
+    lse_pad / delta_pad are fresh buffers that it fills from `out`, `lse` and `dlse` (None without a gradient of
+    lse, as when the plan was built), so it goes first."""
     rows, d, dv_block = ROWS.value, plan.d, plan.dv_block
     desc_q, desc_do = descriptor(q, rows, False, d), descriptor(dout, rows, False, dv_block)
     scalars = (*plan.scalars, alibi_slopes, plan.alibi_stride, *plan.variant.dropout_args(rng_state))
+    p = plan.dq
+    dq_args = _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, lse_pad, lse_pad, q, softmax_scale, scalars,
+                       p.ints, False, d, plan.block_n, dv_block)
+    if plan.fused:
+        _launch(_attn_bwd_dq_gluon, p, p.grid, dq_args[:-len(_NOT_FUSED)] + _fused_args(out, lse, dlse), p.meta)
     p = plan.dkdv
     _launch(_attn_bwd_dkdv_gluon, p, p.grid, _dkdv_args(desc_q, desc_do, k, v, dk, dv, lse_pad, delta_pad, lse_pad,
                                                         lse_pad, q, softmax_scale, scalars, p.ints, False, d,
                                                         dv_block), p.meta)
-    p = plan.dq
-    _launch(_attn_bwd_dq_gluon, p, p.grid, _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, lse_pad, lse_pad, q,
-                                                    softmax_scale, scalars, p.ints, False, d, plan.block_n, dv_block),
-            p.meta)
+    if not plan.fused:
+        p = plan.dq
+        _launch(_attn_bwd_dq_gluon, p, p.grid, dq_args, p.meta)
 
 
 def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dtype = torch.bfloat16,
                      kernel: str = "dkdv", varlen: bool = False, with_table: bool = True,
                      window_size: tuple = (-1, -1), softcap: float = 0.0, alibi: bool = False,
-                     head_dim_v: int | None = None, dropout_p: float = 0.0):
+                     head_dim_v: int | None = None, dropout_p: float = 0.0, fused_delta: int = 0):
     """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon_launch.compile_for_sm90`): for tests
     and `ptxas -v`. window_size / softcap / alibi (whether slopes are given): the variant, as a launch passes it;
     `head_dim_v`: V's head dim (default: head_dim); `dropout_p` > 0: the dropout build."""
@@ -376,6 +395,12 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     scalars = {"window_left": window_left, "window_right": window_right, "softcap": cap}
     off = [name for name, value in scalars.items() if value is None] + ([] if alibi else ["ALIBI", "stride_alibi_b"])
     off += [] if dropout_p else ["DROPOUT_RNG", "dropout_threshold", "dropout_scale"]
+    if kernel == "dq":  # FUSED_DELTA's arguments: None where it is off, as `_dq_args` passes them
+        fused_names = ["O", "LSE_IN", "DLSE", "stride_ob", "stride_om", "stride_oh", "stride_lib", "stride_lih",
+                       "stride_db", "stride_dh", "stride_dm", "DV_OUT"]
+        off += fused_names if not fused_delta else [] if fused_delta == 2 else ["DLSE", "stride_db", "stride_dh",
+                                                                                 "stride_dm"]
+        meta["FUSED_DELTA"] = fused_delta
     meta.update(dict.fromkeys(off))
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
@@ -387,6 +412,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     descriptors.update(desc_lse=row_descriptor(rows_t), desc_delta=row_descriptor(rows_t))
     element = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     pointers = {"LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "DK": element, "DV": element, "DQ": element,
+                "O": element, "LSE_IN": "*fp32", "DLSE": "*fp32",
                 "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
                 "WORK": "*i32" if varlen else "*bf16" if dtype == torch.bfloat16 else "*fp16", "DROPOUT_RNG": "*i64"}
     names = fn.arg_names
@@ -395,6 +421,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
                  else "fp32" if name in ("softmax_scale", "qk_scale", "softcap", "dropout_scale")
                  else "i32" for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers
-             if name in names and name not in meta and name != "ALIBI"}  # (ALIBI: not specialized on alignment)
+             if name in names and name not in meta and name not in ("ALIBI", "DLSE")}  # (not specialized on
+    # alignment)
     source = GluonASTSource(fn, signature, constexprs=meta, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
