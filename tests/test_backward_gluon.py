@@ -854,13 +854,13 @@ def test_dense_launches_share_descriptors(variant, monkeypatch):
                                                 lse_in, grad_lse))
         assert [x[0] for x in seen] == [BG._attn_bwd_dq_gluon, BG._attn_bwd_dkdv_gluon]
         (_, _, grid_q, args_q, meta_q), (_, _, grid_kv, args_kv, meta_kv) = seen
-        assert meta_q == dict(theirs[1][4], FUSED_DELTA=fused) and (grid_kv, meta_kv) == theirs[0][2::2]
+        assert meta_q == dict(theirs[1][4], FUSED_DELTA=fused, DV_OUT=128) and (grid_kv, meta_kv) == theirs[0][2::2]
         assert all(same(a, b) for a, b in zip(args_kv, theirs[0][3]))
-        assert all(same(a, b) for a, b in zip(args_q[:-12], theirs[1][3][:-12]))
-        assert theirs[1][3][-12:] == (None,) * 12  # unfused: the kernel's FUSED_DELTA arguments off
+        assert all(same(a, b) for a, b in zip(args_q[:-11], theirs[1][3][:-11]))
+        assert theirs[1][3][-11:] == (None,) * 11  # unfused: the kernel's FUSED_DELTA arguments off
         d_s = (None,) * 3 if grad_lse is None else grad_lse.stride()
-        assert args_q[-12] is out and args_q[-11] is lse_in and args_q[-10] is grad_lse
-        assert args_q[-9:] == (*out.stride()[:3], *lse_in.stride()[:2], *d_s, 128)
+        assert args_q[-11] is out and args_q[-10] is lse_in and args_q[-9] is grad_lse
+        assert args_q[-8:] == (*out.stride()[:3], *lse_in.stride()[:2], *d_s)
 
 
 # ----------------------------------------------------------------------------------------------------------------

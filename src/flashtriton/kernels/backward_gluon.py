@@ -613,27 +613,33 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
 
 
 @gluon.jit
-def _fused_delta(fused, do_buf, rows, seqlen_q, lse_ptr, delta_ptr, s_layout: gl.constexpr,
-                 FUSED_DELTA: gl.constexpr):
+def _fused_delta(fused, do_buf, q_ready, rows, seqlen_q, lse_ptr, delta_ptr, s_layout: gl.constexpr,
+                 FUSED_DELTA: gl.constexpr, DV_OUT: gl.constexpr):
     """A dQ warpgroup's rows' (lse, delta) where the preprocess' work is the dQ kernel's (dense): delta = rowsum(dO ∘
-    O) in fp32, minus dlse (FUSED_DELTA 2) where lse is finite, as `backward._attn_bwd_preprocess` works them out;
-    both stored into the padded lse_ptr / delta_ptr for the dK/dV kernel, rows past Sq as -inf / 0. `fused`: (O at
-    this (batch, head), O's row stride, lse there, dlse there or None, dlse's row stride, Dv); do_buf: this
-    warpgroup's dO tile (landed)."""
-    o_ptr, stride_om, lse_in, dlse_ptr, stride_dm, dv_out = fused
+    O) in fp32 over O's DV_OUT columns, minus dlse (FUSED_DELTA 2) where lse is finite, as
+    `backward._attn_bwd_preprocess` works them out; both stored into the padded lse_ptr / delta_ptr for the dK/dV
+    kernel, rows past Sq as -inf / 0. `fused`: (O at this (batch, head), O's row stride (O's strides are
+    specialized on their alignment, and DV_OUT is a constexpr, so that a row's loads are 16 bytes wide: else 2),
+    lse there, dlse there or None, dlse's row stride); do_buf: this
+    warpgroup's dO tile, landed once q_ready says so: O, lse and dlse are loaded before that wait, so that their
+    latency and the TMA's overlap (after it, the delta costs each program the loads' latency again: 45 µs of a
+    window-1024 dQ kernel's 369 at T=16k, as much as the preprocess kernel it replaces)."""
+    o_ptr, stride_om, lse_in, dlse_ptr, stride_dm = fused
     DV: gl.constexpr = do_buf.shape[len(do_buf.shape) - 1]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads along a row
     o_rows = rows.to(gl.int64)
     in_seq = rows < seqlen_q
     t_rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
     t_cols = gl.arange(0, DV, layout=gl.SliceLayout(0, layout))
-    mask = (t_rows < seqlen_q)[:, None] & (t_cols < dv_out)[None, :]
+    mask = (t_rows < seqlen_q)[:, None] & (t_cols < DV_OUT)[None, :]
     o = gl.load(o_ptr + t_rows.to(gl.int64)[:, None] * stride_om + t_cols[None, :], mask=mask, other=0.0)
     lse = gl.load(lse_in + o_rows, mask=in_seq, other=float("-inf"))
+    if FUSED_DELTA == 2:
+        dlse = gl.load(dlse_ptr + o_rows * stride_dm, mask=in_seq, other=0.0)
+    mbarrier.wait(q_ready, 0)
     do = do_buf.reshape([ROWS, DV]).load(layout)  # (columns past Dv and rows past Sq: 0, as the TMA filled them)
     delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.to(gl.float32), 1), gl.SliceLayout(1, s_layout))
     if FUSED_DELTA == 2:
-        dlse = gl.load(dlse_ptr + o_rows * stride_dm, mask=in_seq, other=0.0)
         delta -= gl.where(lse == float("-inf"), 0.0, dlse)
     gl.store(lse_ptr + rows, lse)
     gl.store(delta_ptr + rows, delta)
@@ -708,7 +714,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr = False,
-                 SPLIT: gl.constexpr = 0, fused=0, FUSED_DELTA: gl.constexpr = 0):
+                 SPLIT: gl.constexpr = 0, fused=0, FUSED_DELTA: gl.constexpr = 0, DV_OUT: gl.constexpr = 0):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. FUSED_DELTA:
     their lse and delta from `fused` (`_fused_delta`), else from the padded lse_ptr / delta_ptr. `variant`:
     (window left, right, softcap, pointer at the head's ALiBi slope, dropout), None where off; dropout = (seed,
@@ -728,9 +734,8 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (BLOCK_N,)
     if FUSED_DELTA:
-        mbarrier.wait(q_ready, 0)
-        lse, delta = _fused_delta(fused, do_bufs.index(WG), rows, seqlen_q, lse_ptr, delta_ptr, s_layout,
-                                  FUSED_DELTA)
+        lse, delta = _fused_delta(fused, do_bufs.index(WG), q_ready, rows, seqlen_q, lse_ptr, delta_ptr, s_layout,
+                                  FUSED_DELTA, DV_OUT)
     else:
         lse = gl.load(lse_ptr + rows)  # padded: rows past the last sequence hold -inf
         delta = gl.load(delta_ptr + rows)
@@ -782,8 +787,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
 
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dqm", "stride_dqh", "HEADS_Q",
                               "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD", "dropout_threshold",
-                              "stride_ob", "stride_om", "stride_oh", "stride_lib", "stride_lih", "stride_db",
-                              "stride_dh", "stride_dm", "DV_OUT"],
+                              "stride_lib", "stride_lih", "stride_db", "stride_dh", "stride_dm"],
            do_not_specialize_on_alignment=["ALIBI", "DLSE"])
 def _attn_bwd_dq_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, WORK, softmax_scale,
@@ -793,11 +797,12 @@ def _attn_bwd_dq_gluon(
     DROPOUT_RNG, dropout_threshold, dropout_scale,  # `Variant.dropout_args`, None without dropout
     stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     O, LSE_IN, DLSE, stride_ob, stride_om, stride_oh, stride_lib, stride_lih, stride_db, stride_dh, stride_dm,
-    DV_OUT,  # FUSED_DELTA: the forward's out (B, Sq, Hq, Dv) and lse (B, Hq, Sq), dlse, their strides, Dv; else None
+    # FUSED_DELTA: the forward's out (B, Sq, Hq, Dv) and lse (B, Hq, Sq), dlse, their strides; else None
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
     HAS_DROPOUT: gl.constexpr = False, SPLIT: gl.constexpr = 0, FUSED_DELTA: gl.constexpr = 0,
+    DV_OUT: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
@@ -864,7 +869,7 @@ def _attn_bwd_dq_gluon(
         fused = (O + off_b.to(gl.int64) * stride_ob + off_h * stride_oh, gl.to_tensor(stride_om),
                  LSE_IN + off_b.to(gl.int64) * stride_lib + off_h * stride_lih,
                  DLSE + off_b.to(gl.int64) * stride_db + off_h * stride_dh if FUSED_DELTA == 2 else None,
-                 gl.to_tensor(stride_dm) if FUSED_DELTA == 2 else None, gl.to_tensor(DV_OUT))
+                 gl.to_tensor(stride_dm) if FUSED_DELTA == 2 else None)
     else:
         fused = gl.constexpr(0)
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
@@ -880,8 +885,8 @@ def _attn_bwd_dq_gluon(
         (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

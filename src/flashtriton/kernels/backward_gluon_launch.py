@@ -271,15 +271,14 @@ def _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, cu_q, cu_k, work, so
             dq.stride(-3), dq.stride(-2), *ints, *_NOT_FUSED)
 
 
-_NOT_FUSED = (None,) * 12  # the dQ kernel's FUSED_DELTA arguments, off
+_NOT_FUSED = (None,) * 11  # the dQ kernel's FUSED_DELTA arguments, off
 
 
 def _fused_args(out, lse, dlse) -> tuple:
     """The dQ kernel's FUSED_DELTA arguments: dense out (B, Sq, Hq, Dv), lse (B, Hq, Sq) with a contiguous last
     dim, dlse (B, Hq, Sq) any strides or None."""
     d_s = (None, None, None) if dlse is None else dlse.stride()
-    return (out, lse, dlse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *d_s,
-            out.shape[-1])
+    return (out, lse, dlse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *d_s)
 
 
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
@@ -336,7 +335,7 @@ class DenseBackward:
         head_dim_v = q.shape[-1] if head_dim_v is None else head_dim_v
         items = tuple(q.shape), tuple(k.shape), q.dtype, q.device, variant.causal, variant.bottom_right
         self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant, head_dim_v)
-        dq_config = dict(config["dq"], FUSED_DELTA=fused) if fused else config["dq"]
+        dq_config = dict(config["dq"], FUSED_DELTA=fused, DV_OUT=head_dim_v) if fused else config["dq"]
         self.dq = _dense_plan("dq", *items, tuple(sorted(dq_config.items())), variant, head_dim_v)
         self.fused = fused
         self.scalars = variant.scalars(softmax_scale)
@@ -397,10 +396,11 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     off += [] if dropout_p else ["DROPOUT_RNG", "dropout_threshold", "dropout_scale"]
     if kernel == "dq":  # FUSED_DELTA's arguments: None where it is off, as `_dq_args` passes them
         fused_names = ["O", "LSE_IN", "DLSE", "stride_ob", "stride_om", "stride_oh", "stride_lib", "stride_lih",
-                       "stride_db", "stride_dh", "stride_dm", "DV_OUT"]
+                       "stride_db", "stride_dh", "stride_dm"]
         off += fused_names if not fused_delta else [] if fused_delta == 2 else ["DLSE", "stride_db", "stride_dh",
                                                                                  "stride_dm"]
-        meta["FUSED_DELTA"] = fused_delta
+        if fused_delta:
+            meta.update(FUSED_DELTA=fused_delta, DV_OUT=head_dim_v)
     meta.update(dict.fromkeys(off))
     options = {"num_warps": meta.pop("num_warps")}
     rows = ROWS.value
@@ -423,5 +423,8 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers
              if name in names and name not in meta and name not in ("ALIBI", "DLSE")}  # (not specialized on
     # alignment)
+    if kernel == "dq" and fused_delta:  # O's strides, specialized as a launch with aligned ones does
+        attrs.update({(names.index(name),): [["tt.divisibility", 16]] for name in ("stride_ob", "stride_om",
+                                                                                  "stride_oh")})
     source = GluonASTSource(fn, signature, constexprs=meta, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
