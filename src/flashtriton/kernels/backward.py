@@ -18,7 +18,8 @@ Rows that see no key have lse = -inf: they are given lse = +inf here so that P =
 On sm_90, `attention_backward` gives kernels 2 and 3 to Hopper's Gluon kernels (`backward_gluon`) where
 `configs.gluon_bwd_config` says so (dense and varlen fp16/bf16, the head dims of `configs.GLUON_BWD_HEAD_DIMS` and
 the V head dims `backward_gluon_launch.separate_v_ok` pairs with them, enough work to hide their host time); lse
-and delta then come padded to whole tiles.
+and delta then come padded to whole tiles, from the preprocess, or in a dense call without a sink from the Gluon dQ
+kernel itself, launched first (`configs.backward.GLUON_BWD_FUSED_DELTA`).
 """
 
 from __future__ import annotations

@@ -36,11 +36,14 @@ query tiles of `variant.query_blocks` for its 128 keys, a dQ program only the ke
 its 128 rows (and skips a warpgroup's tile of no visible pair, `tile_hidden`); tiles on the band's edges are masked
 (`key_tile_masked` / `tile_masked`, `visible`), or, where the config says SPLIT, the dK/dV tiles run in three loops,
 the masked ones around those every pair of which is visible, which carry no mask code (`_consume_keys`; the dQ
-kernel likewise under its own SPLIT, `_dq_consumer`, off in the dispatch). Softcap: the
+kernel likewise under its own SPLIT, `_dq_consumer`). Softcap: the
 capped scores and 1 − tanh², which multiplies dS (`softcap_scores_and_grad`; folded into P once dV has its copy);
 ALiBi: `alibi_bias` before exp2, the slopes (B or 1, Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after
 its Pᵀ (fewer live registers: `_consume_keys`). Sinks need nothing here: lse includes them, and their gradient comes
 from the preprocess (`backward.preprocess`).
+The preprocess' work in the dQ kernel (FUSED_DELTA, dense calls without a sink: `_fused_delta`): each dQ warpgroup
+works out its rows' delta from O and dO and writes them, with its lse, into the padded buffers, so that a dense
+backward is two launches, dQ then dK/dV, instead of three.
 Dropout (HAS_DROPOUT, the forward's keep-mask Z regenerated: `gluon_common.dropout_keep` / `dropout_keep_t`, bit
 for bit `variant.dropout_keep`): dV += (Pᵀ ∘ Zᵀ / (1 − p)) dO and dSᵀ = Pᵀ ∘ (dPᵀ ∘ Zᵀ / (1 − p) − delta), dS
 likewise.
