@@ -51,12 +51,12 @@ def record_gluon_launches(monkeypatch) -> list:
 
 
 def expected_launches(config, dense=True, sinks=False) -> list:
-    """The Gluon launches of a backward under `config`, in order: a dense call without a sink runs the dQ kernel
-    first, which does the preprocess' work (`configs.backward.GLUON_BWD_FUSED_DELTA`); the Triton dQ (config
-    "dq" None) is not recorded."""
+    """The Gluon launches of a backward under `config`, in order: a dense call (with a sink: under
+    GLUON_BWD_FUSED_SINK) runs the dQ kernel first, which does the preprocess' work
+    (`configs.backward.GLUON_BWD_FUSED_DELTA`); the Triton dQ (config "dq" None) is not recorded."""
     if config["dq"] is None:
         return ["launch_dkdv_gluon"]
-    if dense and not sinks and configs.backward.GLUON_BWD_FUSED_DELTA:
+    if dense and configs.backward.GLUON_BWD_FUSED_DELTA and (not sinks or configs.backward.GLUON_BWD_FUSED_SINK):
         return ["launch_dq_gluon", "launch_dkdv_gluon"]
     return ["launch_dkdv_gluon", "launch_dq_gluon"]
 
@@ -584,6 +584,24 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
 
 
 @hopper_only
+@pytest.mark.parametrize("name", ["sinks", "causal_window_softcap_alibi_sinks"])
+@pytest.mark.parametrize("head_dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+def test_gluon_backward_fused_sink_against_float64(name, head_dim, dtype, device, monkeypatch):
+    """The sink's gradient from the dQ kernel's parts (GLUON_BWD_FUSED_SINK: dQ first, no preprocess launch), the
+    other gradients as without it, against float64; the parts summed in a fixed order: the same bits twice."""
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_FUSED_SINK", True)
+    for shape in VARIANT_SHAPES:
+        q, k, v, dout = make_qkv(*shape, head_dim, dtype, device, seed=shape[1])
+        kwargs, sinks = _variant_inputs(GLUON_VARIANTS[name], shape[0], shape[3], device, seed=shape[2])
+        ours = variant_grads(q, k, v, dout, kwargs, sinks, True, monkeypatch)  # (asserts dQ ran first)
+        again = variant_grads(q, k, v, dout, kwargs, sinks, True, monkeypatch)
+        assert all(torch.equal(a, b) for a, b in zip(ours, again))
+        portable = variant_grads(q, k, v, dout, kwargs, sinks, False, monkeypatch)
+        exact = exact_variant_grads(q, k, v, dout, kwargs, sinks)
+        assert_variant_grads(ours, portable, exact, dtype, f"{name}, shape {shape}: ")
+
+
+@hopper_only
 @pytest.mark.parametrize("name", ["causal_window", "window_both", "window_softcap_alibi",
                                   "causal_window_softcap_alibi_sinks"])
 @pytest.mark.parametrize("config_name", ["dQ by 128-key tiles", "dQ by 64-key tiles, 2 stages",
@@ -744,10 +762,13 @@ PERSISTENT_BUILDS = {
     ("dq", 128, True, False, True, False, False, "split"): 0,
     ("dq", 128, True, True, False, True, True, "split"): 0,
     ("dq", 64, True, False, False, False, False, "split"): 0,
-    # the preprocess in the dQ kernel (FUSED_DELTA 1; 2 with dlse), with the dispatch's split rule where it has one
+    # the preprocess in the dQ kernel (FUSED_DELTA's bits: 1 on, 2 dlse, 4 the sink's parts), with the dispatch's
+    # split rule where it has one
     ("dq", 128, True, False, False, False, False, "fused1"): 0,
-    ("dq", 128, True, False, True, True, True, "fused2"): 0,
-    ("dq", 64, False, False, False, False, False, "fused2"): 0,
+    ("dq", 128, True, False, True, True, True, "fused3"): 0,
+    ("dq", 64, False, False, False, False, False, "fused3"): 0,
+    ("dq", 128, True, False, False, False, False, "fused5"): 0,
+    ("dq", 64, True, False, True, True, True, "fused7"): 0,
 }
 
 
@@ -781,13 +802,13 @@ def test_persistent_and_split_builds_compile_for_sm90_without_a_gpu():
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
         "OVERRIDES = {('dkdv', 'persistent'): dict(NUM_STAGES=2, PERSISTENT=True),\n"
         "             ('dkdv', 'split'): dict(NUM_STAGES=2, SPLIT=1), ('dq', 'split'): dict(SPLIT=1),\n"
-        "             ('dq', 'fused1'): {}, ('dq', 'fused2'): {}}\n"
+        "             ('dq', 'fused1'): {}, ('dq', 'fused3'): {}, ('dq', 'fused5'): {}, ('dq', 'fused7'): {}}\n"
         f"for kernel, d, causal, varlen, window, softcap, alibi, kind in {list(PERSISTENT_BUILDS)!r}:\n"
         "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], **OVERRIDES[kernel, kind])\n"
         "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen,\n"
         "                                window_size=(1023, 0) if window else (-1, -1),\n"
         "                                softcap=30.0 if softcap else 0.0, alibi=alibi,\n"
-        "                                fused_delta={'fused1': 1, 'fused2': 2}.get(kind, 0))\n"
+        "                                fused_delta=int(kind[5:]) if kind.startswith('fused') else 0)\n"
         "    ptx = compiled.asm['ptx']\n"
         "    assert 'wgmma.mma_async' in ptx and 'setmaxnreg' in ptx and compiled.asm['cubin']\n"
         "    print('compiled', kernel, d, causal, varlen, window, softcap, alibi, kind, 'spill', spill_bytes(compiled))\n"
@@ -846,21 +867,27 @@ def test_dense_launches_share_descriptors(variant, monkeypatch):
         assert plan_a is plan_b and grid_a == grid_b and meta_a == meta_b and len(args_a) == len(args_b)
         assert all(same(a, b) for a, b in zip(args_a, args_b))
     assert ours[0][3][0] is ours[1][3][0] and ours[0][3][3] is ours[1][3][3]  # the Q and dO descriptors, shared
-    # the preprocess in the dQ kernel (FUSED_DELTA 1, or 2 with dlse): dQ first, with the forward's out, lse, dlse
+    # the preprocess in the dQ kernel (FUSED_DELTA's bits: dlse, the sink's parts): dQ first, with the forward's out,
+    # lse, dlse, sinks and the parts' buffer
     out, lse_in, dlse = torch.empty_like(dout), torch.empty(2, 8, 300), torch.empty(2, 300, 8).transpose(1, 2)
-    for fused, grad_lse in ((1, None), (2, dlse)):
+    sink, part = torch.empty(8), torch.empty(BG.sink_parts_shape(q.shape))
+    assert part.shape == (2, 8, 6)  # (batch, heads, a part per 64 query rows: 300 rows in 3 programs of 128)
+    for fused, grad_lse, sinks in ((BG.FD_ON, None, None), (BG.FD_ON | BG.FD_DLSE, dlse, None),
+                                   (BG.FD_ON | BG.FD_SINK, None, sink), (7, dlse, sink)):
         plan = BG.DenseBackward(q, k, variant, config, 0.1, alibi, fused=fused)
+        parts = None if sinks is None else part
         seen = launches(lambda: BG.launch_dense(plan, q, k, v, dout, dq, dk, dv, lse, delta, 0.1, alibi, None, out,
-                                                lse_in, grad_lse))
+                                                lse_in, grad_lse, sinks, parts))
         assert [x[0] for x in seen] == [BG._attn_bwd_dq_gluon, BG._attn_bwd_dkdv_gluon]
         (_, _, grid_q, args_q, meta_q), (_, _, grid_kv, args_kv, meta_kv) = seen
         assert meta_q == dict(theirs[1][4], FUSED_DELTA=fused, DV_OUT=128) and (grid_kv, meta_kv) == theirs[0][2::2]
         assert all(same(a, b) for a, b in zip(args_kv, theirs[0][3]))
-        assert all(same(a, b) for a, b in zip(args_q[:-11], theirs[1][3][:-11]))
-        assert theirs[1][3][-11:] == (None,) * 11  # unfused: the kernel's FUSED_DELTA arguments off
+        assert all(same(a, b) for a, b in zip(args_q[:-13], theirs[1][3][:-13]))
+        assert theirs[1][3][-13:] == (None,) * 13  # unfused: the kernel's FUSED_DELTA arguments off
         d_s = (None,) * 3 if grad_lse is None else grad_lse.stride()
-        assert args_q[-11] is out and args_q[-10] is lse_in and args_q[-9] is grad_lse
-        assert args_q[-8:] == (*out.stride()[:3], *lse_in.stride()[:2], *d_s)
+        assert args_q[-13] is out and args_q[-12] is lse_in and args_q[-11] is grad_lse
+        assert args_q[-10:-2] == (*out.stride()[:3], *lse_in.stride()[:2], *d_s)
+        assert args_q[-2] is sinks and args_q[-1] is parts
 
 
 # ----------------------------------------------------------------------------------------------------------------

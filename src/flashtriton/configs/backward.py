@@ -167,6 +167,10 @@ GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 # with a sink (its gradient's parts come from the preprocess) nor varlen. Off: the preprocess kernel, then dK/dV,
 # then dQ.
 GLUON_BWD_FUSED_DELTA = True
+# With a sink, its gradient's parts from the dQ kernel too (`_fused_delta`'s FD_SINK): built and compiled for sm_90,
+# not yet run on the H200 (tests/test_backward_gluon.py's fused-sink test checks it against float64 there), so off:
+# a call with a sink keeps the preprocess kernel.
+GLUON_BWD_FUSED_SINK = False
 
 
 # Tiles in three loops, the masked ones around those every pair of which is visible (SPLIT = 1: those run without

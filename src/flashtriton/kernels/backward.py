@@ -554,7 +554,7 @@ def _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_
             tuple((t.shape, t.stride(), t.dtype) for t in extras),  # (cu_seqlens' shapes: the sequence count)
             dispatch.CHOICE, configs.AUTOTUNE, configs.gluon_bwd_config, configs.backward.GLUON_BWD_MIN_FLOPS,
             configs.backward.GLUON_BWD_D64_MIN_KEYS, configs.backward.GLUON_BWD_DROPOUT,
-            configs.backward.GLUON_BWD_FUSED_DELTA)
+            configs.backward.GLUON_BWD_FUSED_DELTA, configs.backward.GLUON_BWD_FUSED_SINK)
 
 
 def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, cu_seqlens_q, max_seqlen_q,
@@ -601,9 +601,12 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
                                 learnable_sink, keep)
     plan.dkdv = plan.dq = plan.gluon_dense = None
     if gluon_config is not None and not varlen and not accumulate and gluon_config["dq"] is not None:
-        # the preprocess in the dQ kernel (`_attn_bwd_dq_gluon`'s FUSED_DELTA), but for the sink's gradient
-        fused = 0 if learnable_sink is not None or not configs.backward.GLUON_BWD_FUSED_DELTA else \
-            1 if dlse is None else 2
+        # the preprocess in the dQ kernel (`_attn_bwd_dq_gluon`'s FUSED_DELTA bits), the sink's gradient's parts too
+        # where GLUON_BWD_FUSED_SINK says so
+        fused = 0
+        if configs.backward.GLUON_BWD_FUSED_DELTA and (learnable_sink is None or configs.backward.GLUON_BWD_FUSED_SINK):
+            fused = (backward_gluon_launch.FD_ON | backward_gluon_launch.FD_DLSE * (dlse is not None)
+                     | backward_gluon_launch.FD_SINK * (learnable_sink is not None))
         plan.gluon_dense = backward_gluon_launch.DenseBackward(q, k, variant, gluon_config, softmax_scale, alibi_slopes,
                                                                head_dim_v, fused)
     if gluon_config is not None and (accumulate or gluon_config["dq"] is not None):
@@ -755,10 +758,14 @@ def attention_backward(
 
     if plan.gluon_dense is not None and plan.gluon_dense.fused:  # the dQ kernel fills the padded lse / delta
         lse_pad = torch.empty(plan.pre.lse_shape, dtype=torch.float32, device=q.device)
+        part = None if learnable_sink is None else torch.empty(backward_gluon_launch.sink_parts_shape(q.shape),
+                                                               dtype=torch.float32, device=q.device)
         backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse_pad,
                                            torch.empty_like(lse_pad), softmax_scale, alibi_slopes,
-                                           rng_state if dropout_p else None, out, lse, dlse)
-        return dq, dk, dv
+                                           rng_state if dropout_p else None, out, lse, dlse, learnable_sink, part)
+        if learnable_sink is None:
+            return dq, dk, dv
+        return dq, dk, dv, part.sum(dim=(0, 2)).to(learnable_sink.dtype)  # (in a fixed order, as the preprocess')
     lse, delta, dsink = _run_preprocess(plan.pre, out, dout, lse, cu_seqlens_q, dlse, learnable_sink)
     if plan.gluon_dense is not None:
         backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse, delta, softmax_scale,

@@ -615,19 +615,26 @@ def _dq_producer(shared, place, seq, IS_VARLEN: gl.constexpr, NUM_STAGES: gl.con
         tma_load(desc_v, IS_VARLEN, off_b, k_start + n, off_hk, kv_ready.index(stage), v_bufs.index(stage))
 
 
+# FUSED_DELTA's bits (the dQ kernel's constexpr): the preprocess' work is the kernel's (FD_ON), with the gradient of
+# lse subtracted from delta (FD_DLSE), with the sink's gradient's parts written (FD_SINK)
+FD_ON, FD_DLSE, FD_SINK = gl.constexpr(1), gl.constexpr(2), gl.constexpr(4)
+
+
 @gluon.jit
-def _fused_delta(fused, do_buf, q_ready, rows, seqlen_q, lse_ptr, delta_ptr, s_layout: gl.constexpr,
-                 FUSED_DELTA: gl.constexpr, DV_OUT: gl.constexpr):
+def _fused_delta(fused, do_buf, q_ready, rows, seqlen_q, lse_ptr, delta_ptr, WG: gl.constexpr,
+                 s_layout: gl.constexpr, FUSED_DELTA: gl.constexpr, DV_OUT: gl.constexpr):
     """A dQ warpgroup's rows' (lse, delta) where the preprocess' work is the dQ kernel's (dense): delta = rowsum(dO ∘
-    O) in fp32 over O's DV_OUT columns, minus dlse (FUSED_DELTA 2) where lse is finite, as
-    `backward._attn_bwd_preprocess` works them out; both stored into the padded lse_ptr / delta_ptr for the dK/dV
-    kernel, rows past Sq as -inf / 0. `fused`: (O at this (batch, head), O's row stride (O's strides are
-    specialized on their alignment, and DV_OUT is a constexpr, so that a row's loads are 16 bytes wide: else 2),
-    lse there, dlse there or None, dlse's row stride); do_buf: this
-    warpgroup's dO tile, landed once q_ready says so: O, lse and dlse are loaded before that wait, so that their
-    latency and the TMA's overlap (after it, the delta costs each program the loads' latency again: 45 µs of a
-    window-1024 dQ kernel's 369 at T=16k, as much as the preprocess kernel it replaces)."""
-    o_ptr, stride_om, lse_in, dlse_ptr, stride_dm = fused
+    O) in fp32 over O's DV_OUT columns, minus dlse (FD_DLSE) where lse is finite, as `backward._attn_bwd_preprocess`
+    works them out; both stored into the padded lse_ptr / delta_ptr for the dK/dV kernel, rows past Sq as -inf / 0.
+    FD_SINK: the warpgroup's share of the sink's gradient, −Σ exp(sink − lse) · delta over its rows (0 where lse is
+    -inf), into part_ptr[WG] (the host sums the parts in a fixed order, as the preprocess' ones).
+    `fused`: (O at this (batch, head), O's row stride (O's strides are specialized on their alignment, and DV_OUT
+    is a constexpr, so that a row's loads are 16 bytes wide: else 2), lse there, dlse there or None, dlse's row
+    stride, the head's sink or None, this program's two parts or None); do_buf: this warpgroup's dO tile, landed
+    once q_ready says so: O, lse, dlse and the sink are loaded before that wait, so that their latency and the
+    TMA's overlap (after it, the delta costs each program the loads' latency again: 45 µs of a window-1024 dQ
+    kernel's 369 at T=16k, as much as the preprocess kernel it replaces)."""
+    o_ptr, stride_om, lse_in, dlse_ptr, stride_dm, sink_ptr, part_ptr = fused
     DV: gl.constexpr = do_buf.shape[len(do_buf.shape) - 1]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads along a row
     o_rows = rows.to(gl.int64)
@@ -637,13 +644,18 @@ def _fused_delta(fused, do_buf, q_ready, rows, seqlen_q, lse_ptr, delta_ptr, s_l
     mask = (t_rows < seqlen_q)[:, None] & (t_cols < DV_OUT)[None, :]
     o = gl.load(o_ptr + t_rows.to(gl.int64)[:, None] * stride_om + t_cols[None, :], mask=mask, other=0.0)
     lse = gl.load(lse_in + o_rows, mask=in_seq, other=float("-inf"))
-    if FUSED_DELTA == 2:
+    if FUSED_DELTA & FD_DLSE:
         dlse = gl.load(dlse_ptr + o_rows * stride_dm, mask=in_seq, other=0.0)
+    if FUSED_DELTA & FD_SINK:
+        sink = gl.load(sink_ptr).to(gl.float32)
     mbarrier.wait(q_ready, 0)
     do = do_buf.reshape([ROWS, DV]).load(layout)  # (columns past Dv and rows past Sq: 0, as the TMA filled them)
     delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.to(gl.float32), 1), gl.SliceLayout(1, s_layout))
-    if FUSED_DELTA == 2:
+    if FUSED_DELTA & FD_DLSE:
         delta -= gl.where(lse == float("-inf"), 0.0, dlse)
+    if FUSED_DELTA & FD_SINK:
+        p_sink = gl.where(lse == float("-inf"), 0.0, gl.exp(sink - lse))
+        gl.store(part_ptr + WG, -gl.sum(p_sink * delta, 0))
     gl.store(lse_ptr + rows, lse)
     gl.store(delta_ptr + rows, delta)
     return lse, delta
@@ -737,8 +749,8 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (BLOCK_N,)
     if FUSED_DELTA:
-        lse, delta = _fused_delta(fused, do_bufs.index(WG), q_ready, rows, seqlen_q, lse_ptr, delta_ptr, s_layout,
-                                  FUSED_DELTA, DV_OUT)
+        lse, delta = _fused_delta(fused, do_bufs.index(WG), q_ready, rows, seqlen_q, lse_ptr, delta_ptr, WG,
+                                  s_layout, FUSED_DELTA, DV_OUT)
     else:
         lse = gl.load(lse_ptr + rows)  # padded: rows past the last sequence hold -inf
         delta = gl.load(delta_ptr + rows)
@@ -791,7 +803,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dqm", "stride_dqh", "HEADS_Q",
                               "BATCH", "GROUP_SIZE", "SEQLEN_Q", "SEQLEN_K", "SEQLEN_PAD", "dropout_threshold",
                               "stride_lib", "stride_lih", "stride_db", "stride_dh", "stride_dm"],
-           do_not_specialize_on_alignment=["ALIBI", "DLSE"])
+           do_not_specialize_on_alignment=["ALIBI", "DLSE", "SINK"])
 def _attn_bwd_dq_gluon(
     desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, WORK, softmax_scale,
     qk_scale,
@@ -800,7 +812,8 @@ def _attn_bwd_dq_gluon(
     DROPOUT_RNG, dropout_threshold, dropout_scale,  # `Variant.dropout_args`, None without dropout
     stride_dqm, stride_dqh, HEADS_Q, BATCH, GROUP_SIZE, SEQLEN_Q, SEQLEN_K, SEQLEN_PAD,
     O, LSE_IN, DLSE, stride_ob, stride_om, stride_oh, stride_lib, stride_lih, stride_db, stride_dh, stride_dm,
-    # FUSED_DELTA: the forward's out (B, Sq, Hq, Dv) and lse (B, Hq, Sq), dlse, their strides; else None
+    SINK, SINK_PART,  # FUSED_DELTA: the forward's out (B, Sq, Hq, Dv) and lse (B, Hq, Sq), dlse, their strides,
+    # the sinks (Hq,) and their gradient's parts (B, Hq, 2 · cdiv(Sq, 128)) fp32; each None where off
     IS_CAUSAL: gl.constexpr, CAUSAL_BOTTOM_RIGHT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
@@ -810,7 +823,7 @@ def _attn_bwd_dq_gluon(
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
     the last query tiles (the most keys) start first.
-    FUSED_DELTA (dense; 1, or 2 with dlse): the preprocess' work is this kernel's (`_fused_delta`): each
+    FUSED_DELTA (dense; bits FD_ON, FD_DLSE, FD_SINK): the preprocess' work is this kernel's (`_fused_delta`): each
     warpgroup works out its rows' delta from O and dO, and writes them and its lse into the padded LSE / DELTA,
     which the dK/dV kernel, launched after this one, reads (one launch and one pass over O and dO fewer)."""
     if IS_VARLEN and WORK_TABLE:
@@ -871,8 +884,11 @@ def _attn_bwd_dq_gluon(
     if FUSED_DELTA:
         fused = (O + off_b.to(gl.int64) * stride_ob + off_h * stride_oh, gl.to_tensor(stride_om),
                  LSE_IN + off_b.to(gl.int64) * stride_lib + off_h * stride_lih,
-                 DLSE + off_b.to(gl.int64) * stride_db + off_h * stride_dh if FUSED_DELTA == 2 else None,
-                 gl.to_tensor(stride_dm) if FUSED_DELTA == 2 else None)
+                 DLSE + off_b.to(gl.int64) * stride_db + off_h * stride_dh if FUSED_DELTA & FD_DLSE else None,
+                 gl.to_tensor(stride_dm) if FUSED_DELTA & FD_DLSE else None,
+                 SINK + off_h if FUSED_DELTA & FD_SINK else None,  # the parts: (b, h, query tile, warpgroup)
+                 SINK_PART + ((off_b * HEADS_Q + off_h) * gl.num_programs(0) + start_m // KEYS) * 2
+                 if FUSED_DELTA & FD_SINK else None)
     else:
         fused = gl.constexpr(0)
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).

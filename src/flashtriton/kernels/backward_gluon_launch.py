@@ -271,14 +271,24 @@ def _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, cu_q, cu_k, work, so
             dq.stride(-3), dq.stride(-2), *ints, *_NOT_FUSED)
 
 
-_NOT_FUSED = (None,) * 11  # the dQ kernel's FUSED_DELTA arguments, off
+_NOT_FUSED = (None,) * 13  # the dQ kernel's FUSED_DELTA arguments, off
+FD_ON, FD_DLSE, FD_SINK = 1, 2, 4  # FUSED_DELTA's bits (`backward_gluon.FD_ON`, ...)
 
 
-def _fused_args(out, lse, dlse) -> tuple:
+def _fused_args(out, lse, dlse, sink=None, sink_part=None) -> tuple:
     """The dQ kernel's FUSED_DELTA arguments: dense out (B, Sq, Hq, Dv), lse (B, Hq, Sq) with a contiguous last
-    dim, dlse (B, Hq, Sq) any strides or None."""
+    dim, dlse (B, Hq, Sq) any strides or None, the sinks (Hq,) with their gradient's parts (B, Hq, 2 · cdiv(Sq,
+    128)) fp32 contiguous, or None."""
     d_s = (None, None, None) if dlse is None else dlse.stride()
-    return (out, lse, dlse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *d_s)
+    return (out, lse, dlse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), *d_s, sink,
+            sink_part)
+
+
+def sink_parts_shape(q_shape) -> tuple:
+    """The shape of the sink's gradient's parts that a fused dQ kernel writes for dense q (B, Sq, Hq, D): one per
+    batch entry, head and 64-row warpgroup block."""
+    batch, seqlen_q, heads_q, _ = q_shape
+    return batch, heads_q, 2 * cdiv(seqlen_q, KEYS.value)
 
 
 def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, causal, causal_bottom_right,
@@ -344,11 +354,13 @@ class DenseBackward:
 
 
 def launch_dense(plan: DenseBackward, q, k, v, dout, dq, dk, dv, lse_pad, delta_pad, softmax_scale,
-                 alibi_slopes=None, rng_state=None, out=None, lse=None, dlse=None) -> None:
+                 alibi_slopes=None, rng_state=None, out=None, lse=None, dlse=None, sink=None,
+                 sink_part=None) -> None:
     """dK/dV then dQ of a dense call, as `launch_dkdv_gluon` and `launch_dq_gluon` launch them (the inputs as theirs),
     through `plan` (built for these tensors' signature). With `plan.fused` the preprocess is the dQ kernel's:
     lse_pad / delta_pad are fresh buffers that it fills from `out`, `lse` and `dlse` (None without a gradient of
-    lse, as when the plan was built), so it goes first."""
+    lse, as when the plan was built), and with FD_SINK the sink's gradient's parts into `sink_part`
+    (`sink_parts_shape`), so it goes first."""
     rows, d, dv_block = ROWS.value, plan.d, plan.dv_block
     desc_q, desc_do = descriptor(q, rows, False, d), descriptor(dout, rows, False, dv_block)
     scalars = (*plan.scalars, alibi_slopes, plan.alibi_stride, *plan.variant.dropout_args(rng_state))
@@ -356,7 +368,8 @@ def launch_dense(plan: DenseBackward, q, k, v, dout, dq, dk, dv, lse_pad, delta_
     dq_args = _dq_args(desc_q, desc_do, k, v, dq, lse_pad, delta_pad, lse_pad, lse_pad, q, softmax_scale, scalars,
                        p.ints, False, d, plan.block_n, dv_block)
     if plan.fused:
-        _launch(_attn_bwd_dq_gluon, p, p.grid, dq_args[:-len(_NOT_FUSED)] + _fused_args(out, lse, dlse), p.meta)
+        _launch(_attn_bwd_dq_gluon, p, p.grid,
+                dq_args[:-len(_NOT_FUSED)] + _fused_args(out, lse, dlse, sink, sink_part), p.meta)
     p = plan.dkdv
     _launch(_attn_bwd_dkdv_gluon, p, p.grid, _dkdv_args(desc_q, desc_do, k, v, dk, dv, lse_pad, delta_pad, lse_pad,
                                                         lse_pad, q, softmax_scale, scalars, p.ints, False, d,
@@ -372,7 +385,8 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
                      head_dim_v: int | None = None, dropout_p: float = 0.0, fused_delta: int = 0):
     """Compile the dK/dV or the dQ kernel for sm_90 without a GPU (as `forward_gluon_launch.compile_for_sm90`): for tests
     and `ptxas -v`. window_size / softcap / alibi (whether slopes are given): the variant, as a launch passes it;
-    `head_dim_v`: V's head dim (default: head_dim); `dropout_p` > 0: the dropout build."""
+    `head_dim_v`: V's head dim (default: head_dim); `dropout_p` > 0: the dropout build; `fused_delta`: the dQ
+    kernel's FUSED_DELTA bits (FD_ON, FD_DLSE, FD_SINK)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -395,10 +409,10 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     off = [name for name, value in scalars.items() if value is None] + ([] if alibi else ["ALIBI", "stride_alibi_b"])
     off += [] if dropout_p else ["DROPOUT_RNG", "dropout_threshold", "dropout_scale"]
     if kernel == "dq":  # FUSED_DELTA's arguments: None where it is off, as `_dq_args` passes them
-        fused_names = ["O", "LSE_IN", "DLSE", "stride_ob", "stride_om", "stride_oh", "stride_lib", "stride_lih",
-                       "stride_db", "stride_dh", "stride_dm"]
-        off += fused_names if not fused_delta else [] if fused_delta == 2 else ["DLSE", "stride_db", "stride_dh",
-                                                                                 "stride_dm"]
+        dlse_names, sink_names = ["DLSE", "stride_db", "stride_dh", "stride_dm"], ["SINK", "SINK_PART"]
+        off += (["O", "LSE_IN", "stride_ob", "stride_om", "stride_oh", "stride_lib", "stride_lih"] + dlse_names
+                + sink_names if not fused_delta else
+                dlse_names * (not fused_delta & FD_DLSE) + sink_names * (not fused_delta & FD_SINK))
         if fused_delta:
             meta.update(FUSED_DELTA=fused_delta, DV_OUT=head_dim_v)
     meta.update(dict.fromkeys(off))
@@ -412,7 +426,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     descriptors.update(desc_lse=row_descriptor(rows_t), desc_delta=row_descriptor(rows_t))
     element = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     pointers = {"LSE": "*fp32", "DELTA": "*fp32", "ALIBI": "*fp32", "DK": element, "DV": element, "DQ": element,
-                "O": element, "LSE_IN": "*fp32", "DLSE": "*fp32",
+                "O": element, "LSE_IN": "*fp32", "DLSE": "*fp32", "SINK": "*fp32", "SINK_PART": "*fp32",
                 "CU_SEQLENS_Q": "*i32" if varlen else "*fp32", "CU_SEQLENS_K": "*i32" if varlen else "*fp32",
                 "WORK": "*i32" if varlen else "*bf16" if dtype == torch.bfloat16 else "*fp16", "DROPOUT_RNG": "*i64"}
     names = fn.arg_names
@@ -421,7 +435,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
                  else "fp32" if name in ("softmax_scale", "qk_scale", "softcap", "dropout_scale")
                  else "i32" for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers
-             if name in names and name not in meta and name not in ("ALIBI", "DLSE")}  # (not specialized on
+             if name in names and name not in meta and name not in ("ALIBI", "DLSE", "SINK")}  # (not specialized on
     # alignment)
     if kernel == "dq" and fused_delta:  # O's strides, specialized as a launch with aligned ones does
         attrs.update({(names.index(name),): [["tt.divisibility", 16]] for name in ("stride_ob", "stride_om",
