@@ -19,6 +19,8 @@ from triton.compiler import ASTSource
 from flashtriton.kernels import backward, forward
 
 TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+DQ_FUSED_ARGS = ("O", "DLSE", "SINK", "SINK_PART", "stride_ob", "stride_om", "stride_oh", "stride_od", "stride_db",
+                 "stride_dh", "stride_dm")
 UNALIGNED_INTS = {"NUM_HEADS", "NUM_HEADS_KV", "GROUP_SIZE"}
 
 
@@ -78,6 +80,8 @@ def main(out_dir: str) -> None:
                                                      capacity=None, num_pages=None, SEQUSED_K=None, PAGED=False,
                                                      PAGE_SIZE=1, HAS_SEQUSED_K=False, ACCUMULATE=False).items()
                                if n in fn.arg_names})
+            if name == "dq":  # the preprocess' work elsewhere (`backward._attn_bwd_dq`'s FUSED off: its arguments None)
+                constexprs.update(dict.fromkeys(DQ_FUSED_ARGS), FUSED=0)
             sig, attrs = signature(fn, constexprs)
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))

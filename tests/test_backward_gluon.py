@@ -667,6 +667,138 @@ def test_gluon_backward_variants_varlen(name, causal_order, device, monkeypatch)
         assert_close_to_exact(ours[3], portable[3], dsink_exact, torch.float32, f"{name}: dsink")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The Triton backward with the preprocess in its dQ kernel (configs.backward.TRITON_BWD_FUSED_DELTA): runs everywhere
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["plain", "causal", "window_both", "causal_window_softcap_alibi_sinks", "sinks"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_backward_fused_delta_against_float64(name, packed, device, monkeypatch):
+    """The Triton dQ kernel doing the preprocess' work (delta, the sink's gradient's parts; dQ first, then dK/dV):
+    the gradients against float64 and within a few ulps of the preprocess kernel's path, dense and packed (empty
+    sequences, one token, Sq != Sk, GQA), and the preprocess kernel not launched."""
+    from test_varlen import pack
+
+    spec = {"plain": {}, "causal": dict(causal=True), **GLUON_VARIANTS}[name]
+    lengths_q, lengths_k = ([3, 0, 1, 70, 33], [9, 4, 1, 50, 0]) if packed else ([65], [80])
+    batch, heads_q, heads_kv, head_dim, dtype = len(lengths_q), 4, 2, 48, torch.float16
+    gen = torch.Generator().manual_seed(5)
+    q, cu_q = pack(lengths_q, heads_q, head_dim, dtype, device, gen)
+    k, cu_k = pack(lengths_k, heads_kv, head_dim, dtype, device, gen)
+    v, _ = pack(lengths_k, heads_kv, head_dim, dtype, device, gen)
+    dout, _ = pack(lengths_q, heads_q, head_dim, dtype, device, gen)
+    kwargs, sinks = _variant_inputs(spec, batch, heads_q, device, seed=2)
+    varlen = (cu_q, cu_k, max(lengths_q), max(lengths_k)) if packed else None
+    if not packed:
+        q, k, v, dout = (t[None] for t in (q, k, v, dout))
+    launched = []
+    real_plan = B._preprocess_plan
+
+    def recording_plan(*args, **kw):
+        plan = real_plan(*args, **kw)
+        run = plan.launch
+        plan.launch = lambda *a: (launched.append("preprocess"), run(*a))
+        return plan
+
+    monkeypatch.setattr(B, "_preprocess_plan", recording_plan)
+    monkeypatch.setattr(B, "_PLANS", {})
+    monkeypatch.setattr(configs.backward, "TRITON_BWD_FUSED_DELTA", False)
+    unfused = variant_grads(q, k, v, dout, kwargs, sinks, False, monkeypatch, varlen=varlen)
+    assert launched == ["preprocess"]
+    monkeypatch.setattr(configs.backward, "TRITON_BWD_FUSED_DELTA", True)
+    fused = variant_grads(q, k, v, dout, kwargs, sinks, False, monkeypatch, varlen=varlen)
+    assert launched == ["preprocess"]  # not launched again
+    assert any(plan.fused == 1 + 4 * (sinks is not None) for plan in B._PLANS.values())
+    for a, b in zip(fused, unfused):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-3, rtol=2e-3)
+    if packed:  # per sequence against float64, dsink over all of them
+        dsink_exact = torch.zeros(heads_q, dtype=torch.float64, device=device)
+        for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+            sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if lq == 0 or lk == 0:
+                continue
+            seq_kwargs = dict(kwargs)
+            if kwargs.get("alibi_slopes") is not None and kwargs["alibi_slopes"].dim() == 2:
+                seq_kwargs["alibi_slopes"] = kwargs["alibi_slopes"][b]
+            one = [t[None, s] for t, s in ((q, sq), (k, sk), (v, sk), (dout, sq))]
+            exact = exact_variant_grads(*one, seq_kwargs, sinks)
+            mine = (fused[0][None, sq], fused[1][None, sk], fused[2][None, sk])
+            assert_variant_grads(mine, mine, exact[:3], dtype, f"{name}, seq {b}: ")
+            if sinks is not None:
+                dsink_exact += exact[3]
+        if sinks is not None:
+            assert_close_to_exact(fused[3], unfused[3], dsink_exact, torch.float32, f"{name}: dsink")
+    else:
+        exact = exact_variant_grads(q, k, v, dout, kwargs, sinks)
+        assert_variant_grads(fused, unfused, exact, dtype, f"{name}: ")
+
+
+def test_triton_fused_dq_compiles_for_sm80_and_sm90_without_a_gpu():
+    """The Triton dQ kernel with the preprocess' work (FUSED bits 1, 3, 5, 7: dlse, the sink's parts), dense and
+    packed, compiles for sm_80 and sm_90 (the interpreter runs it in the tests above; the GPU compiles it). In a
+    fresh process, as the Gluon builds."""
+    script = (
+        "import sys, triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from flashtriton.kernels import backward\n"
+        "fn = backward._attn_bwd_dq\n"
+        "POINTERS = {'Q', 'K', 'V', 'O', 'DO', 'DQ'}\n"
+        "for cap in (80, 90):\n"
+        "    for fused, varlen in ((1, False), (3, True), (5, False), (7, True)):\n"
+        "        c = dict(HEAD_DIM=80, BLOCK_D=128, HEAD_DIM_V=80, BLOCK_DV=128, IS_CAUSAL=True,\n"
+        "                 CAUSAL_BOTTOM_RIGHT=True, IS_VARLEN=varlen, UPCAST_DOT=False, DOT_PRECISION='tf32',\n"
+        "                 BLOCK_M=64, BLOCK_N=64, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False,\n"
+        "                 HAS_DROPOUT=False, ACCUMULATE=False, FUSED=fused)\n"
+        "        c.update(dict.fromkeys(['window_left', 'window_right', 'softcap', 'ALIBI', 'stride_alibi_b',\n"
+        "                                'DROPOUT_RNG', 'dropout_threshold', 'dropout_scale']))\n"
+        "        if not fused & 2:\n"
+        "            c.update(dict.fromkeys(['DLSE', 'stride_db', 'stride_dh', 'stride_dm']))\n"
+        "        if not fused & 4:\n"
+        "            c.update(dict.fromkeys(['SINK', 'SINK_PART']))\n"
+        "        sig = {n: 'constexpr' if n in c else '*fp16' if n in POINTERS else '*i32' if n.startswith('CU_')\n"
+        "               else '*fp32' if n in ('LSE', 'DELTA', 'DLSE', 'SINK', 'SINK_PART')\n"
+        "               else 'fp32' if n in ('softmax_scale', 'qk_scale') else 'i32' for n in fn.arg_names}\n"
+        "        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget('cuda', cap, 32),\n"
+        "                           options=dict(num_warps=4, num_stages=2))\n"
+        "        assert 'st.global' in k.asm['ptx']\n"
+        "        print('compiled', cap, fused, varlen)\n"
+    )
+    out = compile_in_fresh_process(script)
+    assert out.count("compiled") == 8, out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_backward_fused_delta_with_the_lse_gradient(causal, device, monkeypatch):
+    """lse differentiated (dlse subtracted from delta in the dQ kernel), dense and packed, against the preprocess
+    kernel's path; rows that see no key (Sq > Sk causal) keep their delta."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 23, 4, 32, generator=gen).to(device=device, dtype=torch.float16)
+    k, v = (torch.randn(2, 7, 2, 32, generator=gen).to(device=device, dtype=torch.float16) for _ in range(2))
+    w = torch.randn(q.shape, generator=gen).to(device=device, dtype=torch.float16)
+    u = torch.randn(2, 4, 23, generator=gen).to(device)
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse, _ = flashtriton.flash_attn_func(*leaves, causal=causal, return_attn_probs=True)
+        dense = torch.autograd.grad((out, lse), leaves, (w, u))
+        leaves = [t.detach().clone().flatten(0, 1).requires_grad_() for t in (q, k, v)]
+        cu_q = torch.tensor([0, 23, 46], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 7, 14], dtype=torch.int32, device=device)
+        out, lse, _ = flashtriton.flash_attn_varlen_func(*leaves, cu_q, cu_k, 23, 7, causal=causal,
+                                                         return_attn_probs=True)
+        packed = torch.autograd.grad((out, lse), leaves, (w.flatten(0, 1), u.transpose(0, 1).flatten(1)))
+        return dense + packed
+
+    monkeypatch.setattr(dispatch, "CHOICE", dispatch.Choice(gluon_bwd=False))
+    monkeypatch.setattr(configs.backward, "TRITON_BWD_FUSED_DELTA", False)
+    unfused = grads()
+    monkeypatch.setattr(configs.backward, "TRITON_BWD_FUSED_DELTA", True)
+    fused = grads()
+    for a, b in zip(fused, unfused):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-3, rtol=2e-3)
+
+
 def sink_grad_reference(lse, delta, sink, varlen: bool) -> torch.Tensor:
     """dsink_h = -Σ_{b,i} exp(sink_h - lse) · delta over lse and delta (B, Hq, Sq) or (Hq, total_q), in torch; rows of
     lse -inf add nothing."""

@@ -35,8 +35,12 @@ def test_quick_fingerprint_covers_both_targets_and_repeats(tmp_path):
     assert result["errors"] == {}
     entries = result["entries"].values()
     kernels = {(e["kernel"], e["target"]) for e in entries}
-    # forward, preprocess, dK/dV, dQ, KV append and decode on both targets; sm_90's forward is the Gluon kernel
-    assert len(result["entries"]) >= 12 and len(kernels) >= 12, sorted(kernels)
+    # forward, preprocess (unless the dQ kernel does its work: TRITON_BWD_FUSED_DELTA), dK/dV, dQ, KV append and
+    # decode on both targets; sm_90's forward is the Gluon kernel
+    from flashtriton import configs
+
+    expected = 2 * (6 - bool(configs.backward.TRITON_BWD_FUSED_DELTA))
+    assert len(result["entries"]) >= expected and len(kernels) >= expected, sorted(kernels)
     assert {"_attn_fwd_gluon", "_attn_bwd_dkdv", "_attn_bwd_dq", "_decode_split", "_append_kv"} <= \
         {k for k, t in kernels if t == "sm_90"}
     assert ("_attn_fwd", "sm_80") in kernels

@@ -171,6 +171,11 @@ GLUON_BWD_FUSED_DELTA = True
 # not yet run on the H200 (tests/test_backward_gluon.py's fused-sink test checks it against float64 there), so off:
 # a call with a sink keeps the preprocess kernel.
 GLUON_BWD_FUSED_SINK = False
+# The Triton backward's preprocess in its dQ kernel (`kernels.backward._fused_delta`: dQ first, then dK/dV; with
+# dlse and the sink's gradient's parts too; not under autotuning, whose dQ tiles are picked at the first launch):
+# one launch, two allocations and one pass over O and dO fewer. Tested against float64 through the interpreter;
+# off until the H200 has run the tests and timed it (the short calls it serves are host-bound there).
+TRITON_BWD_FUSED_DELTA = False
 
 
 # Tiles in three loops, the masked ones around those every pair of which is visible (SPLIT = 1: those run without

@@ -10,7 +10,8 @@ V, O, dO and dV have V's, Dv (HEAD_DIM_V, BLOCK_DV), which may differ. Three ker
      accumulators resident and streams Q/dO tiles of every query head of its GQA group, so the group sum
      happens in registers: no atomics, no copies of K/V.
   3. `_attn_bwd_dq`: one program per (BLOCK_M query rows, batch·query head), streaming K/V tiles. A
-     separate kernel instead of atomic adds into dQ: the result is bitwise deterministic.
+     separate kernel instead of atomic adds into dQ: the result is bitwise deterministic. Under
+     `configs.backward.TRITON_BWD_FUSED_DELTA` it does kernel 1's work for its rows (`_fused_delta`) and runs first.
 Scores are in base 2 (log2(e) folded into the scale, exp2). Causal (bottom-right, or top-left with
 CAUSAL_BOTTOM_RIGHT=False): tiles that see nothing are skipped, tiles entirely visible run unmasked, and only
 tiles on the diagonal or at the end of the sequence pay for masks — as in the forward.
@@ -45,6 +46,7 @@ except ImportError:  # pragma: no cover
     backward_gluon_launch = None
 
 PREPROCESS_BLOCK_M = 64
+_NOT_FUSED = (None,) * 11  # `_attn_bwd_dq`'s FUSED arguments, off
 
 
 @triton.jit
@@ -127,6 +129,31 @@ def _load_lse_delta(lse_ptrs, delta_ptrs, rows, seqlen_q, MASK_ROWS: tl.constexp
         delta = tl.load(delta_ptrs)
     lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     return lse, delta
+
+
+# `_attn_bwd_dq`'s FUSED bits (the kernels test them as the literals 2 and 4: the interpreter cannot `&` an int
+# with a constexpr)
+FUSED_ON, FUSED_DLSE, FUSED_SINK = 1, 2, 4
+
+
+@triton.jit
+def _fused_delta(o_ptrs, do, lse_ptrs, delta_ptrs, dlse_ptrs, sink_ptr, part_ptr, rows, seqlen_q, offs_dv,
+                 FUSED: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The preprocess' work for a dQ program's rows (`_attn_bwd_preprocess`, which then does not run): delta =
+    rowsum(dO ∘ O) in fp32, minus dlse where lse is finite (FUSED_DLSE), stored for the dK/dV kernel, which runs
+    after; FUSED_SINK: the rows' share of the sink's gradient, −Σ exp(sink − lse) · delta, into part_ptr. Returns
+    (lse · log2(e), delta) as `_load_lse_delta` does."""
+    o = load_tile(o_ptrs, rows, seqlen_q, offs_dv, True, HEAD_DIM_V, BLOCK_DV)
+    in_seq = rows < seqlen_q
+    lse = tl.load(lse_ptrs, mask=in_seq, other=float("-inf"))
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # 0 past the sequence
+    if FUSED & 2:
+        delta -= tl.where(lse == float("-inf"), 0.0, tl.load(dlse_ptrs, mask=in_seq, other=0.0))
+    if FUSED & 4:
+        p_sink = tl.where(lse == float("-inf"), 0.0, tl.exp(tl.load(sink_ptr).to(tl.float32) - lse))
+        tl.store(part_ptr, -tl.sum(p_sink * delta, axis=0))
+    tl.store(delta_ptrs, delta, mask=in_seq)
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), delta
 
 
 @triton.jit
@@ -360,12 +387,15 @@ def _attn_bwd_dq(
     GROUP_SIZE,
     SEQLEN_Q, SEQLEN_K,
     TUNE_SEQLEN_Q, TUNE_SEQLEN_K,
+    O, DLSE, SINK, SINK_PART,  # FUSED: the forward's out, dlse, the sinks and their gradient's parts; else None
+    stride_ob, stride_om, stride_oh, stride_od, stride_db, stride_dh, stride_dm,  # (likewise)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # Q and K's head dim, padded to BLOCK_D
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,  # V, dO and dV's, padded to BLOCK_DV
     IS_CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr = False,
     ACCUMULATE: tl.constexpr = False,  # add to DQ's contents instead of overwriting them
+    FUSED: tl.constexpr = 0,  # the preprocess' work here (bits FUSED_ON 1, FUSED_DLSE 2, FUSED_SINK 4): `_fused_delta`
 ):
     pid_m = tl.program_id(0)  # grid (query tiles, heads, batch)
     off_h = tl.program_id(1)
@@ -380,7 +410,12 @@ def _attn_bwd_dq(
 
     # Causal tiles near the end of the queries do the most work: hand them out first.
     start_m = tl.num_programs(0) - 1 - pid_m if IS_CAUSAL else pid_m
+    part = None  # FUSED_SINK: this program's part of the sink's gradient, at (batch, head, query tile)
+    if FUSED & 4:
+        part = SINK_PART + (off_b * tl.num_programs(1) + off_h) * tl.num_programs(0) + start_m
     if start_m * BLOCK_M >= seqlen_q:
+        if FUSED & 4:  # (so that the host's sum over the parts needs no zeroed buffer)
+            tl.store(part, 0.0)
         return
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
@@ -393,8 +428,21 @@ def _attn_bwd_dq(
     v_ptrs = V + batch_v + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, True, HEAD_DIM, BLOCK_D)  # (BLOCK_M, BLOCK_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, True, HEAD_DIM_V, BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
-    lse, delta = _load_lse_delta(LSE + batch_l + off_h * stride_lh + offs_m,
-                                 DELTA + batch_l + off_h * stride_lh + offs_m, offs_m, seqlen_q, True)
+    if FUSED:
+        o_ptrs = O + b64 * stride_ob + q_start * stride_om + off_h * stride_oh + (offs_m[:, None] * stride_om
+                                                                                 + offs_dv[None, :] * stride_od)
+        dlse_ptrs = None
+        if FUSED & 2:
+            dlse_ptrs = DLSE + b64 * stride_db + off_h * stride_dh + (q_start + offs_m) * stride_dm
+        sink_ptr = None
+        if FUSED & 4:
+            sink_ptr = SINK + off_h
+        lse, delta = _fused_delta(o_ptrs, do, LSE + batch_l + off_h * stride_lh + offs_m,
+                                  DELTA + batch_l + off_h * stride_lh + offs_m, dlse_ptrs, sink_ptr, part,
+                                  offs_m, seqlen_q, offs_dv, FUSED, HEAD_DIM_V, BLOCK_DV)
+    else:
+        lse, delta = _load_lse_delta(LSE + batch_l + off_h * stride_lh + offs_m,
+                                     DELTA + batch_l + off_h * stride_lh + offs_m, offs_m, seqlen_q, True)
     if UPCAST_DOT:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -528,7 +576,7 @@ class _BackwardPlan:
     signature and kept, so that a call repeats only the allocations, the pointer checks and the launches."""
 
     __slots__ = ("gluon_config", "gluon_dense", "pre", "head", "alibi_stride", "dropout", "ints_dkdv", "ints_dq",
-                 "grid_dkdv", "grid_dq", "dkdv", "dq", "constexprs")
+                 "grid_dkdv", "grid_dq", "dkdv", "dq", "constexprs", "fused", "fused_ints")
 
 
 _PLANS: dict = {}  # `_plan_key` -> _BackwardPlan
@@ -554,7 +602,8 @@ def _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_
             tuple((t.shape, t.stride(), t.dtype) for t in extras),  # (cu_seqlens' shapes: the sequence count)
             dispatch.CHOICE, configs.AUTOTUNE, configs.gluon_bwd_config, configs.backward.GLUON_BWD_MIN_FLOPS,
             configs.backward.GLUON_BWD_D64_MIN_KEYS, configs.backward.GLUON_BWD_DROPOUT,
-            configs.backward.GLUON_BWD_FUSED_DELTA, configs.backward.GLUON_BWD_FUSED_SINK)
+            configs.backward.GLUON_BWD_FUSED_DELTA, configs.backward.GLUON_BWD_FUSED_SINK,
+            configs.backward.TRITON_BWD_FUSED_DELTA)
 
 
 def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, cu_seqlens_q, max_seqlen_q,
@@ -651,12 +700,20 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
         return (cdiv(seqlen_q, meta["BLOCK_M"]), heads_q, batch)
 
     plan.constexprs = constexprs
+    plan.fused, plan.fused_ints = 0, (None,) * 7
     if config is None:  # autotuned (`_attn_bwd_dkdv_tuned` / `_attn_bwd_dq_tuned`): the grids as functions
         plan.grid_dkdv, plan.grid_dq = grid_dkdv, grid_dq
     else:
         plan.grid_dkdv, plan.grid_dq = grid_dkdv(config["dkdv"]), grid_dq(config["dq"])
+        dq_meta = {**constexprs, **config["dq"]}
+        if gluon_config is None and configs.backward.TRITON_BWD_FUSED_DELTA:  # the preprocess in the dQ kernel
+            plan.fused = FUSED_ON | FUSED_DLSE * (dlse is not None) | FUSED_SINK * (learnable_sink is not None)
+            o_s = (0, *out.stride()) if varlen else out.stride()
+            d_s = (None,) * 3 if dlse is None else (0, *dlse.stride()) if varlen else dlse.stride()
+            plan.fused_ints = (*o_s, *d_s)
+            dq_meta.update(FUSED=plan.fused)  # (absent otherwise: the launch key of the unfused calls)
         plan.dkdv = KeptLaunch(_attn_bwd_dkdv, {**constexprs, **config["dkdv"]}, keep)
-        plan.dq = KeptLaunch(_attn_bwd_dq, {**constexprs, **config["dq"]}, keep)
+        plan.dq = KeptLaunch(_attn_bwd_dq, dq_meta, keep)
     return plan
 
 
@@ -767,6 +824,18 @@ def attention_backward(
         if learnable_sink is None:
             return dq, dk, dv
         return dq, dk, dv, part.sum(dim=(0, 2)).to(learnable_sink.dtype)  # (in a fixed order, as the preprocess')
+    if plan.gluon_config is None and plan.fused:  # the Triton kernels, the preprocess in the dQ kernel: dQ first
+        delta = torch.empty_like(lse)
+        part = None if learnable_sink is None else torch.empty(plan.grid_dq[::-1], dtype=torch.float32,
+                                                               device=q.device)  # (batch, heads, query tiles)
+        mid = (*plan.head, alibi_slopes, plan.alibi_stride, rng_state if dropout_p else None, *plan.dropout)
+        plan.dq(plan.grid_dq, (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mid, *plan.ints_dq, out,
+                               dlse, learnable_sink, part, *plan.fused_ints))
+        plan.dkdv(plan.grid_dkdv, (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *mid,
+                                   *plan.ints_dkdv))
+        if learnable_sink is None:
+            return dq, dk, dv
+        return dq, dk, dv, part.sum(dim=(0, 2)).to(learnable_sink.dtype)  # (in a fixed order, as the preprocess')
     lse, delta, dsink = _run_preprocess(plan.pre, out, dout, lse, cu_seqlens_q, dlse, learnable_sink)
     if plan.gluon_dense is not None:
         backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse, delta, softmax_scale,
@@ -791,7 +860,7 @@ def attention_backward(
             _attn_bwd_dkdv_tuned[plan.grid_dkdv](*args, **plan.constexprs)
         else:
             plan.dkdv(plan.grid_dkdv, args)
-    args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mid, *plan.ints_dq)
+    args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mid, *plan.ints_dq, *_NOT_FUSED)
     if plan.dq is None:
         _attn_bwd_dq_tuned[plan.grid_dq](*args, **plan.constexprs)
     else:
