@@ -2,7 +2,7 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite; ~600 s), bwd_ab (benchmarks/gluon_bwd_ab.py: Gluon backward configs, kernel times; AB_CASES, AB_ROUNDS, AB_LABELS), decode_dims (decode at D=256 and 192/128 beside cuDNN; DECODE_DIMS narrows), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite; ~600 s), bwd_ab (benchmarks/gluon_bwd_ab.py: Gluon backward configs, kernel times; AB_CASES, AB_ROUNDS, AB_LABELS), fused_ab (the preprocess inside the dQ kernels: GPU tests and benchmarks/fused_delta_ab.py), decode_dims (decode at D=256 and 192/128 beside cuDNN; DECODE_DIMS narrows), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), dropout (dropout.py), gluon_dropout (the dropout tests with the Gluon kernels', dropout.py --gluon), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
@@ -85,6 +85,12 @@ for step in "$@"; do
     bwd_ab) # Gluon backward config candidates beside the dispatch's, with each kernel's time (AB_CASES, AB_ROUNDS)
       timeout 300 python benchmarks/gluon_bwd_ab.py --cases ${AB_CASES:-window1024,window4096,dense4k,dense4k_d64,softcap4k} \
         --rounds ${AB_ROUNDS:-4} --labels "${AB_LABELS:-}" --out $R/gluon_bwd_ab > $R/gluon_bwd_ab.txt 2>&1; grep -v -i warn $R/gluon_bwd_ab.txt | tail -40 ;;
+    fused_ab) # the preprocess inside the dQ kernels (Triton: TRITON_BWD_FUSED_DELTA; Gluon with a sink:
+      # GLUON_BWD_FUSED_SINK): their GPU tests, then benchmarks/fused_delta_ab.py beside the preprocess kernel and cuDNN
+      timeout 240 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_backward_gluon.py \
+        -k "fused" > $R/pytest_fused.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_fused.txt | head -20
+      timeout 300 python benchmarks/fused_delta_ab.py --rounds ${AB_ROUNDS:-5} --out $R/fused_delta_ab \
+        > $R/fused_delta_ab.txt 2>&1; tail -30 $R/fused_delta_ab.txt ;;
     variant_host) timeout 300 python benchmarks/variant_host.py ${VH_ARGS:-} --out $R/variant_host > /dev/null 2>&1
       head -150 $R/variant_host/variant_host.txt ;;
     chunked) timeout 300 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_chunked.py tests/test_parallel.py \
