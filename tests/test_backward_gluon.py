@@ -50,13 +50,15 @@ def record_gluon_launches(monkeypatch) -> list:
     return ran
 
 
-def expected_launches(config, dense=True, sinks=False) -> list:
-    """The Gluon launches of a backward under `config`, in order: a dense call (with a sink: under
-    GLUON_BWD_FUSED_SINK) runs the dQ kernel first, which does the preprocess' work
-    (`configs.backward.GLUON_BWD_FUSED_DELTA`); the Triton dQ (config "dq" None) is not recorded."""
+def expected_launches(config, dense=True, sinks=False, head_dims=(128,)) -> list:
+    """The Gluon launches of a backward under `config`, in order: a dense call in tiles up to 128 columns wide
+    (`head_dims`: QK's and V's) (with a sink: under GLUON_BWD_FUSED_SINK) runs the dQ kernel first, which does the
+    preprocess' work (`configs.backward.GLUON_BWD_FUSED_DELTA`); the Triton dQ (config "dq" None) is not
+    recorded."""
     if config["dq"] is None:
         return ["launch_dkdv_gluon"]
-    if dense and configs.backward.GLUON_BWD_FUSED_DELTA and (not sinks or configs.backward.GLUON_BWD_FUSED_SINK):
+    if dense and configs.backward.GLUON_BWD_FUSED_DELTA and BG.head_block(max(head_dims)) <= 128 and (
+            not sinks or configs.backward.GLUON_BWD_FUSED_SINK):
         return ["launch_dq_gluon", "launch_dkdv_gluon"]
     return ["launch_dkdv_gluon", "launch_dq_gluon"]
 
@@ -73,7 +75,7 @@ def backward(q, k, v, dout, causal, bottom_right, use_gluon, monkeypatch, softma
         monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: config)
     ran = record_gluon_launches(monkeypatch)
     grads = B.attention_backward(dout, q, k, v, out, lse, scale, causal, bottom_right)
-    expected = expected_launches(config) if use_gluon else []
+    expected = expected_launches(config, head_dims=(q.shape[-1], v.shape[-1])) if use_gluon else []
     assert ran == expected, f"Gluon kernels that ran: {ran}, expected {expected}"
     return grads
 
@@ -534,7 +536,7 @@ def variant_grads(q, k, v, dout, kwargs, sinks, use_gluon, monkeypatch, config=N
     if use_gluon:
         config = config or configs.gluon_bwd_config(q.shape[-1], 4096, 4096, kwargs.get("causal", False))
         monkeypatch.setattr(configs, "gluon_bwd_config", lambda *a, **kw: config)
-        expected = expected_launches(config, varlen is None, sinks is not None)
+        expected = expected_launches(config, varlen is None, sinks is not None, (q.shape[-1], v.shape[-1]))
     ran = record_gluon_launches(monkeypatch)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     if sinks is not None:

@@ -163,10 +163,12 @@ GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 
 
 # The dense Gluon backward's preprocess (delta = rowsum(dO ∘ O), lse into the padded layout) done by its dQ kernel,
-# which then runs first (`kernels.backward_gluon._fused_delta`): one launch and one pass over O and dO fewer. Not
-# with a sink (its gradient's parts come from the preprocess) nor varlen. Off: the preprocess kernel, then dK/dV,
-# then dQ.
+# which then runs first (`kernels.backward_gluon._fused_delta`): one launch and one pass over O and dO fewer. Dense
+# calls whose tiles are up to 128 columns wide (D and Dv up to 128: what was timed, GLUON_BWD_FUSED_DELTA_SOURCE;
+# the 256-column builds compile without spills and pass their float64 tests on the H200, not timed), not with a
+# sink (its gradient's parts come from the preprocess) nor varlen. Off: the preprocess kernel, then dK/dV, then dQ.
 GLUON_BWD_FUSED_DELTA = True
+GLUON_BWD_FUSED_DELTA_SOURCE = H200_DEC4 + "gluon-bwd-ab/fused_delta.json"
 # With a sink, its gradient's parts from the dQ kernel too (`_fused_delta`'s FD_SINK): built and compiled for sm_90,
 # not yet run on the H200 (tests/test_backward_gluon.py's fused-sink test checks it against float64 there), so off:
 # a call with a sink keeps the preprocess kernel.

@@ -652,8 +652,11 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, 
     if gluon_config is not None and not varlen and not accumulate and gluon_config["dq"] is not None:
         # the preprocess in the dQ kernel (`_attn_bwd_dq_gluon`'s FUSED_DELTA bits), the sink's gradient's parts too
         # where GLUON_BWD_FUSED_SINK says so
-        fused = 0  # (the dQ kernel reads O's rows 16 bytes at a time: not a view whose last dim is strided)
+        # (the dQ kernel reads O's rows 16 bytes at a time: not a view whose last dim is strided; tiles up to 128
+        # columns wide, where it was timed: `configs.backward.GLUON_BWD_FUSED_DELTA`)
+        fused = 0
         if configs.backward.GLUON_BWD_FUSED_DELTA and out.stride(-1) == 1 and (
+                backward_gluon_launch.head_block(max(head_dim, head_dim_v)) <= 128) and (
                 learnable_sink is None or configs.backward.GLUON_BWD_FUSED_SINK):
             fused = (backward_gluon_launch.FD_ON | backward_gluon_launch.FD_DLSE * (dlse is not None)
                      | backward_gluon_launch.FD_SINK * (learnable_sink is not None))
