@@ -632,8 +632,8 @@ def _fused_delta(fused, do_buf, q_ready, rows, seqlen_q, lse_ptr, delta_ptr, WG:
     is a constexpr, so that a row's loads are 16 bytes wide: else 2), lse there, dlse there or None, dlse's row
     stride, the head's sink or None, this program's two parts or None); do_buf: this warpgroup's dO tile, landed
     once q_ready says so: O, lse, dlse and the sink are loaded before that wait, so that their latency and the
-    TMA's overlap (after it, the delta costs each program the loads' latency again: 45 µs of a window-1024 dQ
-    kernel's 369 at T=16k, as much as the preprocess kernel it replaces)."""
+    TMA's overlap (loaded after it, each program pays their latency again, which costs as much as the preprocess
+    kernel: benchmarks/2026-12-04-h200/gluon-bwd-ab/fused_delta_scalar_loads.json)."""
     o_ptr, stride_om, lse_in, dlse_ptr, stride_dm, sink_ptr, part_ptr = fused
     DV: gl.constexpr = do_buf.shape[len(do_buf.shape) - 1]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads along a row
