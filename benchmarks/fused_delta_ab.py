@@ -62,14 +62,8 @@ def backward_call(case, switches: dict):
     leaves = (q, k, v) + ((sink,) if sink is not None else ())
 
     def call():
-        saved = {name: getattr(configs.backward, name) for name in switches}
-        for name, value in switches.items():
-            setattr(configs.backward, name, value)
-        try:
+        with C.switched(configs.backward, **switches):
             return torch.autograd.grad(out, leaves, dout, retain_graph=True)
-        finally:
-            for name, value in saved.items():
-                setattr(configs.backward, name, value)
 
     return call, call()
 

@@ -79,23 +79,14 @@ def backward_call(case, config, switches=None):
             for _ in range(2))
     v = torch.randn(B, T, H, Dv, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
     dout = torch.randn(B, T, H, Dv, device="cuda", generator=gen, dtype=torch.bfloat16)
-    real = configs.gluon_bwd_config
     out = flashtriton.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
 
     def fixed(*a, **kw):  # one function per candidate: the backward keeps its plan under it (`backward._plan_key`)
         return config
 
     def call():
-        configs.gluon_bwd_config = fixed
-        saved = {name: getattr(configs.backward, name) for name in switches}
-        for name, value in switches.items():
-            setattr(configs.backward, name, value)
-        try:
+        with C.switched(configs, gluon_bwd_config=fixed), C.switched(configs.backward, **switches):
             return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        finally:
-            configs.gluon_bwd_config = real
-            for name, value in saved.items():
-                setattr(configs.backward, name, value)
 
     return call, call()
 

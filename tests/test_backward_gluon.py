@@ -621,6 +621,28 @@ def test_gluon_backward_variants_other_configs(name, config_name, device, monkey
     assert_variant_grads(ours, portable, exact, torch.float16, f"{name}, {config_name}: ")
 
 
+def packed_inputs(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, device, seed):
+    """q, k, v, dout packed (total, H, D) for sequences of these lengths, and cu_seqlens_q, cu_seqlens_k."""
+    from test_varlen import pack
+
+    gen = torch.Generator().manual_seed(seed)
+    q, cu_q = pack(lengths_q, heads_q, head_dim, dtype, device, gen)
+    k, cu_k = pack(lengths_k, heads_kv, head_dim, dtype, device, gen)
+    v, _ = pack(lengths_k, heads_kv, head_dim, dtype, device, gen)
+    dout, _ = pack(lengths_q, heads_q, head_dim, dtype, device, gen)
+    return q, k, v, dout, cu_q, cu_k
+
+
+def sequences(cu_q, cu_k, kwargs):
+    """(b, its query rows, its keys, the variant's keywords for sequence b alone: its row of (B, Hq) ALiBi slopes)
+    of each sequence of a packed call."""
+    for b in range(len(cu_q) - 1):
+        seq_kwargs = dict(kwargs)
+        if kwargs.get("alibi_slopes") is not None and kwargs["alibi_slopes"].dim() == 2:
+            seq_kwargs["alibi_slopes"] = kwargs["alibi_slopes"][b]
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), seq_kwargs
+
+
 @hopper_only
 @pytest.mark.parametrize("name", ["causal_window", "window_both", "window_tiny", "softcap", "alibi_batch",
                                   "causal_window_softcap_alibi_sinks"])
@@ -629,34 +651,24 @@ def test_gluon_backward_variants_varlen(name, causal_order, device, monkeypatch)
     """Packed sequences (empty ones, one token, Sq != Sk, GQA) under a variant: per-sequence gradients against
     float64 (the window and ALiBi measured from each sequence's own diagonal, ALiBi (B, Hq) slopes per sequence),
     dsink over all sequences against the sum of theirs, rows outside every sequence left at 0."""
-    from test_varlen import pack
-
     if causal_order != "dispatch":
         monkeypatch.setitem(configs.VARLEN_BWD_ORDER, True, causal_order)
         monkeypatch.setitem(configs.VARLEN_BWD_ORDER, False, causal_order)
     lengths_q, lengths_k = [5, 0, 1, 400, 33, 130, 300], [9, 4, 1, 450, 20, 0, 300]
     batch, heads_q, heads_kv, head_dim, dtype = len(lengths_q), 4, 2, 128, torch.bfloat16
-    gen = torch.Generator().manual_seed(13)
-    q, cu_q = pack(lengths_q, heads_q, head_dim, dtype, device, gen)
-    k, cu_k = pack(lengths_k, heads_kv, head_dim, dtype, device, gen)
-    v, _ = pack(lengths_k, heads_kv, head_dim, dtype, device, gen)
-    dout, _ = pack(lengths_q, heads_q, head_dim, dtype, device, gen)
+    q, k, v, dout, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, device, 13)
     kwargs, sinks = _variant_inputs(GLUON_VARIANTS[name], batch, heads_q, device, seed=3)
     varlen = (cu_q, cu_k, max(lengths_q), max(lengths_k))
     ours = variant_grads(q, k, v, dout, kwargs, sinks, True, monkeypatch, varlen=varlen)
     dq, dk, dv = ours[:3]
     dsink_exact = torch.zeros(heads_q, dtype=torch.float64, device=device)
-    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
-        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if lq == 0:
+    for b, sq, sk, seq_kwargs in sequences(cu_q, cu_k, kwargs):
+        if lengths_q[b] == 0:
             assert torch.all(dk[sk] == 0) and torch.all(dv[sk] == 0), f"seq {b}"
             continue
-        if lk == 0:  # (the sink takes each row's whole softmax; out = 0, so its gradient adds nothing)
+        if lengths_k[b] == 0:  # (the sink takes each row's whole softmax; out = 0, so its gradient adds nothing)
             assert torch.all(dq[sq] == 0), f"seq {b}"
             continue
-        seq_kwargs = dict(kwargs)
-        if kwargs.get("alibi_slopes") is not None and kwargs["alibi_slopes"].dim() == 2:
-            seq_kwargs["alibi_slopes"] = kwargs["alibi_slopes"][b]
         one = [t[None, s] for t, s in ((q, sq), (k, sk), (v, sk), (dout, sq))]
         portable = variant_grads(*one, seq_kwargs, sinks, False, monkeypatch)
         exact = exact_variant_grads(*one, seq_kwargs, sinks)
@@ -678,16 +690,10 @@ def test_triton_backward_fused_delta_against_float64(name, packed, device, monke
     """The Triton dQ kernel doing the preprocess' work (delta, the sink's gradient's parts; dQ first, then dK/dV):
     the gradients against float64 and within a few ulps of the preprocess kernel's path, dense and packed (empty
     sequences, one token, Sq != Sk, GQA), and the preprocess kernel not launched."""
-    from test_varlen import pack
-
     spec = {"plain": {}, "causal": dict(causal=True), **GLUON_VARIANTS}[name]
     lengths_q, lengths_k = ([3, 0, 1, 70, 33], [9, 4, 1, 50, 0]) if packed else ([65], [80])
     batch, heads_q, heads_kv, head_dim, dtype = len(lengths_q), 4, 2, 48, torch.float16
-    gen = torch.Generator().manual_seed(5)
-    q, cu_q = pack(lengths_q, heads_q, head_dim, dtype, device, gen)
-    k, cu_k = pack(lengths_k, heads_kv, head_dim, dtype, device, gen)
-    v, _ = pack(lengths_k, heads_kv, head_dim, dtype, device, gen)
-    dout, _ = pack(lengths_q, heads_q, head_dim, dtype, device, gen)
+    q, k, v, dout, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, device, 5)
     kwargs, sinks = _variant_inputs(spec, batch, heads_q, device, seed=2)
     varlen = (cu_q, cu_k, max(lengths_q), max(lengths_k)) if packed else None
     if not packed:
@@ -714,13 +720,9 @@ def test_triton_backward_fused_delta_against_float64(name, packed, device, monke
         torch.testing.assert_close(a.float(), b.float(), atol=2e-3, rtol=2e-3)
     if packed:  # per sequence against float64, dsink over all of them
         dsink_exact = torch.zeros(heads_q, dtype=torch.float64, device=device)
-        for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
-            sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-            if lq == 0 or lk == 0:
+        for b, sq, sk, seq_kwargs in sequences(cu_q, cu_k, kwargs):
+            if lengths_q[b] == 0 or lengths_k[b] == 0:
                 continue
-            seq_kwargs = dict(kwargs)
-            if kwargs.get("alibi_slopes") is not None and kwargs["alibi_slopes"].dim() == 2:
-                seq_kwargs["alibi_slopes"] = kwargs["alibi_slopes"][b]
             one = [t[None, s] for t, s in ((q, sq), (k, sk), (v, sk), (dout, sq))]
             exact = exact_variant_grads(*one, seq_kwargs, sinks)
             mine = (fused[0][None, sq], fused[1][None, sk], fused[2][None, sk])

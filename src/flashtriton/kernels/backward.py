@@ -817,58 +817,61 @@ def attention_backward(
             buffer.add_(grad)
         return (dq, dk, dv, *grads[3:])
 
-    if plan.gluon_dense is not None and plan.gluon_dense.fused:  # the dQ kernel fills the padded lse / delta
-        lse_pad = torch.empty(plan.pre.lse_shape, dtype=torch.float32, device=q.device)
-        part = None if learnable_sink is None else torch.empty(backward_gluon_launch.sink_parts_shape(q.shape),
-                                                               dtype=torch.float32, device=q.device)
-        backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse_pad,
-                                           torch.empty_like(lse_pad), softmax_scale, alibi_slopes,
-                                           rng_state if dropout_p else None, out, lse, dlse, learnable_sink, part)
-        if learnable_sink is None:
-            return dq, dk, dv
-        return dq, dk, dv, part.sum(dim=(0, 2)).to(learnable_sink.dtype)  # (in a fixed order, as the preprocess')
-    if plan.gluon_config is None and plan.fused:  # the Triton kernels, the preprocess in the dQ kernel: dQ first
-        delta = torch.empty_like(lse)
-        part = None if learnable_sink is None else torch.empty(plan.grid_dq[::-1], dtype=torch.float32,
-                                                               device=q.device)  # (batch, heads, query tiles)
-        mid = (*plan.head, alibi_slopes, plan.alibi_stride, rng_state if dropout_p else None, *plan.dropout)
-        plan.dq(plan.grid_dq, (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mid, *plan.ints_dq, out,
-                               dlse, learnable_sink, part, *plan.fused_ints))
-        plan.dkdv(plan.grid_dkdv, (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *mid,
-                                   *plan.ints_dkdv))
-        if learnable_sink is None:
-            return dq, dk, dv
-        return dq, dk, dv, part.sum(dim=(0, 2)).to(learnable_sink.dtype)  # (in a fixed order, as the preprocess')
-    lse, delta, dsink = _run_preprocess(plan.pre, out, dout, lse, cu_seqlens_q, dlse, learnable_sink)
+    # The preprocess' work: in the dQ kernel (the Gluon one of a dense call, or the Triton one), which then goes
+    # first, into fresh buffers (the sink's gradient from its parts); else the preprocess kernel.
+    fused = plan.gluon_dense.fused if plan.gluon_dense is not None else plan.gluon_config is None and plan.fused
+    part = dsink = None
+    if fused:
+        lse_out = lse if plan.pre.lse_shape is None else torch.empty(plan.pre.lse_shape, dtype=torch.float32,
+                                                                     device=q.device)
+        delta = torch.empty_like(lse_out)
+        if learnable_sink is not None:  # (batch, heads, a part per query tile or warpgroup block)
+            part = torch.empty(plan.grid_dq[::-1] if plan.gluon_dense is None else
+                               backward_gluon_launch.sink_parts_shape(q.shape), dtype=torch.float32, device=q.device)
+    else:
+        lse_out, delta, dsink = _run_preprocess(plan.pre, out, dout, lse, cu_seqlens_q, dlse, learnable_sink)
     if plan.gluon_dense is not None:
-        backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse, delta, softmax_scale,
-                                           alibi_slopes, rng_state if dropout_p else None)
-        return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
-    varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if gluon_config is not None:
-        backward_gluon_launch.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse, delta, softmax_scale, causal,
+        backward_gluon_launch.launch_dense(plan.gluon_dense, q, k, v, dout, dq, dk, dv, lse_out, delta,
+                                           softmax_scale, alibi_slopes, rng_state if dropout_p else None,
+                                           *((out, lse, dlse, learnable_sink, part) if fused else ()))
+    elif gluon_config is not None:
+        varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        backward_gluon_launch.launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_out, delta, softmax_scale, causal,
                                                 causal_bottom_right, gluon_config["dkdv"], *varlen_args, window_size,
                                                 softcap, alibi_slopes, dropout_p, rng_state)
-        if gluon_config["dq"] is not None:  # (the host path of short calls: nothing below is needed)
-            backward_gluon_launch.launch_dq_gluon(q, k, v, dout, dq, lse, delta, softmax_scale, causal,
+        if gluon_config["dq"] is not None:
+            backward_gluon_launch.launch_dq_gluon(q, k, v, dout, dq, lse_out, delta, softmax_scale, causal,
                                                   causal_bottom_right, gluon_config["dq"], *varlen_args, window_size,
                                                   softcap, alibi_slopes, dropout_p, rng_state)
-            return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
+    if gluon_config is None or gluon_config["dq"] is None:
+        _launch_triton(plan, q, k, v, dout, out, lse_out, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                       alibi_slopes, rng_state if dropout_p else None, dlse, learnable_sink, part, fused)
+    if part is not None:
+        dsink = part.sum(dim=(0, 2)).to(learnable_sink.dtype)  # (in a fixed order, as the preprocess')
+    return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
-    # The Triton kernels: dK/dV unless the Gluon kernel ran it, then dQ.
-    mid = (*plan.head, alibi_slopes, plan.alibi_stride, rng_state if dropout_p else None, *plan.dropout)
-    if gluon_config is None:
+
+def _launch_triton(plan, q, k, v, dout, out, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                   rng_state, dlse, learnable_sink, part, fused) -> None:
+    """The Triton kernels of `plan`: dK/dV unless the Gluon kernel ran it, and dQ; with `fused` (the preprocess'
+    work in the dQ kernel, which fills delta and the sink's `part`s) dQ first."""
+    mid = (*plan.head, alibi_slopes, plan.alibi_stride, rng_state, *plan.dropout)
+    dq_args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mid, *plan.ints_dq,
+               *((out, dlse, learnable_sink, part, *plan.fused_ints) if fused else _NOT_FUSED))
+    if fused:  # (a kept launch: fused plans have fixed configs)
+        plan.dq(plan.grid_dq, dq_args)
+    if plan.gluon_config is None:
         args = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *mid, *plan.ints_dkdv)
         if plan.dkdv is None:
             _attn_bwd_dkdv_tuned[plan.grid_dkdv](*args, **plan.constexprs)
         else:
             plan.dkdv(plan.grid_dkdv, args)
-    args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *mid, *plan.ints_dq, *_NOT_FUSED)
+    if fused:
+        return
     if plan.dq is None:
-        _attn_bwd_dq_tuned[plan.grid_dq](*args, **plan.constexprs)
+        _attn_bwd_dq_tuned[plan.grid_dq](*dq_args, **plan.constexprs)
     else:
-        plan.dq(plan.grid_dq, args)
-    return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
+        plan.dq(plan.grid_dq, dq_args)
 
 
 @functools.lru_cache(maxsize=1024)
