@@ -166,18 +166,19 @@ GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 # which then runs first (`kernels.backward_gluon._fused_delta`): one launch and one pass over O and dO fewer. Dense
 # calls whose tiles are up to 128 columns wide (D and Dv up to 128: what was timed, GLUON_BWD_FUSED_DELTA_SOURCE;
 # the 256-column builds compile without spills and pass their float64 tests on the H200, not timed), not with a
-# sink (its gradient's parts come from the preprocess) nor varlen. Off: the preprocess kernel, then dK/dV, then dQ.
+# sink unless GLUON_BWD_FUSED_SINK, nor varlen. Off: the preprocess kernel, then dK/dV, then dQ.
 GLUON_BWD_FUSED_DELTA = True
 GLUON_BWD_FUSED_DELTA_SOURCE = H200_DEC4 + "gluon-bwd-ab/fused_delta.json"
-# With a sink, its gradient's parts from the dQ kernel too (`_fused_delta`'s FD_SINK): built and compiled for sm_90,
-# not yet run on the H200 (tests/test_backward_gluon.py's fused-sink test checks it against float64 there), so off:
-# a call with a sink keeps the preprocess kernel.
-GLUON_BWD_FUSED_SINK = False
+# With a sink, its gradient's parts from the dQ kernel too (`_fused_delta`'s FD_SINK; the host sums the parts in a
+# fixed order): the sinks' backward at T=4096 D=128 causal 1657 -> 1637 us with the host work (GLUON_FUSED_AB_SOURCE).
+GLUON_BWD_FUSED_SINK = True
 # The Triton backward's preprocess in its dQ kernel (`kernels.backward._fused_delta`: dQ first, then dK/dV; with
 # dlse and the sink's gradient's parts too; not under autotuning, whose dQ tiles are picked at the first launch):
-# one launch, two allocations and one pass over O and dO fewer. Tested against float64 through the interpreter;
-# off until the H200 has run the tests and timed it (the short calls it serves are host-bound there).
-TRITON_BWD_FUSED_DELTA = False
+# one launch, two allocations and one pass over O and dO fewer. The short, host-bound backward (bf16, B*T = 16k,
+# T = 256-1024, D = 64 / 128, causal and not) 1.02-1.06x faster with the host work, sinks with a 128-key window
+# 0.99x (D=64) / 1.28x (D=128) (GLUON_FUSED_AB_SOURCE, beside cuDNN).
+TRITON_BWD_FUSED_DELTA = True
+GLUON_FUSED_AB_SOURCE = H200_DEC4 + "fused-ab/fused_delta_ab.json"
 
 
 # Tiles in three loops, the masked ones around those every pair of which is visible (SPLIT = 1: those run without
