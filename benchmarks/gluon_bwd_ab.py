@@ -53,12 +53,7 @@ SPLIT = {"unsplit, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=0)},
          "split late dP, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=2)},
          "split dQ": {"dq": dict(SPLIT=1)},
          # the preprocess as a kernel of its own, dK/dV, then dQ (what runs with a sink or varlen)
-         "preprocess kernel": {"switches": dict(GLUON_BWD_FUSED_DELTA=False)},
-         # both kernels' programs block by block across groups of n heads (`backward_gluon._grid_place`)
-         "heads 4": {"dkdv": dict(ORDER_HEADS=4), "dq": dict(ORDER_HEADS=4)},
-         "heads 8": {"dkdv": dict(ORDER_HEADS=8), "dq": dict(ORDER_HEADS=8)},
-         "heads 16": {"dkdv": dict(ORDER_HEADS=16), "dq": dict(ORDER_HEADS=16)},
-         "heads 8 dK/dV": {"dkdv": dict(ORDER_HEADS=8)}}
+         "preprocess kernel": {"switches": dict(GLUON_BWD_FUSED_DELTA=False)}}
 CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
     "dense16k": SPLIT,
     "dense4k": SPLIT,

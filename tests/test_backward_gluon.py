@@ -906,11 +906,6 @@ PERSISTENT_BUILDS = {
     ("dq", 64, False, False, False, False, False, "fused3"): 0,
     ("dq", 128, True, False, False, False, False, "fused5"): 0,
     ("dq", 64, True, False, True, True, True, "fused7"): 0,
-    # the grid's programs across groups of 8 heads (ORDER_HEADS, `_grid_place`)
-    ("dkdv", 128, True, False, False, False, False, "order8"): 144,  # its place's scalars (20 without)
-    ("dkdv", 64, True, False, False, False, False, "order8"): 0,
-    ("dq", 128, True, False, True, False, False, "order8"): 0,
-    ("dq", 64, True, False, False, False, False, "order8"): 0,
 }
 
 
@@ -936,16 +931,15 @@ def test_gluon_backward_variants_compile_for_sm90_without_a_gpu():
 
 
 def test_persistent_and_split_builds_compile_for_sm90_without_a_gpu():
-    """The persistent and the split dK/dV builds, the split dQ ones, those that do the preprocess' work and those
-    whose programs take their blocks across groups of heads compile to sm_90 code within their spill budgets. In a fresh process, as above."""
+    """The persistent and the split dK/dV builds, the split dQ ones and those that do the preprocess' work compile
+    to sm_90 code within their spill budgets. In a fresh process, as above."""
     script = (
         "import torch\n"
         "from flashtriton import configs\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
         "OVERRIDES = {('dkdv', 'persistent'): dict(NUM_STAGES=2, PERSISTENT=True),\n"
         "             ('dkdv', 'split'): dict(NUM_STAGES=2, SPLIT=1), ('dq', 'split'): dict(SPLIT=1),\n"
-        "             ('dq', 'fused1'): {}, ('dq', 'fused3'): {}, ('dq', 'fused5'): {}, ('dq', 'fused7'): {},\n"
-        "             ('dkdv', 'order8'): dict(ORDER_HEADS=8), ('dq', 'order8'): dict(ORDER_HEADS=8)}\n"
+        "             ('dq', 'fused1'): {}, ('dq', 'fused3'): {}, ('dq', 'fused5'): {}, ('dq', 'fused7'): {}}\n"
         f"for kernel, d, causal, varlen, window, softcap, alibi, kind in {list(PERSISTENT_BUILDS)!r}:\n"
         "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], **OVERRIDES[kernel, kind])\n"
         "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen,\n"

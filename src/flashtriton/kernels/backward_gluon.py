@@ -143,31 +143,6 @@ def _query_tiles(start_n, seqlen_q, diag, window_left, window_right, IS_CAUSAL: 
 
 
 @gluon.jit
-def _grid_place(ORDER_HEADS: gl.constexpr):
-    """(block, head, batch entry) of this program of a dense grid (blocks, heads, batch). ORDER_HEADS = 0: the
-    grid's own (a head's blocks one after another). ORDER_HEADS = n: the programs as the GPU starts them (in
-    linear order) take the blocks of n (head, batch entry) pairs at a time, block by block across the n, so that
-    the blocks that run longest (block 0: the caller orders its blocks longest first) start first across all
-    heads of a group and the group's last programs to start are its shortest: with a head's blocks one after
-    another, the long blocks of the last heads start late and leave SMs idle at the end (the causal dK/dV kernel
-    at T=4k, 64 pairs: 94 % of the SMs' time busy in a greedy simulation, 99.8 % in groups of 8). n pairs share
-    the L2 (their Q / dO or K / V), where all of them at once would not."""
-    if ORDER_HEADS == 0:
-        return gl.program_id(0), gl.program_id(1), gl.program_id(2)
-    else:
-        blocks = gl.num_programs(0)
-        heads = gl.num_programs(1)
-        lin = gl.program_id(0) + blocks * (gl.program_id(1) + heads * gl.program_id(2))
-        span = blocks * ORDER_HEADS
-        group = lin // span
-        within = lin - group * span
-        size = gl.minimum(heads * gl.num_programs(2) - group * ORDER_HEADS, ORDER_HEADS)  # the last group's
-        block = within // size
-        pair = group * ORDER_HEADS + within - block * size
-        return block, pair % heads, pair // heads
-
-
-@gluon.jit
 def _round_item(r, schedule):
     """The item a persistent dK/dV program takes in round r: items r · programs ... (r + 1) · programs − 1 go one to a
     program, in program order in even rounds and in reverse in odd ones, so that with items of decreasing length
@@ -499,12 +474,10 @@ def _attn_bwd_dkdv_gluon(
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
     HAS_DROPOUT: gl.constexpr = False, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0,
-    ORDER_HEADS: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
-    exist, in the table's order; ORDER_HEADS: the grid's programs take their blocks across groups of heads,
-    `_grid_place`). PERSISTENT (dense, 128 keys a program): a grid of (programs,), each program taking
+    exist, in the table's order). PERSISTENT (dense, 128 keys a program): a grid of (programs,), each program taking
     one item (key block, kv head, batch entry) per round (`_round_item`, `_item_place`), with two K/V buffer pairs,
     so that an item's K/V loads and first Q / dO tiles and the previous item's dK / dV stores overlap the tiles of
     the item before (`_producer`, `_consumer`). num_warps=4: the producer; two consumer warpgroups as workers, each
@@ -524,8 +497,9 @@ def _attn_bwd_dkdv_gluon(
         if off_b < 0:  # the table's padding past its last item
             return
     else:
-        block, off_hk, off_b = _grid_place(ORDER_HEADS)
-        start_n = block * PROGRAM_KEYS  # causal: the first keys see the most queries and start first
+        start_n = gl.program_id(0) * PROGRAM_KEYS  # causal: the first keys see the most queries and start first
+        off_hk = gl.program_id(1)
+        off_b = gl.program_id(2)
         seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
                        IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq
@@ -844,11 +818,11 @@ def _attn_bwd_dq_gluon(
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
     HAS_DROPOUT: gl.constexpr = False, SPLIT: gl.constexpr = 0, FUSED_DELTA: gl.constexpr = 0,
-    DV_OUT: gl.constexpr = 0, ORDER_HEADS: gl.constexpr = 0,
+    DV_OUT: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
-    the last query tiles (the most keys) start first; ORDER_HEADS: across groups of heads (`_grid_place`).
+    the last query tiles (the most keys) start first.
     FUSED_DELTA (dense; bits FD_ON, FD_DLSE, FD_SINK): the preprocess' work is this kernel's (`_fused_delta`): each
     warpgroup works out its rows' delta from O and dO, and writes them and its lse into the padded LSE / DELTA,
     which the dK/dV kernel, launched after this one, reads (one launch and one pass over O and dO fewer)."""
@@ -857,11 +831,13 @@ def _attn_bwd_dq_gluon(
         if off_b < 0:  # the table's padding past its last item
             return
     else:
-        block, off_h, off_b = _grid_place(ORDER_HEADS)
-        if IS_CAUSAL:  # the last query tiles see the most keys and start first
-            start_m = (gl.num_programs(0) - 1 - block) * KEYS
+        n_m = gl.num_programs(0)
+        if IS_CAUSAL:
+            start_m = (n_m - 1 - gl.program_id(0)) * KEYS
         else:
-            start_m = block * KEYS
+            start_m = gl.program_id(0) * KEYS
+        off_h = gl.program_id(1)
+        off_b = gl.program_id(2)
         seq = sequence(off_b, CU_SEQLENS_Q, CU_SEQLENS_K, gl.to_tensor(SEQLEN_Q), gl.to_tensor(SEQLEN_K),
                        IS_VARLEN)
     off_hk = off_h // GROUP_SIZE
