@@ -616,6 +616,85 @@ def test_gluon_kernel_varlen_variants(variant_name, name, device):
         torch.testing.assert_close(lse[:, sq][seen].double(), exact_lse[0][seen], atol=2e-3, rtol=2e-3)
 
 
+CAP_FIXED_CASES = {  # (causal, window, softcap, sinks, dropout-free hostile scores: "low" every score near -cap)
+    "softcap 50": (True, (-1, -1), 50.0, False, ""),
+    "softcap 54, sinks": (False, (-1, -1), 54.0, True, ""),
+    "softcap 30, window, sinks": (True, (150, 0), 30.0, True, ""),
+    "softcap 50, every score near -cap": (False, (-1, -1), 50.0, False, "low"),
+    "softcap 20, every score near +cap, window both sides": (False, (90, 40), 20.0, True, "high"),
+}
+
+
+@hopper_only
+@pytest.mark.parametrize("case", list(CAP_FIXED_CASES))
+@pytest.mark.parametrize("name", ["default", "causal items one at a time", "overlap", "overlap, dynamic schedule",
+                                  "varlen dispatch"])
+def test_gluon_softcap_fixed_max_against_float64(case, name, device, monkeypatch):
+    """Softcap against its fixed max (CAP_FIXED: p = exp2(t · C - (125 - C)), no row max, no rescale; bf16) through
+    the flat, item-by-item and packed schedules, against float64 and judged against torch's bf16 error, with the
+    sink in the denominator and rows that see no key; and on hostile scores, every one near -cap (p near 2^-125:
+    nothing may flush to 0) or near +cap (p near 2^(2C - 125))."""
+    from test_features import _torch_same_dtype
+
+    monkeypatch.setattr(configs.forward, "GLUON_CAP_FIXED", True)
+    causal, window, softcap, sinks, hostile = CAP_FIXED_CASES[case]
+    assert G.cap_fixed(Variant.of(causal, True, window, softcap, False, sinks), torch.bfloat16)
+    batch, sq, sk, hq, hkv = (2, 700, 900, 4, 2) if not name.startswith("varlen") else (1, 700, 900, 4, 2)
+    q, k, v = make_qkv(batch, sq, sk, hq, hkv, 128, torch.bfloat16, device, seed=sq + int(softcap))
+    if hostile:  # scaled scores of about ±8 · cap: tanh at ±1 to fp32's precision
+        direction = torch.randn(1, 1, 1, 128, device=device)
+        direction = direction / direction.norm()
+        sign = -1.0 if hostile == "low" else 1.0
+        scale = (8 * softcap * 128 ** 0.5) ** 0.5
+        q = (scale * direction + 0.01 * q.float()).expand_as(q).to(torch.bfloat16).contiguous()
+        k = (sign * scale * direction + 0.01 * k.float()).expand_as(k).to(torch.bfloat16).contiguous()
+    sink = torch.linspace(-2.0, 3.0, hq).to(device) if sinks else None
+    variant = Variant(causal=causal, window=window, softcap=softcap, sinks=sink)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, hq, sq), float("nan"), dtype=torch.float32, device=device)
+    kernel_variant = variant.of(causal, True, window, softcap, False, sinks)
+    if name.startswith("varlen"):
+        cu_q = torch.tensor([0, 300, sq], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 500, sk], dtype=torch.int32, device=device)
+        flat_out, flat_lse = out[0], torch.full((hq, sq), float("nan"), dtype=torch.float32, device=device)
+        G.launch_forward_gluon(q[0], k[0], v[0], flat_out, flat_lse, 128 ** -0.5, causal, True, CONFIGS[name],
+                               cu_q, cu_k, 400, 500, kernel_variant, None, sink)
+        pieces = [(slice(0, 300), slice(0, 500)), (slice(300, sq), slice(500, sk))]
+        for qs, ks in pieces:
+            exact, exact_lse = attention_reference(q[:, qs], k[:, ks], v[:, ks], variant=variant, return_lse=True)
+            assert_close_to_exact(out[:, qs], _torch_same_dtype(q[:, qs], k[:, ks], v[:, ks], variant, sink), exact,
+                                  torch.bfloat16, f"{name}, {case}")
+            seen = torch.isfinite(exact_lse[0])
+            assert torch.equal(torch.isfinite(flat_lse[:, qs]), seen), f"{name}, {case}"
+            torch.testing.assert_close(flat_lse[:, qs][seen].double(), exact_lse[0][seen], atol=2e-3, rtol=2e-3)
+        return
+    G.launch_forward_gluon(q, k, v, out, lse, 128 ** -0.5, causal, True, CONFIGS[name], variant=kernel_variant,
+                           learnable_sink=sink)
+    exact, exact_lse = attention_reference(q, k, v, variant=variant, return_lse=True)
+    assert_close_to_exact(out, _torch_same_dtype(q, k, v, variant, sink), exact, torch.bfloat16, f"{name}, {case}")
+    seen = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse), seen), f"{name}, {case}: lse -inf exactly where no key is seen"
+    torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=2e-3, rtol=2e-3)
+
+
+def test_softcap_fixed_max_applies_only_where_its_range_holds(monkeypatch):
+    """CAP_FIXED takes bf16 softcap without ALiBi up to cap · log2(e) = CAP_FIXED_LIMIT (cap 54.06) and nothing
+    else: fp16's P cannot hold p's range, ALiBi's bias is not bounded; off, it takes nothing."""
+    monkeypatch.setattr(configs.forward, "GLUON_CAP_FIXED", True)
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert G.cap_fixed(Variant.of(True, True, softcap=50.0), bf16)
+    assert G.cap_fixed(Variant.of(False, True, (10, 10), 54.0, sinks=True, dropout_p=0.1), bf16)
+    assert not G.cap_fixed(Variant.of(True, True, softcap=54.1), bf16)
+    assert not G.cap_fixed(Variant.of(True, True, softcap=50.0), fp16)
+    assert not G.cap_fixed(Variant.of(True, True, softcap=50.0, alibi=True), bf16)
+    assert not G.cap_fixed(Variant.of(True, True), bf16)
+    _, _, meta = G.launch_parts((1, 256, 4, 128), (1, 256, 4, 128), True, True, CONFIGS["default"], 132,
+                                variant=Variant.of(True, True, softcap=50.0), fixed_cap=True)
+    assert meta["CAP_FIXED"] is True
+    monkeypatch.setattr(configs.forward, "GLUON_CAP_FIXED", False)
+    assert not G.cap_fixed(Variant.of(True, True, softcap=50.0), bf16)
+
+
 def test_gluon_variant_builds_compile_for_sm90():
     """The variant builds (window, softcap, ALiBi, sinks) compile offline through the flat (OVERLAP, short keys) and
     item-by-item (long keys) schedules and the varlen one (in a fresh process, as above)."""

@@ -200,6 +200,12 @@ GLUON_DROPOUT_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
 GLUON_DROPOUT_FWD_ALL = {64: GLUON_SHORT_D64}  # GLUON_DROPOUT_ALL's rule at D=64 (the flat loop; spills nothing)
 
 
+# Softcap in the Gluon forward against a fixed max (`kernels.forward_gluon_launch.cap_fixed` says where it applies:
+# bf16, no ALiBi, cap <= 54): no row max and no rescale of the output per tile. Off: the online max, as without
+# softcap.
+GLUON_CAP_FIXED = False
+
+
 def _dropout_gate(dropout: bool) -> bool:
     """Whether a call may take a Gluon forward rule by itself: always without dropout, else only under
     GLUON_DROPOUT_ALL (dense calls without a window have GLUON_DROPOUT_FWD)."""

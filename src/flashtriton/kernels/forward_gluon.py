@@ -35,8 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_DROPOUT, SC_SINKS, SC_SOFTCAP, SC_WINDOW, item_bounds,
-                                  num_items, read_item, work, work_ahead)
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_SINKS, SC_SOFTCAP, SC_WINDOW,
+                                  item_bounds, num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
 from .gluon_common import dropout_keep, wgmma_layout
 from .variant import alibi_bias, dropout_state, key_end, softcap_scores, tanh, tile_masked, visible
@@ -117,6 +117,12 @@ def _dropout_scale(scores, SCORES: gl.constexpr):
 
 
 @gluon.jit
+def _rescales(SCORES: gl.constexpr):
+    """Whether a tile's softmax can raise a row's m, so that acc is rescaled by alpha (not under CAP_FIXED)."""
+    return (SCORES & SC_CAP_FIXED) == 0
+
+
+@gluon.jit
 def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, scores, slope, bh,
                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False,
                   SCORES: gl.constexpr = 0):
@@ -131,7 +137,11 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
     row: the rest, -slope · (i - row0), is a row's constant, which the softmax ignores and `_alibi_rows` adds to m
     once the row is done. DROPOUT: p keeps the scores `gluon_common.dropout_keep` keeps (of sequence-and-head bh),
     the others 0, after l_new has summed them all (the output is the dropped P V over the undropped softmax's
-    denominator, scaled in `_store_item`)."""
+    denominator, scaled in `_store_item`).
+    CAP_FIXED (softcap without ALiBi, bf16, cap · log2(e) <= `forward_gluon_launch.CAP_FIXED_LIMIT`): the capped
+    scores t · C (C = cap · log2(e), |t| <= 1) lie in [-C, C], so every row takes the fixed m = 125 - C: p in
+    [2^-125, 2^(2C - 125)], normal fp32 and bf16 numbers, no row max, and alpha = 1 (the callers skip the rescale
+    of acc, `_rescales`): a max and a multiply per score fewer. l sums at most 2^31 · 2^(2C - 125) <= 2^62."""
     HAS_WINDOW: gl.constexpr = (SCORES & SC_WINDOW) != 0
     FOLD_CAP: gl.constexpr = (SCORES & (SC_SOFTCAP | SC_ALIBI)) == SC_SOFTCAP
     SCALED: gl.constexpr = (SCORES & SC_ALIBI) != 0
@@ -182,13 +192,22 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_safe[:, None])
+    elif (SCORES & SC_CAP_FIXED) != 0:
+        gl.static_assert(FOLD_CAP, "CAP_FIXED: softcap without ALiBi")
+        m_fixed = 125.0 - qk_scale  # qk_scale is C here
+        p = gl.exp2(s * qk_scale - m_fixed)
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - m_safe[:, None])
-    alpha = gl.exp2(m_i - m_safe)
-    l_new = l_i * alpha + gl.sum(p, 1)
+    if (SCORES & SC_CAP_FIXED) != 0:
+        l_new = l_i + gl.sum(p, 1)
+        m_new = gl.zeros_like(l_i) + m_fixed
+        alpha = m_new  # (unused: `_rescales` is false)
+    else:
+        alpha = gl.exp2(m_i - m_safe)
+        l_new = l_i * alpha + gl.sum(p, 1)
     if SCORES & SC_DROPOUT:
         dropout = scores[4]
         p = gl.where(dropout_keep(dropout[0], dropout[1], bh, row0, n, dropout[2], BLOCK_N), p, 0.0)
@@ -262,7 +281,8 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
                                            window, scores, slope, bh, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        if _rescales(SCORES):
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
     return acc, p_op, m_i, l_i
 
@@ -540,7 +560,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
             o_seqlen_q = seqlen_q
             o_sink = sink
             o_slope = slope
-        else:
+        elif _rescales(SCORES):
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         m_i = m_new
         l_i = l_new
@@ -657,7 +677,7 @@ def _attn_fwd_gluon(
     Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr,
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
-    HAS_DROPOUT: gl.constexpr = False,
+    HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -671,7 +691,7 @@ def _attn_fwd_gluon(
     n_bh = HEADS * BATCH
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
-                            + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT)
+                            + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED)
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)

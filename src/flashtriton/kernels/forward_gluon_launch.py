@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from .. import configs
 from .common import sm_count
 from .forward_gluon import ROWS, _attn_fwd_gluon
 from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, head_block
@@ -55,14 +56,26 @@ def kernel_config(config: dict) -> dict:
     return config
 
 
+# Softcap's scores against a fixed max (`forward_gluon._softmax_tile`'s CAP_FIXED; configs.forward.GLUON_CAP_FIXED):
+# bf16 inputs (P in bf16 keeps fp32's exponent range, fp16's would not), no ALiBi (its bias is not bounded), and
+# cap · log2(e) at most CAP_FIXED_LIMIT, so that every p lies in [2^-125, 2^31] (Gemma 2's cap of 50: 72.1).
+CAP_FIXED_LIMIT = 78.0
+
+
+def cap_fixed(variant: Variant, dtype: torch.dtype) -> bool:
+    """Whether a Gluon forward of `variant` on `dtype` inputs takes softcap's fixed max (CAP_FIXED)."""
+    return bool(configs.forward.GLUON_CAP_FIXED and dtype == torch.bfloat16 and variant.softcap
+                and not variant.has_alibi and variant.softcap * 1.4426950408889634 <= CAP_FIXED_LIMIT)
+
+
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,
                  batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                 variant: Variant | None = None, head_dim_v: int | None = None):
+                 variant: Variant | None = None, head_dim_v: int | None = None, fixed_cap: bool = False):
     """(grid, int arguments after the variant's, constexprs and options) of a launch. Dense (batch None):
     q (B, Sq, Hq, D), k (B, Sk, Hkv, D), contiguous out like q and lse (B, Hq, Sq). Varlen: q (total_q, Hq, D),
     k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens, contiguous out like q
     and lse (Hq, total_q). `variant` (default: causal or not) overrides causal and causal_bottom_right.
-    `head_dim_v`: V's (and out's) head dim, default D."""
+    `head_dim_v`: V's (and out's) head dim, default D. `fixed_cap`: CAP_FIXED (`cap_fixed` says where)."""
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     config = kernel_config(config)
     varlen = batch is not None
@@ -90,6 +103,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
                 num_warps=4, **config)
     if variant.dropout_p:  # (absent otherwise: the kernel's default, and the launch key of the dropout-free calls)
         meta.update(variant.dropout_constexprs)
+    if fixed_cap:  # (likewise)
+        meta["CAP_FIXED"] = True
     return grid, ints, meta
 
 
@@ -143,7 +158,7 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
     batch = None if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, sm_count(q.device.index),
-                                    batch, max_seqlen_q, max_seqlen_k, variant, v.shape[-1])
+                                    batch, max_seqlen_q, max_seqlen_k, variant, v.shape[-1], cap_fixed(variant, q.dtype))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config["DYNAMIC"] else None  # one per launch
     # `launch` skips Triton's argument binding for a call shape seen before: ~0.2 ms of host time per varlen call
     # on the H200 machine's CPU, which a benchmark that idles the GPU between calls sees as GPU idle time.
@@ -174,7 +189,8 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     tv = torch.empty(*t.shape[:-1], head_dim_v, dtype=dtype)
     batch = 2 if varlen else None
     variant = Variant.of(causal, True) if variant is None else variant
-    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256, variant, head_dim_v)
+    _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256, variant, head_dim_v,
+                              cap_fixed(variant, dtype))
     if page_size:
         meta["PAGE_SIZE"] = page_size
     slopes = torch.empty(4) if variant.has_alibi else None
