@@ -677,42 +677,6 @@ def test_gluon_softcap_fixed_max_against_float64(case, name, device, monkeypatch
     torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=2e-3, rtol=2e-3)
 
 
-@hopper_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant_name", ["plain", "causal window", "sinks", "softcap"])
-@pytest.mark.parametrize("name", ["default", "causal items one at a time", "overlap", "overlap, dynamic schedule"])
-def test_gluon_lazy_rescale_against_float64(name, variant_name, dtype, device, monkeypatch):
-    """LAZY_RESCALE (a row's m raised only when its max grew by 2^8; acc rescaled only on tiles where some row's m
-    moved) through the flat and item-by-item schedules, on keys whose scale grows along the sequence (each row's max
-    keeps rising: rescaled tiles and stale ones mixed), against float64 and judged against torch's error."""
-    from test_features import _torch_same_dtype
-
-    monkeypatch.setattr(configs.forward, "GLUON_LAZY_RESCALE", True)
-    monkeypatch.setattr(configs.forward, "GLUON_CAP_FIXED", False)
-    causal, window, softcap, sinks = {"plain": (False, (-1, -1), 0.0, False),
-                                      "causal window": (True, (300, 0), 0.0, False),
-                                      "sinks": (True, (-1, -1), 0.0, True),
-                                      "softcap": (True, (-1, -1), 30.0, False)}[variant_name]
-    kernel_variant = Variant.of(causal, True, window, softcap, False, sinks)
-    assert G.softmax_flags(kernel_variant, dtype) == (("LAZY_RESCALE", True),)
-    batch, sq, sk, hq, hkv = 2, 600, 1100, 4, 2
-    q, k, v = make_qkv(batch, sq, sk, hq, hkv, 128, dtype, device, seed=11)
-    growth = torch.linspace(0.2, 3.0, sk, device=device)[None, :, None, None]  # scores up to ~15x their start
-    k = (k.float() * growth).to(dtype)
-    sink = torch.linspace(-2.0, 3.0, hq).to(device) if sinks else None
-    variant = Variant(causal=causal, window=window, softcap=softcap, sinks=sink)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((batch, hq, sq), float("nan"), dtype=torch.float32, device=device)
-    G.launch_forward_gluon(q, k, v, out, lse, 128 ** -0.5, causal, True, CONFIGS[name], variant=kernel_variant,
-                           learnable_sink=sink)
-    exact, exact_lse = attention_reference(q, k, v, variant=variant, return_lse=True)
-    assert_close_to_exact(out, _torch_same_dtype(q, k, v, variant, sink), exact, dtype,
-                          f"{name}, {variant_name}")
-    seen = torch.isfinite(exact_lse)
-    assert torch.equal(torch.isfinite(lse), seen), f"{name}, {variant_name}: lse -inf exactly where no key is seen"
-    torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=2e-3, rtol=2e-3)
-
-
 def test_softcap_fixed_max_applies_only_where_its_range_holds(monkeypatch):
     """CAP_FIXED takes bf16 softcap without ALiBi up to cap · log2(e) = CAP_FIXED_LIMIT (cap 54.06) and nothing
     else: fp16's P cannot hold p's range, ALiBi's bias is not bounded; off, it takes nothing."""
@@ -724,15 +688,11 @@ def test_softcap_fixed_max_applies_only_where_its_range_holds(monkeypatch):
     assert not G.cap_fixed(Variant.of(True, True, softcap=50.0), fp16)
     assert not G.cap_fixed(Variant.of(True, True, softcap=50.0, alibi=True), bf16)
     assert not G.cap_fixed(Variant.of(True, True), bf16)
-    variant = Variant.of(True, True, softcap=50.0)
     _, _, meta = G.launch_parts((1, 256, 4, 128), (1, 256, 4, 128), True, True, CONFIGS["default"], 132,
-                                variant=variant, flags=G.softmax_flags(variant, bf16))
-    assert meta["CAP_FIXED"] is True and "LAZY_RESCALE" not in meta
+                                variant=Variant.of(True, True, softcap=50.0), fixed_cap=True)
+    assert meta["CAP_FIXED"] is True
     monkeypatch.setattr(configs.forward, "GLUON_CAP_FIXED", False)
     assert not G.cap_fixed(Variant.of(True, True, softcap=50.0), bf16)
-    monkeypatch.setattr(configs.forward, "GLUON_LAZY_RESCALE", True)  # the lazy rescale: not with ALiBi
-    assert G.softmax_flags(Variant.of(True, True, softcap=50.0), bf16) == (("LAZY_RESCALE", True),)
-    assert G.softmax_flags(Variant.of(True, True, alibi=True), fp16) == ()
 
 
 def test_gluon_variant_builds_compile_for_sm90():

@@ -207,10 +207,6 @@ GLUON_DROPOUT_FWD_ALL = {64: GLUON_SHORT_D64}  # GLUON_DROPOUT_ALL's rule at D=6
 # softcap.
 GLUON_CAP_FIXED = True
 CAP_FIXED_SOURCE = "benchmarks/2026-12-04-h200/softcap-fixed/softcap_ab.json"
-# The Gluon forward's lazy rescale (`kernels.forward_gluon_launch.softmax_flags`: without ALiBi, where CAP_FIXED does
-# not apply): a row's m is raised only when its max grew by 2^8, and acc is rescaled only on the tiles where some
-# row's m moved. Off until timed.
-GLUON_LAZY_RESCALE = False
 
 
 def _dropout_gate(dropout: bool) -> bool:

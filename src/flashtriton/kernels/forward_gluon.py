@@ -35,8 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_LAZY, SC_SINKS, SC_SOFTCAP,
-                                  SC_WINDOW, item_bounds, num_items, read_item, work, work_ahead)
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_SINKS, SC_SOFTCAP, SC_WINDOW,
+                                  item_bounds, num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
 from .gluon_common import dropout_keep, wgmma_layout
 from .variant import alibi_bias, dropout_state, key_end, softcap_scores, tanh, tile_masked, visible
@@ -123,18 +123,6 @@ def _rescales(SCORES: gl.constexpr):
 
 
 @gluon.jit
-def _rescale(acc, alpha, o_layout: gl.constexpr, SCORES: gl.constexpr):
-    """acc · alpha per row; LAZY (`_softmax_tile`: alpha is 1 on every row whose m stayed): only when a row of the
-    warpgroup's has alpha < 1, one branch for the whole tile."""
-    if (SCORES & SC_LAZY) != 0:
-        if gl.max((alpha < 1.0).to(gl.int32), 0) > 0:
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    else:
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    return acc
-
-
-@gluon.jit
 def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, scores, slope, bh,
                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False,
                   SCORES: gl.constexpr = 0):
@@ -210,8 +198,6 @@ def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, 
         p = gl.exp2(s * qk_scale - m_fixed)
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        if (SCORES & SC_LAZY) != 0:  # a stale m unless the row's max grew past it by 2^8 (p <= 2^8, alpha = 1)
-            m_new = gl.where(m_new > m_i + 8.0, m_new, m_i)
         # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - m_safe[:, None])
@@ -296,7 +282,7 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
         if _rescales(SCORES):
-            acc = _rescale(acc, alpha, o_layout, SCORES)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
     return acc, p_op, m_i, l_i
 
@@ -575,7 +561,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
             o_sink = sink
             o_slope = slope
         elif _rescales(SCORES):
-            acc = _rescale(acc, alpha, o_layout, SCORES)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         m_i = m_new
         l_i = l_new
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -691,7 +677,7 @@ def _attn_fwd_gluon(
     Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr,
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
-    HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
+    HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -705,7 +691,7 @@ def _attn_fwd_gluon(
     n_bh = HEADS * BATCH
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
-                            + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED + SC_LAZY * LAZY_RESCALE)
+                            + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED)
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)

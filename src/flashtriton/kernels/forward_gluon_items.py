@@ -21,7 +21,6 @@ from .variant import diagonal, key_blocks
 SC_WINDOW, SC_SOFTCAP, SC_ALIBI, SC_SINKS, SC_DROPOUT = (gl.constexpr(1), gl.constexpr(2), gl.constexpr(4),
                                                          gl.constexpr(8), gl.constexpr(16))
 SC_CAP_FIXED = gl.constexpr(32)
-SC_LAZY = gl.constexpr(64)  # LAZY_RESCALE: a row's m is raised only when its max grew by 2^8 (`_softmax_tile`)
 L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the unpaired causal schedule keeps in use (L2: 50-60 MB)
 
 
