@@ -121,6 +121,84 @@ def test_gluon_wide_configs_against_float64(name, causal, bottom_right, head_dim
         assert torch.all(out[~seen.transpose(1, 2)] == 0), where
 
 
+# QK_192 (`forward_gluon._scores`): head dims of 129 ... 192 whose Q Kᵀ runs over columns 0 ... 127 and 128 ... 191 of
+# the 256-column tiles; with V in tiles of its own (MLA's 192 / 128) and every variant.
+QK_192_CASES = {  # (head_dim, head_dim_v, causal, window, softcap, alibi, sinks)
+    "192": (192, 192, False, (-1, -1), 0.0, False, False),
+    "192 causal": (192, 192, True, (-1, -1), 0.0, False, False),
+    "160 (zeros past the head)": (160, 160, True, (-1, -1), 0.0, False, False),
+    "192 / 128 (MLA)": (192, 128, True, (-1, -1), 0.0, False, False),
+    "192 / 128 non-causal": (192, 128, False, (-1, -1), 0.0, False, False),
+    "192, every variant": (192, 192, True, (150, 0), 15.0, True, True),
+    "192 / 128, window both sides, softcap": (192, 128, False, (130, 70), 30.0, False, False),
+}
+
+
+@hopper_only
+@pytest.mark.parametrize("case", list(QK_192_CASES))
+@pytest.mark.parametrize("name", list(WIDE_CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_qk_192_against_float64(case, name, dtype, device, monkeypatch):
+    """The scores' product over 192 of the 256 columns (QK_192 on) on odd shapes, GQA, Sq != Sk: out against
+    float64 judged against torch's error in the dtype, lse where a row sees a key; the launch's constexprs say the
+    split product ran."""
+    from test_features import _torch_same_dtype
+
+    monkeypatch.setattr(configs.forward, "GLUON_QK_192", True)
+    head_dim, head_dim_v, causal, window, softcap, alibi, sinks = QK_192_CASES[case]
+    assert G.qk_192(head_dim)
+    _, _, meta = G.launch_parts((2, 64, 4, head_dim), (2, 64, 2, head_dim), causal, True, WIDE_CONFIGS[name], 1,
+                                head_dim_v=head_dim_v, split_qk=G.qk_192(head_dim))
+    assert meta["QK_192"] and meta["HEAD_DIM"] == 256
+    for batch, sq, sk, hq, hkv in [(2, 200, 333, 4, 2), (1, 333, 200, 2, 2), (3, 1000, 1000, 8, 2)]:
+        gen = torch.Generator().manual_seed(sq + sk + head_dim)
+        q = torch.randn(batch, sq, hq, head_dim, generator=gen).to(device, dtype)
+        k = torch.randn(batch, sk, hkv, head_dim, generator=gen).to(device, dtype)
+        v = torch.randn(batch, sk, hkv, head_dim_v, generator=gen).to(device, dtype)
+        slopes = (0.5 ** torch.arange(1.0, hq + 1)).to(device) if alibi else None
+        sink = torch.linspace(-2.0, 3.0, hq).to(device) if sinks else None
+        variant = Variant(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
+        out = torch.full((batch, sq, hq, head_dim_v), float("nan"), dtype=dtype, device=device)
+        lse = torch.full((batch, hq, sq), float("nan"), dtype=torch.float32, device=device)
+        G.launch_forward_gluon(q, k, v, out, lse, head_dim ** -0.5, causal, True, WIDE_CONFIGS[name],
+                               variant=variant.of(causal, True, window, softcap, alibi, sinks), alibi_slopes=slopes,
+                               learnable_sink=sink)
+        exact, exact_lse = attention_reference(q, k, v, variant=variant, return_lse=True)
+        where = f"{case}, {name}, shape {(batch, sq, sk, hq, hkv)}"
+        assert_close_to_exact(out, _torch_same_dtype(q, k, v, variant, sink), exact, dtype, where)
+        seen = torch.isfinite(exact_lse)
+        assert torch.equal(torch.isfinite(lse), seen), f"{where}: lse -inf exactly where no key is seen"
+        torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=2e-3, rtol=2e-3)
+
+
+def test_qk_192_takes_the_head_dims_between_128_and_192(monkeypatch):
+    """QK_192 applies under its switch to the head dims that 256-column tiles hold with 64 zero columns or more."""
+    monkeypatch.setattr(configs.forward, "GLUON_QK_192", True)
+    assert [d for d in (64, 96, 128, 129, 160, 192, 193, 256) if G.qk_192(d)] == [129, 160, 192]
+    monkeypatch.setattr(configs.forward, "GLUON_QK_192", False)
+    assert not G.qk_192(192)
+
+
+def test_gluon_qk_192_builds_compile_for_sm90():
+    """The split product compiles for sm_90: a quarter fewer wgmma instructions on the scores (12 for every 16
+    of the whole tile's per 64 rows of K), and no more spill stores than the whole tile's build."""
+    out = compile_in_fresh_process(
+        "from flashtriton import configs\n"
+        "from flashtriton.configs import forward as cf\n"
+        "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
+        "for d, dv, causal in ((192, 192, True), (192, 128, False)):\n"
+        "    cfg = configs.gluon_fwd_config(d, 4096, 4096, causal, 0, dv)\n"
+        "    found = []\n"
+        "    for on in (False, True):\n"
+        "        cf.GLUON_QK_192 = on\n"
+        "        c = compile_for_sm90(d, causal, cfg, head_dim_v=dv)\n"
+        "        found.append((c.asm['ptx'].count('wgmma.mma_async'), spill_bytes(c)))\n"
+        "    (whole, whole_spill), (split, split_spill) = found\n"
+        "    assert whole - split == 16 and split_spill <= max(whole_spill, 16), (d, dv, found)\n"
+        "    print('compiled', d, dv, found)\n")
+    assert out.count("compiled") == 2
+
+
 @hopper_only
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])

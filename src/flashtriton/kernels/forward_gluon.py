@@ -35,7 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_SINKS, SC_SOFTCAP, SC_WINDOW,
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_QK_192, SC_SINKS, SC_SOFTCAP,
+                                  SC_WINDOW,
                                   item_bounds, num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
 from .gluon_common import dropout_keep, wgmma_layout
@@ -50,6 +51,21 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
     mbarrier.wait(v_ready.index(stage), phase)
     if IS_VARLEN:
         mbarrier.wait(v_fixed.index(stage), phase)
+
+
+@gluon.jit
+def _scores(q, k_tile, s_zero, SCORES: gl.constexpr):
+    """S = Q Kᵀ of one key tile as an asynchronous wgmma (one commit group per product): q (ROWS, HEAD_DIM) and
+    k_tile (BLOCK_N, HEAD_DIM) in shared memory. QK_192 (`SC_QK_192`: a head dim of 129 … 192 in 256-column
+    tiles, whose last 64 columns are the TMA's zeros): two products over columns 0 … 127 and 128 … 191, a quarter
+    fewer tensor-core cycles than the whole tile's; the caller's wait on the returned token covers both."""
+    if (SCORES & SC_QK_192) != 0:
+        s_tok = warpgroup_mma(q.slice(0, 128, dim=1), k_tile.slice(0, 128, dim=1).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        return warpgroup_mma(q.slice(128, 64, dim=1), k_tile.slice(128, 64, dim=1).permute((1, 0)), s_tok,
+                             is_async=True)
+    else:
+        return warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -240,8 +256,7 @@ def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, wgmma_layout(BLOCK_N))
     stage = c % NUM_BUFFERS
     mbarrier.wait(k_ready.index(stage), (c // NUM_BUFFERS) & 1)
-    s_tok = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
+    s_tok = _scores(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), s_zero, SCORES)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(stage), count=1)
     p_op, m_i, l_i = _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh, IS_CAUSAL,
@@ -272,8 +287,7 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
         stage = (c + j) % NUM_BUFFERS
         mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_BUFFERS) & 1)
         _wait_v(v_ready, v_fixed, prev, ((c + j - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
-        s_tok = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
+        s_tok = _scores(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), s_zero, SCORES)
         acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
@@ -531,8 +545,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         prev = (c - 1) % NUM_BUFFERS
         mbarrier.wait(k_ready.index(stage), (c // NUM_BUFFERS) & 1)
         _wait_v(v_ready, v_fixed, prev, ((c - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
-        s_tok = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        s_tok = _scores(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
+                        gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), SCORES)
         acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S done; the P V before it may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
@@ -677,7 +691,7 @@ def _attn_fwd_gluon(
     Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr,
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
-    HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False,
+    HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False, QK_192: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -691,7 +705,8 @@ def _attn_fwd_gluon(
     n_bh = HEADS * BATCH
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
-                            + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED)
+                            + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED
+                            + SC_QK_192 * QK_192)
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
