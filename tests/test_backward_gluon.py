@@ -16,6 +16,7 @@ from flashtriton.kernels import dispatch
 from flashtriton import configs
 from flashtriton.kernels import backward as B
 from flashtriton.kernels import backward_gluon_launch as BG
+from flashtriton.kernels import gluon_common
 from flashtriton.kernels.forward import attention_forward
 from flashtriton.kernels.variant import Variant
 from flashtriton.reference import attention_reference
@@ -583,6 +584,84 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
         portable = variant_grads(q, k, v, dout, kwargs, sinks, False, monkeypatch)
         exact = exact_variant_grads(q, k, v, dout, kwargs, sinks)
         assert_variant_grads(ours, portable, exact, dtype, f"{name}, shape {shape}: ")
+
+
+# QK_WIDTH / V_WIDTH (`gluon_common.mma_nt`): S and dP over the head's own columns, in pieces of powers of two
+# (80 = 64 + 16, 96 = 64 + 32, 112 = 64 + 32 + 16 of 128; 192 = 128 + 64 of 256), with V's own (the head dims
+# the dispatch gives the Gluon backward).
+TRIM_HEAD_DIMS = [(80, 80, torch.bfloat16), (96, 96, torch.float16), (112, 112, torch.bfloat16),
+                  (80, 80, torch.float16), (192, 192, torch.bfloat16), (192, 192, torch.float16),
+                  (192, 128, torch.bfloat16), (96, 64, torch.float16)]
+
+
+@hopper_only
+@pytest.mark.parametrize("name", ["plain", "causal", "softcap", "window_both", "causal_window_softcap_alibi_sinks"])
+@pytest.mark.parametrize("head_dim,head_dim_v,dtype", TRIM_HEAD_DIMS)
+def test_gluon_backward_trimmed_products_against_float64(name, head_dim, head_dim_v, dtype, device, monkeypatch):
+    """S and dP over the head's own columns (GLUON_BWD_TRIM for both tile widths) through the dispatch's configs,
+    dense, with GQA and Sq != Sk: the gradients (dsink too) against float64 within 2x the portable backward's
+    error; the plan's constexprs say the narrower products ran."""
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", (128, 256))
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM_PIECES", 3)  # (D=112's three wgmmas too)
+    spec = {"plain": {}, "causal": dict(causal=True), **GLUON_VARIANTS}[name]
+    widths = BG.product_widths(head_dim, head_dim_v)
+    assert widths == tuple(w if w < BG.head_block(d) else 0 for d, w in
+                           ((head_dim, gluon_common.product_width(head_dim)),
+                            (head_dim_v, gluon_common.product_width(head_dim_v))))
+    assert any(widths)
+    config = configs.gluon_bwd_config(head_dim, 4096, 4096, spec.get("causal", False), head_dim_v=head_dim_v)
+    for kernel in ("dkdv", "dq"):
+        _, _, meta = BG.launch_parts((1, 64, 4, head_dim), (1, 64, 2, head_dim), False, True, config[kernel], kernel,
+                                     head_dim_v=head_dim_v, widths=widths)
+        assert (meta.get("QK_WIDTH", 0), meta.get("V_WIDTH", 0)) == widths
+    for shape in VARIANT_SHAPES[1:]:
+        batch, sq, sk, hq, hkv = shape
+        gen = torch.Generator().manual_seed(sq + head_dim)
+        q = torch.randn(batch, sq, hq, head_dim, generator=gen).to(device, dtype)
+        k = torch.randn(batch, sk, hkv, head_dim, generator=gen).to(device, dtype)
+        v = torch.randn(batch, sk, hkv, head_dim_v, generator=gen).to(device, dtype)
+        dout = torch.randn(batch, sq, hq, head_dim_v, generator=gen).to(device, dtype)
+        kwargs, sinks = _variant_inputs(spec, batch, hq, device, seed=sk)
+        ours = variant_grads(q, k, v, dout, kwargs, sinks, True, monkeypatch, config=config)
+        portable = variant_grads(q, k, v, dout, kwargs, sinks, False, monkeypatch)
+        exact = exact_variant_grads(q, k, v, dout, kwargs, sinks)
+        assert_variant_grads(ours, portable, exact, dtype, f"{name}, {head_dim}/{head_dim_v}, shape {shape}: ")
+
+
+def test_trimmed_products_take_the_tile_widths_the_switch_names(monkeypatch):
+    """product_widths: the head's own columns where they are fewer than its tiles', GLUON_BWD_TRIM names the
+    tiles' width and they take at most GLUON_BWD_TRIM_PIECES wgmmas; 0 (the whole tile) elsewhere."""
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", (128, 256))
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM_PIECES", 3)
+    assert [BG.product_widths(d, dv) for d, dv in ((64, 64), (96, 96), (80, 80), (112, 128), (192, 128), (256, 96))] \
+        == [(0, 0), (96, 96), (80, 80), (112, 0), (192, 0), (0, 96)]
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM_PIECES", 2)
+    assert [BG.product_widths(d) for d in (80, 112, 192)] == [(80, 80), (0, 0), (192, 192)]
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", (256,))
+    assert [BG.product_widths(d) for d in (96, 192)] == [(0, 0), (192, 192)]
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", ())
+    assert BG.product_widths(192, 128) == (0, 0)
+
+
+def test_gluon_backward_trimmed_builds_compile_for_sm90():
+    """The narrower S and dP compile for sm_90 in both kernels: fewer wgmma instructions than the whole tiles'
+    build, and no more spill stores."""
+    out = compile_in_fresh_process(
+        "from flashtriton import configs\n"
+        "from flashtriton.configs import backward as cb\n"
+        "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
+        "for d, dv, causal in ((96, 96, True), (192, 128, True)):\n"
+        "    cfg = configs.gluon_bwd_config(d, 4096, 4096, causal, 1e12, False, dv)\n"
+        "    for kernel in ('dkdv', 'dq'):\n"
+        "        found = []\n"
+        "        for trim in ((), (128, 256)):\n"
+        "            cb.GLUON_BWD_TRIM = trim\n"
+        "            c = compile_for_sm90(d, causal, cfg[kernel], kernel=kernel, head_dim_v=dv)\n"
+        "            found.append((c.asm['ptx'].count('wgmma.mma_async'), spill_bytes(c)))\n"
+        "        (whole, whole_spill), (trimmed, trimmed_spill) = found\n"
+        "        assert trimmed < whole and trimmed_spill <= whole_spill, (d, dv, kernel, found)\n"
+        "        print('compiled', d, dv, kernel, found)\n")
+    assert out.count("compiled") == 4
 
 
 @hopper_only

@@ -121,9 +121,10 @@ def test_gluon_wide_configs_against_float64(name, causal, bottom_right, head_dim
         assert torch.all(out[~seen.transpose(1, 2)] == 0), where
 
 
-# QK_192 (`forward_gluon._scores`): head dims of 129 ... 192 whose Q Kᵀ runs over columns 0 ... 127 and 128 ... 191 of
-# the 256-column tiles; with V in tiles of its own (MLA's 192 / 128) and every variant.
-QK_192_CASES = {  # (head_dim, head_dim_v, causal, window, softcap, alibi, sinks)
+# QK_WIDTH (`forward_gluon._scores`, `gluon_common.mma_nt`): Q Kᵀ over the head's own columns in pieces of powers of
+# two (192 = 128 + 64 of 256, 160 = 128 + 32, 96 = 64 + 32 of 128, 80 = 64 + 16, 112 = 64 + 32 + 16); with V in tiles
+# of its own (MLA's 192 / 128) and every variant.
+QK_WIDTH_CASES = {  # (head_dim, head_dim_v, causal, window, softcap, alibi, sinks)
     "192": (192, 192, False, (-1, -1), 0.0, False, False),
     "192 causal": (192, 192, True, (-1, -1), 0.0, False, False),
     "160 (zeros past the head)": (160, 160, True, (-1, -1), 0.0, False, False),
@@ -131,25 +132,34 @@ QK_192_CASES = {  # (head_dim, head_dim_v, causal, window, softcap, alibi, sinks
     "192 / 128 non-causal": (192, 128, False, (-1, -1), 0.0, False, False),
     "192, every variant": (192, 192, True, (150, 0), 15.0, True, True),
     "192 / 128, window both sides, softcap": (192, 128, False, (130, 70), 30.0, False, False),
+    "96": (96, 96, False, (-1, -1), 0.0, False, False),
+    "80 causal": (80, 80, True, (-1, -1), 0.0, False, False),
+    "112 (three pieces), causal": (112, 112, True, (-1, -1), 0.0, False, False),
+    "72 (zeros past the head), every variant": (72, 72, True, (150, 0), 15.0, True, True),
 }
 
 
 @hopper_only
-@pytest.mark.parametrize("case", list(QK_192_CASES))
-@pytest.mark.parametrize("name", list(WIDE_CONFIGS))
+@pytest.mark.parametrize("case", list(QK_WIDTH_CASES))
+@pytest.mark.parametrize("name", ["default", "overlap, dynamic schedule", "wide: 32-key tiles",
+                                  "wide: 64-key tiles, store from registers"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gluon_qk_192_against_float64(case, name, dtype, device, monkeypatch):
-    """The scores' product over 192 of the 256 columns (QK_192 on) on odd shapes, GQA, Sq != Sk: out against
-    float64 judged against torch's error in the dtype, lse where a row sees a key; the launch's constexprs say the
-    split product ran."""
+def test_gluon_qk_width_against_float64(case, name, dtype, device, monkeypatch):
+    """Q Kᵀ over the head's own columns (QK_WIDTH, under GLUON_QK_TRIM for every tile width) on odd shapes, GQA,
+    Sq != Sk: out against float64 judged against torch's error in the dtype, lse where a row sees a key; the launch's
+    constexprs say the narrower product ran."""
     from test_features import _torch_same_dtype
 
-    monkeypatch.setattr(configs.forward, "GLUON_QK_192", True)
-    head_dim, head_dim_v, causal, window, softcap, alibi, sinks = QK_192_CASES[case]
-    assert G.qk_192(head_dim)
-    _, _, meta = G.launch_parts((2, 64, 4, head_dim), (2, 64, 2, head_dim), causal, True, WIDE_CONFIGS[name], 1,
-                                head_dim_v=head_dim_v, split_qk=G.qk_192(head_dim))
-    assert meta["QK_192"] and meta["HEAD_DIM"] == 256
+    monkeypatch.setattr(configs.forward, "GLUON_QK_TRIM", (128, 256))
+    head_dim, head_dim_v, causal, window, softcap, alibi, sinks = QK_WIDTH_CASES[case]
+    wide = gluon_common.head_block(head_dim) == 256
+    if name.startswith("wide") != wide:
+        pytest.skip("the schedules of the other tile width")
+    config = WIDE_CONFIGS[name[6:]] if wide else CONFIGS[name]
+    width = G.qk_width(head_dim)
+    _, _, meta = G.launch_parts((2, 64, 4, head_dim), (2, 64, 2, head_dim), causal, True, config, 1,
+                                head_dim_v=head_dim_v, qk_columns=width)
+    assert meta["QK_WIDTH"] == gluon_common.product_width(head_dim) < meta["HEAD_DIM"]
     for batch, sq, sk, hq, hkv in [(2, 200, 333, 4, 2), (1, 333, 200, 2, 2), (3, 1000, 1000, 8, 2)]:
         gen = torch.Generator().manual_seed(sq + sk + head_dim)
         q = torch.randn(batch, sq, hq, head_dim, generator=gen).to(device, dtype)
@@ -160,7 +170,7 @@ def test_gluon_qk_192_against_float64(case, name, dtype, device, monkeypatch):
         variant = Variant(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
         out = torch.full((batch, sq, hq, head_dim_v), float("nan"), dtype=dtype, device=device)
         lse = torch.full((batch, hq, sq), float("nan"), dtype=torch.float32, device=device)
-        G.launch_forward_gluon(q, k, v, out, lse, head_dim ** -0.5, causal, True, WIDE_CONFIGS[name],
+        G.launch_forward_gluon(q, k, v, out, lse, head_dim ** -0.5, causal, True, config,
                                variant=variant.of(causal, True, window, softcap, alibi, sinks), alibi_slopes=slopes,
                                learnable_sink=sink)
         exact, exact_lse = attention_reference(q, k, v, variant=variant, return_lse=True)
@@ -171,32 +181,37 @@ def test_gluon_qk_192_against_float64(case, name, dtype, device, monkeypatch):
         torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=2e-3, rtol=2e-3)
 
 
-def test_qk_192_takes_the_head_dims_between_128_and_192(monkeypatch):
-    """QK_192 applies under its switch to the head dims that 256-column tiles hold with 64 zero columns or more."""
-    monkeypatch.setattr(configs.forward, "GLUON_QK_192", True)
-    assert [d for d in (64, 96, 128, 129, 160, 192, 193, 256) if G.qk_192(d)] == [129, 160, 192]
-    monkeypatch.setattr(configs.forward, "GLUON_QK_192", False)
-    assert not G.qk_192(192)
+def test_qk_width_takes_the_head_dims_its_tiles_pad(monkeypatch):
+    """QK_WIDTH applies to the tile widths GLUON_QK_TRIM names, at head dims whose own columns (rounded up to 16 and
+    to at most three powers of two) are fewer than the tiles'."""
+    monkeypatch.setattr(configs.forward, "GLUON_QK_TRIM", (128, 256))
+    dims = (64, 72, 80, 96, 112, 120, 128, 129, 160, 192, 224, 240, 256)
+    assert {d: G.qk_width(d) for d in dims if G.qk_width(d)} == {72: 80, 80: 80, 96: 96, 112: 112, 129: 144,
+                                                                 160: 160, 192: 192, 224: 224}
+    monkeypatch.setattr(configs.forward, "GLUON_QK_TRIM", (256,))
+    assert (G.qk_width(96), G.qk_width(192)) == (0, 192)
+    monkeypatch.setattr(configs.forward, "GLUON_QK_TRIM", ())
+    assert G.qk_width(192) == 0
 
 
-def test_gluon_qk_192_builds_compile_for_sm90():
-    """The split product compiles for sm_90: a quarter fewer wgmma instructions on the scores (12 for every 16
-    of the whole tile's per 64 rows of K), and no more spill stores than the whole tile's build."""
+def test_gluon_qk_width_builds_compile_for_sm90():
+    """The narrower product compiles for sm_90: fewer wgmma instructions on the scores (192 of 256 columns: 12 for
+    every 16 per 64 keys; 96 of 128: 6 for every 8), and no more spill stores than the whole tiles' build."""
     out = compile_in_fresh_process(
         "from flashtriton import configs\n"
         "from flashtriton.configs import forward as cf\n"
         "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
-        "for d, dv, causal in ((192, 192, True), (192, 128, False)):\n"
+        "for d, dv, causal, fewer in ((192, 192, True, 16), (192, 128, False, 16), (96, 96, True, 8)):\n"
         "    cfg = configs.gluon_fwd_config(d, 4096, 4096, causal, 0, dv)\n"
         "    found = []\n"
-        "    for on in (False, True):\n"
-        "        cf.GLUON_QK_192 = on\n"
+        "    for trim in ((), (128, 256)):\n"
+        "        cf.GLUON_QK_TRIM = trim\n"
         "        c = compile_for_sm90(d, causal, cfg, head_dim_v=dv)\n"
         "        found.append((c.asm['ptx'].count('wgmma.mma_async'), spill_bytes(c)))\n"
         "    (whole, whole_spill), (split, split_spill) = found\n"
-        "    assert whole - split == 16 and split_spill <= max(whole_spill, 16), (d, dv, found)\n"
+        "    assert whole - split == fewer and split_spill <= max(whole_spill, 16), (d, dv, found)\n"
         "    print('compiled', d, dv, found)\n")
-    assert out.count("compiled") == 2
+    assert out.count("compiled") == 3
 
 
 @hopper_only

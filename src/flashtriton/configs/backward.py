@@ -172,6 +172,16 @@ GLUON_BWD_FUSED_DELTA_SOURCE = H200_DEC4 + "gluon-bwd-ab/fused_delta.json"
 # With a sink, its gradient's parts from the dQ kernel too (`_fused_delta`'s FD_SINK; the host sums the parts in a
 # fixed order): the sinks' backward at T=4096 D=128 causal 1657 -> 1637 us with the host work (GLUON_FUSED_AB_SOURCE).
 GLUON_BWD_FUSED_SINK = True
+
+# The tile widths whose Gluon backward runs S (Sᵀ) and dP (dPᵀ), the products over the head dim, on the head's own
+# columns (`kernels.backward_gluon_launch.product_widths`: QK_WIDTH / V_WIDTH, `gluon_common.mma_nt`) instead of
+# the whole tile, whose last columns are zeros, where that takes at most GLUON_BWD_TRIM_PIECES wgmmas. Against the
+# whole tiles in one H100 run (bf16, T = 1k … 16k, causal and not): D=80 (64 + 16) 1.02-1.14x, 96 (64 + 32)
+# 1.02-1.09x, 192 (128 + 64) 1.09-1.14x, QK 192 / V 128 1.04-1.06x; 112 (64 + 32 + 16) 0.96-1.02x, so it keeps
+# the whole tiles (GLUON_BWD_TRIM_SOURCE).
+GLUON_BWD_TRIM = (128, 256)
+GLUON_BWD_TRIM_PIECES = 2
+GLUON_BWD_TRIM_SOURCE = "benchmarks/2026-12-06-h100/trim/trim_ab.json"
 # The Triton backward's preprocess in its dQ kernel (`kernels.backward._fused_delta`: dQ first, then dK/dV; with
 # dlse and the sink's gradient's parts too; not under autotuning, whose dQ tiles are picked at the first launch):
 # one launch, two allocations and one pass over O and dO fewer. The short, host-bound backward (bf16, B*T = 16k,

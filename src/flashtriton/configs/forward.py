@@ -208,11 +208,12 @@ GLUON_DROPOUT_FWD_ALL = {64: GLUON_SHORT_D64}  # GLUON_DROPOUT_ALL's rule at D=6
 GLUON_CAP_FIXED = True
 CAP_FIXED_SOURCE = "benchmarks/2026-12-04-h200/softcap-fixed/softcap_ab.json"
 
-# The Gluon forward's Q Kᵀ at head dims 129 … 192 (`kernels.forward_gluon_launch.qk_192`): two wgmmas over columns
-# 0 … 127 and 128 … 191 of the 256-column tiles instead of one over all 256 (the last 64 are zeros): 1.02-1.11x the
-# whole tiles' forward at 192 / 192 and 192 / 128, T = 1k … 16k (an H100 run beside cuDNN).
-GLUON_QK_192 = True
-QK_192_SOURCE = "benchmarks/2026-12-06-h100/qk192/qk192_ab.json"
+# The tile widths whose Gluon forward runs Q Kᵀ over the head's own columns (`kernels.forward_gluon_launch.qk_width`:
+# the head dim rounded up to a sum of up to three powers of two, a wgmma each) instead of the whole tile, whose last
+# columns are zeros. Against the whole tiles in one H100 run (bf16, T = 1k … 16k, causal and not): D=80 1.08-1.13x,
+# 96 1.07-1.10x, 112 1.02-1.05x, 192 1.02-1.09x, QK 192 / V 128 1.05-1.12x (QK_TRIM_SOURCE).
+GLUON_QK_TRIM = (128, 256)
+QK_TRIM_SOURCE = "benchmarks/2026-12-06-h100/trim/trim_ab.json"
 
 
 def _dropout_gate(dropout: bool) -> bool:

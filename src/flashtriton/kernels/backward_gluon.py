@@ -63,7 +63,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_common import dropout_keep, dropout_keep_t, sequence, tma_load, tma_store, wgmma_layout
+from .gluon_common import (dropout_keep, dropout_keep_t, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
+                           width_pieces)
 from .variant import dropout_state
 from .variant import (alibi_bias, diagonal, key_blocks, key_end_before, key_tile_masked, query_blocks, query_first,
                       softcap_scores_and_grad, tile_hidden, tile_masked, visible)
@@ -80,6 +81,13 @@ def dkdv_keys(head_dim):
     WIDE_HEAD_DIM, where one key's fp32 dK and dV take 512 of a warpgroup's registers: two warpgroups then share
     64 keys, each holding half of the columns (`_consumer`, WARPS_N = 2)."""
     return 64 if head_dim >= WIDE_HEAD_DIM else 128
+
+
+@gluon.constexpr_function
+def _width(width, tile):
+    """The width of a product over a head dim in `tile`-column tiles (`gluon_common.mma_nt`): QK_WIDTH / V_WIDTH
+    (the head's own columns, `gluon_common.product_width`), or where that is 0 the tiles' whole."""
+    return width or tile
 
 
 @gluon.jit
@@ -244,9 +252,11 @@ def _producer(shared, place, seq, group_size, heads_q, seqlen_pad, IS_VARLEN: gl
 def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, qk_scale, variant,
                MASK: gl.constexpr, LATE_DP: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
                HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-               HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+               HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr, QK_W: gl.constexpr,
+               V_W: gl.constexpr):
     """One streamed tile (query head g, rows [m, m + BLOCK_M), ring slot `it`) into a warpgroup's dK, dV (returned).
-    `tiles`: (Q, dO, lse, delta buffers, ready, empty, K, V, a zero score tile). MASK: 0 masks the tile where it
+    `tiles`: (Q, dO, lse, delta buffers, ready, empty, K, V, a zero score tile). QK_W, V_W: the widths of Sᵀ's and
+    dPᵀ's products (`gluon_common.mma_nt`). MASK: 0 masks the tile where it
     crosses the diagonal or a window's edge (`key_tile_masked`), 1 never (a tile every pair of which is visible),
     2 always. LATE_DP: dPᵀ issued once Pᵀ is on its way to dV (fewer live registers), else beside Sᵀ."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k, v, s_zero = tiles
@@ -263,9 +273,9 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
     mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
     q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
     do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM_V])
-    s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ (ROWS, BLOCK_M)
+    s_tok = mma_nt(k, q, s_zero, QK_W)  # Sᵀ (ROWS, BLOCK_M)
     if not LATE_DP:
-        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
+        dp_tok = mma_nt(v, do, s_zero, V_W)  # dPᵀ
     lse = lse_bufs.index(stage).load(col_layout)  # (BLOCK_M,)
     if IS_VARLEN:  # rows past the sequence: the layout's gap (never written) or the next sequence's; no P there
         in_seq = m + cols < seqlen_q
@@ -277,7 +287,7 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
         p, cap_grad = _probabilities(s, lse[None, :], (m + cols)[None, :], keys[:, None], diag, qk_scale, softcap,
                                      slope, HAS_SOFTCAP, HAS_ALIBI)  # Pᵀ (ROWS, BLOCK_M)
     else:
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        s = warpgroup_mma_wait(width_pieces(V_W), deps=(s_tok, ))  # dPᵀ's products may still run
         p = gl.exp2(s * qk_scale - lse[None, :])  # Pᵀ (ROWS, BLOCK_M)
     # the tile reaches past some row's diagonal (or a window's edge); with a window, tiles none of whose rows
     # see this warpgroup's keys are computed too (P = 0): skipping them cost spills, as causal's
@@ -298,7 +308,7 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
         p = p * cap_grad
     dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
     if LATE_DP:
-        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dPᵀ
+        dp_tok = mma_nt(v, do, s_zero, V_W)  # dPᵀ
     delta = delta_bufs.index(stage).load(col_layout)
     if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
         delta = gl.where(in_seq, delta, 0.0)
@@ -318,7 +328,8 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
                   release, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
                   HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr,
-                  HAS_DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, SPLIT: gl.constexpr = 0):
+                  HAS_DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, SPLIT: gl.constexpr = 0,
+                  QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) of one program's keys (`place`) over the streamed
     tiles, then their stores (dK in QK's tiles, dV in V's: HEAD_DIM_V), through K/V buffers kv_base + WG, whose
     load completes phase `kv_phase` of `kv_bar`; `it0`: the tiles the program streamed before.
@@ -369,25 +380,25 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
             for i in range(n_head):
                 dk, dv = _dkdv_tile(tiles, dk, dv, it, g, lo + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
                                     qk_scale, variant, 2, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT)
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W)
                 it += 1
             for i in range(n_mid):
                 dk, dv = _dkdv_tile(tiles, dk, dv, it, g, mid + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
                                     qk_scale, variant, 1, LATE_DP if SPLIT == 2 else LATE_DP_WHOLE, IS_CAUSAL,
                                     IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                                    HAS_DROPOUT)
+                                    HAS_DROPOUT, QK_W, V_W)
                 it += 1
             for i in range(n_m - n_head - n_mid):
                 dk, dv = _dkdv_tile(tiles, dk, dv, it, g, full + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
                                     qk_scale, variant, 2, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT)
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W)
                 it += 1
     else:
         for t in range(n_iters):
             g = t // n_m
             dk, dv = _dkdv_tile(tiles, dk, dv, it0 + t, g, lo + (t - g * n_m) * BLOCK_M, first_key, keys, cols,
                                 seqlen_q, diag, qk_scale, variant, 0, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM,
-                                NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT)
+                                NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W)
             if PERSISTENT:
                 if (t == 0) & release[1]:
                     _release_keys(release[0])
@@ -425,7 +436,8 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
               NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
               HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr = False, schedule=None,
-              kv_empty=None, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0):
+              kv_empty=None, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0, QK_W: gl.constexpr = 0,
+              V_W: gl.constexpr = 0):
     """dK, dV of the program's keys (`_consume_keys`). `variant`: (window left, right, softcap, the group's first
     query head's ALiBi slope pointer, dropout), None where off; dropout = (seed, offset, threshold, 1 / (1 - p),
     b · Hq + the group's first query head). PERSISTENT: those of every item of the program (`_round_item`), item j's
@@ -449,14 +461,14 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
                 _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, item_variant, kv_ready.index(buf),
                               (j // 2) & 1, buf * KV_BLOCKS, it, (kv_empty.index(1 - buf), j > 0), WG, IS_CAUSAL,
                               IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                              HAS_DROPOUT, True)
+                              HAS_DROPOUT, True, 0, QK_W, V_W)
                 it += place[5]
                 j += 1
         tma.store_wait(0)
     else:
         _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv_ready, 0, 0, 0, None, WG,
                       IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                      HAS_DROPOUT, False, SPLIT)
+                      HAS_DROPOUT, False, SPLIT, QK_W, V_W)
 
 
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dkn", "stride_dkh",
@@ -474,6 +486,7 @@ def _attn_bwd_dkdv_gluon(
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
     HAS_DROPOUT: gl.constexpr = False, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0,
+    QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
@@ -543,6 +556,8 @@ def _attn_bwd_dkdv_gluon(
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv,
                      DK, DV, gl.to_tensor(stride_dkn), gl.to_tensor(stride_dkh), gl.to_tensor(stride_dvn),
                      gl.to_tensor(stride_dvh), gl.to_tensor(D_VALID), gl.to_tensor(DV_VALID if DV_VALID else D_VALID))
+    QK_W: gl.constexpr = _width(QK_WIDTH, HEAD_DIM)  # the products' widths (`gluon_common.mma_nt`)
+    V_W: gl.constexpr = _width(V_WIDTH, desc_v.block_type.shape[len(desc_v.block_type.shape) - 1])
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
     if HAS_DROPOUT:
@@ -562,7 +577,7 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(1))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(2), HAS_DROPOUT)),
+                         gl.constexpr(2), HAS_DROPOUT, None, None, False, 0, QK_W, V_W)),
         ], [8], [CONSUMER_REGS])
     elif PERSISTENT:
         schedule = (gl.program_id(0), gl.cdiv(SEQLEN_K, PROGRAM_KEYS) * (HEADS_Q // GROUP_SIZE) * BATCH,
@@ -576,10 +591,10 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(2), schedule, kv_empty, True)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True)),
+                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True)),
+                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -587,10 +602,10 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(2))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT)),
+                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT)),
+                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -665,9 +680,10 @@ def _fused_delta(fused, do_buf, q_ready, rows, seqlen_q, lse_ptr, delta_ptr, WG:
 def _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale, slope, variant,
              MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-             HAS_DROPOUT: gl.constexpr):
+             HAS_DROPOUT: gl.constexpr, QK_W: gl.constexpr, V_W: gl.constexpr):
     """One K/V tile (ring slot j, keys [n, n + BLOCK_N) with n = key_lo + j · BLOCK_N) into a warpgroup's dQ
-    (returned). `tiles`: (K, V buffers, kv_ready, kv_empty, the warpgroup's Q and dO, a zero score tile). MASK: 0
+    (returned). `tiles`: (K, V buffers, kv_ready, kv_empty, the warpgroup's Q and dO, a zero score tile). QK_W, V_W:
+    the widths of S's and dP's products (`gluon_common.mma_nt`). MASK: 0
     skips a tile none of whose pairs is visible (`tile_hidden`) and masks one that needs it, 1 neither (a tile every
     pair of which is visible), 2 skips hidden tiles and masks the rest."""
     k_bufs, v_bufs, kv_ready, kv_empty, q, do, s_zero = tiles
@@ -690,9 +706,9 @@ def _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag,
     else:
         k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
         v = v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM_V])
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S (ROWS, BLOCK_N)
-        dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dP
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        s_tok = mma_nt(q, k, s_zero, QK_W)  # S (ROWS, BLOCK_N)
+        dp_tok = mma_nt(do, v, s_zero, V_W)  # dP
+        s = warpgroup_mma_wait(width_pieces(V_W), deps=(s_tok, ))  # dP's products may still run
         if HAS_SOFTCAP or HAS_ALIBI:
             p, cap_grad = _probabilities(s, lse[:, None], rows[:, None], (n + cols)[None, :], diag, qk_scale,
                                          softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
@@ -729,7 +745,8 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr = False,
-                 SPLIT: gl.constexpr = 0, fused=0, FUSED_DELTA: gl.constexpr = 0, DV_OUT: gl.constexpr = 0):
+                 SPLIT: gl.constexpr = 0, fused=0, FUSED_DELTA: gl.constexpr = 0, DV_OUT: gl.constexpr = 0,
+                 QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. FUSED_DELTA:
     their lse and delta from `fused` (`_fused_delta`), else from the padded lse_ptr / delta_ptr. `variant`:
     (window left, right, softcap, pointer at the head's ALiBi slope, dropout), None where off; dropout = (seed,
@@ -774,20 +791,20 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
         for j in range(n_head):
             dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
                           slope, variant, 2, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                          HAS_ALIBI, HAS_DROPOUT)
+                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W)
         for j in range(n_head, n_head + n_whole):
             dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
                           slope, variant, 1, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                          HAS_ALIBI, HAS_DROPOUT)
+                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W)
         for j in range(n_head + n_whole, n_tiles):
             dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
                           slope, variant, 2, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                          HAS_ALIBI, HAS_DROPOUT)
+                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W)
     else:
         for j in range(n_tiles):
             dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
                           slope, variant, 0, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                          HAS_ALIBI, HAS_DROPOUT)
+                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W)
 
     dq = (dq * softmax_scale).to(dtype)
     if IS_VARLEN and seqlen_q - row0 < ROWS:  # the sequence ends in this block: no TMA store (the next one's rows)
@@ -818,7 +835,7 @@ def _attn_bwd_dq_gluon(
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
     HAS_DROPOUT: gl.constexpr = False, SPLIT: gl.constexpr = 0, FUSED_DELTA: gl.constexpr = 0,
-    DV_OUT: gl.constexpr = 0,
+    DV_OUT: gl.constexpr = 0, QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
@@ -878,6 +895,8 @@ def _attn_bwd_dq_gluon(
     producer_args = (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty)
     consumer_args = (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ,
                      gl.to_tensor(stride_dqm), gl.to_tensor(stride_dqh), gl.to_tensor(D_VALID))
+    QK_W: gl.constexpr = _width(QK_WIDTH, HEAD_DIM)  # the products' widths (`gluon_common.mma_nt`)
+    V_W: gl.constexpr = _width(V_WIDTH, desc_v.block_type.shape[len(desc_v.block_type.shape) - 1])
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     lse_ptr = LSE + rows_base
     delta_ptr = DELTA + rows_base
@@ -904,8 +923,8 @@ def _attn_bwd_dq_gluon(
         (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

@@ -16,7 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import configs
 from .backward_gluon import BLOCK_M, KEYS, ROWS, WIDE_HEAD_DIM, _attn_bwd_dkdv_gluon, _attn_bwd_dq_gluon
-from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, head_block
+from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, head_block, product_width
 from .host import cdiv
 from .launch import hooks_installed, launch, launch_and_keep
 from .memo import remembered
@@ -73,7 +73,8 @@ def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_
 
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv",
                  batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                 variant: Variant | None = None, head_dim_v: int | None = None, programs: int = 132):
+                 variant: Variant | None = None, head_dim_v: int | None = None, programs: int = 132,
+                 widths: tuple = (0, 0)):
     """(grid, int arguments after the scales and output strides, constexprs and options) of the dK/dV or the dQ
     kernel. Dense (batch None): q (B, Sq, Hq, D), k (B, Sk, Hkv, D). Varlen: q (total_q, Hq, D),
     k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens. `variant`: the call's
@@ -81,7 +82,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     dO's, dV's) head dim where it is not D (`separate_v_ok` pairs); the kernels read its tiles' width from the V
     descriptor, and the dK/dV kernel stores dV's own columns (DV_VALID). A dK/dV config with PERSISTENT (dense,
     tiles up to 128 wide) launches at most `programs` programs (the GPU's SM count: one resident program each), or
-    at most PERSISTENT programs where it is a number (tests: many items a program)."""
+    at most PERSISTENT programs where it is a number (tests: many items a program). `widths`: the products over
+    QK's and V's head dims (QK_WIDTH, V_WIDTH: `product_widths`), 0 for the tiles' whole width."""
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
     block_d = head_block(head_dim)  # the tiles' head dim (HEAD_DIM); D_VALID the head's own
@@ -115,9 +117,23 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
                 HEAD_DIM=block_d, D_VALID=head_dim, num_warps=4, WORK_TABLE=False, **config)
     if separate_v and kernel == "dkdv":  # (absent otherwise: the kernel's default, dV's columns D_VALID)
         meta["DV_VALID"] = head_dim_v
+    for name, width in zip(("QK_WIDTH", "V_WIDTH"), widths):  # (likewise: the whole tiles' launches keep their key)
+        if width:
+            meta[name] = width
     if variant.dropout_p:  # (likewise: the dropout-free launches keep their key)
         meta.update(variant.dropout_constexprs)
     return grid, ints, meta
+
+
+def product_widths(head_dim: int, head_dim_v: int | None = None) -> tuple:
+    """(QK_WIDTH, V_WIDTH) of a backward at these head dims: the head's own columns where they are fewer than its
+    tiles' (`gluon_common.product_width`), `configs.backward.GLUON_BWD_TRIM` takes the tiles' width and they make
+    at most GLUON_BWD_TRIM_PIECES wgmmas, else 0."""
+    def width(d):
+        w, tile = product_width(d), head_block(d)
+        return w if (w < tile and tile in configs.backward.GLUON_BWD_TRIM
+                     and bin(w).count("1") <= configs.backward.GLUON_BWD_TRIM_PIECES) else 0
+    return width(head_dim), width(head_dim if head_dim_v is None else head_dim_v)
 
 
 def separate_v_ok(head_dim: int, head_dim_v: int) -> bool:
@@ -211,12 +227,12 @@ class _DensePlan:
 
 @functools.lru_cache(maxsize=1024)
 def _dense_plan(kernel, q_shape, k_shape, dtype, device, causal, causal_bottom_right, config_items,
-                variant=None, head_dim_v=None) -> _DensePlan:
+                variant=None, head_dim_v=None, widths=(0, 0)) -> _DensePlan:
     """The plan of one call shape and variant (`Variant` equality: its window, softcap and whether ALiBi slopes
     are given; the scalars and slopes themselves are arguments of each launch); `head_dim_v`: V's head dim."""
     programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     return _DensePlan(*launch_parts(q_shape, k_shape, causal, causal_bottom_right, dict(config_items), kernel,
-                                    variant=variant, head_dim_v=head_dim_v, programs=programs))
+                                    variant=variant, head_dim_v=head_dim_v, programs=programs, widths=widths))
 
 
 def _launch_parts_for(kernel, q, k, v, variant, config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -225,10 +241,12 @@ def _launch_parts_for(kernel, q, k, v, variant, config, cu_seqlens_q, cu_seqlens
     causal, causal_bottom_right = variant.causal, variant.bottom_right
     if cu_seqlens_q is None:
         plan = _dense_plan(kernel, tuple(q.shape), tuple(k.shape), q.dtype, q.device, causal, causal_bottom_right,
-                           tuple(sorted(config.items())), variant, v.shape[-1])
+                           tuple(sorted(config.items())), variant, v.shape[-1],
+                           product_widths(q.shape[-1], v.shape[-1]))
         return plan.grid, plan.ints, plan.meta, q, plan
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, kernel,
-                                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, variant, v.shape[-1])
+                                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, variant, v.shape[-1],
+                                    widths=product_widths(q.shape[-1], v.shape[-1]))
     grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid)
     return grid, ints, meta, work, None
 
@@ -344,9 +362,10 @@ class DenseBackward:
         self.variant = variant
         head_dim_v = q.shape[-1] if head_dim_v is None else head_dim_v
         items = tuple(q.shape), tuple(k.shape), q.dtype, q.device, variant.causal, variant.bottom_right
-        self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant, head_dim_v)
+        widths = product_widths(q.shape[-1], head_dim_v)
+        self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant, head_dim_v, widths)
         dq_config = dict(config["dq"], FUSED_DELTA=fused, DV_OUT=head_dim_v) if fused else config["dq"]
-        self.dq = _dense_plan("dq", *items, tuple(sorted(dq_config.items())), variant, head_dim_v)
+        self.dq = _dense_plan("dq", *items, tuple(sorted(dq_config.items())), variant, head_dim_v, widths)
         self.fused = fused
         self.scalars = variant.scalars(softmax_scale)
         self.alibi_stride = alibi_batch_stride(alibi_slopes)
@@ -397,7 +416,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     rows_t = torch.empty(4, 1024, dtype=torch.float32)
     variant = Variant.of(causal, True, window_size, softcap, alibi, dropout_p=dropout_p)
     _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256,
-                              variant, head_dim_v)
+                              variant, head_dim_v, widths=product_widths(head_dim, head_dim_v))
     meta["WORK_TABLE"] = varlen and with_table  # varlen: programs from the work table, or the grid
     fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
     for param in fn.params:  # constexprs a launch leaves at their defaults (DV_VALID)

@@ -35,11 +35,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_QK_192, SC_SINKS, SC_SOFTCAP,
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_QK_16, SC_SINKS, SC_SOFTCAP,
                                   SC_WINDOW,
                                   item_bounds, num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
-from .gluon_common import dropout_keep, wgmma_layout
+from .gluon_common import dropout_keep, mma_nt, wgmma_layout
 from .variant import alibi_bias, dropout_state, key_end, softcap_scores, tanh, tile_masked, visible
 
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
@@ -53,19 +53,18 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
         mbarrier.wait(v_fixed.index(stage), phase)
 
 
+@gluon.constexpr_function
+def _qk_width(scores, tile):
+    """The columns of Q Kᵀ's product: QK_WIDTH from SCORES' bits (`SC_QK_16`), else the tiles' `tile`."""
+    return (scores // 64) * 16 or tile
+
+
 @gluon.jit
 def _scores(q, k_tile, s_zero, SCORES: gl.constexpr):
-    """S = Q Kᵀ of one key tile as an asynchronous wgmma (one commit group per product): q (ROWS, HEAD_DIM) and
-    k_tile (BLOCK_N, HEAD_DIM) in shared memory. QK_192 (`SC_QK_192`: a head dim of 129 … 192 in 256-column
-    tiles, whose last 64 columns are the TMA's zeros): two products over columns 0 … 127 and 128 … 191, a quarter
-    fewer tensor-core cycles than the whole tile's; the caller's wait on the returned token covers both."""
-    if (SCORES & SC_QK_192) != 0:
-        s_tok = warpgroup_mma(q.slice(0, 128, dim=1), k_tile.slice(0, 128, dim=1).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-        return warpgroup_mma(q.slice(128, 64, dim=1), k_tile.slice(128, 64, dim=1).permute((1, 0)), s_tok,
-                             is_async=True)
-    else:
-        return warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    """S = Q Kᵀ of one key tile as asynchronous wgmmas: q (ROWS, HEAD_DIM) and k_tile (BLOCK_N, HEAD_DIM) in shared
+    memory, over the QK_WIDTH columns SCORES carries (`gluon_common.mma_nt`: D=192 in 256-column tiles as 128 + 64;
+    one commit group per piece), all of them by default; the caller's wait on the returned token covers them."""
+    return mma_nt(q, k_tile, s_zero, _qk_width(SCORES, k_tile.shape[1]))
 
 
 @gluon.jit
@@ -691,7 +690,7 @@ def _attn_fwd_gluon(
     Q_BUFFERS: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, DYNAMIC: gl.constexpr, OVERLAP: gl.constexpr,
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
-    HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False, QK_192: gl.constexpr = False,
+    HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False, QK_WIDTH: gl.constexpr = 0,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -706,7 +705,7 @@ def _attn_fwd_gluon(
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
                             + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED
-                            + SC_QK_192 * QK_192)
+                            + SC_QK_16 * (QK_WIDTH // 16))
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)

@@ -15,7 +15,7 @@ import triton
 from .. import configs
 from .common import sm_count
 from .forward_gluon import ROWS, _attn_fwd_gluon
-from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, head_block
+from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, head_block, product_width
 from .host import cdiv
 from .launch import launch
 from .variant import Variant
@@ -68,21 +68,24 @@ def cap_fixed(variant: Variant, dtype: torch.dtype) -> bool:
                 and not variant.has_alibi and variant.softcap * 1.4426950408889634 <= CAP_FIXED_LIMIT)
 
 
-def qk_192(head_dim: int) -> bool:
-    """Whether the Gluon forward's Q Kᵀ runs over 192 of its 256-column tiles (QK_192: D of 129 … 192)."""
-    return bool(configs.forward.GLUON_QK_192 and 128 < head_dim <= 192 and head_block(head_dim) == 256)
+def qk_width(head_dim: int) -> int:
+    """The columns the Gluon forward's Q Kᵀ runs on at `head_dim` (the kernel's QK_WIDTH,
+    `gluon_common.product_width`) where its tiles are wider and `configs.forward.GLUON_QK_TRIM` takes their width;
+    0: the tiles' whole width."""
+    width, tile = product_width(head_dim), head_block(head_dim)
+    return width if width < tile and tile in configs.forward.GLUON_QK_TRIM else 0
 
 
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,
                  batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                  variant: Variant | None = None, head_dim_v: int | None = None, fixed_cap: bool = False,
-                 split_qk: bool = False):
+                 qk_columns: int = 0):
     """(grid, int arguments after the variant's, constexprs and options) of a launch. Dense (batch None):
     q (B, Sq, Hq, D), k (B, Sk, Hkv, D), contiguous out like q and lse (B, Hq, Sq). Varlen: q (total_q, Hq, D),
     k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens, contiguous out like q
     and lse (Hq, total_q). `variant` (default: causal or not) overrides causal and causal_bottom_right.
     `head_dim_v`: V's (and out's) head dim, default D. `fixed_cap`: CAP_FIXED (`cap_fixed` says where);
-    `split_qk`: QK_192 (`qk_192` says where)."""
+    `qk_columns`: Q Kᵀ's product width where narrower than the tiles (`qk_width`; 0: the whole tiles)."""
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     config = kernel_config(config)
     varlen = batch is not None
@@ -112,8 +115,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         meta.update(variant.dropout_constexprs)
     if fixed_cap:  # (likewise)
         meta["CAP_FIXED"] = True
-    if split_qk:  # (likewise)
-        meta["QK_192"] = True
+    if qk_columns:  # (likewise)
+        meta["QK_WIDTH"] = qk_columns
     return grid, ints, meta
 
 
@@ -168,7 +171,7 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, sm_count(q.device.index),
                                     batch, max_seqlen_q, max_seqlen_k, variant, v.shape[-1], cap_fixed(variant, q.dtype),
-                                    qk_192(q.shape[-1]))
+                                    qk_width(q.shape[-1]))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config["DYNAMIC"] else None  # one per launch
     # `launch` skips Triton's argument binding for a call shape seen before: ~0.2 ms of host time per varlen call
     # on the H200 machine's CPU, which a benchmark that idles the GPU between calls sees as GPU idle time.
@@ -200,7 +203,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     batch = 2 if varlen else None
     variant = Variant.of(causal, True) if variant is None else variant
     _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256, variant, head_dim_v,
-                              cap_fixed(variant, dtype), qk_192(head_dim))
+                              cap_fixed(variant, dtype), qk_width(head_dim))
     if page_size:
         meta["PAGE_SIZE"] = page_size
     slopes = torch.empty(4) if variant.has_alibi else None

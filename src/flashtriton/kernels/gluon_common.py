@@ -11,7 +11,7 @@ import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .host import gluon_tile_width
@@ -27,6 +27,53 @@ def wgmma_layout(n, warps_n=1):
     or split by columns over `warps_n` warpgroups of one partition, each holding (64, n / warps_n) (the wide
     head dims' backward: `backward_gluon`, WIDE)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warps_n], instr_shape=[16, n // warps_n, 16])
+
+
+def product_width(head_dim: int) -> int:
+    """The columns a Gluon kernel's products over a head dim of `head_dim` in tiles of `head_block(head_dim)` run
+    on (`mma_nt`): the head dim rounded up to 16 (a wgmma's step) and on to a sum of at most three powers of two
+    (one wgmma each), or the tile's width where that is no narrower (D=96: 64 + 32 of 128; 192: 128 + 64 of 256)."""
+    tile = head_block(head_dim)
+    width = -(-head_dim // 16) * 16
+    while bin(width).count("1") > 3:
+        width += 16
+    return min(width, tile)
+
+
+@gluon.constexpr_function
+def width_piece(width, index):
+    """Piece `index` of `width` as powers of two, the largest first; 0 past the last (`mma_nt`)."""
+    pieces = [1 << b for b in reversed(range(width.bit_length())) if width >> b & 1]
+    return pieces[index] if index < len(pieces) else 0
+
+
+@gluon.constexpr_function
+def width_pieces(width):
+    """The wgmmas (commit groups) `mma_nt` issues for a product over `width` columns: its powers of two."""
+    return bin(width).count("1")
+
+
+@gluon.jit
+def mma_nt(a, b, zero, WIDTH: gl.constexpr):
+    """A · Bᵀ of shared-memory tiles a (M, K) and b (N, K) over their columns [0, WIDTH) (K or `product_width`'s
+    narrower width: the TMA filled the columns past the head with zeros), as asynchronous wgmmas into `zero`'s
+    layout: one over all K columns, else one per power of two of WIDTH (`width_pieces`, each its own commit group),
+    so that a head of 96 columns in 128-column tiles takes 64 + 32. The caller waits on the returned token."""
+    K: gl.constexpr = a.shape[1]
+    if WIDTH == K:
+        return warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    else:
+        W0: gl.constexpr = width_piece(WIDTH, 0)
+        W1: gl.constexpr = width_piece(WIDTH, 1)
+        W2: gl.constexpr = width_piece(WIDTH, 2)
+        tok = warpgroup_mma(a.slice(0, W0, dim=1), b.slice(0, W0, dim=1).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+        if W1 > 0:
+            tok = warpgroup_mma(a.slice(W0, W1, dim=1), b.slice(W0, W1, dim=1).permute((1, 0)), tok, is_async=True)
+        if W2 > 0:
+            tok = warpgroup_mma(a.slice(W0 + W1, W2, dim=1), b.slice(W0 + W1, W2, dim=1).permute((1, 0)), tok,
+                                is_async=True)
+        return tok
 
 
 @gluon.constexpr_function
