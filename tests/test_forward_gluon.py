@@ -136,6 +136,8 @@ QK_WIDTH_CASES = {  # (head_dim, head_dim_v, causal, window, softcap, alibi, sin
     "80 causal": (80, 80, True, (-1, -1), 0.0, False, False),
     "112 (three pieces), causal": (112, 112, True, (-1, -1), 0.0, False, False),
     "72 (zeros past the head), every variant": (72, 72, True, (150, 0), 15.0, True, True),
+    "160 / 160 (zeros past V's head too), window both sides": (160, 160, False, (130, 70), 0.0, False, False),
+    "256 / 192": (256, 192, True, (-1, -1), 0.0, False, True),
 }
 
 
@@ -144,22 +146,28 @@ QK_WIDTH_CASES = {  # (head_dim, head_dim_v, causal, window, softcap, alibi, sin
 @pytest.mark.parametrize("name", ["default", "overlap, dynamic schedule", "wide: 32-key tiles",
                                   "wide: 64-key tiles, store from registers"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gluon_qk_width_against_float64(case, name, dtype, device, monkeypatch):
-    """Q Kᵀ over the head's own columns (QK_WIDTH, under GLUON_QK_TRIM for every tile width) on odd shapes, GQA,
-    Sq != Sk: out against float64 judged against torch's error in the dtype, lse where a row sees a key; the launch's
-    constexprs say the narrower product ran."""
+@pytest.mark.parametrize("split_pv", [False, True])
+def test_gluon_qk_width_against_float64(case, name, dtype, split_pv, device, monkeypatch):
+    """Q Kᵀ over the head's own columns (QK_WIDTH, under GLUON_QK_TRIM for every tile width) and, split_pv, the
+    output in two accumulators over V's columns 0 … 127 and 128 … 191 (PV_SPLIT: V heads of 129 … 192 columns) on
+    odd shapes, GQA, Sq != Sk: out against float64 judged against torch's error in the dtype, lse where a row sees
+    a key; the launch's constexprs say the narrower products ran."""
     from test_features import _torch_same_dtype
 
     monkeypatch.setattr(configs.forward, "GLUON_QK_TRIM", (128, 256))
+    monkeypatch.setattr(configs.forward, "GLUON_PV_SPLIT", split_pv)
     head_dim, head_dim_v, causal, window, softcap, alibi, sinks = QK_WIDTH_CASES[case]
     wide = gluon_common.head_block(head_dim) == 256
     if name.startswith("wide") != wide:
         pytest.skip("the schedules of the other tile width")
+    if split_pv and not 128 < head_dim_v <= 192:
+        pytest.skip("PV_SPLIT takes V heads of 129 ... 192 columns")
     config = WIDE_CONFIGS[name[6:]] if wide else CONFIGS[name]
     width = G.qk_width(head_dim)
     _, _, meta = G.launch_parts((2, 64, 4, head_dim), (2, 64, 2, head_dim), causal, True, config, 1,
-                                head_dim_v=head_dim_v, qk_columns=width)
-    assert meta["QK_WIDTH"] == gluon_common.product_width(head_dim) < meta["HEAD_DIM"]
+                                head_dim_v=head_dim_v, qk_columns=width, split_pv=G.pv_split(head_dim_v))
+    assert meta.get("QK_WIDTH", head_dim) == gluon_common.product_width(head_dim) <= meta["HEAD_DIM"]
+    assert meta.get("PV_SPLIT", False) == split_pv
     for batch, sq, sk, hq, hkv in [(2, 200, 333, 4, 2), (1, 333, 200, 2, 2), (3, 1000, 1000, 8, 2)]:
         gen = torch.Generator().manual_seed(sq + sk + head_dim)
         q = torch.randn(batch, sq, hq, head_dim, generator=gen).to(device, dtype)
@@ -179,6 +187,26 @@ def test_gluon_qk_width_against_float64(case, name, dtype, device, monkeypatch):
         seen = torch.isfinite(exact_lse)
         assert torch.equal(torch.isfinite(lse), seen), f"{where}: lse -inf exactly where no key is seen"
         torch.testing.assert_close(lse[seen].double(), exact_lse[seen], atol=2e-3, rtol=2e-3)
+
+
+def test_gluon_pv_split_builds_compile_for_sm90():
+    """The output in two accumulators (PV_SPLIT) compiles for sm_90 at D=192 with no more spill stores than one
+    accumulator, and P's operand reaches the second product without moving between threads (no more shuffles)."""
+    out = compile_in_fresh_process(
+        "from flashtriton import configs\n"
+        "from flashtriton.configs import forward as cf\n"
+        "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
+        "for causal, T in ((True, 4096), (False, 1024)):\n"
+        "    cfg = configs.gluon_fwd_config(192, T, T, causal)\n"
+        "    found = []\n"
+        "    for on in (False, True):\n"
+        "        cf.GLUON_PV_SPLIT = on\n"
+        "        c = compile_for_sm90(192, causal, cfg)\n"
+        "        found.append((spill_bytes(c), c.asm['ptx'].count('shfl')))\n"
+        "    (one_spill, one_shfl), (two_spill, two_shfl) = found\n"
+        "    assert two_spill <= one_spill and two_shfl <= one_shfl, (causal, T, found)\n"
+        "    print('compiled', causal, T, found)\n")
+    assert out.count("compiled") == 2
 
 
 def test_qk_width_takes_the_head_dims_its_tiles_pad(monkeypatch):

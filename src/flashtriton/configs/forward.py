@@ -214,6 +214,12 @@ CAP_FIXED_SOURCE = "benchmarks/2026-12-04-h200/softcap-fixed/softcap_ab.json"
 # 96 1.07-1.10x, 112 1.02-1.05x, 192 1.02-1.09x, QK 192 / V 128 1.05-1.12x (QK_TRIM_SOURCE).
 GLUON_QK_TRIM = (128, 256)
 QK_TRIM_SOURCE = "benchmarks/2026-12-06-h100/trim/trim_ab.json"
+# The Gluon forward's output in two accumulators at V head dims 129 … 192 (`kernels.forward_gluon_launch.pv_split`:
+# P V over V's columns 0 … 127 and 128 … 191 instead of the 256-column tile's; no register spills where one
+# accumulator spilled 12 bytes): at D=192, T = 1k … 16k, causal and not, 1.14-1.16x the whole tiles' forward
+# against 1.05-1.09x with the trimmed Q Kᵀ alone, in one H100 run (PV_SPLIT_SOURCE).
+GLUON_PV_SPLIT = True
+PV_SPLIT_SOURCE = "benchmarks/2026-12-06-h100/pv-split/trim_ab.json"
 
 
 def _dropout_gate(dropout: bool) -> bool:

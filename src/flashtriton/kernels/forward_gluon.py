@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_QK_16, SC_SINKS, SC_SOFTCAP,
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_PV_SPLIT, SC_QK_16, SC_SINKS, SC_SOFTCAP,
                                   SC_WINDOW,
                                   item_bounds, num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
@@ -56,7 +56,64 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 @gluon.constexpr_function
 def _qk_width(scores, tile):
     """The columns of Q Kᵀ's product: QK_WIDTH from SCORES' bits (`SC_QK_16`), else the tiles' `tile`."""
-    return (scores // 64) * 16 or tile
+    return (scores // 128) * 16 or tile
+
+
+@gluon.constexpr_function
+def _out_layout(head_dim_v, scores):
+    """Registers of a warpgroup's output accumulator (`wgmma_layout`), the parent of the P operand's layout: of
+    V's tiles' width, or under PV_SPLIT (`SC_PV_SPLIT`, bit 64) of its first accumulator's 128 columns."""
+    return wgmma_layout(128 if scores & 64 else head_dim_v)
+
+
+@gluon.jit
+def _acc_zero(HEAD_DIM_V: gl.constexpr, SCORES: gl.constexpr):
+    """A warpgroup's zero output accumulator: one (ROWS, HEAD_DIM_V) tensor, or under PV_SPLIT (V's head of
+    129 … 192 columns in 256-column tiles) a pair over V's columns 0 … 127 and 128 … 191, so that P V skips the
+    tiles' 64 zero columns (Triton's tensors are powers of two)."""
+    if (SCORES & SC_PV_SPLIT) != 0:
+        return (gl.zeros([ROWS, 128], gl.float32, wgmma_layout(128)),
+                gl.zeros([ROWS, 64], gl.float32, wgmma_layout(64)))
+    else:
+        return gl.zeros([ROWS, HEAD_DIM_V], gl.float32, wgmma_layout(HEAD_DIM_V))
+
+
+@gluon.jit
+def _pv(p_op, v_tile, acc, SCORES: gl.constexpr):
+    """acc + P V of one (BLOCK_N, HEAD_DIM_V) V tile in shared memory as asynchronous wgmmas (`_pv_groups` commit
+    groups): into each accumulator of `_acc_zero` its columns of V."""
+    if (SCORES & SC_PV_SPLIT) != 0:
+        p_hi = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(64), k_width=2))
+        return (warpgroup_mma(p_op, v_tile.slice(0, 128, dim=1), acc[0], is_async=True),
+                warpgroup_mma(p_hi, v_tile.slice(128, 64, dim=1), acc[1], is_async=True))
+    else:
+        return warpgroup_mma(p_op, v_tile, acc, is_async=True)
+
+
+@gluon.constexpr_function
+def _pv_groups(scores):
+    """The commit groups of one `_pv`: what a wait for S issued before it leaves outstanding."""
+    return 2 if scores & 64 else 1
+
+
+@gluon.jit
+def _pv_wait(acc_tok, p_op, SCORES: gl.constexpr):
+    """(acc, p_op) once every wgmma of the tokens is done."""
+    if (SCORES & SC_PV_SPLIT) != 0:
+        lo, hi, p_op = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1], p_op))
+        return (lo, hi), p_op
+    else:
+        return warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+
+
+@gluon.jit
+def _acc_scaled(acc, factor, SCORES: gl.constexpr):
+    """acc times a per-row factor (in the scores' row layout)."""
+    if (SCORES & SC_PV_SPLIT) != 0:
+        return (acc[0] * gl.convert_layout(factor, gl.SliceLayout(1, wgmma_layout(128)))[:, None],
+                acc[1] * gl.convert_layout(factor, gl.SliceLayout(1, wgmma_layout(64)))[:, None])
+    else:
+        return acc * gl.convert_layout(factor, gl.SliceLayout(1, acc.type.layout))[:, None]
 
 
 @gluon.jit
@@ -236,7 +293,7 @@ def _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slo
     """An item's first tile of scores s (ROWS, BLOCK_N), of keys from `first`, from a fresh softmax state:
     (p_op, m_i, l_i), p_op the P operand of its P V."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(HEAD_DIM_V), k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_out_layout(HEAD_DIM_V, SCORES), k_width=2)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -274,12 +331,11 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
     intra-warpgroup overlap). Returns (acc, p_op, m_i, l_i): acc holds P V of all but the last tile,
     whose P is p_op."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_out_layout(HEAD_DIM_V, SCORES), k_width=2)
     dtype: gl.constexpr = q.dtype
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
+    acc = _acc_zero(HEAD_DIM_V, SCORES)
     stage = c % NUM_BUFFERS
     for j in range(1, n_tiles):
         prev = stage
@@ -287,15 +343,15 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
         mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_BUFFERS) & 1)
         _wait_v(v_ready, v_fixed, prev, ((c + j - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
         s_tok = _scores(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), s_zero, SCORES)
-        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
+        acc_tok = _pv(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, SCORES)
+        s = warpgroup_mma_wait(_pv_groups(SCORES), deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first + j * BLOCK_N, row0, rows, seqlen_k, diag, qk_scale,
                                            window, scores, slope, bh, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        acc, p_op = _pv_wait(acc_tok, p_op, SCORES)
         mbarrier.arrive(v_empty.index(prev), count=1)
         if _rescales(SCORES):
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = _acc_scaled(acc, alpha, SCORES)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
     return acc, p_op, m_i, l_i
 
@@ -303,12 +359,12 @@ def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_
 @gluon.jit
 def _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
              HEAD_DIM_V: gl.constexpr,
-             BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+             BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
     """acc += P V of ring tile c, an item's last, alone on the tensor cores."""
     stage = c % NUM_BUFFERS
     _wait_v(v_ready, v_fixed, stage, (c // NUM_BUFFERS) & 1, IS_VARLEN)
-    acc_tok = warpgroup_mma(p_op, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+    acc_tok = _pv(p_op, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM_V]), acc, SCORES)
+    acc, p_op = _pv_wait(acc_tok, p_op, SCORES)
     mbarrier.arrive(v_empty.index(stage), count=1)
     return acc
 
@@ -327,9 +383,30 @@ def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n
                                       c, n_tiles, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh,
                                       IS_CAUSAL, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
     acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c + n_tiles - 1, IS_VARLEN, HEAD_DIM, HEAD_DIM_V,
-                   BLOCK_N,
-                   NUM_BUFFERS)
+                   BLOCK_N, NUM_BUFFERS, SCORES)
     return acc, m_i, l_i, c + n_tiles
+
+
+@gluon.jit
+def _store_out(out, col0: gl.constexpr, o_bufs, O, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
+               WG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_V: gl.constexpr):
+    """Columns [col0, col0 + width) of one warpgroup's finished output tile `out` (ROWS, width): into its staging
+    tile o_bufs[WG] for the caller's TMA store, or with no staging tiles (varlen, STORE_FROM_REGS: o_bufs NONE)
+    by masked stores from registers."""
+    layout: gl.constexpr = out.type.layout
+    WIDTH: gl.constexpr = out.shape[1]
+    if not isinstance(o_bufs, gl.shared_memory_descriptor):
+        o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        o_cols = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+        o_base = q_start if IS_VARLEN else off_b * seqlen_q  # the dense out is contiguous (B, Sq, Hq, Dv)
+        o_ptrs = (O + (o_base + o_rows)[:, None].to(gl.int64) * stride_om + off_h * stride_oh
+                  + o_cols[None, :])
+        # (stride_oh is the head dim of the contiguous out: the tiles' columns past it belong to the next head)
+        gl.store(o_ptrs, out, mask=(o_rows < seqlen_q)[:, None] & (o_cols < stride_oh)[None, :])
+    elif WIDTH == HEAD_DIM_V:
+        o_bufs.index(WG).reshape([ROWS, HEAD_DIM_V]).store(out)
+    else:
+        o_bufs.index(WG).reshape([ROWS, HEAD_DIM_V]).slice(col0, WIDTH, dim=1).store(out)
 
 
 @gluon.jit
@@ -344,7 +421,6 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
     SINKS: the head's `sink` (`_sink`) joins the denominator first, as `variant.add_sink` does (rows that saw no
     key: out 0, lse = the sink). DROPOUT: out is scaled by `scale` = 1 / (1 - p) (`_dropout_scale`)."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
     if SCORES & SC_SINKS:
         m_new = gl.maximum(m_i, sink)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -353,30 +429,36 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
         m_i = m_new
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    if SCORES & SC_DROPOUT:
-        factor = scale / l_safe
+    dtype: gl.constexpr = O.dtype.element_ty
+    if (SCORES & SC_PV_SPLIT) != 0:  # two accumulators: one reciprocal per row, then multiplies (as COMPACT)
+        factor = 1.0 / l_safe
+        if SCORES & SC_DROPOUT:
+            factor = factor * scale
         if SCORES & SC_SINKS:
             factor = factor * alpha
-        out = (acc * gl.convert_layout(factor, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
-    elif SCORES & SC_SINKS:
-        out = (acc * gl.convert_layout(alpha / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
-    elif COMPACT:
-        out = (acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
+        out = _acc_scaled(acc, factor, SCORES)
+        _store_out(out[0].to(dtype), 0, o_bufs, O, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh, WG,
+                   IS_VARLEN, HEAD_DIM_V)
+        _store_out(out[1].to(dtype), 128, o_bufs, O, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
+                   WG, IS_VARLEN, HEAD_DIM_V)
     else:
-        out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
-    if not isinstance(o_bufs, gl.shared_memory_descriptor):  # no staging tiles (varlen, STORE_FROM_REGS)
-        o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        o_cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-        o_base = q_start if IS_VARLEN else off_b * seqlen_q  # the dense out is contiguous (B, Sq, Hq, Dv)
-        o_ptrs = (O + (o_base + o_rows)[:, None].to(gl.int64) * stride_om + off_h * stride_oh
-                  + o_cols[None, :])
-        # (stride_oh is the head dim of the contiguous out: the tiles' columns past it belong to the next head)
-        gl.store(o_ptrs, out, mask=(o_rows < seqlen_q)[:, None] & (o_cols < stride_oh)[None, :])
-    else:
-        o_smem = o_bufs.index(WG)
-        o_smem.reshape([ROWS, HEAD_DIM_V]).store(out)
+        o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
+        if SCORES & SC_DROPOUT:
+            factor = scale / l_safe
+            if SCORES & SC_SINKS:
+                factor = factor * alpha
+            out = (acc * gl.convert_layout(factor, gl.SliceLayout(1, o_layout))[:, None]).to(dtype)
+        elif SCORES & SC_SINKS:
+            out = (acc * gl.convert_layout(alpha / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(dtype)
+        elif COMPACT:
+            out = (acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(dtype)
+        else:
+            out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]).to(dtype)
+        _store_out(out, 0, o_bufs, O, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh, WG, IS_VARLEN,
+                   HEAD_DIM_V)
+    if isinstance(o_bufs, gl.shared_memory_descriptor):  # the staged tile to its TMA store
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc_o, [off_b, row0, off_h, 0], o_smem)
+        tma.async_copy_shared_to_global(desc_o, [off_b, row0, off_h, 0], o_bufs.index(WG))
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + q_start + rows, lse,
@@ -395,7 +477,6 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
      items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
     row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
     q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
     sink = _sink(scores, off_h, SCORES)
@@ -407,7 +488,7 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
                                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
         m_i = _alibi_rows(m_i, slope, IS_CAUSAL, s_layout, SCORES)
     else:  # rows that see no key (causal with Sq > Sk, a window past the keys)
-        acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
+        acc = _acc_zero(HEAD_DIM_V, SCORES)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.arrive(q_empty.index(qs), count=1)
@@ -496,8 +577,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     scores = _consumer_scores(scores, IS_CAUSAL, BLOCK_N, SCORES)
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_out_layout(HEAD_DIM_V, SCORES), k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
     # The S side: the item in Q slot qi, tile j of its n_tiles; the output side (o_*): the item accumulated in acc.
     qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _item_with_keys(
@@ -509,7 +589,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     bh = _dropout_bh(items, off_b, off_h, SCORES)
     c = gl.to_tensor(0)  # K/V tiles consumed, over all items
     j = gl.to_tensor(0)
-    acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
+    acc = _acc_zero(HEAD_DIM_V, SCORES)
     p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -546,8 +626,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         _wait_v(v_ready, v_fixed, prev, ((c - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
         s_tok = _scores(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
                         gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), SCORES)
-        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S done; the P V before it may still run
+        acc_tok = _pv(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, SCORES)
+        s = warpgroup_mma_wait(_pv_groups(SCORES), deps=(s_tok, ))  # S done; the P V before it may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         starts = j == 0  # S is an item's first tile
         m_in = gl.where(starts, float("-inf"), m_i)
@@ -555,7 +635,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         p, alpha, m_new, l_new = _softmax_tile(s, m_in, l_in, first + j * BLOCK_N, row0, rows, seqlen_k, diag,
                                                qk_scale, items[7], scores, slope, bh, IS_CAUSAL, BLOCK_N, s_layout,
                                                True, SCORES)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        acc, p_op = _pv_wait(acc_tok, p_op, SCORES)
         mbarrier.arrive(v_empty.index(prev), count=1)
         if starts:  # the output side's item is complete
             if not IS_VARLEN:
@@ -565,7 +645,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
                         stride_oh, stride_lb, stride_lh, o_sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN,
                         HEAD_DIM, HEAD_DIM_V, BLOCK_N, True,
                         SCORES)
-            acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, o_layout)
+            acc = _acc_zero(HEAD_DIM_V, SCORES)
             o_b = off_b
             o_h = off_h
             o_row0 = row0
@@ -574,7 +654,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
             o_sink = sink
             o_slope = slope
         elif _rescales(SCORES):
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = _acc_scaled(acc, alpha, SCORES)
         m_i = m_new
         l_i = l_new
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -591,7 +671,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
             j = 0
     if c > 0:  # the last item's last P V, alone
         acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c - 1, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                       NUM_BUFFERS)
+                       NUM_BUFFERS, SCORES)
         if not IS_VARLEN:
             tma.store_wait(0)
         _store_item(acc, _alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
@@ -691,6 +771,7 @@ def _attn_fwd_gluon(
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
     HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False, QK_WIDTH: gl.constexpr = 0,
+    PV_SPLIT: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -705,7 +786,7 @@ def _attn_fwd_gluon(
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
                             + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED
-                            + SC_QK_16 * (QK_WIDTH // 16))
+                            + SC_PV_SPLIT * PV_SPLIT + SC_QK_16 * (QK_WIDTH // 16))
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)

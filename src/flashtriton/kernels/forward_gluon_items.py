@@ -17,12 +17,14 @@ from .variant import diagonal, key_blocks
 
 # The score changes a Gluon forward compiles in, as one constexpr bit set (SCORES) that its partitions pass on:
 # the kernel's HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS, HAS_DROPOUT, CAP_FIXED (softcap's bounded scores
-# against a fixed max: `forward_gluon._softmax_tile`), and in the bits from SC_QK_16 up QK_WIDTH / 16 (Q Kᵀ over
-# the tiles' first QK_WIDTH columns: `forward_gluon._scores`; 0: all of them). 0: plain attention.
+# against a fixed max: `forward_gluon._softmax_tile`), PV_SPLIT (the output in two accumulators over V's columns
+# 0 … 127 and 128 … 191: `forward_gluon._pv`), and in the bits from SC_QK_16 up QK_WIDTH / 16 (Q Kᵀ over the
+# tiles' first QK_WIDTH columns: `forward_gluon._scores`; 0: all of them). 0: plain attention.
 SC_WINDOW, SC_SOFTCAP, SC_ALIBI, SC_SINKS, SC_DROPOUT = (gl.constexpr(1), gl.constexpr(2), gl.constexpr(4),
                                                          gl.constexpr(8), gl.constexpr(16))
 SC_CAP_FIXED = gl.constexpr(32)
-SC_QK_16 = gl.constexpr(64)
+SC_PV_SPLIT = gl.constexpr(64)
+SC_QK_16 = gl.constexpr(128)
 L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the unpaired causal schedule keeps in use (L2: 50-60 MB)
 
 

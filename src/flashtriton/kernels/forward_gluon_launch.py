@@ -76,16 +76,24 @@ def qk_width(head_dim: int) -> int:
     return width if width < tile and tile in configs.forward.GLUON_QK_TRIM else 0
 
 
+def pv_split(head_dim_v: int) -> bool:
+    """Whether the Gluon forward keeps its output in two accumulators over V's columns 0 … 127 and 128 … 191
+    (PV_SPLIT: Dv of 129 … 192 in 256-column tiles, under `configs.forward.GLUON_PV_SPLIT`), so that P V skips
+    the tiles' zero columns."""
+    return bool(configs.forward.GLUON_PV_SPLIT and 128 < head_dim_v <= 192)
+
+
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, sms: int,
                  batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                  variant: Variant | None = None, head_dim_v: int | None = None, fixed_cap: bool = False,
-                 qk_columns: int = 0):
+                 qk_columns: int = 0, split_pv: bool = False):
     """(grid, int arguments after the variant's, constexprs and options) of a launch. Dense (batch None):
     q (B, Sq, Hq, D), k (B, Sk, Hkv, D), contiguous out like q and lse (B, Hq, Sq). Varlen: q (total_q, Hq, D),
     k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens, contiguous out like q
     and lse (Hq, total_q). `variant` (default: causal or not) overrides causal and causal_bottom_right.
     `head_dim_v`: V's (and out's) head dim, default D. `fixed_cap`: CAP_FIXED (`cap_fixed` says where);
-    `qk_columns`: Q Kᵀ's product width where narrower than the tiles (`qk_width`; 0: the whole tiles)."""
+    `qk_columns`: Q Kᵀ's product width where narrower than the tiles (`qk_width`; 0: the whole tiles);
+    `split_pv`: PV_SPLIT (`pv_split` says where)."""
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     config = kernel_config(config)
     varlen = batch is not None
@@ -117,6 +125,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
         meta["CAP_FIXED"] = True
     if qk_columns:  # (likewise)
         meta["QK_WIDTH"] = qk_columns
+    if split_pv:  # (likewise)
+        meta["PV_SPLIT"] = True
     return grid, ints, meta
 
 
@@ -171,7 +181,7 @@ def launch_forward_gluon(q, k, v, out, lse, softmax_scale, causal, causal_bottom
     variant = Variant.of(causal, causal_bottom_right) if variant is None else variant
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, sm_count(q.device.index),
                                     batch, max_seqlen_q, max_seqlen_k, variant, v.shape[-1], cap_fixed(variant, q.dtype),
-                                    qk_width(q.shape[-1]))
+                                    qk_width(q.shape[-1]), pv_split(v.shape[-1]))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config["DYNAMIC"] else None  # one per launch
     # `launch` skips Triton's argument binding for a call shape seen before: ~0.2 ms of host time per varlen call
     # on the H200 machine's CPU, which a benchmark that idles the GPU between calls sees as GPU idle time.
@@ -203,7 +213,8 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     batch = 2 if varlen else None
     variant = Variant.of(causal, True) if variant is None else variant
     _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, 1, batch, 256, 256, variant, head_dim_v,
-                              cap_fixed(variant, dtype), qk_width(head_dim))
+                              cap_fixed(variant, dtype), qk_width(head_dim),
+                              pv_split(head_dim_v))
     if page_size:
         meta["PAGE_SIZE"] = page_size
     slopes = torch.empty(4) if variant.has_alibi else None
