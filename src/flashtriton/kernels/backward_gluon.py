@@ -64,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .gluon_common import (dropout_keep, dropout_keep_t, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
-                           width_pieces)
+                           width_piece, width_pieces)
 from .variant import dropout_state
 from .variant import (alibi_bias, diagonal, key_blocks, key_end_before, key_tile_masked, query_blocks, query_first,
                       softcap_scores_and_grad, tile_hidden, tile_masked, visible)
@@ -677,20 +677,51 @@ def _fused_delta(fused, do_buf, q_ready, rows, seqlen_q, lse_ptr, delta_ptr, WG:
 
 
 @gluon.jit
+def _dq_zero(HEAD_DIM: gl.constexpr, QK_W: gl.constexpr, DQ_SPLIT: gl.constexpr):
+    """A dQ warpgroup's zero accumulator: one (ROWS, HEAD_DIM) tensor, or under DQ_SPLIT a pair over the columns of
+    QK_W's two pieces (`gluon_common.width_piece`: D=192 in 256-column tiles as 128 + 64), so that dS K skips the
+    tiles' zero columns (Triton's tensors are powers of two)."""
+    if DQ_SPLIT:
+        W0: gl.constexpr = width_piece(QK_W, 0)
+        W1: gl.constexpr = width_piece(QK_W, 1)
+        return (gl.zeros([ROWS, W0], gl.float32, wgmma_layout(W0)), gl.zeros([ROWS, W1], gl.float32, wgmma_layout(W1)))
+    else:
+        return gl.zeros([ROWS, HEAD_DIM], gl.float32, wgmma_layout(HEAD_DIM))
+
+
+@gluon.jit
+def _dq_add(ds, k, dq, HEAD_DIM: gl.constexpr, QK_W: gl.constexpr, DQ_SPLIT: gl.constexpr):
+    """dq + dS K of one key tile (ds: the (ROWS, BLOCK_N) tile in the inputs' dtype, k: (BLOCK_N, HEAD_DIM) in shared
+    memory), waited for; into each accumulator of `_dq_zero` its columns of K."""
+    if DQ_SPLIT:
+        W0: gl.constexpr = width_piece(QK_W, 0)
+        W1: gl.constexpr = width_piece(QK_W, 1)
+        op0 = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(W0), k_width=2))
+        op1 = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(W1), k_width=2))
+        t0 = warpgroup_mma(op0, k.slice(0, W0, dim=1), dq[0], is_async=True)
+        t1 = warpgroup_mma(op1, k.slice(W0, W1, dim=1), dq[1], is_async=True)
+        d0, d1, op0, op1 = warpgroup_mma_wait(0, deps=(t0, t1, op0, op1))
+        return (d0, d1)
+    else:
+        op = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(HEAD_DIM), k_width=2))
+        dq_tok = warpgroup_mma(op, k, dq, is_async=True)
+        dq, op = warpgroup_mma_wait(0, deps=(dq_tok, op))
+        return dq
+
+
+@gluon.jit
 def _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale, slope, variant,
              MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-             HAS_DROPOUT: gl.constexpr, QK_W: gl.constexpr, V_W: gl.constexpr):
+             HAS_DROPOUT: gl.constexpr, QK_W: gl.constexpr, V_W: gl.constexpr, DQ_SPLIT: gl.constexpr = False):
     """One K/V tile (ring slot j, keys [n, n + BLOCK_N) with n = key_lo + j · BLOCK_N) into a warpgroup's dQ
     (returned). `tiles`: (K, V buffers, kv_ready, kv_empty, the warpgroup's Q and dO, a zero score tile). QK_W, V_W:
-    the widths of S's and dP's products (`gluon_common.mma_nt`). MASK: 0
+    the widths of S's and dP's products (`gluon_common.mma_nt`); DQ_SPLIT: dQ in two accumulators (`_dq_zero`). MASK: 0
     skips a tile none of whose pairs is visible (`tile_hidden`) and masks one that needs it, 1 neither (a tile every
     pair of which is visible), 2 skips hidden tiles and masks the rest."""
     k_bufs, v_bufs, kv_ready, kv_empty, q, do, s_zero = tiles
     left, right, softcap, slopes, dropout = variant
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]
     dtype: gl.constexpr = q.dtype
     stage = j % NUM_STAGES
@@ -733,9 +764,7 @@ def _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag,
         if HAS_DROPOUT:
             dp = gl.where(kept, dp * dropout[3], 0.0)
         ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
-        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-        dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
-        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+        dq = _dq_add(ds.to(dtype), k, dq, HEAD_DIM, QK_W, DQ_SPLIT)
         mbarrier.arrive(kv_empty.index(stage), count=1)
     return dq
 
@@ -746,7 +775,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr = False,
                  SPLIT: gl.constexpr = 0, fused=0, FUSED_DELTA: gl.constexpr = 0, DV_OUT: gl.constexpr = 0,
-                 QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0):
+                 QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. FUSED_DELTA:
     their lse and delta from `fused` (`_fused_delta`), else from the padded lse_ptr / delta_ptr. `variant`:
     (window left, right, softcap, pointer at the head's ALiBi slope, dropout), None where off; dropout = (seed,
@@ -759,7 +788,6 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     left, right, softcap, slopes, dropout = variant
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]  # V's and dO's tiles (QK's: HEAD_DIM)
     dtype: gl.constexpr = q_bufs.dtype
     row0 = start_m + WG * ROWS  # in the sequence
@@ -777,7 +805,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     lse = _lse_base2(lse)
     slope = gl.load(slopes) * 1.4426950408889634 if HAS_ALIBI else None  # in base 2
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    dq = _dq_zero(HEAD_DIM, QK_W, DQ_SPLIT)
     q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
     do = do_bufs.index(WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(q_ready, 0)
@@ -791,27 +819,43 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
         for j in range(n_head):
             dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
                           slope, variant, 2, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W)
+                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W, DQ_SPLIT)
         for j in range(n_head, n_head + n_whole):
             dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
                           slope, variant, 1, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W)
+                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W, DQ_SPLIT)
         for j in range(n_head + n_whole, n_tiles):
             dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
                           slope, variant, 2, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W)
+                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W, DQ_SPLIT)
     else:
         for j in range(n_tiles):
             dq = _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag, qk_scale,
                           slope, variant, 0, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W)
+                          HAS_ALIBI, HAS_DROPOUT, QK_W, V_W, DQ_SPLIT)
 
-    dq = (dq * softmax_scale).to(dtype)
+    if DQ_SPLIT:
+        W0: gl.constexpr = width_piece(QK_W, 0)
+        W1: gl.constexpr = width_piece(QK_W, 1)
+        dq0 = (dq[0] * softmax_scale).to(dtype)
+        dq1 = (dq[1] * softmax_scale).to(dtype)
+    else:
+        dq = (dq * softmax_scale).to(dtype)
     if IS_VARLEN and seqlen_q - row0 < ROWS:  # the sequence ends in this block: no TMA store (the next one's rows)
-        _store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq, acc_layout, HEAD_DIM,
-                    d_valid)
+        if DQ_SPLIT:
+            _store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq0, wgmma_layout(W0),
+                        W0, d_valid)
+            _store_rows(DQ + off_h * stride_dqh + W0, stride_dqm, q_start + row0, seqlen_q - row0, dq1,
+                        wgmma_layout(W1), W1, d_valid - W0)
+        else:
+            _store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq, acc_layout,
+                        HEAD_DIM, d_valid)
     else:  # dense: rows past Sq are clipped
-        q.store(dq)  # this warpgroup's Q buffer, its last wgmma done
+        if DQ_SPLIT:  # (the Q buffer's columns past QK_W keep Q's zeros, which the TMA store clips)
+            q.slice(0, W0, dim=1).store(dq0)
+            q.slice(W0, W1, dim=1).store(dq1)
+        else:
+            q.store(dq)  # this warpgroup's Q buffer, its last wgmma done
         fence_async_shared()
         tma_store(desc_dq, IS_VARLEN, off_b, q_start + row0, off_h, q_bufs.index(WG))
         tma.store_wait(0)
@@ -835,7 +879,7 @@ def _attn_bwd_dq_gluon(
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
     HAS_DROPOUT: gl.constexpr = False, SPLIT: gl.constexpr = 0, FUSED_DELTA: gl.constexpr = 0,
-    DV_OUT: gl.constexpr = 0, QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0,
+    DV_OUT: gl.constexpr = 0, QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
@@ -923,8 +967,8 @@ def _attn_bwd_dq_gluon(
         (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
