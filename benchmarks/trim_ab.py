@@ -105,9 +105,8 @@ def main() -> int:
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    dims = [(int(d.split("/")[0]), int(d.split("/")[-1])) for d in args.head_dims.split(",")]
-    cases = [(T, D, Dv, causal) for D, Dv in dims for causal in (True, False)
-             for T in (int(t) for t in args.seqlens.split(","))]
+    cases = [(T, D, Dv, causal) for D, Dv in C.parse_head_dims(args.head_dims) for causal in (True, False)
+             for T in C.parse_int_list(args.seqlens, "--seqlens")]
     env = C.environment()
     rows = []
     for T, D, Dv, causal in cases:

@@ -16,7 +16,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import configs
 from .backward_gluon import BLOCK_M, KEYS, ROWS, WIDE_HEAD_DIM, _attn_bwd_dkdv_gluon, _attn_bwd_dq_gluon
-from .gluon_common import FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, head_block, product_width
+from .gluon_common import (FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, head_block, trimmed_width, width_piece,
+                           width_pieces)
 from .host import cdiv
 from .launch import hooks_installed, launch, launch_and_keep
 from .memo import remembered
@@ -132,11 +133,9 @@ def product_widths(head_dim: int, head_dim_v: int | None = None) -> tuple:
     """(QK_WIDTH, V_WIDTH) of a backward at these head dims: the head's own columns where they are fewer than its
     tiles' (`gluon_common.product_width`), `configs.backward.GLUON_BWD_TRIM` takes the tiles' width and they make
     at most GLUON_BWD_TRIM_PIECES wgmmas, else 0."""
-    def width(d):
-        w, tile = product_width(d), head_block(d)
-        return w if (w < tile and tile in configs.backward.GLUON_BWD_TRIM
-                     and bin(w).count("1") <= configs.backward.GLUON_BWD_TRIM_PIECES) else 0
-    return width(head_dim), width(head_dim if head_dim_v is None else head_dim_v)
+    trim, pieces = configs.backward.GLUON_BWD_TRIM, configs.backward.GLUON_BWD_TRIM_PIECES
+    return (trimmed_width(head_dim, trim, pieces),
+            trimmed_width(head_dim if head_dim_v is None else head_dim_v, trim, pieces))
 
 
 def dq_split(head_dim: int) -> bool:
@@ -144,8 +143,7 @@ def dq_split(head_dim: int) -> bool:
     so that dS K skips the tiles' zero columns: under `configs.backward.GLUON_BWD_DQ_SPLIT`, where QK_WIDTH is two
     pieces of at least 64 columns (D=192: 128 + 64; narrower pieces would slice K's tiles inside a swizzle atom)."""
     width = product_widths(head_dim)[0]
-    pieces = [1 << b for b in range(width.bit_length()) if width >> b & 1]
-    return bool(configs.backward.GLUON_BWD_DQ_SPLIT and len(pieces) == 2 and min(pieces) >= 64)
+    return bool(configs.backward.GLUON_BWD_DQ_SPLIT and width_pieces(width) == 2 and width_piece(width, 1) >= 64)
 
 
 def separate_v_ok(head_dim: int, head_dim_v: int) -> bool:

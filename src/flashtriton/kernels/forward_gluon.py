@@ -35,8 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_PV_SPLIT, SC_QK_16, SC_SINKS, SC_SOFTCAP,
-                                  SC_WINDOW,
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_PV_SPLIT, SC_QK_16, SC_SINKS,
+                                  SC_SOFTCAP, SC_WINDOW,
                                   item_bounds, num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
 from .gluon_common import dropout_keep, mma_nt, wgmma_layout
@@ -56,14 +56,14 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 @gluon.constexpr_function
 def _qk_width(scores, tile):
     """The columns of Q Kᵀ's product: QK_WIDTH from SCORES' bits (`SC_QK_16`), else the tiles' `tile`."""
-    return (scores // 128) * 16 or tile
+    return (scores // SC_QK_16.value) * 16 or tile
 
 
 @gluon.constexpr_function
 def _out_layout(head_dim_v, scores):
     """Registers of a warpgroup's output accumulator (`wgmma_layout`), the parent of the P operand's layout: of
-    V's tiles' width, or under PV_SPLIT (`SC_PV_SPLIT`, bit 64) of its first accumulator's 128 columns."""
-    return wgmma_layout(128 if scores & 64 else head_dim_v)
+    V's tiles' width, or under PV_SPLIT (`SC_PV_SPLIT`) of its first accumulator's 128 columns."""
+    return wgmma_layout(128 if scores & SC_PV_SPLIT.value else head_dim_v)
 
 
 @gluon.jit
@@ -93,7 +93,7 @@ def _pv(p_op, v_tile, acc, SCORES: gl.constexpr):
 @gluon.constexpr_function
 def _pv_groups(scores):
     """The commit groups of one `_pv`: what a wait for S issued before it leaves outstanding."""
-    return 2 if scores & 64 else 1
+    return 2 if scores & SC_PV_SPLIT.value else 1
 
 
 @gluon.jit

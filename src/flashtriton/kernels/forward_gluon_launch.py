@@ -15,7 +15,7 @@ import triton
 from .. import configs
 from .common import sm_count
 from .forward_gluon import ROWS, _attn_fwd_gluon
-from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, head_block, product_width
+from .gluon_common import SHARED_MEMORY_LIMIT, descriptor, head_block, trimmed_width
 from .host import cdiv
 from .launch import launch
 from .variant import Variant
@@ -72,8 +72,7 @@ def qk_width(head_dim: int) -> int:
     """The columns the Gluon forward's Q Kᵀ runs on at `head_dim` (the kernel's QK_WIDTH,
     `gluon_common.product_width`) where its tiles are wider and `configs.forward.GLUON_QK_TRIM` takes their width;
     0: the tiles' whole width."""
-    width, tile = product_width(head_dim), head_block(head_dim)
-    return width if width < tile and tile in configs.forward.GLUON_QK_TRIM else 0
+    return trimmed_width(head_dim, configs.forward.GLUON_QK_TRIM)
 
 
 def pv_split(head_dim_v: int) -> bool:

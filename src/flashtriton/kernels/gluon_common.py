@@ -40,6 +40,14 @@ def product_width(head_dim: int) -> int:
     return min(width, tile)
 
 
+def trimmed_width(head_dim: int, tiles, max_pieces: int = 3) -> int:
+    """`product_width(head_dim)` where it is narrower than the head's tiles, their width is one of `tiles` (a
+    switch's tile widths) and it takes at most `max_pieces` wgmmas; 0 (the whole tile) elsewhere."""
+    width = product_width(head_dim)
+    return width if (width < head_block(head_dim) and head_block(head_dim) in tiles
+                     and bin(width).count("1") <= max_pieces) else 0
+
+
 @gluon.constexpr_function
 def width_piece(width, index):
     """Piece `index` of `width` as powers of two, the largest first; 0 past the last (`mma_nt`)."""
