@@ -597,18 +597,19 @@ TRIM_HEAD_DIMS = [(80, 80, torch.bfloat16), (96, 96, torch.float16), (112, 112, 
 @hopper_only
 @pytest.mark.parametrize("name", ["plain", "causal", "softcap", "window_both", "causal_window_softcap_alibi_sinks"])
 @pytest.mark.parametrize("head_dim,head_dim_v,dtype", TRIM_HEAD_DIMS)
-@pytest.mark.parametrize("split_dq", [False, True])
-def test_gluon_backward_trimmed_products_against_float64(name, head_dim, head_dim_v, dtype, split_dq, device,
+@pytest.mark.parametrize("split", [False, True])
+def test_gluon_backward_trimmed_products_against_float64(name, head_dim, head_dim_v, dtype, split, device,
                                                          monkeypatch):
-    """S and dP over the head's own columns (GLUON_BWD_TRIM for both tile widths) and, split_dq, dQ in two
-    accumulators (GLUON_BWD_DQ_SPLIT: D=192) through the dispatch's configs, dense, with GQA and Sq != Sk: the
-    gradients (dsink too) against float64 within 2x the portable backward's error; the plan's constexprs say the
-    narrower products ran."""
+    """S and dP over the head's own columns (GLUON_BWD_TRIM for both tile widths) and, split, dQ, dK and dV in two
+    accumulators each (GLUON_BWD_DQ_SPLIT, GLUON_BWD_DKDV_SPLIT: QK or V head dim 192) through the dispatch's
+    configs, dense, with GQA and Sq != Sk: the gradients (dsink too) against float64 within 2x the portable
+    backward's error; the plan's constexprs say the narrower products ran."""
     monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", (128, 256))
     monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM_PIECES", 3)  # (D=112's three wgmmas too)
-    monkeypatch.setattr(configs.backward, "GLUON_BWD_DQ_SPLIT", split_dq)
-    if split_dq and head_dim != 192:
-        pytest.skip("DQ_SPLIT takes D=192 (pieces of 64 columns or more)")
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DQ_SPLIT", split)
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DKDV_SPLIT", split)
+    if split and head_dim != 192:
+        pytest.skip("the split accumulators take D=192 (pieces of 64 columns or more)")
     spec = {"plain": {}, "causal": dict(causal=True), **GLUON_VARIANTS}[name]
     widths = BG.product_widths(head_dim, head_dim_v)
     assert widths == tuple(w if w < BG.head_block(d) else 0 for d, w in
@@ -618,9 +619,12 @@ def test_gluon_backward_trimmed_products_against_float64(name, head_dim, head_di
     config = configs.gluon_bwd_config(head_dim, 4096, 4096, spec.get("causal", False), head_dim_v=head_dim_v)
     for kernel in ("dkdv", "dq"):
         _, _, meta = BG.launch_parts((1, 64, 4, head_dim), (1, 64, 2, head_dim), False, True, config[kernel], kernel,
-                                     head_dim_v=head_dim_v, widths=widths, split_dq=BG.dq_split(head_dim))
+                                     head_dim_v=head_dim_v, widths=widths,
+                                     splits=BG.acc_splits(head_dim, head_dim_v))
         assert (meta.get("QK_WIDTH", 0), meta.get("V_WIDTH", 0)) == widths
-        assert meta.get("DQ_SPLIT", False) == (split_dq and kernel == "dq")
+        assert meta.get("DQ_SPLIT", False) == (split and kernel == "dq")
+        assert meta.get("DK_SPLIT", False) == (split and kernel == "dkdv")
+        assert meta.get("DV_SPLIT", False) == (split and kernel == "dkdv" and head_dim_v == 192)
     for shape in VARIANT_SHAPES[1:]:
         batch, sq, sk, hq, hkv = shape
         gen = torch.Generator().manual_seed(sq + head_dim)
@@ -637,15 +641,20 @@ def test_gluon_backward_trimmed_products_against_float64(name, head_dim, head_di
 
 @hopper_only
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_backward_dq_split_varlen(causal, device, monkeypatch):
-    """dQ in two accumulators (GLUON_BWD_DQ_SPLIT) on packed sequences at D=192: a sequence's last partial block
-    stored row by row from both accumulators (the second at column 128, its columns past the head not stored);
-    per-sequence gradients against float64, rows outside every sequence left at 0."""
+@pytest.mark.parametrize("head_dim_v", [192, 128])
+def test_gluon_backward_acc_split_varlen(causal, head_dim_v, device, monkeypatch):
+    """dQ, dK and dV in two accumulators each (GLUON_BWD_DQ_SPLIT, GLUON_BWD_DKDV_SPLIT) on packed sequences at
+    QK head dim 192: a sequence's last partial block stored row by row from both accumulators (the second at column
+    128, its columns past the head not stored); per-sequence gradients against float64, rows outside every sequence
+    left at 0."""
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DQ_SPLIT", True)
-    assert BG.dq_split(192) and not BG.dq_split(96)
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DKDV_SPLIT", True)
+    assert BG.acc_splits(192, head_dim_v) == (True, True, head_dim_v == 192) and not any(BG.acc_splits(96))
     lengths_q, lengths_k = [5, 0, 1, 200, 33, 130], [9, 4, 1, 150, 20, 0]
     q, k, v, dout, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 4, 2, 192, torch.bfloat16, device, 17)
-    config = configs.gluon_bwd_config(192, 4096, 4096, causal)
+    if head_dim_v != 192:
+        v, dout = v[..., :head_dim_v].contiguous(), dout[..., :head_dim_v].contiguous()
+    config = configs.gluon_bwd_config(192, 4096, 4096, causal, head_dim_v=head_dim_v)
     varlen = (cu_q, cu_k, max(lengths_q), max(lengths_k))
     dq, dk, dv = variant_grads(q, k, v, dout, dict(causal=causal), None, True, monkeypatch, config=config,
                                varlen=varlen)
@@ -660,23 +669,26 @@ def test_gluon_backward_dq_split_varlen(causal, device, monkeypatch):
                              f"seq {b}: ")
 
 
-def test_gluon_dq_split_builds_compile_for_sm90():
-    """dQ in two accumulators compiles for sm_90 (dense and varlen, QK 192 with V 192 and 128) with no more spill
-    stores and no more shuffles than one accumulator: dS reaches the second product without moving."""
+def test_gluon_acc_split_builds_compile_for_sm90():
+    """dQ (GLUON_BWD_DQ_SPLIT) and dK, dV (GLUON_BWD_DKDV_SPLIT) in two accumulators each compile for sm_90 (dense
+    and varlen, QK 192 with V 192 and 128) with no more spill stores and no more shuffles than one accumulator each:
+    dS and P reach the second product without moving."""
     out = compile_in_fresh_process(
         "from flashtriton import configs\n"
         "from flashtriton.configs import backward as cb\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
-        "for d, dv, causal, varlen in ((192, 192, True, False), (192, 128, False, True)):\n"
-        "    cfg = configs.gluon_bwd_config(d, 4096, 4096, causal, 1e12, varlen, dv)\n"
-        "    found = []\n"
-        "    for on in (False, True):\n"
-        "        cb.GLUON_BWD_DQ_SPLIT = on\n"
-        "        c = compile_for_sm90(d, causal, cfg['dq'], kernel='dq', head_dim_v=dv, varlen=varlen)\n"
-        "        found.append((spill_bytes(c), c.asm['ptx'].count('shfl')))\n"
-        "    assert found[1][0] <= found[0][0] and found[1][1] <= found[0][1], (d, dv, found)\n"
-        "    print('compiled', d, dv, varlen, found)\n")
-    assert out.count("compiled") == 2
+        "for kernel, switch in (('dq', 'GLUON_BWD_DQ_SPLIT'), ('dkdv', 'GLUON_BWD_DKDV_SPLIT')):\n"
+        "    for d, dv, causal, varlen in ((192, 192, True, False), (192, 128, False, True)):\n"
+        "        cfg = configs.gluon_bwd_config(d, 4096, 4096, causal, 1e12, varlen, dv)\n"
+        "        found = []\n"
+        "        for on in (False, True):\n"
+        "            setattr(cb, switch, on)\n"
+        "            c = compile_for_sm90(d, causal, cfg[kernel], kernel=kernel, head_dim_v=dv, varlen=varlen)\n"
+        "            found.append((spill_bytes(c), c.asm['ptx'].count('shfl')))\n"
+        "        assert found[1][0] <= found[0][0] and found[1][1] <= found[0][1], (kernel, d, dv, found)\n"
+        "        print('compiled', kernel, d, dv, varlen, found)\n"
+        "        setattr(cb, switch, False)\n")
+    assert out.count("compiled") == 4
 
 
 def test_trimmed_products_take_the_tile_widths_the_switch_names(monkeypatch):
@@ -693,9 +705,14 @@ def test_trimmed_products_take_the_tile_widths_the_switch_names(monkeypatch):
     monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", ())
     assert BG.product_widths(192, 128) == (0, 0)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DQ_SPLIT", True)
-    assert not BG.dq_split(192)  # (no trimmed width, no pieces)
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DKDV_SPLIT", True)
+    assert not any(BG.acc_splits(192))  # (no trimmed width, no pieces)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", (128, 256))
-    assert [d for d in (80, 96, 112, 128, 192, 256) if BG.dq_split(d)] == [192]
+    assert [d for d in (80, 96, 112, 128, 192, 256) if any(BG.acc_splits(d))] == [192]
+    assert BG.acc_splits(192) == (True, True, True) and BG.acc_splits(192, 128) == (True, True, False)
+    assert BG.acc_splits(256, 192) == (False, False, True)
+    monkeypatch.setattr(configs.backward, "GLUON_BWD_DQ_SPLIT", False)
+    assert BG.acc_splits(192, 128) == (False, True, False)
 
 
 def test_gluon_backward_trimmed_builds_compile_for_sm90():

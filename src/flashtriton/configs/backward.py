@@ -182,9 +182,12 @@ GLUON_BWD_FUSED_SINK = True
 GLUON_BWD_TRIM = (128, 256)
 GLUON_BWD_TRIM_PIECES = 2
 GLUON_BWD_TRIM_SOURCE = "benchmarks/2026-12-06-h100/trim/trim_ab.json"
-# The Gluon dQ kernel's accumulator in two over the trimmed head's pieces (`kernels.backward_gluon_launch.dq_split`:
+# The Gluon dQ kernel's accumulator in two over the trimmed head's pieces (`kernels.backward_gluon_launch.acc_splits`:
 # D=192 as 128 + 64 columns), so that dS K skips the 256-column tiles' zero columns. Built, off until timed.
 GLUON_BWD_DQ_SPLIT = False
+# dK and dV likewise in the dK/dV kernel (`acc_splits`: at D=192 the wide tiles' two warpgroups each hold 64 + 32 of
+# their columns). Built, off until timed.
+GLUON_BWD_DKDV_SPLIT = False
 # The Triton backward's preprocess in its dQ kernel (`kernels.backward._fused_delta`: dQ first, then dK/dV; with
 # dlse and the sink's gradient's parts too; not under autotuning, whose dQ tiles are picked at the first launch):
 # one launch, two allocations and one pass over O and dO fewer. The short, host-bound backward (bf16, B*T = 16k,

@@ -253,20 +253,17 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
                MASK: gl.constexpr, LATE_DP: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
                HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr, QK_W: gl.constexpr,
-               V_W: gl.constexpr):
+               V_W: gl.constexpr, DK_SPLIT: gl.constexpr = False, DV_SPLIT: gl.constexpr = False):
     """One streamed tile (query head g, rows [m, m + BLOCK_M), ring slot `it`) into a warpgroup's dK, dV (returned).
     `tiles`: (Q, dO, lse, delta buffers, ready, empty, K, V, a zero score tile). QK_W, V_W: the widths of Sᵀ's and
-    dPᵀ's products (`gluon_common.mma_nt`). MASK: 0 masks the tile where it
+    dPᵀ's products (`gluon_common.mma_nt`); DK_SPLIT, DV_SPLIT: dK over QK_W's pieces and dV over V_W's, each in two
+    accumulators (`_acc_zero`). MASK: 0 masks the tile where it
     crosses the diagonal or a window's edge (`key_tile_masked`), 1 never (a tile every pair of which is visible),
     2 always. LATE_DP: dPᵀ issued once Pᵀ is on its way to dV (fewer live registers), else beside Sᵀ."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k, v, s_zero = tiles
     left, right, softcap, slopes, dropout = variant
     HEAD_DIM_V: gl.constexpr = v.shape[1]
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M, WARPS_N)
-    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, WARPS_N)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    acc_v_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, WARPS_N)
-    op_v_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_v_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_bufs.dtype
     stage = it % NUM_STAGES
@@ -301,24 +298,24 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
                      0.0)
     if HAS_DROPOUT:  # the forward's mask (query head g's); dV takes the kept probabilities, scaled
         keep = dropout_keep_t(dropout[0], dropout[1], dropout[4] + g, first_key, m, dropout[2], BLOCK_M, s_layout)
-        p_op = gl.convert_layout(gl.where(keep, p * dropout[3], 0.0).to(dtype), op_v_layout)
+        p_op = _acc_operands(gl.where(keep, p * dropout[3], 0.0).to(dtype), HEAD_DIM_V, V_W, DV_SPLIT, WARPS_N)
     else:
-        p_op = gl.convert_layout(p.to(dtype), op_v_layout)
+        p_op = _acc_operands(p.to(dtype), HEAD_DIM_V, V_W, DV_SPLIT, WARPS_N)
     if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
         p = p * cap_grad
-    dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+    dv_tok = _acc_mma(p_op, do, dv, V_W, DV_SPLIT)
     if LATE_DP:
         dp_tok = mma_nt(v, do, s_zero, V_W)  # dPᵀ
     delta = delta_bufs.index(stage).load(col_layout)
     if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
         delta = gl.where(in_seq, delta, 0.0)
-    dp = warpgroup_mma_wait(0 if LATE_DP else 1, deps=(dp_tok, ))
+    dp = warpgroup_mma_wait(0 if LATE_DP else (2 if DV_SPLIT else 1), deps=(dp_tok, ))  # (dV's may still run)
     if HAS_DROPOUT:
         dp = gl.where(keep, dp * dropout[3], 0.0)
     ds = p * (dp - delta[None, :])  # dSᵀ
-    ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-    dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+    ds_op = _acc_operands(ds.to(dtype), HEAD_DIM, QK_W, DK_SPLIT, WARPS_N)
+    dk_tok = _acc_mma(ds_op, q, dk, QK_W, DK_SPLIT)
+    dv, dk = _acc_wait_both(dv_tok, p_op, dk_tok, ds_op, DV_SPLIT, DK_SPLIT)
     mbarrier.arrive(empty.index(stage), count=1)
     return dk, dv
 
@@ -329,7 +326,8 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
                   HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr,
                   HAS_DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, SPLIT: gl.constexpr = 0,
-                  QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0):
+                  QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False,
+                  DV_SPLIT: gl.constexpr = False):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) of one program's keys (`place`) over the streamed
     tiles, then their stores (dK in QK's tiles, dV in V's: HEAD_DIM_V), through K/V buffers kv_base + WG, whose
     load completes phase `kv_phase` of `kv_bar`; `it0`: the tiles the program streamed before.
@@ -342,7 +340,8 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     SPLIT = 1 issues those tiles' dPᵀ beside Sᵀ, as without a variant, 2 after Pᵀ, as the masked ones.
     WARPS_N = 2 (WIDE): the partition is two warpgroups that split every tile by columns (`wgmma_layout`): Sᵀ
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
-    between them through shared memory in `gl.convert_layout`."""
+    between them through shared memory in `gl.convert_layout`. DK_SPLIT, DV_SPLIT: dK, dV in two accumulators each
+    (`_acc_zero`: at D=192 in 256-column tiles, 128 + 64 columns), so that their products skip the zero columns."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
      stride_dkn, stride_dkh, stride_dvn, stride_dvh, d_valid, dv_valid) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
@@ -354,16 +353,14 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     LATE_DP_WHOLE: gl.constexpr = HAS_SOFTCAP or HAS_ALIBI or HAS_DROPOUT  # a tile without a mask (SPLIT == 1)
     HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]  # V's, dO's and dV's tiles (QK's: HEAD_DIM)
     s_layout: gl.constexpr = wgmma_layout(BLOCK_M, WARPS_N)
-    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM, WARPS_N)
-    acc_v_layout: gl.constexpr = wgmma_layout(HEAD_DIM_V, WARPS_N)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_bufs.dtype
     first_key = start_n + WG * ROWS  # in the sequence
     keys = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
     cols = gl.arange(0, BLOCK_M, layout=col_layout)  # (BLOCK_M,)
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
-    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, acc_v_layout)
+    dk = _acc_zero(HEAD_DIM, QK_W, DK_SPLIT, WARPS_N)
+    dv = _acc_zero(HEAD_DIM_V, V_W, DV_SPLIT, WARPS_N)
     k = k_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM])
     v = v_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(kv_bar, kv_phase)
@@ -380,25 +377,28 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
             for i in range(n_head):
                 dk, dv = _dkdv_tile(tiles, dk, dv, it, g, lo + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
                                     qk_scale, variant, 2, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W)
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W,
+                                    DK_SPLIT, DV_SPLIT)
                 it += 1
             for i in range(n_mid):
                 dk, dv = _dkdv_tile(tiles, dk, dv, it, g, mid + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
                                     qk_scale, variant, 1, LATE_DP if SPLIT == 2 else LATE_DP_WHOLE, IS_CAUSAL,
                                     IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                                    HAS_DROPOUT, QK_W, V_W)
+                                    HAS_DROPOUT, QK_W, V_W, DK_SPLIT, DV_SPLIT)
                 it += 1
             for i in range(n_m - n_head - n_mid):
                 dk, dv = _dkdv_tile(tiles, dk, dv, it, g, full + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
                                     qk_scale, variant, 2, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W)
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W,
+                                    DK_SPLIT, DV_SPLIT)
                 it += 1
     else:
         for t in range(n_iters):
             g = t // n_m
             dk, dv = _dkdv_tile(tiles, dk, dv, it0 + t, g, lo + (t - g * n_m) * BLOCK_M, first_key, keys, cols,
                                 seqlen_q, diag, qk_scale, variant, 0, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM,
-                                NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W)
+                                NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W,
+                                    DK_SPLIT, DV_SPLIT)
             if PERSISTENT:
                 if (t == 0) & release[1]:
                     _release_keys(release[0])
@@ -406,17 +406,17 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
             if (n_iters == 0) & release[1]:
                 _release_keys(release[0])
 
-    dk = (dk * softmax_scale).to(dtype)
-    dv = dv.to(dtype)
+    dk = _acc_out(dk, softmax_scale, dtype, DK_SPLIT)
+    dv = _acc_out(dv, None, dtype, DV_SPLIT)
     n_valid = seqlen_k - first_key
     if IS_VARLEN and n_valid < ROWS:  # the sequence ends in this block: a TMA store would write the next one's keys
-        _store_rows(DK + off_hk * stride_dkh, stride_dkn, k_start + first_key, n_valid, dk, acc_layout, HEAD_DIM,
-                    d_valid)
-        _store_rows(DV + off_hk * stride_dvh, stride_dvn, k_start + first_key, n_valid, dv, acc_v_layout,
-                    HEAD_DIM_V, dv_valid)
+        _acc_store_rows(DK + off_hk * stride_dkh, stride_dkn, k_start + first_key, n_valid, dk, HEAD_DIM, d_valid,
+                        QK_W, DK_SPLIT, WARPS_N)
+        _acc_store_rows(DV + off_hk * stride_dvh, stride_dvn, k_start + first_key, n_valid, dv, HEAD_DIM_V,
+                        dv_valid, V_W, DV_SPLIT, WARPS_N)
     else:  # dense: rows past Sk are clipped
-        k.store(dk)  # the buffers are this warpgroup's alone, its last wgmma done
-        v.store(dv)
+        _acc_to_shared(k, dk, QK_W, DK_SPLIT)  # the buffers are this warpgroup's alone, its last wgmma done
+        _acc_to_shared(v, dv, V_W, DV_SPLIT)
         fence_async_shared()
         tma_store(desc_dk, IS_VARLEN, off_b, k_start + first_key, off_hk, k_bufs.index(kv_base + WG))
         tma_store(desc_dv, IS_VARLEN, off_b, k_start + first_key, off_hk, v_bufs.index(kv_base + WG))
@@ -437,7 +437,7 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
               HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr = False, schedule=None,
               kv_empty=None, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0, QK_W: gl.constexpr = 0,
-              V_W: gl.constexpr = 0):
+              V_W: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False, DV_SPLIT: gl.constexpr = False):
     """dK, dV of the program's keys (`_consume_keys`). `variant`: (window left, right, softcap, the group's first
     query head's ALiBi slope pointer, dropout), None where off; dropout = (seed, offset, threshold, 1 / (1 - p),
     b · Hq + the group's first query head). PERSISTENT: those of every item of the program (`_round_item`), item j's
@@ -461,14 +461,14 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
                 _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, item_variant, kv_ready.index(buf),
                               (j // 2) & 1, buf * KV_BLOCKS, it, (kv_empty.index(1 - buf), j > 0), WG, IS_CAUSAL,
                               IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                              HAS_DROPOUT, True, 0, QK_W, V_W)
+                              HAS_DROPOUT, True, 0, QK_W, V_W, DK_SPLIT, DV_SPLIT)
                 it += place[5]
                 j += 1
         tma.store_wait(0)
     else:
         _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv_ready, 0, 0, 0, None, WG,
                       IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                      HAS_DROPOUT, False, SPLIT, QK_W, V_W)
+                      HAS_DROPOUT, False, SPLIT, QK_W, V_W, DK_SPLIT, DV_SPLIT)
 
 
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dkn", "stride_dkh",
@@ -486,7 +486,8 @@ def _attn_bwd_dkdv_gluon(
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
     HAS_DROPOUT: gl.constexpr = False, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0,
-    QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0,
+    QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False,
+    DV_SPLIT: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
@@ -577,7 +578,8 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(1))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(2), HAS_DROPOUT, None, None, False, 0, QK_W, V_W)),
+                         gl.constexpr(2), HAS_DROPOUT, None, None, False, 0, QK_W, V_W, DK_SPLIT,
+                         DV_SPLIT)),
         ], [8], [CONSUMER_REGS])
     elif PERSISTENT:
         schedule = (gl.program_id(0), gl.cdiv(SEQLEN_K, PROGRAM_KEYS) * (HEADS_Q // GROUP_SIZE) * BATCH,
@@ -591,10 +593,12 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(2), schedule, kv_empty, True)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W)),
+                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W, DK_SPLIT,
+                         DV_SPLIT)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W)),
+                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W, DK_SPLIT,
+                         DV_SPLIT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -602,10 +606,12 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(2))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W)),
+                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W, DK_SPLIT,
+                         DV_SPLIT)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W)),
+                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W, DK_SPLIT,
+                         DV_SPLIT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -677,36 +683,118 @@ def _fused_delta(fused, do_buf, q_ready, rows, seqlen_q, lse_ptr, delta_ptr, WG:
 
 
 @gluon.jit
-def _dq_zero(HEAD_DIM: gl.constexpr, QK_W: gl.constexpr, DQ_SPLIT: gl.constexpr):
-    """A dQ warpgroup's zero accumulator: one (ROWS, HEAD_DIM) tensor, or under DQ_SPLIT a pair over the columns of
-    QK_W's two pieces (`gluon_common.width_piece`: D=192 in 256-column tiles as 128 + 64), so that dS K skips the
-    tiles' zero columns (Triton's tensors are powers of two)."""
-    if DQ_SPLIT:
-        W0: gl.constexpr = width_piece(QK_W, 0)
-        W1: gl.constexpr = width_piece(QK_W, 1)
-        return (gl.zeros([ROWS, W0], gl.float32, wgmma_layout(W0)), gl.zeros([ROWS, W1], gl.float32, wgmma_layout(W1)))
+def _acc_zero(HEAD_DIM: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr, WARPS_N: gl.constexpr = 1):
+    """A zero gradient accumulator of ROWS rows (dQ, dK or dV): one (ROWS, HEAD_DIM) tensor, or under SPLIT a pair
+    over the columns of W's two pieces (`gluon_common.width_piece`: D=192 in 256-column tiles as 128 + 64), so that
+    its product skips the tiles' zero columns (Triton's tensors are powers of two). WARPS_N: the warpgroups that
+    split its columns (`wgmma_layout`)."""
+    if SPLIT:
+        W0: gl.constexpr = width_piece(W, 0)
+        W1: gl.constexpr = width_piece(W, 1)
+        return (gl.zeros([ROWS, W0], gl.float32, wgmma_layout(W0, WARPS_N)),
+                gl.zeros([ROWS, W1], gl.float32, wgmma_layout(W1, WARPS_N)))
     else:
-        return gl.zeros([ROWS, HEAD_DIM], gl.float32, wgmma_layout(HEAD_DIM))
+        return gl.zeros([ROWS, HEAD_DIM], gl.float32, wgmma_layout(HEAD_DIM, WARPS_N))
 
 
 @gluon.jit
-def _dq_add(ds, k, dq, HEAD_DIM: gl.constexpr, QK_W: gl.constexpr, DQ_SPLIT: gl.constexpr):
-    """dq + dS K of one key tile (ds: the (ROWS, BLOCK_N) tile in the inputs' dtype, k: (BLOCK_N, HEAD_DIM) in shared
-    memory), waited for; into each accumulator of `_dq_zero` its columns of K."""
-    if DQ_SPLIT:
-        W0: gl.constexpr = width_piece(QK_W, 0)
-        W1: gl.constexpr = width_piece(QK_W, 1)
-        op0 = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(W0), k_width=2))
-        op1 = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(W1), k_width=2))
-        t0 = warpgroup_mma(op0, k.slice(0, W0, dim=1), dq[0], is_async=True)
-        t1 = warpgroup_mma(op1, k.slice(W0, W1, dim=1), dq[1], is_async=True)
-        d0, d1, op0, op1 = warpgroup_mma_wait(0, deps=(t0, t1, op0, op1))
+def _acc_operands(a, HEAD_DIM: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr, WARPS_N: gl.constexpr = 1):
+    """a (a (ROWS, K) register tile in the inputs' dtype, any layout) as the A operand of the wgmmas into an
+    accumulator of `_acc_zero`'s: one, or a pair under SPLIT."""
+    if SPLIT:
+        W0: gl.constexpr = width_piece(W, 0)
+        W1: gl.constexpr = width_piece(W, 1)
+        return (gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(W0, WARPS_N),
+                                                         k_width=2)),
+                gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(W1, WARPS_N),
+                                                         k_width=2)))
+    else:
+        return gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(HEAD_DIM, WARPS_N),
+                                                        k_width=2))
+
+
+@gluon.jit
+def _acc_mma(ops, b, acc, W: gl.constexpr, SPLIT: gl.constexpr):
+    """acc + a b issued as asynchronous wgmmas (ops: `_acc_operands` of a; b: (K, tile width) in shared memory),
+    into each accumulator its columns of b. Returns the accumulators' tokens: a pair under SPLIT (two commit
+    groups), else one."""
+    if SPLIT:
+        W0: gl.constexpr = width_piece(W, 0)
+        W1: gl.constexpr = width_piece(W, 1)
+        return (warpgroup_mma(ops[0], b.slice(0, W0, dim=1), acc[0], is_async=True),
+                warpgroup_mma(ops[1], b.slice(W0, W1, dim=1), acc[1], is_async=True))
+    else:
+        return warpgroup_mma(ops, b, acc, is_async=True)
+
+
+@gluon.jit
+def _acc_wait(tokens, ops, SPLIT: gl.constexpr):
+    """The accumulators of `_acc_mma`'s tokens once every wgmma issued is done."""
+    if SPLIT:
+        d0, d1, op0, op1 = warpgroup_mma_wait(0, deps=(tokens[0], tokens[1], ops[0], ops[1]))
         return (d0, d1)
     else:
-        op = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(HEAD_DIM), k_width=2))
-        dq_tok = warpgroup_mma(op, k, dq, is_async=True)
-        dq, op = warpgroup_mma_wait(0, deps=(dq_tok, op))
-        return dq
+        acc, op = warpgroup_mma_wait(0, deps=(tokens, ops))
+        return acc
+
+
+@gluon.jit
+def _acc_wait_both(tok_a, ops_a, tok_b, ops_b, SPLIT_A: gl.constexpr, SPLIT_B: gl.constexpr):
+    """`_acc_wait` of two accumulators (each one tensor or a SPLIT pair) in one wait."""
+    if SPLIT_A and SPLIT_B:
+        a0, a1, b0, b1, oa0, oa1, ob0, ob1 = warpgroup_mma_wait(0, deps=(tok_a[0], tok_a[1], tok_b[0], tok_b[1],
+                                                                         ops_a[0], ops_a[1], ops_b[0], ops_b[1]))
+        return (a0, a1), (b0, b1)
+    elif SPLIT_A:
+        a0, a1, b, oa0, oa1, ob = warpgroup_mma_wait(0, deps=(tok_a[0], tok_a[1], tok_b, ops_a[0], ops_a[1], ops_b))
+        return (a0, a1), b
+    elif SPLIT_B:
+        a, b0, b1, oa, ob0, ob1 = warpgroup_mma_wait(0, deps=(tok_a, tok_b[0], tok_b[1], ops_a, ops_b[0], ops_b[1]))
+        return a, (b0, b1)
+    else:
+        a, b, oa, ob = warpgroup_mma_wait(0, deps=(tok_a, tok_b, ops_a, ops_b))
+        return a, b
+
+
+@gluon.jit
+def _acc_out(acc, scale, dtype: gl.constexpr, SPLIT: gl.constexpr):
+    """An accumulator (or `_acc_zero`'s pair) times `scale` (None: 1) in the outputs' dtype."""
+    if SPLIT:
+        if scale is None:
+            return (acc[0].to(dtype), acc[1].to(dtype))
+        else:
+            return ((acc[0] * scale).to(dtype), (acc[1] * scale).to(dtype))
+    else:
+        if scale is None:
+            return acc.to(dtype)
+        else:
+            return (acc * scale).to(dtype)
+
+
+@gluon.jit
+def _acc_to_shared(buf, out, W: gl.constexpr, SPLIT: gl.constexpr):
+    """`_acc_out`'s result into a (ROWS, tile width) shared-memory tile for its TMA store; under SPLIT the columns
+    past W keep what the tile held (the inputs' zero columns, which the TMA store clips)."""
+    if SPLIT:
+        W0: gl.constexpr = width_piece(W, 0)
+        W1: gl.constexpr = width_piece(W, 1)
+        buf.slice(0, W0, dim=1).store(out[0])
+        buf.slice(W0, W1, dim=1).store(out[1])
+    else:
+        buf.store(out)
+
+
+@gluon.jit
+def _acc_store_rows(base, stride_n, first, n_valid, out, HEAD_DIM: gl.constexpr, d_valid, W: gl.constexpr,
+                    SPLIT: gl.constexpr, WARPS_N: gl.constexpr = 1):
+    """`_store_rows` of `_acc_out`'s result (varlen: a sequence's last, partial block of rows)."""
+    if SPLIT:
+        W0: gl.constexpr = width_piece(W, 0)
+        W1: gl.constexpr = width_piece(W, 1)
+        _store_rows(base, stride_n, first, n_valid, out[0], wgmma_layout(W0, WARPS_N), W0, d_valid)
+        _store_rows(base + W0, stride_n, first, n_valid, out[1], wgmma_layout(W1, WARPS_N), W1, d_valid - W0)
+    else:
+        _store_rows(base, stride_n, first, n_valid, out, wgmma_layout(HEAD_DIM, WARPS_N), HEAD_DIM, d_valid)
 
 
 @gluon.jit
@@ -716,7 +804,7 @@ def _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag,
              HAS_DROPOUT: gl.constexpr, QK_W: gl.constexpr, V_W: gl.constexpr, DQ_SPLIT: gl.constexpr = False):
     """One K/V tile (ring slot j, keys [n, n + BLOCK_N) with n = key_lo + j · BLOCK_N) into a warpgroup's dQ
     (returned). `tiles`: (K, V buffers, kv_ready, kv_empty, the warpgroup's Q and dO, a zero score tile). QK_W, V_W:
-    the widths of S's and dP's products (`gluon_common.mma_nt`); DQ_SPLIT: dQ in two accumulators (`_dq_zero`). MASK: 0
+    the widths of S's and dP's products (`gluon_common.mma_nt`); DQ_SPLIT: dQ in two accumulators (`_acc_zero`). MASK: 0
     skips a tile none of whose pairs is visible (`tile_hidden`) and masks one that needs it, 1 neither (a tile every
     pair of which is visible), 2 skips hidden tiles and masks the rest."""
     k_bufs, v_bufs, kv_ready, kv_empty, q, do, s_zero = tiles
@@ -764,7 +852,8 @@ def _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag,
         if HAS_DROPOUT:
             dp = gl.where(kept, dp * dropout[3], 0.0)
         ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
-        dq = _dq_add(ds.to(dtype), k, dq, HEAD_DIM, QK_W, DQ_SPLIT)
+        ds_op = _acc_operands(ds.to(dtype), HEAD_DIM, QK_W, DQ_SPLIT)
+        dq = _acc_wait(_acc_mma(ds_op, k, dq, QK_W, DQ_SPLIT), ds_op, DQ_SPLIT)
         mbarrier.arrive(kv_empty.index(stage), count=1)
     return dq
 
@@ -787,7 +876,6 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     q_start, seqlen_q, k_start, seqlen_k = seq
     left, right, softcap, slopes, dropout = variant
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    acc_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     HEAD_DIM_V: gl.constexpr = v_bufs.shape[len(v_bufs.shape) - 1]  # V's and dO's tiles (QK's: HEAD_DIM)
     dtype: gl.constexpr = q_bufs.dtype
     row0 = start_m + WG * ROWS  # in the sequence
@@ -805,7 +893,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     lse = _lse_base2(lse)
     slope = gl.load(slopes) * 1.4426950408889634 if HAS_ALIBI else None  # in base 2
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    dq = _dq_zero(HEAD_DIM, QK_W, DQ_SPLIT)
+    dq = _acc_zero(HEAD_DIM, QK_W, DQ_SPLIT)
     q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
     do = do_bufs.index(WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(q_ready, 0)
@@ -834,28 +922,12 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
                           slope, variant, 0, IS_CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP,
                           HAS_ALIBI, HAS_DROPOUT, QK_W, V_W, DQ_SPLIT)
 
-    if DQ_SPLIT:
-        W0: gl.constexpr = width_piece(QK_W, 0)
-        W1: gl.constexpr = width_piece(QK_W, 1)
-        dq0 = (dq[0] * softmax_scale).to(dtype)
-        dq1 = (dq[1] * softmax_scale).to(dtype)
-    else:
-        dq = (dq * softmax_scale).to(dtype)
+    dq = _acc_out(dq, softmax_scale, dtype, DQ_SPLIT)
     if IS_VARLEN and seqlen_q - row0 < ROWS:  # the sequence ends in this block: no TMA store (the next one's rows)
-        if DQ_SPLIT:
-            _store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq0, wgmma_layout(W0),
-                        W0, d_valid)
-            _store_rows(DQ + off_h * stride_dqh + W0, stride_dqm, q_start + row0, seqlen_q - row0, dq1,
-                        wgmma_layout(W1), W1, d_valid - W0)
-        else:
-            _store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq, acc_layout,
-                        HEAD_DIM, d_valid)
+        _acc_store_rows(DQ + off_h * stride_dqh, stride_dqm, q_start + row0, seqlen_q - row0, dq, HEAD_DIM, d_valid,
+                        QK_W, DQ_SPLIT)
     else:  # dense: rows past Sq are clipped
-        if DQ_SPLIT:  # (the Q buffer's columns past QK_W keep Q's zeros, which the TMA store clips)
-            q.slice(0, W0, dim=1).store(dq0)
-            q.slice(W0, W1, dim=1).store(dq1)
-        else:
-            q.store(dq)  # this warpgroup's Q buffer, its last wgmma done
+        _acc_to_shared(q, dq, QK_W, DQ_SPLIT)  # this warpgroup's Q buffer, its last wgmma done
         fence_async_shared()
         tma_store(desc_dq, IS_VARLEN, off_b, q_start + row0, off_h, q_bufs.index(WG))
         tma.store_wait(0)
