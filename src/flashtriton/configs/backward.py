@@ -183,8 +183,11 @@ GLUON_BWD_TRIM = (128, 256)
 GLUON_BWD_TRIM_PIECES = 2
 GLUON_BWD_TRIM_SOURCE = "benchmarks/2026-12-06-h100/trim/trim_ab.json"
 # The Gluon dQ kernel's accumulator in two over the trimmed head's pieces (`kernels.backward_gluon_launch.acc_splits`:
-# D=192 as 128 + 64 columns), so that dS K skips the 256-column tiles' zero columns. Built, off until timed.
-GLUON_BWD_DQ_SPLIT = False
+# D=192 as 128 + 64 columns), so that dS K skips the 256-column tiles' zero columns. On an H100, bf16, T = 1k / 4k /
+# 16k, causal and not: the backward 0.99-1.06x of the trimmed products' alone at QK 192 / V 192 and 192 / 128
+# (GLUON_BWD_DQ_SPLIT_SOURCE).
+GLUON_BWD_DQ_SPLIT = True
+GLUON_BWD_DQ_SPLIT_SOURCE = "benchmarks/2026-12-06-h100/dq-split-decode/trim_ab.txt"
 # dK and dV likewise in the dK/dV kernel (`acc_splits`: at D=192 the wide tiles' two warpgroups each hold 64 + 32 of
 # their columns). Built, off until timed.
 GLUON_BWD_DKDV_SPLIT = False
