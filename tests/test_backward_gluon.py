@@ -717,11 +717,12 @@ def test_trimmed_products_take_the_tile_widths_the_switch_names(monkeypatch):
 
 def test_gluon_backward_trimmed_builds_compile_for_sm90():
     """The narrower S and dP compile for sm_90 in both kernels: fewer wgmma instructions than the whole tiles'
-    build, and no more spill stores."""
+    build, and no more spill stores (one accumulator per gradient: the split ones add wgmmas of their own)."""
     out = compile_in_fresh_process(
         "from flashtriton import configs\n"
         "from flashtriton.configs import backward as cb\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
+        "cb.GLUON_BWD_DQ_SPLIT = cb.GLUON_BWD_DKDV_SPLIT = False\n"
         "for d, dv, causal in ((96, 96, True), (192, 128, True)):\n"
         "    cfg = configs.gluon_bwd_config(d, 4096, 4096, causal, 1e12, False, dv)\n"
         "    for kernel in ('dkdv', 'dq'):\n"

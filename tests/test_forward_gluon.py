@@ -60,10 +60,14 @@ CONFIGS = {
     # the output stored from registers (no staging tiles), with the shared memory that frees taken by a stage more
     "store from registers": {**_BASE, "STORE_FROM_REGS": True},
     "store from registers, 3 stages": {**_BASE, "STORE_FROM_REGS": True, "NUM_BUFFERS": 3},
+    # the previous item's output store waited for just before this item's is staged (STORE_LATE)
+    "store wait late": {**_BASE, "STORE_LATE": True},
+    "store wait late, dynamic schedule": {**_BASE, "CAUSAL_PAIRS": False, "DYNAMIC": True, "STORE_LATE": True},
 }
 # The wide head dims' (tiles of 256 columns): 32-key tiles beside the O staging tiles, or 64-key tiles with the
 # output stored from registers.
 WIDE_CONFIGS = {"32-key tiles": {**_BASE, "BLOCK_N": 32},
+                "32-key tiles, store wait late": {**_BASE, "BLOCK_N": 32, "STORE_LATE": True},
                 "64-key tiles, store from registers": {**_BASE, "BLOCK_N": 64, "STORE_FROM_REGS": True}}
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): one token, odd lengths, Sq != Sk both ways (bottom-right causal
 # leaves rows with no key), GQA, more items than SMs (a persistent program takes several, some with no key), and
@@ -452,14 +456,15 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
 
 
 def test_launch_parts_refuse_unknown_and_missing_config_keys():
-    """A config names exactly the kernel's schedule keys: an unknown one (PINGPONG, PERSISTENT: schedules it does
-    not have) or a missing one is a ValueError that names it."""
+    """A config names exactly the kernel's schedule keys (the optional ones, STORE_LATE, where it sets them): an
+    unknown one (PINGPONG, PERSISTENT: schedules it does not have) or a missing one is a ValueError that names it."""
     shapes = ((2, 256, 4, 128), (2, 256, 4, 128), True, True)
     for extra in ("PINGPONG", "PERSISTENT"):
         with pytest.raises(ValueError, match=f"unknown keys \\['{extra}'\\]"):
             G.launch_parts(*shapes, {**_BASE, extra: False}, 132)
     with pytest.raises(ValueError, match="missing \\['OVERLAP'\\]"):
         G.launch_parts(*shapes, {k: v for k, v in _BASE.items() if k != "OVERLAP"}, 132)
+    assert G.launch_parts(*shapes, {**_BASE, "STORE_LATE": True}, 132)[2]["STORE_LATE"]  # an optional key
 
 
 def test_dynamic_schedule_takes_causal_items_one_at_a_time():

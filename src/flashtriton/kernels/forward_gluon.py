@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_PV_SPLIT, SC_QK_16, SC_SINKS,
+                                  SC_STORE_LATE,
                                   SC_SOFTCAP, SC_WINDOW,
                                   item_bounds, num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
@@ -56,7 +57,7 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 @gluon.constexpr_function
 def _qk_width(scores, tile):
     """The columns of Q Kᵀ's product: QK_WIDTH from SCORES' bits (`SC_QK_16`), else the tiles' `tile`."""
-    return (scores // SC_QK_16.value) * 16 or tile
+    return (scores % SC_STORE_LATE.value // SC_QK_16.value) * 16 or tile
 
 
 @gluon.constexpr_function
@@ -430,6 +431,8 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     dtype: gl.constexpr = O.dtype.element_ty
+    if (SCORES & SC_STORE_LATE) != 0 and isinstance(o_bufs, gl.shared_memory_descriptor):
+        tma.store_wait(0)  # the previous item's output has left o_bufs[WG]: its store drained during this item
     if (SCORES & SC_PV_SPLIT) != 0:  # two accumulators: one reciprocal per row, then multiplies (as COMPACT)
         factor = 1.0 / l_safe
         if SCORES & SC_DROPOUT:
@@ -724,7 +727,7 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
             off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = read_item(slots.index(qs))
             more = off_b >= 0
             if more:
-                if not IS_VARLEN:
+                if not IS_VARLEN and (SCORES & SC_STORE_LATE) == 0:
                     tma.store_wait(0)  # the previous item's output has left o_smem
                 diag, first, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, items[7], IS_CAUSAL,
                                                              CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N, SCORES)
@@ -742,7 +745,7 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
             q_start, seqlen_q, k_start, seqlen_k = seq
             diag, first, n_tiles, has_rows = bounds
             if has_rows:
-                if not IS_VARLEN:
+                if not IS_VARLEN and (SCORES & SC_STORE_LATE) == 0:
                     tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
                 qs = qi % Q_BUFFERS
                 mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
@@ -771,7 +774,7 @@ def _attn_fwd_gluon(
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
     HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False, QK_WIDTH: gl.constexpr = 0,
-    PV_SPLIT: gl.constexpr = False,
+    PV_SPLIT: gl.constexpr = False, STORE_LATE: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -786,7 +789,7 @@ def _attn_fwd_gluon(
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
                             + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED
-                            + SC_PV_SPLIT * PV_SPLIT + SC_QK_16 * (QK_WIDTH // 16))
+                            + SC_PV_SPLIT * PV_SPLIT + SC_QK_16 * (QK_WIDTH // 16) + SC_STORE_LATE * STORE_LATE)
 
     dtype: gl.constexpr = desc_q.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)

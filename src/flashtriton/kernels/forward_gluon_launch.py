@@ -24,6 +24,9 @@ KERNEL = _attn_fwd_gluon
 # The keys of a Gluon forward config (configs/forward.py GLUON_BASE says what each means).
 CONFIG_KEYS = frozenset({"BLOCK_N", "NUM_BUFFERS", "CONSUMER_REGS", "N_CONSUMERS", "Q_BUFFERS", "CAUSAL_PAIRS",
                          "DYNAMIC", "OVERLAP", "STORE_FROM_REGS"})
+# Keys a config may leave out, the kernel's default then: STORE_LATE (False: the consumers wait for the previous
+# item's output store at the item's start; True: just before staging their own, `forward_gluon._store_item`).
+OPTIONAL_KEYS = frozenset({"STORE_LATE"})
 # Work units are counted in int32, and a program's last draw (or static slot) runs up to one grid past the end.
 UNIT_LIMIT = 2**31 - 2**20
 
@@ -49,9 +52,11 @@ def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen
 
 
 def kernel_config(config: dict) -> dict:
-    """`config` if its keys are CONFIG_KEYS; ValueError naming the keys it lacks or does not know."""
-    if config.keys() != CONFIG_KEYS:
-        unknown, missing = sorted(config.keys() - CONFIG_KEYS), sorted(CONFIG_KEYS - config.keys())
+    """`config` if its keys are CONFIG_KEYS (and any of OPTIONAL_KEYS); ValueError naming the keys it lacks or does
+    not know."""
+    if not CONFIG_KEYS <= config.keys() <= CONFIG_KEYS | OPTIONAL_KEYS:
+        unknown = sorted(config.keys() - CONFIG_KEYS - OPTIONAL_KEYS)
+        missing = sorted(CONFIG_KEYS - config.keys())
         raise ValueError(f"Gluon forward config {config}: unknown keys {unknown}, missing {missing}")
     return config
 
