@@ -60,14 +60,17 @@ CONFIGS = {
     # the output stored from registers (no staging tiles), with the shared memory that frees taken by a stage more
     "store from registers": {**_BASE, "STORE_FROM_REGS": True},
     "store from registers, 3 stages": {**_BASE, "STORE_FROM_REGS": True, "NUM_BUFFERS": 3},
-    # the previous item's output store waited for just before this item's is staged (STORE_LATE)
-    "store wait late": {**_BASE, "STORE_LATE": True},
-    "store wait late, dynamic schedule": {**_BASE, "CAUSAL_PAIRS": False, "DYNAMIC": True, "STORE_LATE": True},
+    # the output staged in the consumers' Q buffers (O_IN_Q), with the shared memory that frees taken by a stage more
+    "output in the Q buffers": {**_BASE, "O_IN_Q": True},
+    "output in the Q buffers, 3 stages": {**_BASE, "O_IN_Q": True, "NUM_BUFFERS": 3},
+    "output in the Q buffers, dynamic schedule": {**_BASE, "CAUSAL_PAIRS": False, "DYNAMIC": True, "O_IN_Q": True},
 }
 # The wide head dims' (tiles of 256 columns): 32-key tiles beside the O staging tiles, or 64-key tiles with the
 # output stored from registers.
 WIDE_CONFIGS = {"32-key tiles": {**_BASE, "BLOCK_N": 32},
-                "32-key tiles, store wait late": {**_BASE, "BLOCK_N": 32, "STORE_LATE": True},
+                "64-key tiles, output in the Q buffers": {**_BASE, "BLOCK_N": 64, "O_IN_Q": True},
+                "32-key tiles, output in the Q buffers, 3 stages": {**_BASE, "BLOCK_N": 32, "O_IN_Q": True,
+                                                                    "NUM_BUFFERS": 3},
                 "64-key tiles, store from registers": {**_BASE, "BLOCK_N": 64, "STORE_FROM_REGS": True}}
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): one token, odd lengths, Sq != Sk both ways (bottom-right causal
 # leaves rows with no key), GQA, more items than SMs (a persistent program takes several, some with no key), and
@@ -456,15 +459,22 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
 
 
 def test_launch_parts_refuse_unknown_and_missing_config_keys():
-    """A config names exactly the kernel's schedule keys (the optional ones, STORE_LATE, where it sets them): an
-    unknown one (PINGPONG, PERSISTENT: schedules it does not have) or a missing one is a ValueError that names it."""
+    """A config names exactly the kernel's schedule keys (the optional ones, O_IN_Q, where it sets them): an
+    unknown one (PINGPONG, PERSISTENT: schedules it does not have) or a missing one is a ValueError that names it;
+    O_IN_Q with two Q slots, OVERLAP or V in narrower tiles than Q's is refused."""
     shapes = ((2, 256, 4, 128), (2, 256, 4, 128), True, True)
     for extra in ("PINGPONG", "PERSISTENT"):
         with pytest.raises(ValueError, match=f"unknown keys \\['{extra}'\\]"):
             G.launch_parts(*shapes, {**_BASE, extra: False}, 132)
     with pytest.raises(ValueError, match="missing \\['OVERLAP'\\]"):
         G.launch_parts(*shapes, {k: v for k, v in _BASE.items() if k != "OVERLAP"}, 132)
-    assert G.launch_parts(*shapes, {**_BASE, "STORE_LATE": True}, 132)[2]["STORE_LATE"]  # an optional key
+    assert G.launch_parts(*shapes, {**_BASE, "O_IN_Q": True}, 132)[2]["O_IN_Q"]  # an optional key
+    for bad in ({"Q_BUFFERS": 2}, {"OVERLAP": True}):
+        with pytest.raises(ValueError, match="O_IN_Q takes one Q slot"):
+            G.launch_parts(*shapes, {**_BASE, "O_IN_Q": True, **bad}, 132)
+    with pytest.raises(ValueError, match="O_IN_Q takes one Q slot"):
+        G.launch_parts((2, 256, 4, 192), (2, 256, 4, 192), True, True, {**_BASE, "BLOCK_N": 64, "O_IN_Q": True}, 132,
+                       head_dim_v=128)
 
 
 def test_dynamic_schedule_takes_causal_items_one_at_a_time():
@@ -495,6 +505,10 @@ def test_shared_memory_estimate_and_limit():
     assert G.shared_memory_bytes(too_big, 64) <= gluon_common.SHARED_MEMORY_LIMIT < G.shared_memory_bytes(too_big, 128)
     with pytest.raises(ValueError, match="shared memory"):
         G.launch_parts((1, 256, 2, 128), (1, 256, 2, 128), False, True, too_big, 132)
+    # O_IN_Q stages the output in the Q buffers: at 256 columns, 64-key tiles in two stages fit beside Q (192 KB)
+    wide = {**_BASE, "BLOCK_N": 64}
+    assert G.shared_memory_bytes(wide, 256) == 262144 > gluon_common.SHARED_MEMORY_LIMIT
+    assert G.shared_memory_bytes({**wide, "O_IN_Q": True}, 256) == 196608
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_PV_SPLIT, SC_QK_16, SC_SINKS,
-                                  SC_STORE_LATE,
+                                  SC_O_IN_Q,
                                   SC_SOFTCAP, SC_WINDOW,
                                   item_bounds, num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
@@ -57,7 +57,7 @@ def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
 @gluon.constexpr_function
 def _qk_width(scores, tile):
     """The columns of Q Kᵀ's product: QK_WIDTH from SCORES' bits (`SC_QK_16`), else the tiles' `tile`."""
-    return (scores % SC_STORE_LATE.value // SC_QK_16.value) * 16 or tile
+    return (scores % SC_O_IN_Q.value // SC_QK_16.value) * 16 or tile
 
 
 @gluon.constexpr_function
@@ -431,8 +431,6 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     dtype: gl.constexpr = O.dtype.element_ty
-    if (SCORES & SC_STORE_LATE) != 0 and isinstance(o_bufs, gl.shared_memory_descriptor):
-        tma.store_wait(0)  # the previous item's output has left o_bufs[WG]: its store drained during this item
     if (SCORES & SC_PV_SPLIT) != 0:  # two accumulators: one reciprocal per row, then multiplies (as COMPACT)
         factor = 1.0 / l_safe
         if SCORES & SC_DROPOUT:
@@ -494,10 +492,19 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
         acc = _acc_zero(HEAD_DIM_V, SCORES)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    mbarrier.arrive(q_empty.index(qs), count=1)
-    _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
-                stride_lb, stride_lh, sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_N, False, SCORES)
+    if (SCORES & SC_O_IN_Q) != 0 and not IS_VARLEN:
+        # O_IN_Q: the output staged in this warpgroup's Q buffer (its S products are done), which goes back to the
+        # producer once the TMA store has read it
+        _store_item(acc, m_i, l_i, q_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om,
+                    stride_oh, stride_lb, stride_lh, sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_N, False, SCORES)
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(qs), count=1)
+    else:
+        mbarrier.arrive(q_empty.index(qs), count=1)
+        _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om,
+                    stride_oh, stride_lb, stride_lh, sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_N, False, SCORES)
     return c
 
 
@@ -727,7 +734,7 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
             off_b, off_h, start_m, q_start, seqlen_q, seqlen_k = read_item(slots.index(qs))
             more = off_b >= 0
             if more:
-                if not IS_VARLEN and (SCORES & SC_STORE_LATE) == 0:
+                if not IS_VARLEN:
                     tma.store_wait(0)  # the previous item's output has left o_smem
                 diag, first, n_tiles, has_rows = item_bounds(start_m, seqlen_q, seqlen_k, items[7], IS_CAUSAL,
                                                              CAUSAL_BOTTOM_RIGHT, BLOCK_M, BLOCK_N, SCORES)
@@ -745,7 +752,7 @@ def _consume_in_turn(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_B
             q_start, seqlen_q, k_start, seqlen_k = seq
             diag, first, n_tiles, has_rows = bounds
             if has_rows:
-                if not IS_VARLEN and (SCORES & SC_STORE_LATE) == 0:
+                if not IS_VARLEN:
                     tma.store_wait(0)  # the previous item's output has left o_smem (the barriers below order the rest)
                 qs = qi % Q_BUFFERS
                 mbarrier.wait(q_ready.index(qs), (qi // Q_BUFFERS) & 1)
@@ -774,7 +781,7 @@ def _attn_fwd_gluon(
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
     HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False, QK_WIDTH: gl.constexpr = 0,
-    PV_SPLIT: gl.constexpr = False, STORE_LATE: gl.constexpr = False,
+    PV_SPLIT: gl.constexpr = False, O_IN_Q: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -789,11 +796,13 @@ def _attn_fwd_gluon(
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
                             + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED
-                            + SC_PV_SPLIT * PV_SPLIT + SC_QK_16 * (QK_WIDTH // 16) + SC_STORE_LATE * STORE_LATE)
+                            + SC_PV_SPLIT * PV_SPLIT + SC_QK_16 * (QK_WIDTH // 16) + SC_O_IN_Q * O_IN_Q)
 
     dtype: gl.constexpr = desc_q.dtype
+    gl.static_assert(not O_IN_Q or (Q_BUFFERS == 1 and not OVERLAP and HEAD_DIM_V == HEAD_DIM),
+                     "O_IN_Q: one Q slot, no OVERLAP, Q and V in tiles of one width")
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * N_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
-    if IS_VARLEN or STORE_FROM_REGS:  # the output is stored from registers: no staging tiles
+    if IS_VARLEN or STORE_FROM_REGS or O_IN_Q:  # stored from registers, or staged in the Q buffers: no O tiles
         o_bufs = NONE
     else:
         o_bufs = gl.allocate_shared_memory(dtype, [N_CONSUMERS] + desc_o.block_type.shape, desc_o.layout)

@@ -19,15 +19,15 @@ from .variant import diagonal, key_blocks
 # the kernel's HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS, HAS_DROPOUT, CAP_FIXED (softcap's bounded scores
 # against a fixed max: `forward_gluon._softmax_tile`), PV_SPLIT (the output in two accumulators over V's columns
 # 0 … 127 and 128 … 191: `forward_gluon._pv`), and in the bits from SC_QK_16 up QK_WIDTH / 16 (Q Kᵀ over the
-# tiles' first QK_WIDTH columns: `forward_gluon._scores`; 0: all of them), and SC_STORE_LATE (the config's
-# STORE_LATE: an item's consumers wait for the previous output's TMA store just before staging theirs, not at the
-# item's start: `forward_gluon._store_item`). 0: plain attention.
+# tiles' first QK_WIDTH columns: `forward_gluon._scores`; 0: all of them), and SC_O_IN_Q (the config's
+# O_IN_Q: each consumer stages its output in its own Q buffer for the TMA store, no staging tiles of their own:
+# `forward_gluon._consume_item`). 0: plain attention.
 SC_WINDOW, SC_SOFTCAP, SC_ALIBI, SC_SINKS, SC_DROPOUT = (gl.constexpr(1), gl.constexpr(2), gl.constexpr(4),
                                                          gl.constexpr(8), gl.constexpr(16))
 SC_CAP_FIXED = gl.constexpr(32)
 SC_PV_SPLIT = gl.constexpr(64)
 SC_QK_16 = gl.constexpr(128)
-SC_STORE_LATE = gl.constexpr(1 << 16)  # (above SC_QK_16's bits: QK_WIDTH / 16 < 512)
+SC_O_IN_Q = gl.constexpr(1 << 16)  # (above SC_QK_16's bits: QK_WIDTH / 16 < 512)
 L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the unpaired causal schedule keeps in use (L2: 50-60 MB)
 
 

@@ -24,9 +24,10 @@ KERNEL = _attn_fwd_gluon
 # The keys of a Gluon forward config (configs/forward.py GLUON_BASE says what each means).
 CONFIG_KEYS = frozenset({"BLOCK_N", "NUM_BUFFERS", "CONSUMER_REGS", "N_CONSUMERS", "Q_BUFFERS", "CAUSAL_PAIRS",
                          "DYNAMIC", "OVERLAP", "STORE_FROM_REGS"})
-# Keys a config may leave out, the kernel's default then: STORE_LATE (False: the consumers wait for the previous
-# item's output store at the item's start; True: just before staging their own, `forward_gluon._store_item`).
-OPTIONAL_KEYS = frozenset({"STORE_LATE"})
+# Keys a config may leave out, the kernel's default then: O_IN_Q (True: dense outputs staged for their TMA store in
+# the consumers' own Q buffers, which frees the staging tiles' shared memory; one Q slot, no OVERLAP, Q and V in
+# tiles of one width: `forward_gluon._consume_item`).
+OPTIONAL_KEYS = frozenset({"O_IN_Q"})
 # Work units are counted in int32, and a program's last draw (or static slot) runs up to one grid past the end.
 UNIT_LIMIT = 2**31 - 2**20
 
@@ -41,13 +42,13 @@ def work_units(seqlen_q: int, heads_q: int, batch: int, config: dict, causal: bo
 def shared_memory_bytes(config: dict, head_dim: int, elem_bytes: int = 2, varlen: bool = False,
                         head_dim_v: int | None = None) -> int:
     """Shared memory of the kernel's tiles under `config` (barriers aside): Q slots, the K/V ring and, dense, the O
-    staging tiles (none with STORE_FROM_REGS), for tiles of `head_dim` columns (V and O: `head_dim_v`'s, default
-    the same). Three consumers with two Q slots at D = 128 need 272 KB: more than sm_90 has."""
+    staging tiles (none with STORE_FROM_REGS or O_IN_Q), for tiles of `head_dim` columns (V and O: `head_dim_v`'s,
+    default the same). Three consumers with two Q slots at D = 128 need 272 KB: more than sm_90 has."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     rows = ROWS.value * config["N_CONSUMERS"]
     q = config["Q_BUFFERS"] * rows * head_dim
     kv = config["NUM_BUFFERS"] * config["BLOCK_N"] * (head_dim + head_dim_v)
-    o = 0 if varlen or config["STORE_FROM_REGS"] else rows * head_dim_v
+    o = 0 if varlen or config["STORE_FROM_REGS"] or config.get("O_IN_Q") else rows * head_dim_v
     return elem_bytes * (q + kv + o)
 
 
@@ -116,6 +117,9 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
                          f"{head_dim} / {head_dim_v}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if config["DYNAMIC"] and causal and config["CAUSAL_PAIRS"]:
         raise ValueError(f"Gluon forward config {config}: the dynamic schedule takes items one at a time")
+    if config.get("O_IN_Q") and (config["Q_BUFFERS"] != 1 or config["OVERLAP"] or block_dv != block_d):
+        raise ValueError(f"Gluon forward config {config}: O_IN_Q takes one Q slot, no OVERLAP, and V in tiles as "
+                         f"wide as Q's (head dims {head_dim} / {head_dim_v})")
     units = work_units(seqlen_q, heads_q, batch, config, causal)  # pairs of items, or items
     if units >= UNIT_LIMIT:
         raise ValueError(f"Gluon forward: {units} work units do not fit its 32-bit counters")
