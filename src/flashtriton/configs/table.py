@@ -43,7 +43,8 @@ H200_MERGED = "benchmarks/2026-12-02-h200/gluon-merged/"
 H200_PAGED = "benchmarks/2026-12-02-h200/paged-small/h200/"
 H200_LATE = "benchmarks/2026-12-03-h200/"
 H200_DEC4 = "benchmarks/2026-12-04-h200/"
-RUNS = (H200, H200_DEC, H200_HEADS, H200_WIDE, H200_MERGED, H200_PAGED, H200_LATE, H200_DEC4)
+H100_DEC6 = "benchmarks/2026-12-06-h100/"  # an H100's runs: each file holds its own baseline
+RUNS = (H200, H200_DEC, H200_HEADS, H200_WIDE, H200_MERGED, H200_PAGED, H200_LATE, H200_DEC4, H100_DEC6)
 
 
 def gpu_class(device: torch.device) -> str:
