@@ -511,6 +511,24 @@ def test_shared_memory_estimate_and_limit():
     assert G.shared_memory_bytes({**wide, "O_IN_Q": True}, 256) == 196608
 
 
+def test_o_in_q_rules_take_the_wide_tiles_where_switched_on(monkeypatch):
+    """configs.forward.GLUON_O_IN_Q: the 256-column tiles' forward takes 64-key tiles with the output staged in the
+    Q buffers, causal at every length and non-causal up to 4k keys (GLUON_FWD_O_IN_Q), and those launch within
+    sm_90's shared memory; off, and at other head dims or V tiles narrower than Q's, the rules are GLUON_FWD's."""
+    cases = [(d, causal, t) for d in (64, 128, 192, 256) for causal in (False, True) for t in (512, 4096, 16384)]
+    off = {case: configs.gluon_fwd_config(case[0], case[2], case[2], case[1]) for case in cases}
+    assert not any(c.get("O_IN_Q") for c in off.values())
+    monkeypatch.setattr(configs.forward, "GLUON_O_IN_Q", True)
+    for (d, causal, t), before in off.items():
+        config = configs.gluon_fwd_config(d, t, t, causal)
+        wanted = d > 128 and (causal or t <= 4096)
+        assert bool(config.get("O_IN_Q")) == wanted and (wanted or config == before), (d, causal, t, config)
+        if wanted:
+            assert config["BLOCK_N"] == 64 and not config["STORE_FROM_REGS"]
+            G.launch_parts((1, t, 2, d), (1, t, 2, d), causal, True, config, 132)
+    assert not configs.gluon_fwd_config(192, 4096, 4096, True, head_dim_v=128).get("O_IN_Q")
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_dispatched_dense_config_launches(head_dim, causal):

@@ -145,10 +145,21 @@ GLUON_FWD = Table(("gpu", "dtype", "head_dim", "variant", "seqlen_k"), rows=[
     (SM90, "16", 64,       CAUSAL,  (None, 4096), GLUON_SHORT_D64,   H200 + "explore17/ab_steady.txt"),
     (SM90, "16", 64,       FULL,    (None, 1024), GLUON_SHORT_D64,   H200 + "explore17/ab_steady.txt"),
     (SM90, "16", 64,       ANY,     ANY,          GLUON_THREE,       H200 + "explore17/ab_steady.txt"),
-    (SM90, "16", 256,      CAUSAL,  ANY,          GLUON_D256_OQ,     H100_DEC6 + "o-in-q/oq_wide.txt"),
-    (SM90, "16", 256,      FULL,    (None, 4096), GLUON_D256_OQ,     H100_DEC6 + "o-in-q/oq_wide.txt"),
+    (SM90, "16", 256,      ANY,     (None, 1024), GLUON_D256,        H200_MERGED + "explore/explore/gluon.json"),
     (SM90, "16", 256,      ANY,     ANY,          GLUON_D256_N64,    H200_MERGED + "explore/explore/gluon.json"),
     (ANY,  ANY,  ANY,      ANY,     ANY,          None,              NO_GLUON),
+])
+
+
+# The 256-column tiles' forward with its output staged in the Q buffers (GLUON_D256_OQ), ahead of GLUON_FWD's rows
+# where GLUON_O_IN_Q is on. Measured (o-in-q/: timed, and checked against the dispatch's output, on an H100); off
+# until O_IN_Q's float64 GPU tests (`tests/test_forward_gluon.py`, "output in the Q buffers") have run.
+GLUON_O_IN_Q = False
+GLUON_FWD_O_IN_Q = Table(("gpu", "dtype", "head_dim", "variant", "seqlen_k"), rows=[
+    # gpu dtype  head dim  variant  seqlen_k      config             source
+    (SM90, "16", 256,      CAUSAL,  ANY,          GLUON_D256_OQ,     H100_DEC6 + "o-in-q/oq_wide.txt"),
+    (SM90, "16", 256,      FULL,    (None, 4096), GLUON_D256_OQ,     H100_DEC6 + "o-in-q/oq_wide.txt"),
+    (ANY,  ANY,  ANY,      ANY,     ANY,          None,              "why: GLUON_FWD's rule"),
 ])
 
 
@@ -256,6 +267,10 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, 
         return GLUON_SEPARATE_V_FWD.lookup(SM90, "16", head_dim, block_v)
     if 0 < band < seqlen_k:
         config = GLUON_WINDOW_FWD.lookup(SM90, "16", head_dim, band)
+        if config is not None:
+            return config
+    if GLUON_O_IN_Q:
+        config = GLUON_FWD_O_IN_Q.lookup(SM90, "16", head_dim, variant_class(causal), seqlen_k)
         if config is not None:
             return config
     return GLUON_FWD.lookup(SM90, "16", head_dim, variant_class(causal), seqlen_k)

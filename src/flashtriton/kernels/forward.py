@@ -373,15 +373,15 @@ class _DenseTmaPlan:
 @functools.lru_cache(maxsize=1024)
 def _dense_tma_plan(q_shape, q_strides, k_shape, k_strides, v_strides, dtype, device, variant: Variant,
                     use_tma, use_gluon, v_shape=None, fixed_cap: bool = False,
-                    qk_columns: int = 0, split_pv: bool = False) -> _DenseTmaPlan | None:
+                    qk_columns: int = 0, split_pv: bool = False, o_in_q: bool = False) -> _DenseTmaPlan | None:
     """The plan of a dense Hopper forward, or None where the TMA kernels do not take such tensors whatever their
     addresses (`tma_layout_ok`; the output is contiguous) or do not declare the call (`dispatch.KERNELS`: the
     variant, a V head dim of its own). The Gluon kernel where it declares the call and `configs.gluon_fwd_config`
     has a config for the shape (and `use_gluon`: it is on, and softmax_scale > 0), else the TMA kernel.
     v_shape: v's shape (default: k's). fixed_cap: the Gluon kernel's softcap against a fixed max
     (`forward_gluon_launch.cap_fixed`; an argument, so that the plans of both are kept apart); qk_columns likewise
-    its Q Kᵀ's product width (`forward_gluon_launch.qk_width`) and split_pv its two output accumulators
-    (`forward_gluon_launch.pv_split`)."""
+    its Q Kᵀ's product width (`forward_gluon_launch.qk_width`), split_pv its two output accumulators
+    (`forward_gluon_launch.pv_split`) and o_in_q `configs.forward.GLUON_O_IN_Q` (which rules the config follows)."""
     batch, seqlen_q, heads_q, head_dim = q_shape
     v_shape = k_shape if v_shape is None else v_shape
     separate_v = v_shape[-1] != head_dim
@@ -566,7 +566,8 @@ def launch_forward(
                                dispatch.allows("gluon") and forward_gluon_launch is not None and softmax_scale > 0,
                                v.shape, forward_gluon_launch is not None and forward_gluon_launch.cap_fixed(variant, q.dtype),
                                forward_gluon_launch is not None and forward_gluon_launch.qk_width(head_dim),
-                               forward_gluon_launch is not None and forward_gluon_launch.pv_split(v.shape[-1]))
+                               forward_gluon_launch is not None and forward_gluon_launch.pv_split(v.shape[-1]),
+                               configs.forward.GLUON_O_IN_Q)
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15:
             _launch_dense_tma(plan, q, k, v, out, lse,
                               variant.forward_args(softmax_scale, alibi_slopes, learnable_sink),
