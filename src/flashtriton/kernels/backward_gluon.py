@@ -51,7 +51,11 @@ Persistent dK/dV (PERSISTENT, a config constexpr off in the dispatch: `_attn_bwd
 taking an item per round, two K/V buffer pairs.
 Head dims: Q and K in tiles of 64, 128 or 256 columns (HEAD_DIM: `gluon_common.head_block` of D); V, dO and dV in
 tiles of V's own width, read from the V descriptor (HEAD_DIM_V; a pair such as DeepSeek's MLA, QK 192 / V 128, runs
-V's matmuls at 128 columns: `backward_gluon_launch.separate_v_ok` says which pairs). fp16/bf16; sm_90.
+V's matmuls at 128 columns: `backward_gluon_launch.separate_v_ok` says which pairs). Products over the head dim run on
+the head's own columns (QK_WIDTH, V_WIDTH: `gluon_common.mma_nt`); where such a width is two pieces of at least 64
+columns (D=192 in 256-column tiles: 128 + 64), a gradient may live in two accumulators over them, so that its product
+skips the zero columns too (DQ_SPLIT, DK_SPLIT, DV_SPLIT: `_acc_zero`, `backward_gluon_launch.acc_splits`).
+fp16/bf16; sm_90.
 `backward.attention_backward` launches these (`backward_gluon_launch.launch_dkdv_gluon` / `launch_dq_gluon`) where
 `configs.gluon_bwd_config` says.
 """

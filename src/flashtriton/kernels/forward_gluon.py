@@ -12,8 +12,9 @@ Each program (one per SM) loops over items in 1 + N_CONSUMERS partitions:
   - N_CONSUMERS consumer warpgroups (4 warps, CONSUMER_REGS registers per thread), each owning 64 of the rows
     (wgmma's M). Per K/V tile j a warpgroup issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} as asynchronous wgmmas
     and computes the softmax of S_j while the second runs (FlashAttention-3's intra-warpgroup overlap). The
-    output leaves through shared memory and a TMA store (dense: rows past the sequence are clipped) or masked
-    stores (varlen); the log-sum-exp by plain stores.
+    output leaves through shared memory and a TMA store (dense: rows past the sequence are clipped; staging tiles
+    of its own, or under O_IN_Q the warpgroup's Q buffer, handed back to the producer once the store has read it)
+    or masked stores (varlen, STORE_FROM_REGS); the log-sum-exp by plain stores.
 
 Scores are in base 2 (log2(e) folded into qk_scale, which must be > 0). fp16/bf16, head dim 64 or 128. Dense
 (B, S, H, D) tensors: rank-4 descriptors with block (1, rows, 1, D), rows past the sequence arrive as zeros.
