@@ -151,7 +151,8 @@ QK_WIDTH_CASES = {  # (head_dim, head_dim_v, causal, window, softcap, alibi, sin
 @hopper_only
 @pytest.mark.parametrize("case", list(QK_WIDTH_CASES))
 @pytest.mark.parametrize("name", ["default", "overlap, dynamic schedule", "wide: 32-key tiles",
-                                  "wide: 64-key tiles, store from registers"])
+                                  "wide: 64-key tiles, store from registers",
+                                  "wide: 64-key tiles, output in the Q buffers"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split_pv", [False, True])
 def test_gluon_qk_width_against_float64(case, name, dtype, split_pv, device, monkeypatch):
@@ -275,13 +276,18 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, head_di
 @pytest.mark.parametrize("head_dim", [80, 96, 112, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_gluon_kernel_pads_other_head_dims(head_dim, causal, varlen, device):
+@pytest.mark.parametrize("o_in_q", [False, True])
+def test_gluon_kernel_pads_other_head_dims(head_dim, causal, varlen, o_in_q, device, monkeypatch):
     """Head dims between the tiles' 64 / 128 / 256 columns: the descriptors' blocks reach past the head, the TMA
     loads the missing columns as zeros and stores none of them (dense), the masked stores skip them (varlen), so the
     next head's output is untouched. Against float64 through flash_attn_func, whose dispatch takes the Gluon kernel
-    (dense: its plan says so; varlen: where `configs.gluon_varlen_config` has the tiles' row)."""
+    (dense: its plan says so; varlen: where `configs.gluon_varlen_config` has the tiles' row). o_in_q: with
+    `configs.forward.GLUON_O_IN_Q` on, whose rules stage the 256-column tiles' output in the Q buffers."""
     from test_varlen import pack
 
+    if o_in_q and (varlen or head_dim <= 128):
+        pytest.skip("GLUON_O_IN_Q's rules take dense 256-column tiles")
+    monkeypatch.setattr(configs.forward, "GLUON_O_IN_Q", o_in_q)
     dtype = torch.bfloat16
     if varlen:
         if configs.gluon_varlen_config(head_dim, 1000, 1000, causal) is None:
@@ -302,8 +308,9 @@ def test_gluon_kernel_pads_other_head_dims(head_dim, causal, varlen, device):
     for seqlen_k in (900, 2100) if head_dim > 128 else (900,):
         q, k, v = make_qkv(2, 700, seqlen_k, 8, 2, head_dim, dtype, device)
         plan = _dense_tma_plan(q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-                               Variant.of(causal), True, True)
+                               Variant.of(causal), True, True, o_in_q=o_in_q)
         assert plan is not None and plan.gluon and plan.meta["HEAD_DIM"] == gluon_common.head_block(head_dim)
+        assert plan.meta.get("O_IN_Q", False) == (o_in_q and (causal or seqlen_k <= 4096))
         out = flashtriton.flash_attn_func(q, k, v, causal=causal)
         assert_close_to_exact(out, torch_attention(q, k, v, None, causal),
                               attention_reference(q, k, v, None, causal), dtype, f"{seqlen_k} keys")
