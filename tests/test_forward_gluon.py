@@ -468,7 +468,8 @@ def test_launch_parts_count_items_and_cap_programs_at_the_sms():
 def test_launch_parts_refuse_unknown_and_missing_config_keys():
     """A config names exactly the kernel's schedule keys (the optional ones, O_IN_Q, where it sets them): an
     unknown one (PINGPONG, PERSISTENT: schedules it does not have) or a missing one is a ValueError that names it;
-    O_IN_Q with two Q slots, OVERLAP or V in narrower tiles than Q's is refused."""
+    O_IN_Q with two Q slots, OVERLAP or V in narrower tiles than Q's is refused, and OVERLAP with PV_SPLIT (which its
+    flat loop does not take)."""
     shapes = ((2, 256, 4, 128), (2, 256, 4, 128), True, True)
     for extra in ("PINGPONG", "PERSISTENT"):
         with pytest.raises(ValueError, match=f"unknown keys \\['{extra}'\\]"):
@@ -482,6 +483,9 @@ def test_launch_parts_refuse_unknown_and_missing_config_keys():
     with pytest.raises(ValueError, match="O_IN_Q takes one Q slot"):
         G.launch_parts((2, 256, 4, 192), (2, 256, 4, 192), True, True, {**_BASE, "BLOCK_N": 64, "O_IN_Q": True}, 132,
                        head_dim_v=128)
+    with pytest.raises(ValueError, match="OVERLAP does not take the output in two accumulators"):
+        G.launch_parts((2, 256, 4, 192), (2, 256, 4, 192), True, True, {**_BASE, "BLOCK_N": 32, "OVERLAP": True},
+                       132, split_pv=True)
 
 
 def test_dynamic_schedule_takes_causal_items_one_at_a_time():

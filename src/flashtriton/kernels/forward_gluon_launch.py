@@ -117,6 +117,9 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
                          f"{head_dim} / {head_dim_v}; sm_90 has {SHARED_MEMORY_LIMIT}")
     if config["DYNAMIC"] and causal and config["CAUSAL_PAIRS"]:
         raise ValueError(f"Gluon forward config {config}: the dynamic schedule takes items one at a time")
+    if split_pv and config["OVERLAP"]:
+        raise ValueError(f"Gluon forward config {config}: OVERLAP does not take the output in two accumulators "
+                         f"(PV_SPLIT, V head dim {head_dim_v})")
     if config.get("O_IN_Q") and (config["Q_BUFFERS"] != 1 or config["OVERLAP"] or block_dv != block_d):
         raise ValueError(f"Gluon forward config {config}: O_IN_Q takes one Q slot, no OVERLAP, and V in tiles as "
                          f"wide as Q's (head dims {head_dim} / {head_dim_v})")
