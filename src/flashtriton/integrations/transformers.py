@@ -39,7 +39,8 @@ window of them (chunked attention, prefix-LM or image-token bidirectional overla
 whose real tokens are not contiguous, sinks that are not one logit per query head,
 position biases (T5-style `position_bias`; no model of transformers 5.x passes ALiBi slopes through the
 attention interface: BLOOM and MPT add theirs in their own attention code, Falcon with `alibi=True` adds its
-bias to the 4-D mask, refused when the model is built), 4-D custom attention masks, models transformers marks
+bias to the 4-D mask, refused when the model is built; `hf_alibi.patch_alibi_attention` runs those three on
+flashtriton's ALiBi kernels instead), 4-D custom attention masks, models transformers marks
 `_supports_flash_attn = False`, and models that switch to their own flash-attn classes (GPT-Neo, Bark, and
 Falcon before transformers 5.25).
 
@@ -367,7 +368,7 @@ _CONFIG_REFUSALS = (
 def refuse_unsupported_model(cls: type, config=None) -> None:
     """ValueError if transformers model class `cls` (built from `config`, when given) cannot run its attention
     through flashtriton exactly."""
-    advice = _advice_for(cls)
+    advice = _advice_for(cls) + _alibi_advice(cls, config)
     model_type = getattr(config, "model_type", None)
     for refused_type, field, what in _CONFIG_REFUSALS:
         if model_type == refused_type and getattr(config, field, False):
@@ -423,6 +424,15 @@ def _advice_for(cls: Optional[type]) -> str:
     if cls is not None and getattr(cls, "_supports_sdpa", False):
         return "Load the model with attn_implementation='sdpa' (or 'eager') instead."
     return "Load the model with attn_implementation='eager' instead."
+
+
+def _alibi_advice(cls: Optional[type], config=None) -> str:
+    """For the ALiBi models (BLOOM, MPT, Falcon with config.alibi): how to run their attention on flashtriton."""
+    module = getattr(cls, "__module__", "") or ""
+    alibi = module.endswith(("modeling_bloom", "modeling_mpt")) or (
+        module.endswith("modeling_falcon") and getattr(config, "alibi", False))
+    return (" Its ALiBi attention then runs on flashtriton after "
+            "flashtriton.integrations.hf_alibi.patch_alibi_attention(model).") if alibi else ""
 
 
 def _model_class(module) -> Optional[type]:
@@ -511,8 +521,9 @@ def _check_contiguous(mask: torch.Tensor, module) -> None:
 
 
 def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, window=None, softcap: float = 0.0,
-                      sink=None, dropout_p: float = 0.0, module=None) -> torch.Tensor:
-    """Unpad, run varlen, pad back. q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); mask (B, Sk) bool, True = token.
+                      sink=None, dropout_p: float = 0.0, module=None, alibi_slopes=None) -> torch.Tensor:
+    """Unpad, run varlen, pad back. q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); mask (B, Sk) bool, True = token;
+    `alibi_slopes` (H,) fp32 (`hf_alibi`: ALiBi per sequence, over its real tokens).
 
     The mask describes the keys. Without a causal mask (encoders, cross-attention) every query is kept and
     attends to its row's real keys: a decoder query never loses its keys because the encoder was padded.
@@ -530,7 +541,8 @@ def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, w
             raise NotImplementedError(f"flashtriton runs a non-causal window over padded keys only for "
                                       f"self-attention (as many queries as keys); got {seqlen_q} queries and "
                                       f"{mask.shape[1]} keys")
-    variant = dict(window_size=window or (-1, -1), softcap=softcap, learnable_sink=sink, dropout_p=dropout_p)
+    variant = dict(window_size=window or (-1, -1), softcap=softcap, learnable_sink=sink, dropout_p=dropout_p,
+                   alibi_slopes=alibi_slopes)
     k_idx, cu_k, max_k = _unpad_indices(mask)
     if not causal and window is None:
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
