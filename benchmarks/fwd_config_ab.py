@@ -10,7 +10,9 @@ Candidates (`CANDIDATES`, `configs.forward.GLUON_BASE` with): 32-key tiles with 
 slots and one K/V stage of 64 keys ("n64_q2_regs_s1"), and two Q slots with OVERLAP ("n32_q2_regs_ov": each item's
 last P V beside the next item's first S; not at V head dim 192, whose two accumulators OVERLAP does not take), and
 the output staged in the consumers' Q buffers (O_IN_Q: no staging tiles, so 64-key tiles in two stages fit beside
-Q; "n64_oq", and "n32_oq_s3" with a third stage of 32-key tiles; not at QK 192 / V 128, whose tiles differ).
+Q; "n64_oq", and "n32_oq_s3" with a third stage of 32-key tiles; not at QK 192 / V 128, whose tiles differ), and
+at QK 192 / V 128 only (its narrower V tiles leave room) 64-key tiles in three stages stored from registers
+("n64_regs_s3").
 Each candidate's output is checked against the dispatch's (within 2e-2 of its scale), then the forward is timed by
 `triton.testing.do_bench` (L2 flushed) in rounds whose order rotates (`bench_core.time_in_rounds`).
 
@@ -47,6 +49,7 @@ CANDIDATES = {
     "n32_q2_regs_ov": dict(GLUON_BASE, BLOCK_N=32, Q_BUFFERS=2, STORE_FROM_REGS=True, OVERLAP=True),
     "n64_oq": dict(GLUON_BASE, BLOCK_N=64, O_IN_Q=True),
     "n32_oq_s3": dict(GLUON_BASE, BLOCK_N=32, O_IN_Q=True, NUM_BUFFERS=3),
+    "n64_regs_s3": dict(GLUON_BASE, BLOCK_N=64, STORE_FROM_REGS=True, NUM_BUFFERS=3),
 }
 DISPATCH_OQ = ("dispatch+oq", "dispatch+oq_s3")
 
@@ -82,6 +85,8 @@ def calls_of(T: int, D: int, Dv: int, causal: bool, wanted: set) -> tuple[dict, 
     for name, config in CANDIDATES.items():
         if name not in wanted or D <= 128 or (name.endswith("_ov") and Dv > 128) or ("_oq" in name and Dv < D):
             continue
+        if G.shared_memory_bytes(config, head_block(D), head_dim_v=head_block(Dv)) > SHARED_MEMORY_LIMIT:
+            continue  # (n64_regs_s3 at V tiles of 256 columns)
         calls[name], used[name] = gluon(config), config
     qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
 
