@@ -18,8 +18,6 @@ it explains a reading, the bench's suites give the numbers.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -141,10 +139,7 @@ def main() -> int:
                   f"{row['event_ms'] * 1e3:7.1f} | profiled: span {row['span_us']:7.1f} kernels {row['busy_us']:7.1f} "
                   f"idle before {row['before_first_us']:6.1f} between {row['between_us']:6.1f}", flush=True)
             print("    " + ", ".join(row["kernels"]), flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bwd_timeline.json"), "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    C.write_rows(args.out, "bwd_timeline.json", rows)
     return 0
 
 

@@ -18,8 +18,6 @@ writes DIR/fused_delta_ab.json (rows with the GPU, torch, triton and git sha) an
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 
 import torch
@@ -124,10 +122,7 @@ def main() -> int:
                              over_preprocess_kernel=base / ms, kernels=kernels_of(call)))
             print(f"{case[0]:36s} {label:18s} {ms * 1e3:9.1f} us  x{base / ms:.3f} of the preprocess kernel's",
                   flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fused_delta_ab.json"), "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    C.write_rows(args.out, "fused_delta_ab.json", rows)
     return 0
 
 

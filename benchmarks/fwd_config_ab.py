@@ -29,8 +29,6 @@ writes DIR/fwd_config_ab.json (rows with the GPU, torch, triton and git sha, ms 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 
 import torch
@@ -143,10 +141,7 @@ def main() -> int:
                           f"x{base / ms:.3f} of the dispatch's  x{cudnn / ms:.3f} of cuDNN's", flush=True)
                 del calls
                 C.free_memory()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fwd_config_ab.json"), "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    C.write_rows(args.out, "fwd_config_ab.json", rows)
     return 0
 
 

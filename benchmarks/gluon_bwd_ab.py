@@ -23,8 +23,6 @@ DIR/gluon_bwd_ab.json with the GPU, torch, triton and git sha.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 
 import torch
@@ -158,10 +156,7 @@ def main() -> int:
                              kernel_us=kernels))
             print(f"{case:12s} {label:20s} {ms[label]:8.3f} ms  x{ms['dispatch'] / ms[label]:.3f} of the dispatch's"
                   f"  ({', '.join(f'{k}: {t:.0f} us' for k, t in sorted(kernels.items()))})", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gluon_bwd_ab.json"), "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    C.write_rows(args.out, "gluon_bwd_ab.json", rows)
     return 0
 
 

@@ -15,8 +15,6 @@ writes DIR/softcap_ab.json (rows with the GPU, torch, triton and git sha) and pr
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 
 import torch
@@ -74,10 +72,7 @@ def main() -> int:
                              cost_over_no_softcap=ms / base - 1))
             print(f"{case:14s} {label:24s} {ms * 1e3:9.1f} us  {100 * (ms / base - 1):+6.1f} % against no softcap",
                   flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "softcap_ab.json"), "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    C.write_rows(args.out, "softcap_ab.json", rows)
     return 0
 
 

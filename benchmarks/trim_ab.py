@@ -19,8 +19,6 @@ writes DIR/trim_ab.json (rows with the GPU, torch, triton and git sha, ms and TF
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 
 import torch
@@ -131,10 +129,7 @@ def main() -> int:
                       f"x{base / ms:.3f} of the whole tiles'  x{cudnn / ms:.3f} of cuDNN's", flush=True)
         del calls
         C.free_memory()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "trim_ab.json"), "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    C.write_rows(args.out, "trim_ab.json", rows)
     return 0
 
 

@@ -2,7 +2,7 @@
 
     from flashtriton.integrations.hf_alibi import patch_alibi_attention
     model = AutoModelForCausalLM.from_pretrained("bigscience/bloom-560m")   # attn_implementation "eager" or "sdpa"
-    patch_alibi_attention(model)                   # its attention layers now run flashtriton with alibi_slopes
+    patch_alibi_attention(model)                   # its attention layers run flashtriton with alibi_slopes
 
 BLOOM and MPT compute their ALiBi bias inside their own attention code, and Falcon (`alibi=True`) adds it to the
 4-D mask, so `attn_implementation="flashtriton"` never sees slopes (`transformers.refuse_unsupported_model` says so).
@@ -12,13 +12,14 @@ flashtriton with the model's slopes, causal bottom-right per sequence:
 
 - the bias: each model's bias is linear in the key position (BLOOM and Falcon: slope · the key's position among the
   row's real tokens; MPT: slope · (key index − keys + 1)), which within a causal row differs from flash-attn's
-  −slope · (query − key) by a constant per row, which the softmax drops. Slopes are the model's own: BLOOM's and
-  MPT's in fp32, Falcon's rounded to bf16 as its `build_alibi_tensor` rounds them, and divided by √head_dim as
-  Falcon divides its bias;
+  −slope · (query − key) by a constant per row, which the softmax drops. Slopes are the model's own, read off its
+  own bias builders: BLOOM's and MPT's in fp32, Falcon's rounded to bf16 as its `build_alibi_tensor` rounds them,
+  and divided by √head_dim as Falcon divides its bias;
 - the mask: the model still builds its eager 4-D mask; it must be causal over each row's real keys (with padding
   on either side, or none), which is checked row by row; padded batches run `flash_attn_varlen_func` on the real
   tokens (`transformers._padded_attention`), others `flash_attn_func`. Any other mask (a custom 4-D mask) is a
-  NotImplementedError, never a different answer;
+  NotImplementedError, never a different answer. The layers of one forward share its mask tensor, which is
+  checked at the first of them;
 - attention dropout in training as flash-attn's `dropout_p`; `output_attentions` is refused (no probabilities).
 
 Returns the number of layers patched; a model with none of these layers (or an ALiBi-free Falcon) is a ValueError.
@@ -26,8 +27,10 @@ Returns the number of layers patched; a model with none of these layers (or an A
 
 from __future__ import annotations
 
+import functools
 import math
 import types
+import weakref
 
 import torch
 
@@ -54,29 +57,30 @@ def patch_alibi_attention(model: torch.nn.Module) -> int:
     return patched
 
 
+@functools.lru_cache(maxsize=64)
 def bloom_slopes(num_heads: int, device) -> torch.Tensor:
-    """BLOOM's and Falcon's ALiBi slopes, fp32, computed as `transformers.models.bloom.modeling_bloom
-    ._get_alibi_slopes` computes them (fp32 powers), so that they are the same bits."""
-    closest = 2 ** math.floor(math.log2(num_heads))
+    """BLOOM's ALiBi slopes (H,) fp32, read off its own `build_alibi_tensor` (slope · key position) at position 1."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
-    def powers(base: float, exponents: torch.Tensor) -> torch.Tensor:
-        return torch.pow(torch.full((), base, dtype=torch.float32, device=device), exponents)
-    slopes = powers(2 ** (-(2 ** -(math.log2(closest) - 3))),
-                    torch.arange(1, 1 + closest, device=device, dtype=torch.int32))
-    if closest != num_heads:
-        extra = min(closest, num_heads - closest)
-        slopes = torch.cat([slopes, powers(2 ** (-(2 ** -(math.log2(2 * closest) - 3))),
-                                           torch.arange(1, 1 + 2 * extra, 2, device=device, dtype=torch.int32))])
-    return slopes
+    ones = torch.ones(1, 2, dtype=torch.long, device=device)
+    return build_alibi_tensor(ones, num_heads, torch.float32)[:, 0, 1].contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def falcon_slopes(num_heads: int, head_dim: int, device) -> torch.Tensor:
+    """Falcon's ALiBi slopes (H,) fp32 as its mask carries them: its `build_alibi_tensor` (which rounds the slopes
+    to bf16) at position 1, over √head_dim."""
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    ones = torch.ones(1, 2, dtype=torch.long, device=device)
+    return (build_alibi_tensor(ones, num_heads, torch.float32)[:, 0, 1] / math.sqrt(head_dim)).contiguous()
 
 
 def mpt_slopes(num_heads: int, alibi_bias_max: float, device) -> torch.Tensor:
-    """MPT's ALiBi slopes (`transformers.models.mpt.modeling_mpt.build_mpt_alibi_tensor`), fp32."""
-    power = 2 ** math.ceil(math.log2(num_heads))
-    slopes = 1.0 / torch.pow(2, torch.arange(1, power + 1, dtype=torch.float32) * (alibi_bias_max / power))
-    if power != num_heads:
-        slopes = torch.cat([slopes[1::2], slopes[::2]])[:num_heads]
-    return slopes.to(device)
+    """MPT's ALiBi slopes (H,) fp32, read off its own `build_mpt_alibi_tensor` (`_mpt_layer_slopes`)."""
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    return _mpt_layer_slopes(build_mpt_alibi_tensor(num_heads, 2, alibi_bias_max, device=device))
 
 
 def alibi_attention(q, k, v, mask, slopes: torch.Tensor, scale: float, dropout_p: float = 0.0, where: str = ""):
@@ -85,15 +89,24 @@ def alibi_attention(q, k, v, mask, slopes: torch.Tensor, scale: float, dropout_p
     above half the dtype's lowest value, or bool, True where masked; None: no mask. Returns (B, Sq, H, D)."""
     if mask is None:
         return flash_attn_func(q, k, v, dropout_p, softmax_scale=scale, causal=True, alibi_slopes=slopes)
-    keys = _causal_key_mask(mask, q.shape[1], k.shape[1], where)
-    if bool(keys.all()):
+    keys, padded = _causal_key_mask(mask, q.shape[1], k.shape[1], where)
+    if not padded:
         return flash_attn_func(q, k, v, dropout_p, softmax_scale=scale, causal=True, alibi_slopes=slopes)
     return _padded_attention(q, k, v, keys, scale, True, dropout_p=dropout_p, alibi_slopes=slopes)
 
 
-def _causal_key_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, where: str) -> torch.Tensor:
-    """(B, Sk) bool, True = a real key, of an eager 4-D mask that is causal (bottom-right) over each row's real keys
-    for every real query; NotImplementedError otherwise (a custom mask the kernels would not reproduce)."""
+# The last mask `_causal_key_mask` checked and its verdict: every layer of one forward gets the same mask tensor,
+# so the check (and its two host syncs) runs once per forward, not once per layer.
+_last_checked: list = [None, None]
+
+
+def _causal_key_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, where: str) -> tuple[torch.Tensor, bool]:
+    """((B, Sk) bool, True = a real key; whether any key is padding) of an eager 4-D mask that is causal
+    (bottom-right) over each row's real keys for every real query; NotImplementedError otherwise (a custom mask
+    the kernels would not reproduce)."""
+    ref, verdict = _last_checked
+    if ref is not None and ref() is mask and verdict[0] == (seqlen_q, seqlen_k):
+        return verdict[1]
     if mask.dim() != 4 or mask.shape[-2:] != (seqlen_q, seqlen_k):
         raise NotImplementedError(f"{where}: flashtriton takes a 4-D (batch, 1, {seqlen_q}, {seqlen_k}) mask here; "
                                   f"got shape {tuple(mask.shape)}")
@@ -107,7 +120,9 @@ def _causal_key_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, where: st
         raise NotImplementedError(f"{where}: flashtriton runs ALiBi models under a causal mask over each row's real "
                                   f"tokens only; this mask is another (a custom 4-D mask?). Use the model's eager "
                                   f"attention for it")
-    return keys
+    verdict = (keys, not bool(keys.all()))
+    _last_checked[:] = [weakref.ref(mask), ((seqlen_q, seqlen_k), verdict)]
+    return verdict
 
 
 def _check_outputs(output_attentions: bool, where: str) -> None:
@@ -193,7 +208,7 @@ def _falcon_forward(self, hidden_states, attention_mask, position_ids=None, laye
     if layer_past is not None:
         key, value = layer_past.update(key.transpose(1, 2), value.transpose(1, 2), self.layer_idx)
         key, value = key.transpose(1, 2), value.transpose(1, 2)
-    slopes = bloom_slopes(self.num_heads, hidden_states.device).bfloat16().float() / math.sqrt(self.head_dim)
+    slopes = falcon_slopes(self.num_heads, self.head_dim, hidden_states.device)
     dropout_p = self.attention_dropout if self.training else 0.0
     out = alibi_attention(query, key, value, attention_mask, slopes, self.scaling, dropout_p, "FalconAttention")
     return self.dense(out.reshape(*input_shape, -1)), None

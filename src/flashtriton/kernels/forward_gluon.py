@@ -493,19 +493,17 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
         acc = _acc_zero(HEAD_DIM_V, SCORES)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    if (SCORES & SC_O_IN_Q) != 0 and not IS_VARLEN:
-        # O_IN_Q: the output staged in this warpgroup's Q buffer (its S products are done), which goes back to the
-        # producer once the TMA store has read it
-        _store_item(acc, m_i, l_i, q_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om,
-                    stride_oh, stride_lb, stride_lh, sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN, HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_N, False, SCORES)
+    # O_IN_Q: the output staged in this warpgroup's Q buffer (its S products are done), which goes back to the
+    # producer once the TMA store has read it; else the Q slot goes back before the output is stored
+    O_IN_Q: gl.constexpr = (SCORES & SC_O_IN_Q) != 0 and not IS_VARLEN
+    if not O_IN_Q:
+        mbarrier.arrive(q_empty.index(qs), count=1)
+    _store_item(acc, m_i, l_i, q_bufs if O_IN_Q else o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q,
+                stride_om, stride_oh, stride_lb, stride_lh, sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCORES)
+    if O_IN_Q:
         tma.store_wait(0)
         mbarrier.arrive(q_empty.index(qs), count=1)
-    else:
-        mbarrier.arrive(q_empty.index(qs), count=1)
-        _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_start, seqlen_q, stride_om,
-                    stride_oh, stride_lb, stride_lh, sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN, HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_N, False, SCORES)
     return c
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import math
 import os
 import statistics
@@ -320,6 +321,15 @@ def time_in_rounds(calls: dict, rounds: int, rep: int = 100, warmup_ms: int = 10
             time_fn(calls[key], warmup=warmup_ms, rep=1)
             times[key].append(time_fn(calls[key], warmup=5, rep=rep)[1])
     return times
+
+
+def write_rows(out_dir: str | None, name: str, rows: list) -> None:
+    """An A/B script's rows as out_dir/name (a JSON list; values JSON lacks as their str), the folder made; nothing
+    when out_dir is None (the printed table only)."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(rows, f, indent=1, default=str)
 
 
 def free_memory() -> None:
