@@ -2,7 +2,7 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite; ~600 s), bwd_ab (benchmarks/gluon_bwd_ab.py: Gluon backward configs, kernel times; AB_CASES, AB_ROUNDS, AB_LABELS), fused_ab (the preprocess inside the dQ kernels: GPU tests and benchmarks/fused_delta_ab.py), bwd_timeline (benchmarks/bwd_timeline.py), softcap_ab (tests and benchmarks/softcap_ab.py), decode_dims (decode at D=256 and 192/128 beside cuDNN; DECODE_DIMS narrows), o_in_q (O_IN_Q's GPU tests and its wide forward timed), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite; ~600 s), bwd_ab (benchmarks/gluon_bwd_ab.py: Gluon backward configs, kernel times; AB_CASES, AB_ROUNDS, AB_LABELS), fused_ab (the preprocess inside the dQ kernels: GPU tests and benchmarks/fused_delta_ab.py), bwd_timeline (benchmarks/bwd_timeline.py), softcap_ab (tests and benchmarks/softcap_ab.py), decode_dims (decode at D=256 and 192/128 beside cuDNN; DECODE_DIMS narrows), o_in_q (O_IN_Q's GPU tests and its wide forward timed; O_IN_Q_AB=0: the tests only), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), paged_ab (paged prefill's tests and timing, then again with AB_SWAP's file: an A/B), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), dropout (dropout.py), gluon_dropout (the dropout tests with the Gluon kernels', dropout.py --gluon), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
@@ -76,12 +76,21 @@ for step in "$@"; do
       timeout 240 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py \
         -k "output or wide or qk_width or pads_other" > $R/pytest_o_in_q.txt 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_o_in_q.txt | head -20
-      timeout 240 python benchmarks/fwd_config_ab.py --head-dims 192,256 --seqlens 1024,4096,16384 --candidates n64_oq \
+      [ "${O_IN_Q_AB:-1}" = 1 ] && timeout 240 python benchmarks/fwd_config_ab.py --head-dims 192,256 --seqlens 1024,4096,16384 --candidates n64_oq \
         --rounds 3 --out $R/o_in_q > $R/o_in_q.txt 2>&1; grep -v cudnn $R/o_in_q.txt | tail -24 ;;
     decode_host) timeout 120 python benchmarks/decode_host.py --out $R/decode_host.txt > /dev/null 2>&1; head -40 $R/decode_host.txt ;;
     headdims) timeout 240 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
         --dtypes bf16 --head-dims ${HEAD_DIMS:-80,96,192/128,256} --seqlens 1024,4096 --causal 1 --out $R/headdims --no-plots \
         > $R/headdims.txt 2>&1; grep -v "it/s" $R/headdims.txt | tail -40 ;;
+    paged_ab) # paged prefill: its GPU tests and paged_prefill.py (PAGES) on the working tree, then (AB_SWAP="dst=src")
+      # again with file src copied over dst: an A/B of kernel code in one call, each side with its own dense baseline
+      timeout 200 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_paged_prefill.py \
+        > $R/pytest_paged.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_paged.txt | head -20
+      timeout 150 python benchmarks/paged_prefill.py --pages ${PAGES:-8,16,32} --out $R/paged_a > $R/paged_a.txt 2>&1
+      tail -6 $R/paged_a.txt
+      if [ -n "${AB_SWAP:-}" ]; then cp "${AB_SWAP#*=}" "${AB_SWAP%%=*}"
+        timeout 150 python benchmarks/paged_prefill.py --pages ${PAGES:-8,16,32} --out $R/paged_b > $R/paged_b.txt 2>&1
+        tail -6 $R/paged_b.txt; fi ;;
     paged_prefill) timeout 240 python benchmarks/paged_prefill.py --out $R/paged_prefill > $R/paged_prefill.txt 2>&1
       tail -8 $R/paged_prefill.txt ;;
     context_parallel) timeout 300 python benchmarks/context_parallel.py --out $R/context_parallel > $R/context_parallel.txt 2>&1

@@ -172,6 +172,11 @@ def test_gluon_qk_width_against_float64(case, name, dtype, split_pv, device, mon
         pytest.skip("PV_SPLIT takes V heads of 129 ... 192 columns")
     config = WIDE_CONFIGS[name[6:]] if wide else CONFIGS[name]
     width = G.qk_width(head_dim)
+    if config.get("O_IN_Q") and head_dim_v < head_dim:  # the output's tile would not fill Q's buffer: refused
+        with pytest.raises(ValueError, match="O_IN_Q takes"):
+            G.launch_parts((2, 64, 4, head_dim), (2, 64, 2, head_dim), causal, True, config, 1,
+                           head_dim_v=head_dim_v, qk_columns=width, split_pv=G.pv_split(head_dim_v))
+        return
     _, _, meta = G.launch_parts((2, 64, 4, head_dim), (2, 64, 2, head_dim), causal, True, config, 1,
                                 head_dim_v=head_dim_v, qk_columns=width, split_pv=G.pv_split(head_dim_v))
     assert meta.get("QK_WIDTH", head_dim) == gluon_common.product_width(head_dim) <= meta["HEAD_DIM"]
@@ -527,6 +532,7 @@ def test_o_in_q_rules_take_the_wide_tiles_where_switched_on(monkeypatch):
     Q buffers, causal at every length and non-causal up to 4k keys (GLUON_FWD_O_IN_Q), and those launch within
     sm_90's shared memory; off, and at other head dims or V tiles narrower than Q's, the rules are GLUON_FWD's."""
     cases = [(d, causal, t) for d in (64, 128, 192, 256) for causal in (False, True) for t in (512, 4096, 16384)]
+    monkeypatch.setattr(configs.forward, "GLUON_O_IN_Q", False)
     off = {case: configs.gluon_fwd_config(case[0], case[2], case[2], case[1]) for case in cases}
     assert not any(c.get("O_IN_Q") for c in off.values())
     monkeypatch.setattr(configs.forward, "GLUON_O_IN_Q", True)

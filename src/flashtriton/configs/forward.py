@@ -152,9 +152,10 @@ GLUON_FWD = Table(("gpu", "dtype", "head_dim", "variant", "seqlen_k"), rows=[
 
 
 # The 256-column tiles' forward with its output staged in the Q buffers (GLUON_D256_OQ), ahead of GLUON_FWD's rows
-# where GLUON_O_IN_Q is on. Measured (o-in-q/: timed, and checked against the dispatch's output, on an H100); off
-# until O_IN_Q's float64 GPU tests (`tests/test_forward_gluon.py`, "output in the Q buffers") have run.
-GLUON_O_IN_Q = False
+# while GLUON_O_IN_Q is on (False: GLUON_FWD's rows alone, for A/B runs). Timed against them on an H100
+# (o-in-q/); its float64 GPU tests and the head-dims sweep with it on there too (o-in-q-on/: D=192 / 256 bf16 at
+# 0.93-0.97x cuDNN at 1k keys, where GLUON_FWD's rows read 0.73-0.80x in headdims/).
+GLUON_O_IN_Q = True
 GLUON_FWD_O_IN_Q = Table(("gpu", "dtype", "head_dim", "variant", "seqlen_k"), rows=[
     # gpu dtype  head dim  variant  seqlen_k      config             source
     (SM90, "16", 256,      CAUSAL,  ANY,          GLUON_D256_OQ,     H100_DEC6 + "o-in-q/oq_wide.txt"),
