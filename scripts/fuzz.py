@@ -4,6 +4,7 @@ search for inputs the test suite's grid misses.
 
     TRITON_INTERPRET=1 .venv/bin/python scripts/fuzz.py --seconds 600       # CPU (fp32 and fp16)
     .venv/bin/python scripts/fuzz.py --seconds 300 --device cuda            # a GPU (fp16 and bf16 too)
+    .venv/bin/python scripts/fuzz.py --device cuda --gluon-bwd-everywhere   # small cases on the Gluon backward
 
 Each case draws shapes (GQA / MQA, Sq != Sk, head dims 1..256 with a V head dim of its own, empty sequences),
 causal, a window, softcap, ALiBi ((H,) or (B, H)), sinks, dropout (the reference on the call's recovered mask) and a
@@ -240,7 +241,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="first case's seed (default: from the clock)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--decode", type=float, default=0.3, help="the share of flash_attn_with_kvcache cases")
+    ap.add_argument("--gluon-bwd-everywhere", action="store_true",
+                    help="the Gluon backward at every size (no minimum of work or keys), so that the small cases "
+                         "reach it on Hopper")
     args = ap.parse_args()
+    if args.gluon_bwd_everywhere:
+        from flashtriton.configs import backward as configs_backward
+
+        configs_backward.GLUON_BWD_MIN_FLOPS = configs_backward.GLUON_BWD_D64_MIN_KEYS = 0
     seed = args.seed if args.seed is not None else int(time.time()) % 10**6
     end = time.monotonic() + args.seconds
     failures = n = 0
