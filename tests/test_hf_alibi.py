@@ -7,6 +7,7 @@ refused by name."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -137,17 +138,69 @@ def test_patched_alibi_models_train_like_eager(family, kernel_calls):
             assert torch.allclose(a.grad, b.grad, atol=1e-4, rtol=1e-3), name
 
 
+def _alibi_paper_slopes(heads: int) -> torch.Tensor:
+    """The ALiBi paper's slopes, BLOOM's: 2^(-8 i / n) for the n = 2^floor(log2 heads) first heads, then every other
+    slope of the 2n-head sequence for the rest."""
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+    slopes += [2.0 ** (-8.0 * i / (2 * n)) for i in range(1, 2 * (heads - n), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
 def test_slopes_are_the_models_own():
-    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
     from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
     for heads in (1, 4, 6, 12, 16, 40, 71):
-        assert torch.equal(hf_alibi.bloom_slopes(heads, "cpu"), _get_alibi_slopes(heads, torch.device("cpu")))
+        assert torch.allclose(hf_alibi.bloom_slopes(heads, "cpu"), _alibi_paper_slopes(heads), rtol=1e-6)
         for bias_max in (8, 4):
             bias = build_mpt_alibi_tensor(heads, 16, bias_max)  # (H, 1, 16): slope * (index - 15)
             assert torch.allclose(hf_alibi.mpt_slopes(heads, bias_max, "cpu"), -bias[:, 0, 0] / 15, rtol=1e-6)
             assert torch.allclose(hf_alibi._mpt_layer_slopes(bias), hf_alibi.mpt_slopes(heads, bias_max, "cpu"),
                                   rtol=1e-5)
+
+
+def _falcon_with_the_older_layer(reference):
+    """A copy of an ALiBi Falcon whose attention layers have the older FalconAttention's shape: forward(hidden_states,
+    alibi, attention_mask, position_ids, layer_past, head_mask, use_cache, output_attentions, cache_position,
+    position_embeddings) returning (out, layer_past), `inv_norm_factor` and no `scaling`, an nn.Dropout module as
+    `attention_dropout` (transformers before the bias moved into the mask)."""
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    def forward(self, hidden_states, alibi=None, attention_mask=None, position_ids=None, layer_past=None,
+                head_mask=None, use_cache=False, output_attentions=False, cache_position=None,
+                position_embeddings=None):
+        raise AssertionError("patched away")
+
+    older_falcon_attention = type("FalconAttention", (FalconAttention,), {"forward": forward})  # (the patch's name)
+    model = copy.deepcopy(reference)
+    for module in model.modules():
+        if type(module) is FalconAttention:
+            module.__class__ = older_falcon_attention
+            module.inv_norm_factor = module.scaling
+            del module.scaling
+            module.attention_dropout = torch.nn.Dropout(module.attention_dropout)
+    return model
+
+
+def test_falcon_layers_of_either_shape(kernel_calls):
+    """The patched Falcon layer binds its call to the layer class's own forward: the older shape (the bias beside
+    the mask, head_mask, (out, layer_past) returned) gives the same logits and greedy tokens as the current one."""
+    reference, patched = _models("falcon_alibi")
+    older = _falcon_with_the_older_layer(reference)
+    assert hf_alibi.patch_alibi_attention(older) == 2
+    ids, mask = _batch([9, 4, 7], 9, "left")
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, attention_mask=mask).logits for m in (reference, older))
+    real = mask.bool()
+    assert torch.allclose(got[real], want[real], atol=ATOL, rtol=1e-4)
+    assert kernel_calls["varlen"] > 0
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    assert torch.equal(older.generate(input_ids=ids, attention_mask=mask, **settings),
+                       reference.generate(input_ids=ids, attention_mask=mask, **settings))
+    layer = next(m for m in older.modules() if getattr(m, "_flashtriton_alibi", False))
+    hidden = torch.randn(1, 5, 32, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="head_mask"):
+        layer(hidden, None, None, head_mask=torch.ones(4, device=DEVICE))
 
 
 def test_what_patch_alibi_attention_refuses():

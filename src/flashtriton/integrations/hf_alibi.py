@@ -28,6 +28,7 @@ Returns the number of layers patched; a model with none of these layers (or an A
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import types
 import weakref
@@ -191,11 +192,21 @@ def _mpt_layer_slopes(position_bias: torch.Tensor) -> torch.Tensor:
     return slopes.contiguous()
 
 
-def _falcon_forward(self, hidden_states, attention_mask, position_ids=None, layer_past=None, use_cache=False,
-                    output_attentions=False, position_embeddings=None, **kwargs):
-    """FalconAttention.forward of an ALiBi Falcon on flashtriton: its projections (every head layout) and cache; the
-    bias the model folded into its mask comes back as slopes (bf16-rounded, over √head_dim, as Falcon has it)."""
-    _check_outputs(output_attentions, "FalconAttention")
+def _falcon_forward(self, *args, **kwargs):
+    """FalconAttention.forward of an ALiBi Falcon on flashtriton: its projections (every head layout) and cache,
+    the slopes its `build_alibi_tensor` gives (bf16-rounded where that rounds them), over √head_dim as Falcon scales
+    its bias. The call's arguments are bound to the layer class's own `forward`, which transformers has shaped two
+    ways: the bias folded into `attention_mask` (returns (out, weights)), or passed as `alibi` beside the mask, with
+    `head_mask` (returns (out, layer_past)); the mask's bias values are never read, only where it is visible."""
+    bound = _FALCON_SIGNATURES[type(self)].bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    call = bound.arguments
+    extra = call.get("kwargs", {})
+    _check_outputs(call.get("output_attentions", False) or extra.get("output_attentions", False), "FalconAttention")
+    if call.get("head_mask") is not None:
+        raise NotImplementedError("FalconAttention: flashtriton takes no head_mask (use the model's eager attention)")
+    hidden_states, attention_mask = call["hidden_states"], call.get("attention_mask")
+    layer_past = call.get("layer_past", extra.get("past_key_values"))
     input_shape = hidden_states.shape[:-1]
     fused = self.query_key_value(hidden_states).view(*input_shape, -1, self.head_dim)
     if self.new_decoder_architecture:
@@ -209,9 +220,21 @@ def _falcon_forward(self, hidden_states, attention_mask, position_ids=None, laye
         key, value = layer_past.update(key.transpose(1, 2), value.transpose(1, 2), self.layer_idx)
         key, value = key.transpose(1, 2), value.transpose(1, 2)
     slopes = falcon_slopes(self.num_heads, self.head_dim, hidden_states.device)
-    dropout_p = self.attention_dropout if self.training else 0.0
-    out = alibi_attention(query, key, value, attention_mask, slopes, self.scaling, dropout_p, "FalconAttention")
-    return self.dense(out.reshape(*input_shape, -1)), None
+    scale = getattr(self, "scaling", None) or self.inv_norm_factor
+    dropout = self.attention_dropout
+    dropout_p = (dropout.p if isinstance(dropout, torch.nn.Dropout) else float(dropout)) if self.training else 0.0
+    out = alibi_attention(query, key, value, attention_mask, slopes, scale, dropout_p, "FalconAttention")
+    out = self.dense(out.reshape(*input_shape, -1))
+    return (out, layer_past) if "alibi" in call else (out, None)
 
 
+class _Signatures(dict):
+    """inspect.signature of a class's `forward`, kept per class."""
+
+    def __missing__(self, cls):
+        self[cls] = inspect.signature(cls.forward)
+        return self[cls]
+
+
+_FALCON_SIGNATURES = _Signatures()
 _FORWARDS = {"BloomAttention": _bloom_forward, "MptAttention": _mpt_forward, "FalconAttention": _falcon_forward}
