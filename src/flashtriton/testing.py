@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import ops
+from ._env import INTERPRET
 from .kernels.host import cdiv
 from .kernels.variant import dropout_keep, dropout_state, dropout_threshold
 
@@ -64,13 +65,20 @@ def dropout_mask(rng_state, batch: int, heads: int, seqlen_q: int, seqlen_k: int
     kept (then scaled by 1 / (1 - dropout_p)). rng_state: the call's int64 (seed, offset) tensor (`record_dropout`)
     or a (seed, offset) pair of ints; heads are the query heads. Varlen: batch is the number of sequences and
     the lengths their longest; sequence b's mask is [b, :, :len_q(b), :len_k(b)] (rows and keys count from each
-    sequence's start). Materialises the whole mask: small shapes only."""
+    sequence's start). `device`: where the mask is returned (default: rng_state's); a kernel draws it, on the GPU
+    for CPU tensors unless the interpreter is on. Materialises the whole mask: small shapes only."""
     if not isinstance(rng_state, torch.Tensor):
         rng_state = torch.tensor([int(x) for x in rng_state], dtype=torch.int64)
     device = rng_state.device if device is None else torch.device(device)
-    rng_state = rng_state.to(device=device, dtype=torch.int64).contiguous()
-    out = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.int8, device=device)
+    # the mask is drawn by a Triton kernel: on the CPU only under the interpreter, else on a GPU, then moved
+    run_on = device if (INTERPRET or device.type != "cpu") else (
+        rng_state.device if rng_state.device.type != "cpu" else torch.device("cuda"))
+    if run_on.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("testing.dropout_mask draws the mask with a Triton kernel: it needs a CUDA GPU, or "
+                           "TRITON_INTERPRET=1 for CPU tensors")
+    rng_state = rng_state.to(device=run_on, dtype=torch.int64).contiguous()
+    out = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.int8, device=run_on)
     if out.numel():
         _dropout_mask[(cdiv(seqlen_q, MASK_BLOCK), heads, batch)](
             rng_state, out, dropout_threshold(float(dropout_p)), seqlen_q, seqlen_k, BLOCK=MASK_BLOCK)
-    return out.bool()
+    return out.bool().to(device)
