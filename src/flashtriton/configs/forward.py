@@ -270,7 +270,7 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, 
         config = GLUON_WINDOW_FWD.lookup(SM90, "16", head_dim, band)
         if config is not None:
             return config
-    if GLUON_O_IN_Q:
+    if GLUON_O_IN_Q and not dropout:  # (dropout at these tiles, under GLUON_DROPOUT_ALL: GLUON_FWD's, as tested)
         config = GLUON_FWD_O_IN_Q.lookup(SM90, "16", head_dim, variant_class(causal), seqlen_k)
         if config is not None:
             return config
