@@ -138,7 +138,8 @@ def run_case(case: dict, seed: int, device: str) -> None:
     cancel = {"dq": dp * mag(k) * s_eff * math.sqrt(d), "dk": dp * mag(q) * s_eff * math.sqrt(d)}
     # fp32 under the interpreter: numpy's matmul sums Q Kᵀ in another order than K Qᵀ (the dK/dV kernel's), so the
     # backward's P differs from the forward's (whose lse it divides by) by the scores' rounding, ~2^-24 · sqrt(d) ·
-    # |q| |k| · scale relative (measured ~1.2x that at d=128; a GPU's fp32 dots sum over d in one order both ways).
+    # |q| |k| · scale relative (measured ~1.2x that at d=128; on a GPU, Triton's fp32 dots are FMA chains over d in
+    # one order either way).
     # Four times that, in units of the floor's 8 · 2^-20:
     recompute = mag(q) * mag(k) * math.sqrt(d) * s_eff / 32 if (dt == torch.float32 and device == "cpu") else 0.0
     for name, g, ex, lo in zip(names, got, exact, low):
