@@ -206,7 +206,9 @@ def _falcon_forward(self, *args, **kwargs):
     if call.get("head_mask") is not None:
         raise NotImplementedError("FalconAttention: flashtriton takes no head_mask (use the model's eager attention)")
     hidden_states, attention_mask = call["hidden_states"], call.get("attention_mask")
-    layer_past = call.get("layer_past", extra.get("past_key_values"))
+    layer_past = call.get("layer_past")
+    if layer_past is None:
+        layer_past = extra.get("past_key_values")
     input_shape = hidden_states.shape[:-1]
     fused = self.query_key_value(hidden_states).view(*input_shape, -1, self.head_dim)
     if self.new_decoder_architecture:
