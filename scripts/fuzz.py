@@ -149,8 +149,8 @@ def run_case(case: dict, seed: int, device: str) -> None:
         err = (g - ex).abs().max().item() if g.numel() else 0.0
         err_lo = (lo - ex).abs().max().item() if g.numel() else 0.0
         scale = max(ex.abs().max().item(), 1.0) if ex.numel() else 1.0
-        bound = 2 * err_lo + 8 * FLOOR[dt] * max(scale * max(1.0, recompute if name != "out" else 0.0),
-                                                 cancel.get(name, 0.0))
+        size = scale * max(1.0, recompute) if name != "out" else scale
+        bound = 2 * err_lo + 8 * FLOOR[dt] * max(size, cancel.get(name, 0.0))
         if err > bound:
             raise AssertionError(f"{name}: error {err:.3e} > bound {bound:.3e} (torch's {err_lo:.3e})")
     fin = torch.isfinite(exact_lse)

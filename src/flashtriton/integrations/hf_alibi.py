@@ -198,7 +198,7 @@ def _falcon_forward(self, *args, **kwargs):
     its bias. The call's arguments are bound to the layer class's own `forward`, which transformers has shaped two
     ways: the bias folded into `attention_mask` (returns (out, weights)), or passed as `alibi` beside the mask, with
     `head_mask` (returns (out, layer_past)); the mask's bias values are never read, only where it is visible."""
-    bound = _FALCON_SIGNATURES[type(self)].bind(self, *args, **kwargs)
+    bound = _forward_signature(type(self)).bind(self, *args, **kwargs)
     bound.apply_defaults()
     call = bound.arguments
     extra = call.get("kwargs", {})
@@ -230,13 +230,9 @@ def _falcon_forward(self, *args, **kwargs):
     return (out, layer_past) if "alibi" in call else (out, None)
 
 
-class _Signatures(dict):
-    """inspect.signature of a class's `forward`, kept per class."""
-
-    def __missing__(self, cls):
-        self[cls] = inspect.signature(cls.forward)
-        return self[cls]
+@functools.lru_cache(maxsize=None)
+def _forward_signature(cls) -> inspect.Signature:
+    return inspect.signature(cls.forward)
 
 
-_FALCON_SIGNATURES = _Signatures()
 _FORWARDS = {"BloomAttention": _bloom_forward, "MptAttention": _mpt_forward, "FalconAttention": _falcon_forward}
