@@ -158,7 +158,7 @@ for step in "$@"; do
     graphs) timeout 200 python -m pytest -v -p no:cacheprovider --tb=short -rf tests/test_cuda_graphs.py \
         tests/test_kvcache.py -k "graph" > $R/pytest_graphs.txt 2>&1; grep -E "PASSED|FAILED|ERROR|passed|failed" $R/pytest_graphs.txt | tail -16 ;;
     varlen_wide) # the Gluon forward on packed batches at 64- and 256-column tiles against the dispatch's (VW_DIMS)
-      timeout 300 python benchmarks/varlen_wide_ab.py --head-dims ${VW_DIMS:-64,192,256} --out $R/varlen_wide \
+      timeout 300 python benchmarks/varlen_wide_ab.py --head-dims ${VW_DIMS:-64,192,256,192/128} --out $R/varlen_wide \
         > $R/varlen_wide.txt 2>&1; tail -40 $R/varlen_wide.txt ;;
     dropout) timeout 300 python benchmarks/dropout.py --out $R/dropout > $R/dropout.txt 2>&1; tail -34 $R/dropout.txt ;;
     gluon_dropout) # the Gluon kernels' dropout: its GPU tests, then timed beside the portable kernels and cuDNN
