@@ -31,6 +31,10 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 TANH_APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")  # `tanh(APPROX=True)`: PTX on a GPU
+# Rounds of the dropout generator's Philox4x32 (`dropout_fields`): Philox4x32-10's ten. FlashAttention-2's and
+# PyTorch's flash kernels draw their masks with seven (Philox4x32-7 also passes TestU01's BigCrush, Salmon et al.,
+# SC 2011); the rounds' integer multiplies and logic share the softmax's issue slots.
+DROPOUT_ROUNDS = tl.constexpr(10)
 WINDOW_UNBOUNDED = 1 << 30  # a window side without bound, as the kernels take it (indices stay within int32)
 ALIBI_GIVEN = torch.empty(0)  # `Variant.of`'s stand-in for slopes or sinks that the launcher passes to the kernels
 
@@ -477,7 +481,7 @@ def dropout_fields(seed, offset, bh, c0, c1):
     (R, C) = (8a + b, 4m + c) serves rows 16a + b + 8ρ and keys 16m + 2c + 8κ + π: field π (0: bits 0..15,
     1: bits 16..31) of its output 2ρ + κ. Only register moves lie between the calls' shape and the scores' where
     a thread holds all eight scores of each of its calls (`gluon_common.dropout_calls_layout`)."""
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset, n_rounds=DROPOUT_ROUNDS)
     x0 = tl.join(r0 << 16, r0)  # (M / 2, N / 4, π)
     x1 = tl.join(r1 << 16, r1)
     x2 = tl.join(r2 << 16, r2)
