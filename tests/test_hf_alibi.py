@@ -1,6 +1,6 @@
 """`hf_alibi.patch_alibi_attention`: BLOOM, MPT and ALiBi Falcon on flashtriton's ALiBi kernels, against the same
-model's eager attention on the same weights and inputs (tiny random-weight fp32 models, no downloads): logits on
-the real positions, greedy tokens with a KV cache past padded prompts, gradients in training; flashtriton's kernels
+model's eager attention (Falcon's SDPA attention: `_models`) on the same weights and inputs (tiny random-weight fp32
+models, no downloads): logits on the real positions, greedy tokens with a KV cache past padded prompts, gradients in training; flashtriton's kernels
 must have run, and what it does not take (a custom mask, attention probabilities, a model without these layers) is
 refused by name."""
 
@@ -46,10 +46,13 @@ FAMILIES = {
 
 
 def _models(family: str):
-    """(eager reference, patched copy) on the test device, fp32, eval mode, the same weights."""
+    """(reference, patched copy) on the test device, fp32, eval mode, the same weights. The reference runs the
+    model's eager attention; Falcon's its SDPA attention, which adds the bias once on every transformers version,
+    where the eager FalconAttention of some (5.17) adds it twice: to the scores and again through the 4-D mask the
+    model folds it into (`test_falcon_reference_adds_the_bias_once`)."""
     torch.manual_seed(0)
     config = FAMILIES[family]()
-    config._attn_implementation = "eager"
+    config._attn_implementation = "sdpa" if family.startswith("falcon") else "eager"
     reference = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE).eval()
     patched = copy.deepcopy(reference)
     layers = hf_alibi.patch_alibi_attention(patched)
@@ -176,10 +179,47 @@ def _falcon_with_the_older_layer(reference):
     for module in model.modules():
         if type(module) is FalconAttention:
             module.__class__ = older_falcon_attention
-            module.inv_norm_factor = module.scaling
-            del module.scaling
-            module.attention_dropout = torch.nn.Dropout(module.attention_dropout)
+            if hasattr(module, "scaling"):  # (transformers whose layer is the older one already keep theirs)
+                module.inv_norm_factor = module.scaling
+                del module.scaling
+            if not isinstance(module.attention_dropout, torch.nn.Dropout):
+                module.attention_dropout = torch.nn.Dropout(module.attention_dropout)
     return model
+
+
+def test_falcon_reference_adds_the_bias_once():
+    """The Falcon reference (its SDPA attention) against ALiBi written out in float64 from the model's own
+    projections: one bias per score, slope · key position / √head_dim (as the model was trained), which the
+    patched layers reproduce; whatever the eager attention of the installed transformers does."""
+    reference, patched = _models("falcon_alibi_multi_query")
+    ids, mask = _batch([7, 7], 7, "left")
+    layer = next(m for m in reference.modules() if type(m).__name__ == "FalconAttention")
+    captured = {}
+    hook = layer.register_forward_pre_hook(lambda m, args, kwargs: captured.update(x=args[0] if args else
+                                                                                   kwargs["hidden_states"]),
+                                           with_kwargs=True)
+    out_hook = layer.register_forward_hook(lambda m, args, kwargs, out: captured.update(out=out[0]),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        reference(input_ids=ids, attention_mask=mask)
+    hook.remove()
+    out_hook.remove()
+    x = captured["x"].double()
+    heads, d = layer.num_heads, layer.head_dim
+    def linear(module, t):
+        return torch.nn.functional.linear(t, module.weight.double(),
+                                          None if module.bias is None else module.bias.double())
+
+    fused = linear(layer.query_key_value, x).view(*x.shape[:2], heads + 2, d)
+    q, k, v = fused[..., :heads, :], fused[..., heads:heads + 1, :], fused[..., heads + 1:, :]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.expand(-1, -1, heads, -1)) / math.sqrt(d)
+    slopes = hf_alibi.falcon_slopes(heads, d, x.device).double()
+    positions = torch.arange(x.shape[1], device=x.device, dtype=torch.float64)
+    scores = scores + slopes[:, None, None] * positions  # slope · key position (/ √d in the slopes)
+    scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+    attn = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.expand(-1, -1, heads, -1)).flatten(2)
+    want = linear(layer.dense, attn)
+    assert torch.allclose(captured["out"].double(), want, atol=1e-5), (captured["out"].double() - want).abs().max()
 
 
 def test_falcon_layers_of_either_shape(kernel_calls):

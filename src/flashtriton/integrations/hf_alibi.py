@@ -14,7 +14,9 @@ flashtriton with the model's slopes, causal bottom-right per sequence:
   row's real tokens; MPT: slope · (key index − keys + 1)), which within a causal row differs from flash-attn's
   −slope · (query − key) by a constant per row, which the softmax drops. Slopes are the model's own, read off its
   own bias builders: BLOOM's and MPT's in fp32, Falcon's rounded to bf16 as its `build_alibi_tensor` rounds them,
-  and divided by √head_dim as Falcon divides its bias;
+  and divided by √head_dim as Falcon divides its bias. Falcon's logits are those of its SDPA attention, one bias
+  per score: the eager FalconAttention of some transformers versions (5.17) adds the bias a second time, to the
+  scores beside the mask that already carries it;
 - the mask: the model still builds its eager 4-D mask; it must be causal over each row's real keys (with padding
   on either side, or none), which is checked row by row; padded batches run `flash_attn_varlen_func` on the real
   tokens (`transformers._padded_attention`), others `flash_attn_func`. Any other mask (a custom 4-D mask) is a
