@@ -172,7 +172,8 @@ def test_gluon_qk_width_against_float64(case, name, dtype, split_pv, device, mon
         pytest.skip("PV_SPLIT takes V heads of 129 ... 192 columns")
     config = WIDE_CONFIGS[name[6:]] if wide else CONFIGS[name]
     width = G.qk_width(head_dim)
-    if config.get("O_IN_Q") and head_dim_v < head_dim:  # the output's tile would not fill Q's buffer: refused
+    if config.get("O_IN_Q") and gluon_common.head_block(head_dim_v) != gluon_common.head_block(head_dim):
+        # the output's tile would not fill Q's buffer: refused (256 / 192: both in 256-column tiles, taken)
         with pytest.raises(ValueError, match="O_IN_Q takes"):
             G.launch_parts((2, 64, 4, head_dim), (2, 64, 2, head_dim), causal, True, config, 1,
                            head_dim_v=head_dim_v, qk_columns=width, split_pv=G.pv_split(head_dim_v))
@@ -601,10 +602,11 @@ def compile_in_fresh_process(script: str) -> str:
 
 
 # Register spills (bytes of spill stores, `ptxas -v`) of the dispatched Gluon forward configs as triton 3.6's ptxas
-# compiles them; the one that spills (D=64 causal 16k) was measured fast regardless
-# (benchmarks/2026-11-29-h200/explore17/ab_steady_long.txt, `c3o`). A change that makes one spill more fails here
+# compiles them; those that spill were measured fast regardless: D=64 causal 16k
+# (benchmarks/2026-11-29-h200/explore17/ab_steady_long.txt, `c3o`), the 256-column tiles on packed batches
+# (configs.forward.VARLEN_WIDE). A change that makes one spill more fails here
 # before it costs device time (the former OVERLAP loop's 36 bytes cost it 5-15 %).
-SPILL_BUDGET = {(64, True, False, 16384): 28}
+SPILL_BUDGET = {(64, True, False, 16384): 28, (256, True, True, 16384): 8}
 
 
 def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
@@ -618,7 +620,8 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
         "for head_dim, causal, varlen, keys in ((128, False, False, 16384), (128, True, False, 16384),\n"
         "                                       (128, True, False, 1024), (64, False, False, 16384),\n"
         "                                       (64, True, False, 16384), (64, True, False, 1024),\n"
-        "                                       (128, True, True, 16384), (128, False, True, 16384)):\n"
+        "                                       (128, True, True, 16384), (128, False, True, 16384),\n"
+        "                                       (256, True, True, 16384)):\n"
         "    config = (configs.gluon_varlen_config if varlen else configs.gluon_fwd_config)(head_dim, keys, keys, causal)\n"
         "    compiled = compile_for_sm90(head_dim, causal, config, varlen=varlen)\n"
         "    ptx = compiled.asm['ptx']\n"
@@ -627,7 +630,7 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
         "    print('compiled', head_dim, causal, varlen, keys, 'spill', spill, compiled.metadata.shared)\n"
     )
     out = compile_in_fresh_process(script)
-    assert out.count("compiled") == 8
+    assert out.count("compiled") == 9
     import triton
 
     if triton.__version__.startswith("3.6"):
@@ -891,8 +894,8 @@ def test_gluon_variant_builds_compile_for_sm90():
 def test_gluon_dropout_builds_compile_for_sm90():
     """The dropout builds (`gluon_common.dropout_keep` in the softmax, the output scaled by 1 / (1 - p)) compile
     offline: the rules `configs.GLUON_DROPOUT_FWD` (and GLUON_DROPOUT_FWD_ALL) name (the flat loop at D=64 and
-    128, causal or not) within
-    16 bytes of spills (triton 3.6's ptxas), their keep-mask made on the threads that hold its scores (no more
+    128, causal or not) within 16 bytes of spills (triton 3.6's ptxas; 24 at D=128 non-causal, whose build with
+    Philox4x32-7 runs 1.13-1.22x faster than Philox4x32-10's 16: benchmarks/2026-12-06-h100/dropout-rounds/), their keep-mask made on the threads that hold its scores (no more
     warp shuffles than the dropout-free build); a combination with a window, softcap, ALiBi and sinks, and the
     varlen build (in a fresh process, as above)."""
     script = (
@@ -909,7 +912,7 @@ def test_gluon_dropout_builds_compile_for_sm90():
         "    plain = compile_for_sm90(head_dim, causal, config, variant=Variant.of(causal)).asm['ptx']\n"
         "    assert 'wgmma.mma_async' in ptx and 'mul.hi.u32' in ptx\n"
         "    assert ptx.count('shfl.sync') == plain.count('shfl.sync'), (head_dim, causal)\n"
-        "    assert spill_bytes(compiled) <= 16, (head_dim, causal)\n"
+        "    assert spill_bytes(compiled) <= (24 if (head_dim, causal) == (128, False) else 16), (head_dim, causal)\n"
         "    print('compiled', head_dim, causal, keys)\n"
         "variant = Variant.of(True, True, (100, 0), 15.0, True, True, 0.1)\n"
         "config = configs_forward.gluon_fwd_config(128, 1024, 1024, True, 100, dropout=True)\n"

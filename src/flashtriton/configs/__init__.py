@@ -13,8 +13,8 @@ How a launcher picks its config, in order:
    no results file).
 
   forward.py   the portable forward (PORTABLE_FWD), Hopper's TMA forward (TMA_FWD, VARLEN_TMA_FWD) and Gluon
-               forward (GLUON_FWD, GLUON_DROPOUT_FWD, GLUON_WINDOW_FWD, GLUON_VARLEN_FWD), the portable
-               forward's candidates and pruning
+               forward (GLUON_FWD, GLUON_DROPOUT_FWD, GLUON_WINDOW_FWD, GLUON_VARLEN_FWD,
+               GLUON_SEPARATE_V_VARLEN_FWD), the portable forward's candidates and pruning
   backward.py  the Triton backward (BWD_CANDIDATES, TRITON_BWD), the Gluon backward (GLUON_BWD and its gates),
                VARLEN_BWD_ORDER
   decode.py    the split decode kernel (SPLIT_DECODE), the split-KV and schedule constants
@@ -41,7 +41,8 @@ from .decode import (DECODE_AUTOTUNE_KEY, DECODE_CANDIDATES, DECODE_CONFIGS, DEC
                      SPLIT_DECODE, decode_programs_per_sm, decode_shared_memory, default_decode_config,
                      prune_decode_configs)
 from .forward import (FWD_AUTOTUNE_KEY, FWD_CANDIDATES, FWD_CONFIGS, FWD_INTERPRETER_CONFIG, GLUON_DROPOUT_FWD,
-                      GLUON_FWD, GLUON_FWD_O_IN_Q, GLUON_HEAD_DIMS, GLUON_PAGED_FWD, GLUON_SEPARATE_V_FWD, GLUON_VARLEN_FWD, GLUON_WINDOW_FWD, PORTABLE_FWD, TMA_FWD,
+                      GLUON_FWD, GLUON_FWD_O_IN_Q, GLUON_HEAD_DIMS, GLUON_PAGED_FWD, GLUON_SEPARATE_V_FWD,
+                      GLUON_SEPARATE_V_VARLEN_FWD, GLUON_VARLEN_FWD, GLUON_WINDOW_FWD, PORTABLE_FWD, TMA_FWD,
                       VARLEN_TMA_FWD, default_fwd_config, default_fwd_tma_config, gluon_fwd_config, gluon_head_block,
                       gluon_paged_config, gluon_varlen_config, prune_fwd_configs, varlen_fwd_tma_config)
 from .table import Table, seqlen_bucket
@@ -50,7 +51,8 @@ from .table import Table, seqlen_bucket
 TABLES = {"PORTABLE_FWD": PORTABLE_FWD, "TMA_FWD": TMA_FWD, "VARLEN_TMA_FWD": VARLEN_TMA_FWD, "GLUON_FWD": GLUON_FWD,
           "GLUON_FWD_O_IN_Q": GLUON_FWD_O_IN_Q,
           "GLUON_DROPOUT_FWD": GLUON_DROPOUT_FWD, "GLUON_WINDOW_FWD": GLUON_WINDOW_FWD, "GLUON_SEPARATE_V_FWD": GLUON_SEPARATE_V_FWD,
-          "GLUON_VARLEN_FWD": GLUON_VARLEN_FWD, "GLUON_PAGED_FWD": GLUON_PAGED_FWD, "TRITON_BWD": TRITON_BWD, "GLUON_BWD": GLUON_BWD,
+          "GLUON_VARLEN_FWD": GLUON_VARLEN_FWD, "GLUON_SEPARATE_V_VARLEN_FWD": GLUON_SEPARATE_V_VARLEN_FWD,
+          "GLUON_PAGED_FWD": GLUON_PAGED_FWD, "TRITON_BWD": TRITON_BWD, "GLUON_BWD": GLUON_BWD,
           "GLUON_BWD_SEPARATE_V": GLUON_BWD_SEPARATE_V, "SPLIT_DECODE": SPLIT_DECODE}
 
 AUTOTUNE: bool = os.environ.get("FLASHTRITON_AUTOTUNE", "0") == "1"

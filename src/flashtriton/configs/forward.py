@@ -277,24 +277,41 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, 
     return GLUON_FWD.lookup(SM90, "16", head_dim, variant_class(causal), seqlen_k)
 
 
-# Packed (varlen) batches at D=128, causal or not: GLUON_DYNAMIC, so that programs that drew short sequences draw
-# more (20 % off the causal forward against a static share per program; ahead of the TMA kernel's best tiles
-# non-causal).
+# Packed (varlen) batches, causal or not, with items drawn from a counter (DYNAMIC), so that programs that drew
+# short sequences draw more: at D=128 GLUON_DYNAMIC (20 % off the causal forward against a static share per
+# program; ahead of the TMA kernel's best tiles non-causal); in 256-column tiles (D = 192, 256) the dense rule's
+# 64-key tiles stored from registers, 2.1-2.8x the portable forward that ran them and 1.4-1.7x FLASH's varlen forward
+# (VARLEN_WIDE: an H100, the varlen suite's batch, bf16). D=64 keeps the TMA kernel there (the Gluon forward's
+# 0.88-0.98x of it).
+VARLEN_WIDE = H100_DEC6 + "varlen-wide/varlen_wide_ab.json"
+GLUON_D256_VARLEN = dict(GLUON_D256_N64, CAUSAL_PAIRS=False, DYNAMIC=True)
 GLUON_VARLEN_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
-    # gpu dtype  head dim  config         source
-    (SM90, "16", 128,      GLUON_DYNAMIC, H200 + "explore9/varlen_fwd_de6340f13ce5.json"),
-    (ANY,  ANY,  ANY,      None,          NO_GLUON),
+    # gpu dtype  head dim  config             source
+    (SM90, "16", 128,      GLUON_DYNAMIC,     H200 + "explore9/varlen_fwd_de6340f13ce5.json"),
+    (SM90, "16", 256,      GLUON_D256_VARLEN, VARLEN_WIDE),
+    (SM90, "16", 64,       None,              "why: the TMA kernel is faster on packed batches: " + VARLEN_WIDE),
+    (ANY,  ANY,  ANY,      None,              NO_GLUON),
+])
+# V in tiles narrower than QK's on packed batches: QK 256 / V 128 (DeepSeek's MLA, 192 / 128) takes the dense
+# pair's 64-key tiles with items from a counter, 2.7-3.0x the portable forward that ran it (VARLEN_WIDE).
+GLUON_SEPARATE_V_VARLEN_FWD = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
+    # gpu dtype  QK tiles  V tiles  config                                                source
+    (SM90, "16", 256,      128,     dict(GLUON_D256_V128, CAUSAL_PAIRS=False, DYNAMIC=True), VARLEN_WIDE),
+    (ANY,  ANY,  ANY,      ANY,     None,  "why: no Gluon config for the pair on packed batches: the portable kernel"),
 ])
 
 
 def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                         head_dim_v: int | None = None, dropout: bool = False) -> dict | None:
     """The Gluon forward's config for packed (varlen) batches (`GLUON_VARLEN_FWD`), or None (the TMA kernel).
-    `head_dim_v`: V's head dim (default: D); a V in tiles of another width than QK's has no varlen rule.
+    `head_dim_v`: V's head dim (default: D); a V in tiles of another width than QK's takes
+    `GLUON_SEPARATE_V_VARLEN_FWD`'s rule.
     `dropout`: the call drops probabilities (None but under GLUON_DROPOUT_ALL: not timed with dropout)."""
     block, block_v = gluon_head_block(head_dim), gluon_head_block(head_dim if head_dim_v is None else head_dim_v)
-    if block is None or block_v != block or not _dropout_gate(dropout):
+    if block is None or block_v is None or not _dropout_gate(dropout):
         return None
+    if block_v != block:
+        return GLUON_SEPARATE_V_VARLEN_FWD.lookup(SM90, "16", block, block_v)
     return GLUON_VARLEN_FWD.lookup(SM90, "16", block)
 
 

@@ -112,7 +112,7 @@ def _fields(seed, offset, bh, row0, n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr
 def dropout_keep(seed, offset, bh, row0, n, threshold, BLOCK_N: gl.constexpr):
     """The keep-mask of a (64, BLOCK_N) score tile in `wgmma_layout(BLOCK_N)`: rows row0 .. row0 + 63 against keys
     n .. n + BLOCK_N - 1 of sequence-and-head `bh`, bit for bit `variant.dropout_keep`'s (so the portable
-    backward and `flashtriton.testing.dropout_mask` regenerate it): one Philox4x32-10 call per eight scores, each
+    backward and `flashtriton.testing.dropout_mask` regenerate it): one Philox4x32-7 call per eight scores, each
     on the thread that holds them. The 32-bit fields change layout (register moves; booleans would be packed
     into bytes), then meet the threshold."""
     fields = gl.convert_layout(_fields(seed, offset, bh, row0, n, 64, BLOCK_N), wgmma_layout(BLOCK_N))

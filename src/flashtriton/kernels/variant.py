@@ -31,10 +31,11 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 TANH_APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")  # `tanh(APPROX=True)`: PTX on a GPU
-# Rounds of the dropout generator's Philox4x32 (`dropout_fields`): Philox4x32-10's ten. FlashAttention-2's and
-# PyTorch's flash kernels draw their masks with seven (Philox4x32-7 also passes TestU01's BigCrush, Salmon et al.,
-# SC 2011); the rounds' integer multiplies and logic share the softmax's issue slots.
-DROPOUT_ROUNDS = tl.constexpr(10)
+# Rounds of the dropout generator's Philox4x32 (`dropout_fields`): seven, as FlashAttention-2's and PyTorch's flash
+# kernels draw their masks (Philox4x32-7 passes TestU01's BigCrush, Salmon et al., SC 2011). The rounds' integer
+# multiplies and logic share the softmax's issue slots: against Philox4x32-10's ten, the Gluon kernels' dropout
+# forward runs 1.13-1.22x faster and its backward 1.05-1.14x (benchmarks/2026-12-06-h100/dropout-rounds/).
+DROPOUT_ROUNDS = tl.constexpr(7)
 WINDOW_UNBOUNDED = 1 << 30  # a window side without bound, as the kernels take it (indices stay within int32)
 ALIBI_GIVEN = torch.empty(0)  # `Variant.of`'s stand-in for slopes or sinks that the launcher passes to the kernels
 
@@ -502,7 +503,7 @@ def dropout_keep(seed, offset, bh, m0, k0, threshold, BLOCK_M: tl.constexpr, BLO
     own rows and keys); m0, k0 and the tile sizes are multiples of 16 (every kernel's tiles are). (BLOCK_M,
     BLOCK_K), or (BLOCK_K, BLOCK_M) for KEYS_FIRST (key-major tiles); True where the score is kept.
     Counter-based, so that the forward, both backward kernels and `flashtriton.testing.dropout_mask` regenerate
-    the same bits from the same indices, whatever their tiles: score (i, j) takes 16 bits of the Philox4x32-10
+    the same bits from the same indices, whatever their tiles: score (i, j) takes 16 bits of the Philox4x32-7
     call (`tl.philox`, keyed by the call's 64-bit seed) on the counter (4 (j // 16) + (j mod 8) // 2,
     8 (i // 16) + i mod 8, bh, offset) (`dropout_state`), field j mod 2 of its output 2 ((i // 8) mod 2) +
     (j // 8) mod 2 (`dropout_fields`). One call (about 50 integer instructions) serves eight scores. A score is
