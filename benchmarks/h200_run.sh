@@ -83,7 +83,7 @@ for step in "$@"; do
       [ "${O_IN_Q_AB:-1}" = 1 ] && timeout 240 python benchmarks/fwd_config_ab.py --head-dims 192,256 --seqlens 1024,4096,16384 --candidates n64_oq \
         --rounds 3 --out $R/o_in_q > $R/o_in_q.txt 2>&1; grep -v cudnn $R/o_in_q.txt | tail -24 ;;
     decode_host) timeout 120 python benchmarks/decode_host.py --out $R/decode_host.txt > /dev/null 2>&1; head -40 $R/decode_host.txt ;;
-    headdims) timeout 240 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
+    headdims) timeout ${HD_S:-240} python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
         --dtypes bf16 --head-dims ${HEAD_DIMS:-80,96,192/128,256} --seqlens 1024,4096 --causal 1 --out $R/headdims --no-plots \
         > $R/headdims.txt 2>&1; grep -v "it/s" $R/headdims.txt | tail -40 ;;
     fuzz) # scripts/fuzz.py on the GPU: FUZZ_S seconds of random calls against float64, then as long with the Gluon
