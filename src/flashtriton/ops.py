@@ -21,7 +21,11 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import paging
+from ._env import INTERPRET
+from .configs import GLUON_HEAD_DIMS
+from .kernels import dispatch
 from .kernels.forward import attention_forward
+from .kernels.host import capability
 from .kernels.launch import on_inputs_device
 from .validation import INT32_LIMIT, check_cu_seqlens_values, plain_tensors
 
@@ -269,6 +273,31 @@ def draw_dropout_state(device) -> torch.Tensor:
     return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device)
 
 
+# Head dims the Hopper Gluon kernels do not take (`configs.GLUON_HEAD_DIMS`: 40, 59, 111, 160, 224 …) run padded
+# with zero columns to the next one they take (40, 59 -> 64, 111 -> 112, 160 -> 192), where that is at most twice
+# the head dim and their call would run on the Gluon kernels: the scores are the same, the output's extra columns
+# zero and cropped. The portable kernels run these head dims at 0.24-0.42 of cuDNN (an H100,
+# benchmarks/2026-12-06-h100/padded-dims/), the Gluon kernels 80 / 96 / 192 at 0.8-1.2 of it, so the padded call
+# should run 2-4x faster despite the padding's FLOPs and the copies of q, k, v (a few percent of the attention's
+# time at T = 1k); not yet measured. "auto": there; "always" (tests: the interpreter too); "off".
+PAD_HEAD_DIMS = "auto"
+
+
+def padded_head_dim(q: torch.Tensor, v: torch.Tensor) -> int | None:
+    """The head dim a dense or varlen call with q's head dim D runs at, padded (`PAD_HEAD_DIMS`): the smallest of
+    `configs.GLUON_HEAD_DIMS` above D, where it is at most 2 D, V's head dim is D and the Gluon kernels would run
+    the padded call (Hopper, fp16 / bf16, the switch allowing them); None: as it is."""
+    head_dim = q.shape[-1]
+    if (PAD_HEAD_DIMS == "off" or v.shape[-1] != head_dim or head_dim > max(GLUON_HEAD_DIMS)
+            or head_dim in GLUON_HEAD_DIMS or min(d for d in GLUON_HEAD_DIMS if d > head_dim) > 2 * head_dim):
+        return None
+    if PAD_HEAD_DIMS != "always" and (
+            INTERPRET or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16)
+            or capability(q.device)[0] != 9 or not dispatch.allows("gluon")):
+        return None
+    return min(d for d in GLUON_HEAD_DIMS if d > head_dim)
+
+
 def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: bool, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, window_size=(-1, -1),
               softcap: float = 0.0, alibi_slopes=None, learnable_sink=None, dropout_p: float = 0.0,
@@ -277,9 +306,17 @@ def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: 
     softcap and dropout_p are flash-attn's (validated: two ints >= -1, a float >= 0, a float in [0, 1)); a call
     with dropout draws its (seed, offset) here (`draw_dropout_state`), or takes the caller's `rng_state`.
     block_table, seqused_k: varlen, validated by `paging` (forward only)."""
+    paged = block_table is not None or seqused_k is not None
+    padded = None if paged else padded_head_dim(q, v)
+    if padded is not None:  # zero columns: the same scores, zero output columns; F.pad's backward crops the grads
+        head_dim = q.shape[-1]
+        q, k, v = (torch.nn.functional.pad(t, (0, padded - head_dim)) for t in (q, k, v))
+        out, lse = attention(q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k,
+                             max_seqlen_q, max_seqlen_k, window_size, softcap, alibi_slopes, learnable_sink, dropout_p,
+                             block_table, seqused_k, rng_state)
+        return out[..., :head_dim].contiguous(), lse
     args = (q, k, v, softmax_scale, causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k)
-    paged = block_table is not None or seqused_k is not None
     if (tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None or learnable_sink is not None
             or dropout_p or paged):
         args += (int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, learnable_sink)
