@@ -5,6 +5,7 @@ search for inputs the test suite's grid misses.
     TRITON_INTERPRET=1 .venv/bin/python scripts/fuzz.py --seconds 600       # CPU (fp32 and fp16)
     .venv/bin/python scripts/fuzz.py --seconds 300 --device cuda            # a GPU (fp16 and bf16 too)
     .venv/bin/python scripts/fuzz.py --device cuda --gluon-bwd-everywhere   # small cases on the Gluon backward
+    TRITON_INTERPRET=1 .venv/bin/python scripts/fuzz.py --pad-head-dims     # head dims padded as on Hopper
 
 Each case draws shapes (GQA / MQA, Sq != Sk, head dims 1..256 with a V head dim of its own, empty sequences),
 causal, a window, softcap, ALiBi ((H,) or (B, H)), sinks, dropout (the reference on the call's recovered mask) and a
@@ -245,7 +246,14 @@ def main() -> int:
     ap.add_argument("--gluon-bwd-everywhere", action="store_true",
                     help="the Gluon backward at every size (no minimum of work or keys), so that the small cases "
                          "reach it on Hopper")
+    ap.add_argument("--pad-head-dims", action="store_true",
+                    help="pad every head dim the Gluon kernels do not take (ops.PAD_HEAD_DIMS 'always'), so that "
+                         "the padded path runs on the CPU too")
     args = ap.parse_args()
+    if args.pad_head_dims:
+        from flashtriton import ops
+
+        ops.PAD_HEAD_DIMS = "always"
     if args.gluon_bwd_everywhere:
         from flashtriton.configs import backward as configs_backward
 
