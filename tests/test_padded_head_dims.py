@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashtriton
-from flashtriton import ops, testing
+from flashtriton import configs, ops, testing
 from flashtriton.kernels.variant import Variant
 
 from conftest import DEVICE
@@ -36,35 +36,40 @@ def padding(monkeypatch):
 
 
 def test_which_head_dims_pad_to_what(monkeypatch):
+    """The smallest head dim of the Gluon kernels above D, where it is at most 2 D; None where D is theirs, where
+    padding would more than double it, above 256, or where V's head dim is another."""
     monkeypatch.setattr(ops, "PAD_HEAD_DIMS", "always")
     q = torch.empty(1, 1, 1, 1)
 
     def padded(d, dv=None):
         return ops.padded_head_dim(q.new_empty(1, 1, 1, d), q.new_empty(1, 1, 1, d if dv is None else dv))
 
-    assert {d: padded(d) for d in (32, 40, 59, 63, 72, 100, 111, 130, 160, 200, 224, 255)} == {
-        32: 64, 40: 64, 59: 64, 63: 64, 72: 80, 100: 112, 111: 112, 130: 192, 160: 192, 200: 256, 224: 256, 255: 256}
-    # the Gluon kernels' own head dims, those padding would more than double, above 256, V of another head dim
-    assert [padded(d) for d in (64, 80, 96, 112, 128, 192, 256, 16, 31, 257)] == [None] * 10
-    assert padded(40, 24) is None
+    theirs = configs.GLUON_HEAD_DIMS
+    for d in range(1, 258):
+        above = [t for t in theirs if t > d]
+        want = None if d in theirs or not above or min(above) > 2 * d else min(above)
+        assert padded(d) == want, d
+    assert {d: padded(d) for d in (59, 63, 75, 111, 255)} == {59: 64, 63: 64, 75: 80, 111: 112, 255: 256}
+    assert [padded(d) for d in (64, 80, 96, 112, 128, 192, 256, 16, 257)] == [None] * 9
+    assert padded(59, 24) is None
     monkeypatch.setattr(ops, "PAD_HEAD_DIMS", "off")
-    assert padded(40) is None
+    assert padded(59) is None
     monkeypatch.setattr(ops, "PAD_HEAD_DIMS", "auto")  # the interpreter / CPU: the kernels take the head dim as it is
     if DEVICE == "cpu":
-        assert padded(40) is None
+        assert padded(59) is None
 
 
-@pytest.mark.parametrize("head_dim,dtype", [(40, H), (59, torch.bfloat16), (111, H)])
+@pytest.mark.parametrize("head_dim,dtype", [(75, H), (59, torch.bfloat16), (111, H)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_dense_padded_forward_and_gradients(head_dim, dtype, causal, padding):
     """GQA, Sq != Sk: out and dq, dk, dv (of the caller's head dim) against float64."""
     _dense((1, 37, 45, 4, 2), (head_dim, head_dim), dtype, Variant(causal=causal))
-    assert padding == [{40: 64, 59: 64, 111: 112}[head_dim]]
+    assert padding == [{75: 80, 59: 64, 111: 112}[head_dim]]
 
 
 def test_dense_padded_with_variants_and_a_sink(padding):
     sinks = torch.tensor([1.5, -0.5, 0.25, 2.0]).to(DEVICE).requires_grad_()
-    _dense((1, 33, 50, 4, 2), (72, 72), H, Variant(causal=True, window=(9, 0), softcap=4.0,
+    _dense((1, 33, 50, 4, 2), (75, 75), H, Variant(causal=True, window=(9, 0), softcap=4.0,
                                                      alibi_slopes=0.3 / torch.arange(1.0, 5.0)), sinks)
     assert padding == [80]
 
@@ -72,12 +77,12 @@ def test_dense_padded_with_variants_and_a_sink(padding):
 def test_padded_dropout_is_the_unpadded_mask(padding):
     """The keep-mask depends on the score's indices only: with the call's rng_state, the padded call's output is
     float64 attention with that mask."""
-    q, k, v, dout = _inputs((2, 24, 24, 2, 2), (40, 40), H, requires_grad=False)
+    q, k, v, dout = _inputs((2, 24, 24, 2, 2), (59, 59), H, requires_grad=False)
     with testing.record_dropout() as calls:
         out = flashtriton.flash_attn_func(q, k, v, dropout_p=0.25, causal=True)
     assert padding == [64] and out.shape == q.shape
     keep = testing.dropout_mask(calls[0], 2, 2, 24, 24, 0.25, device=DEVICE)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / 40 ** 0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / 59 ** 0.5
     scores = scores.masked_fill(torch.ones(24, 24, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
     probs = scores.softmax(-1) * keep / 0.75
     want = torch.einsum("bhqk,bkhd->bqhd", probs, v.double())
@@ -117,7 +122,7 @@ def test_padded_call_compiles_fullgraph(padding):
     import torch._dynamo.testing
 
     torch._dynamo.reset()
-    q, k, v, dout = _inputs((1, 9, 12, 2, 2), (40, 40), torch.float32)
+    q, k, v, dout = _inputs((1, 9, 12, 2, 2), (59, 59), torch.float32)
 
     def fn(q, k, v):
         return flashtriton.flash_attn_func(q, k, v, causal=True)
