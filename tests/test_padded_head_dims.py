@@ -25,8 +25,8 @@ def padding(monkeypatch):
     seen = []
     decide = ops.padded_head_dim
 
-    def recording(q, v):
-        padded = decide(q, v)
+    def recording(q, k, v):
+        padded = decide(q, k, v)
         if padded is not None:
             seen.append(padded)
         return padded
@@ -41,8 +41,9 @@ def test_which_head_dims_pad_to_what(monkeypatch):
     monkeypatch.setattr(ops, "PAD_HEAD_DIMS", "always")
     q = torch.empty(1, 1, 1, 1)
 
-    def padded(d, dv=None):
-        return ops.padded_head_dim(q.new_empty(1, 1, 1, d), q.new_empty(1, 1, 1, d if dv is None else dv))
+    def padded(d, dv=None, seqlen=1, heads=1):  # (views: no memory behind their shapes)
+        qk = q.expand(1, seqlen, heads, d)
+        return ops.padded_head_dim(qk, qk, q.expand(1, 1, 1, d if dv is None else dv))
 
     theirs = configs.GLUON_HEAD_DIMS
     for d in range(1, 258):
@@ -52,6 +53,8 @@ def test_which_head_dims_pad_to_what(monkeypatch):
     assert {d: padded(d) for d in (59, 63, 75, 111, 255)} == {59: 64, 63: 64, 75: 80, 111: 112, 255: 256}
     assert [padded(d) for d in (64, 80, 96, 112, 128, 192, 256, 16, 257)] == [None] * 9
     assert padded(59, 24) is None
+    big = q[0].expand(2**21, 17, 59)  # (total, heads, D) of a packed batch: 2**31 elements or more padded to 64
+    assert ops.padded_head_dim(big, big, big) is None and padded(59, seqlen=2**20, heads=17) == 64
     monkeypatch.setattr(ops, "PAD_HEAD_DIMS", "off")
     assert padded(59) is None
     monkeypatch.setattr(ops, "PAD_HEAD_DIMS", "auto")  # the interpreter / CPU: the kernels take the head dim as it is

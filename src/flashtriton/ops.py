@@ -283,10 +283,11 @@ def draw_dropout_state(device) -> torch.Tensor:
 PAD_HEAD_DIMS = "auto"
 
 
-def padded_head_dim(q: torch.Tensor, v: torch.Tensor) -> int | None:
+def padded_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | None:
     """The head dim a dense or varlen call with q's head dim D runs at, padded (`PAD_HEAD_DIMS`): the smallest of
-    `configs.GLUON_HEAD_DIMS` above D, where it is at most 2 D, V's head dim is D and the Gluon kernels would run
-    the padded call (Hopper, fp16 / bf16, the switch allowing them); None: as it is."""
+    `configs.GLUON_HEAD_DIMS` above D, where it is at most 2 D, V's head dim is D, the Gluon kernels would run
+    the padded call (Hopper, fp16 / bf16, the switch allowing them) and a padded sequence stays within the
+    kernels' 32-bit offsets (`validation.check_int32_offsets`); None: as it is."""
     head_dim = q.shape[-1]
     if (PAD_HEAD_DIMS == "off" or v.shape[-1] != head_dim or head_dim > max(GLUON_HEAD_DIMS)
             or head_dim in GLUON_HEAD_DIMS or min(d for d in GLUON_HEAD_DIMS if d > head_dim) > 2 * head_dim):
@@ -295,7 +296,10 @@ def padded_head_dim(q: torch.Tensor, v: torch.Tensor) -> int | None:
             INTERPRET or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16)
             or capability(q.device)[0] != 9 or not dispatch.allows("gluon")):
         return None
-    return min(d for d in GLUON_HEAD_DIMS if d > head_dim)
+    padded = min(d for d in GLUON_HEAD_DIMS if d > head_dim)
+    if max(q.shape[-3] * q.shape[-2], k.shape[-3] * k.shape[-2]) * padded >= INT32_LIMIT:
+        return None  # a sequence the kernels' 32-bit offsets address unpadded but not padded
+    return padded
 
 
 def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: bool, cu_seqlens_q=None,
@@ -307,7 +311,7 @@ def attention(q, k, v, softmax_scale: float, causal: bool, causal_bottom_right: 
     with dropout draws its (seed, offset) here (`draw_dropout_state`), or takes the caller's `rng_state`.
     block_table, seqused_k: varlen, validated by `paging` (forward only)."""
     paged = block_table is not None or seqused_k is not None
-    padded = None if paged else padded_head_dim(q, v)
+    padded = None if paged else padded_head_dim(q, k, v)
     if padded is not None:  # zero columns: the same scores, zero output columns; F.pad's backward crops the grads
         head_dim = q.shape[-1]
         q, k, v = (torch.nn.functional.pad(t, (0, padded - head_dim)) for t in (q, k, v))
