@@ -391,6 +391,45 @@ def test_gluon_kernel_varlen(name, causal, bottom_right, device):
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 192), (256, 256), (192, 128)])
+@pytest.mark.parametrize("every_variant", [False, True])
+def test_gluon_varlen_wide_tiles_against_float64(head_dim, head_dim_v, every_variant, device):
+    """Packed batches in 256-column tiles (`configs.GLUON_VARLEN_FWD`, `GLUON_SEPARATE_V_VARLEN_FWD`), causal, and
+    with every variant (a window, softcap, ALiBi, sinks) on GQA: out and lse per sequence against float64."""
+    from test_features import _torch_same_dtype
+    from test_varlen import pack
+
+    config = configs.gluon_varlen_config(head_dim, 4096, 4096, True, head_dim_v)
+    assert config is not None and config["DYNAMIC"]
+    gen = torch.Generator().manual_seed(head_dim + head_dim_v)
+    lengths_q, lengths_k = [130, 1, 0, 257, 64], [100, 300, 7, 257, 1]
+    q, cu_q = pack(lengths_q, 8, head_dim, torch.bfloat16, device, gen)
+    k, cu_k = pack(lengths_k, 2, head_dim, torch.bfloat16, device, gen)
+    v, _ = pack(lengths_k, 2, head_dim_v, torch.bfloat16, device, gen)
+    window, softcap = ((150, 0), 15.0) if every_variant else ((-1, -1), 0.0)
+    slopes = (0.5 ** torch.arange(1.0, 9.0)).to(device) if every_variant else None
+    sink = torch.linspace(-2.0, 3.0, 8).to(device) if every_variant else None
+    out = torch.full((q.shape[0], 8, head_dim_v), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((8, q.shape[0]), float("nan"), dtype=torch.float32, device=device)
+    G.launch_forward_gluon(q, k, v, out, lse, head_dim ** -0.5, True, True, config, cu_q, cu_k, max(lengths_q),
+                           max(lengths_k), Variant.of(True, True, window, softcap, every_variant, every_variant),
+                           slopes, sink)
+    variant = Variant(causal=True, window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        if lq == 0:
+            continue
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        qb, kb, vb = q[None, sq], k[None, sk], v[None, sk]
+        exact, exact_lse = attention_reference(qb, kb, vb, variant=variant, return_lse=True)
+        where = f"{head_dim}/{head_dim_v}, sequence {b}"
+        assert_close_to_exact(out[None, sq], _torch_same_dtype(qb, kb, vb, variant, sink), exact, torch.bfloat16,
+                              where)
+        seen = torch.isfinite(exact_lse[0])
+        assert torch.equal(torch.isfinite(lse[:, sq]), seen), where
+        torch.testing.assert_close(lse[:, sq][seen].double(), exact_lse[0][seen], atol=2e-3, rtol=2e-3)
+
+
+@hopper_only
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["varlen dispatch", "varlen, static schedule", "varlen dispatch, overlap",
                                   "varlen, static schedule, overlap"])
