@@ -280,7 +280,7 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, 
 # Packed (varlen) batches, causal or not, with items drawn from a counter (DYNAMIC), so that programs that drew
 # short sequences draw more: at D=128 GLUON_DYNAMIC (20 % off the causal forward against a static share per
 # program; ahead of the TMA kernel's best tiles non-causal); in 256-column tiles (D = 192, 256) the dense rule's
-# 64-key tiles stored from registers, 2.1-2.8x the portable forward that ran them and 1.4-1.7x FLASH's varlen forward
+# 64-key tiles stored from registers, 2.1-2.8x the portable forward that ran them and 1.5-1.7x FLASH's varlen forward
 # (VARLEN_WIDE: an H100, the varlen suite's batch, bf16). D=64 keeps the TMA kernel there (the Gluon forward's
 # 0.88-0.98x of it).
 VARLEN_WIDE = H100_DEC6 + "varlen-wide/varlen_wide_ab.json"
