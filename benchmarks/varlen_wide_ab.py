@@ -52,18 +52,12 @@ def calls_of(D: int, Dv: int, causal: bool, n: int, max_len: int) -> tuple[dict,
     v = torch.randn(total, H, Dv, device="cuda", generator=gen, dtype=torch.bfloat16)
     ref = packed_reference(q, k, v, None, cu_list, causal, 2, False)["out"]
 
-    def ours(config=None):
+    def ours(config=None):  # the dispatch's kernel, or the Gluon forward under `config`
+        rule = {} if config is None else {"gluon_varlen_config": lambda *a, **kw: config}
+
         def call():
-            if config is None:
-                with torch.no_grad():
-                    return flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, Tmax, Tmax, causal=causal)
-            saved = configs.gluon_varlen_config
-            configs.gluon_varlen_config = lambda *a, **kw: config
-            try:
-                with torch.no_grad():
-                    return flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, Tmax, Tmax, causal=causal)
-            finally:
-                configs.gluon_varlen_config = saved
+            with C.switched(configs, **rule), torch.no_grad():
+                return flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, Tmax, Tmax, causal=causal)
         return call
 
     def fa2():

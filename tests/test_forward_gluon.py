@@ -396,7 +396,6 @@ def test_gluon_kernel_varlen(name, causal, bottom_right, device):
 def test_gluon_varlen_wide_tiles_against_float64(head_dim, head_dim_v, every_variant, device):
     """Packed batches in 256-column tiles (`configs.GLUON_VARLEN_FWD`, `GLUON_SEPARATE_V_VARLEN_FWD`), causal, and
     with every variant (a window, softcap, ALiBi, sinks) on GQA: out and lse per sequence against float64."""
-    from test_features import _torch_same_dtype
     from test_varlen import pack
 
     config = configs.gluon_varlen_config(head_dim, 4096, 4096, True, head_dim_v)
@@ -409,24 +408,8 @@ def test_gluon_varlen_wide_tiles_against_float64(head_dim, head_dim_v, every_var
     window, softcap = ((150, 0), 15.0) if every_variant else ((-1, -1), 0.0)
     slopes = (0.5 ** torch.arange(1.0, 9.0)).to(device) if every_variant else None
     sink = torch.linspace(-2.0, 3.0, 8).to(device) if every_variant else None
-    out = torch.full((q.shape[0], 8, head_dim_v), float("nan"), dtype=torch.bfloat16, device=device)
-    lse = torch.full((8, q.shape[0]), float("nan"), dtype=torch.float32, device=device)
-    G.launch_forward_gluon(q, k, v, out, lse, head_dim ** -0.5, True, True, config, cu_q, cu_k, max(lengths_q),
-                           max(lengths_k), Variant.of(True, True, window, softcap, every_variant, every_variant),
-                           slopes, sink)
-    variant = Variant(causal=True, window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
-    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
-        if lq == 0:
-            continue
-        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        qb, kb, vb = q[None, sq], k[None, sk], v[None, sk]
-        exact, exact_lse = attention_reference(qb, kb, vb, variant=variant, return_lse=True)
-        where = f"{head_dim}/{head_dim_v}, sequence {b}"
-        assert_close_to_exact(out[None, sq], _torch_same_dtype(qb, kb, vb, variant, sink), exact, torch.bfloat16,
-                              where)
-        seen = torch.isfinite(exact_lse[0])
-        assert torch.equal(torch.isfinite(lse[:, sq]), seen), where
-        torch.testing.assert_close(lse[:, sq][seen].double(), exact_lse[0][seen], atol=2e-3, rtol=2e-3)
+    _varlen_against_float64(q, k, v, cu_q, cu_k, lengths_q, lengths_k, config, True, window, softcap, slopes, sink,
+                            f"{head_dim}/{head_dim_v}")
 
 
 @hopper_only
@@ -801,7 +784,6 @@ def test_gluon_kernel_variants(variant_name, name, shape, device):
 def test_gluon_kernel_varlen_variants(variant_name, name, device):
     """Packed sequences with a window (per sequence, bottom-right), softcap, ALiBi and sinks: each sequence against
     float64; the tile past a sequence's last key holds the next sequence's rows, which the mask must hide."""
-    from test_features import _torch_same_dtype
     from test_varlen import pack
 
     causal, window, softcap, alibi, sinks = GLUON_VARIANTS[variant_name]
@@ -812,10 +794,21 @@ def test_gluon_kernel_varlen_variants(variant_name, name, device):
     v, _ = pack(lengths_k, 2, 128, torch.bfloat16, device, gen)
     slopes = (0.5 ** torch.arange(1.0, 5.0)).to(device) if alibi else None
     sink = torch.linspace(-2.0, 3.0, 4).to(device) if sinks else None
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((4, q.shape[0]), float("nan"), dtype=torch.float32, device=device)
-    G.launch_forward_gluon(q, k, v, out, lse, 128 ** -0.5, causal, True, CONFIGS[name], cu_q, cu_k, max(lengths_q),
-                           max(lengths_k), Variant.of(causal, True, window, softcap, alibi, sinks), slopes, sink)
+    _varlen_against_float64(q, k, v, cu_q, cu_k, lengths_q, lengths_k, CONFIGS[name], causal, window, softcap,
+                            slopes, sink, name)
+
+
+def _varlen_against_float64(q, k, v, cu_q, cu_k, lengths_q, lengths_k, config, causal, window, softcap, slopes, sink,
+                            what):
+    """The Gluon forward on packed q, k, v (bf16) under `config` and the variant (bottom-right); each sequence's
+    out and lse against float64, out 0 where a sequence has no key."""
+    from test_features import _torch_same_dtype
+
+    out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32, device=q.device)
+    G.launch_forward_gluon(q, k, v, out, lse, q.shape[-1] ** -0.5, causal, True, config, cu_q, cu_k, max(lengths_q),
+                           max(lengths_k), Variant.of(causal, True, window, softcap, slopes is not None,
+                                                      sink is not None), slopes, sink)
     variant = Variant(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
     for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
         if lq == 0:
@@ -824,14 +817,13 @@ def test_gluon_kernel_varlen_variants(variant_name, name, device):
         qb, kb, vb = q[None, sq], k[None, sk], v[None, sk]
         exact, exact_lse = attention_reference(qb, kb, vb, variant=variant, return_lse=True)
         seen = torch.isfinite(exact_lse[0])
-        assert torch.equal(torch.isfinite(lse[:, sq]), seen), f"{name}: sequence {b}"
+        assert torch.equal(torch.isfinite(lse[:, sq]), seen), f"{what}: sequence {b}"
         if lk == 0:
-            assert torch.all(out[sq] == 0), f"{name}: sequence {b}"
+            assert torch.all(out[sq] == 0), f"{what}: sequence {b}"
             continue
         assert_close_to_exact(out[None, sq], _torch_same_dtype(qb, kb, vb, variant, sink), exact, torch.bfloat16,
-                              f"{name}: sequence {b}")
+                              f"{what}: sequence {b}")
         torch.testing.assert_close(lse[:, sq][seen].double(), exact_lse[0][seen], atol=2e-3, rtol=2e-3)
-
 
 CAP_FIXED_CASES = {  # (causal, window, softcap, sinks, dropout-free hostile scores: "low" every score near -cap)
     "softcap 50": (True, (-1, -1), 50.0, False, ""),

@@ -281,6 +281,9 @@ def draw_dropout_state(device) -> torch.Tensor:
 # should run 2-4x faster despite the padding's FLOPs and the copies of q, k, v (a few percent of the attention's
 # time at T = 1k); not yet measured. "auto": there; "always" (tests: the interpreter too); "off".
 PAD_HEAD_DIMS = "auto"
+# head dim -> the one it pads to (the smallest of GLUON_HEAD_DIMS above it, at most twice it)
+_PADDED_TO = {d: min(t for t in GLUON_HEAD_DIMS if t > d) for d in range(1, max(GLUON_HEAD_DIMS))
+              if d not in GLUON_HEAD_DIMS and min(t for t in GLUON_HEAD_DIMS if t > d) <= 2 * d}
 
 
 def padded_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | None:
@@ -289,14 +292,13 @@ def padded_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | 
     the padded call (Hopper, fp16 / bf16, the switch allowing them) and a padded sequence stays within the
     kernels' 32-bit offsets (`validation.check_int32_offsets`); None: as it is."""
     head_dim = q.shape[-1]
-    if (PAD_HEAD_DIMS == "off" or v.shape[-1] != head_dim or head_dim > max(GLUON_HEAD_DIMS)
-            or head_dim in GLUON_HEAD_DIMS or min(d for d in GLUON_HEAD_DIMS if d > head_dim) > 2 * head_dim):
+    padded = _PADDED_TO.get(head_dim)
+    if padded is None or PAD_HEAD_DIMS == "off" or v.shape[-1] != head_dim:
         return None
     if PAD_HEAD_DIMS != "always" and (
             INTERPRET or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16)
             or capability(q.device)[0] != 9 or not dispatch.allows("gluon")):
         return None
-    padded = min(d for d in GLUON_HEAD_DIMS if d > head_dim)
     if max(q.shape[-3] * q.shape[-2], k.shape[-3] * k.shape[-2]) * padded >= INT32_LIMIT:
         return None  # a sequence the kernels' 32-bit offsets address unpadded but not padded
     return padded
