@@ -237,7 +237,7 @@ def test_preprocess_writes_the_padded_layout(dtype, device):
     assert lse_pad.shape == delta.shape == (3, BG.padded_rows(total, True, len(lengths)))
     end = 0
     for b, n in enumerate(lengths):
-        start = 4 * (-(-int(cu[b]) // 4) + b)  # backward_gluon._lse_rows
+        start = 4 * (-(-int(cu[b]) // 4) + b)  # backward_gluon.lse_rows
         assert start % 4 == 0 and start >= end, b
         end = start + n
         torch.testing.assert_close(lse_pad[:, start:end], lse[:, cu[b]:cu[b + 1]], rtol=0, atol=0)

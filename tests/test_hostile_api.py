@@ -318,7 +318,7 @@ def test_preprocess_subtracts_dlse_in_both_layouts(device):
     torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
     _, padded, _ = B.preprocess(out, dout, lse, cu, max(lengths), padded=True, dlse=dlse)
     for b, n in enumerate(lengths):
-        start = 4 * (-(-int(cu[b]) // 4) + b)  # backward_gluon._lse_rows
+        start = 4 * (-(-int(cu[b]) // 4) + b)  # backward_gluon.lse_rows
         torch.testing.assert_close(padded[:, start:start + n], want[:, cu[b]:cu[b + 1]], rtol=1e-5, atol=1e-5)
     assert padded.shape[1] == bg.padded_rows(total, True, len(lengths))
 

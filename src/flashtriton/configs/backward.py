@@ -105,7 +105,7 @@ GLUON_BWD_D128 = {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240),
 GLUON_BWD_D64 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                  "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
 # D = 256 (and 192 in its tiles): dK/dV programs of 64 keys whose two warpgroups split the columns
-# (`backward_gluon.dkdv_keys`), 2 stages of Q / dO (197 KB of shared memory with K / V); dQ by 32-key tiles, 2
+# (`backward_gluon_dkdv.dkdv_keys`), 2 stages of Q / dO (197 KB of shared memory with K / V); dQ by 32-key tiles, 2
 # stages (Q / dO of 128 rows take 128 KB). Both compile without spills (tests/test_backward_gluon.py). H200, bf16:
 # 0.79-1.23x cuDNN at D = 256, 0.94-1.10x at 192, above FLASH everywhere (the source below).
 GLUON_BWD_D256 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
@@ -163,7 +163,7 @@ GLUON_BWD_DROPOUT_CASES = {(128, False), (128, True), (64, False)}
 
 
 # The dense Gluon backward's preprocess (delta = rowsum(dO ∘ O), lse into the padded layout) done by its dQ kernel,
-# which then runs first (`kernels.backward_gluon._fused_delta`): one launch and one pass over O and dO fewer. Dense
+# which then runs first (`kernels.backward_gluon_dq._fused_delta`): one launch and one pass over O and dO fewer. Dense
 # calls whose tiles are up to 128 columns wide (D and Dv up to 128: what was timed, GLUON_BWD_FUSED_DELTA_SOURCE;
 # the 256-column builds compile without spills and pass their float64 tests on the H200, not timed), not with a
 # sink unless GLUON_BWD_FUSED_SINK, nor varlen. Off: the preprocess kernel, then dK/dV, then dQ.

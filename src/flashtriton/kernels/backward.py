@@ -66,7 +66,7 @@ def _attn_bwd_preprocess(
     dS = P ∘ (dP − (delta − dlse)) and the kernels that read delta need no change; rows that see no key, lse -inf,
     keep delta: their lse is a constant and their gradient 0 whatever dlse holds). Grid (query tiles, heads, batch).
     PADDED=False (the Triton kernels): delta laid out like lse. PADDED (the Gluon kernels, `backward_gluon.
-    _lse_rows`): delta and a copy of lse in the padded layout. Dense (B, Hq, Sq_pad), the grid covering Sq_pad:
+    lse_rows`): delta and a copy of lse in the padded layout. Dense (B, Hq, Sq_pad), the grid covering Sq_pad:
     rows past Sq get lse -inf and delta 0. Varlen (Hq, padded_rows): sequence b at row 4 · (ceil(start / 4) + b);
     the gaps between sequences stay unwritten (the kernels mask them).
     HAS_SINK: each program also writes its rows' share of the sink's gradient, -Σ_i exp(sink_h − lse_i) · delta_i
@@ -105,7 +105,7 @@ def _attn_bwd_preprocess(
         tl.store(SINK_PART + (off_b * tl.num_programs(1) + off_h) * tl.num_programs(0) + pid_m,
                  -tl.sum(p_sink * delta, axis=0))
     if PADDED:
-        if IS_VARLEN:  # the same row as backward_gluon._lse_rows
+        if IS_VARLEN:  # the same row as backward_gluon.lse_rows
             padded = off_h * stride_ph + ((q_start + 3) // 4 + off_b) * 4 + offs_m
             tl.store(LSE_PAD + padded, lse, mask=in_seq)
             tl.store(DELTA + padded, delta, mask=in_seq)

@@ -15,7 +15,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import configs
-from .backward_gluon import BLOCK_M, KEYS, ROWS, WIDE_HEAD_DIM, _attn_bwd_dkdv_gluon, _attn_bwd_dq_gluon
+from .backward_gluon import BLOCK_M, KEYS, ROWS, WIDE_HEAD_DIM
+from .backward_gluon_dkdv import _attn_bwd_dkdv_gluon
+from .backward_gluon_dq import _attn_bwd_dq_gluon
 from .gluon_common import (FAST_DESCRIPTOR, SHARED_MEMORY_LIMIT, descriptor, head_block, trimmed_width, width_piece,
                            width_pieces)
 from .host import cdiv
@@ -48,13 +50,13 @@ def padded_seqlen(seqlen_q: int) -> int:
 
 def padded_rows(seqlen_q: int, varlen: bool, batch: int = 0) -> int:
     """lse / delta rows per (batch entry and) head. Dense: `padded_seqlen`. Varlen (seqlen_q = total_q, `batch`
-    sequences): each sequence starts at a 16-byte aligned row (`backward_gluon._lse_rows`), the last 128 rows a
+    sequences): each sequence starts at a 16-byte aligned row (`backward_gluon.lse_rows`), the last 128 rows a
     margin so that the last sequence's last tile stays inside."""
     return 4 * (cdiv(seqlen_q, 4) + batch) + KEYS.value if varlen else padded_seqlen(seqlen_q)
 
 
 def program_block(kernel: str, head_dim: int) -> int:
-    """Keys (dK/dV) or query rows (dQ) of one program at tiles `head_dim` wide (`backward_gluon.dkdv_keys`)."""
+    """Keys (dK/dV) or query rows (dQ) of one program at tiles `head_dim` wide (`backward_gluon_dkdv.dkdv_keys`)."""
     return ROWS.value if kernel == "dkdv" and head_dim >= WIDE_HEAD_DIM.value else KEYS.value
 
 
@@ -333,7 +335,7 @@ def launch_dkdv_gluon(q, k, v, dout, dk, dv, lse_pad, delta_pad, softmax_scale, 
                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None) -> None:
     """Dense q (B, Sq, Hq, D), dout (B, Sq, Hq, Dv), k, dk (B, Sk, Hkv, D), v, dv (B, Sk, Hkv, Dv), lse_pad /
     delta_pad contiguous fp32 (B, Hq, `padded_rows`); or varlen q, dout (total_q, Hq, D / Dv), k, v, dk, dv
-    (total_k, Hkv, D / Dv), lse_pad / delta_pad (Hq, `padded_rows`, sequences at `backward_gluon._lse_rows`),
+    (total_k, Hkv, D / Dv), lse_pad / delta_pad (Hq, `padded_rows`, sequences at `backward_gluon.lse_rows`),
     cu_seqlens int32 (B + 1,); as `backward.preprocess(padded=True)` writes them. Inputs that pass `common.tma_ok`,
     D of `configs.GLUON_BWD_HEAD_DIMS`, Dv = D or a `separate_v_ok` pair, Sq, Sk > 0; dk / dv with a contiguous
     last dim. window_size, softcap, alibi_slopes ((Hq,) or (B, Hq) fp32): flash-attn's; dropout_p with rng_state,

@@ -60,7 +60,7 @@ KERNELS = (
            fields=TRAINING, separate_v=True),
     Kernel("tma_fwd", "fwd", "tma", "forward._attn_fwd_tma", 9, HALF, (64, 128), fields=SCORES),
     Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", paged=True, fields=TRAINING, separate_v=True),
-    Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon._attn_bwd_dkdv_gluon / _attn_bwd_dq_gluon", 9, HALF,
+    Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon_dkdv._attn_bwd_dkdv_gluon / backward_gluon_dq._attn_bwd_dq_gluon", 9, HALF,
            GLUON_BWD_HEAD_DIMS, fields=TRAINING, separate_v=True),
     Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=TRAINING,
            separate_v=True),
