@@ -157,6 +157,20 @@ def _fused_delta(o_ptrs, do, lse_ptrs, delta_ptrs, dlse_ptrs, sink_ptr, part_ptr
 
 
 @triton.jit
+def _dot_ds(ds, b, acc, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + dS · b, the fp32 tile dS rounded to b's dtype for the tensor cores; below 16 head dims as two such
+    tiles, its rounding and the residual, so that the product is as exact as in fp32. There the rounding of dS
+    alone dominates dQ's and dK's error there (1 / sqrt(D) sharpens the softmax: with one tile, D=1 fp16 dQ is off
+    by 4.7x torch's own error on an H100, past the tests' rule, `tests/test_every_head_dim.py`), and the second
+    MMA costs little beside the 16-column tiles' other work."""
+    ds_lo = ds.to(b.dtype)
+    acc = tl.dot(ds_lo, b, acc, input_precision=DOT_PRECISION)
+    if HEAD_DIM < 16 and b.dtype != tl.float32:
+        acc = tl.dot((ds - ds_lo.to(tl.float32)).to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _attn_bwd_dkdv_tile(
     dk, dv, k, v,
     Q, DO, LSE, DELTA,  # scalar pointers at (batch, first query head of the group, row 0)
@@ -217,7 +231,7 @@ def _attn_bwd_dkdv_tile(
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * cap_grad
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+        dk = _dot_ds(ds_t, q, dk, HEAD_DIM, DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
     return dk, dv
 
 
@@ -364,7 +378,7 @@ def _attn_bwd_dq_tile(
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * cap_grad
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+        dq = _dot_ds(ds, k, dq, HEAD_DIM, DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
