@@ -177,9 +177,11 @@ GLUON_WINDOW_FWD = Table(("gpu", "dtype", "head_dim", "band"), rows=[
 ])
 
 
-# The Gluon forward's head dims: its tiles span 64, 128 or 256 columns (`kernels.gluon_common.head_block`), the TMA
-# loading a narrower head's missing columns as zeros (rows of 16-byte multiples: the TMA's stride rule).
-GLUON_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+# The Gluon forward's head dims: every multiple of 8 up to 256 (rows of 16-byte multiples in fp16 / bf16: the
+# TMA's stride rule). Its tiles span 64, 128 or 256 columns (`kernels.gluon_common.head_block`), the TMA loading a
+# narrower head's missing columns as zeros; a head dim takes its tiles' rows of the tables (D=40 D=64's, 160 and
+# 224 D=256's). Against the portable forward that ran 40 / 160 / 224 before: H100_DEC6 + "padded-dims/".
+GLUON_HEAD_DIMS = tuple(range(8, 257, 8))
 
 
 def gluon_head_block(head_dim: int) -> int | None:
