@@ -165,6 +165,13 @@ for step in "$@"; do
       timeout 150 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 \
         --warmup 25 --dtypes bf16 --head-dims 40,59,111,160,224 --seqlens 1024,4096 --causal 1 --out $R/padded \
         --no-plots > $R/padded.txt 2>&1; grep -v "it/s" $R/padded.txt | tail -30 ;;
+    dims8) # the Gluon kernels at every multiple of 8: their float64 GPU tests, then D = 40 / 72 / 160 / 224 beside cuDNN
+      timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py \
+        tests/test_backward_gluon.py -k "pads_other or multiples_of_8" > $R/pytest_dims8.txt 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_dims8.txt | head -30
+      timeout 120 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 \
+        --warmup 25 --dtypes bf16 --head-dims 40,72,160,224 --seqlens 1024,4096 --causal 0,1 --out $R/dims8 \
+        --no-plots > $R/dims8.txt 2>&1; grep -v "it/s" $R/dims8.txt | tail -40 ;;
     varlen_wide) # the Gluon forward on packed batches at 64- and 256-column tiles against the dispatch's (VW_DIMS)
       timeout 300 python benchmarks/varlen_wide_ab.py --head-dims ${VW_DIMS:-64,192,256,192/128} --out $R/varlen_wide \
         > $R/varlen_wide.txt 2>&1; tail -40 $R/varlen_wide.txt ;;

@@ -144,6 +144,20 @@ def test_gluon_backward_wide_head_dims_against_float64(name, causal, bottom_righ
 
 
 @hopper_only
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,dtype", [(40, torch.bfloat16), (72, torch.float16), (104, torch.bfloat16),
+                                           (160, torch.bfloat16), (224, torch.float16), (8, torch.float16)])
+def test_gluon_backward_multiples_of_8_against_float64(head_dim, dtype, causal, device, monkeypatch):
+    """Head dims the Gluon backward takes in the tiles that hold them (`configs.GLUON_BWD_HEAD_DIMS`: every multiple
+    of 8), through the dispatch's config: zero columns past the head in 64-, 128- and 256-column tiles."""
+    assert configs.gluon_bwd_config(head_dim, 4096, 4096, causal) is not None
+    for shape in SHAPES:
+        q, k, v, dout = make_qkv(*shape, head_dim, dtype, device)
+        ours = backward(q, k, v, dout, causal, True, True, monkeypatch)
+        check_grads(ours, q, k, v, dout, causal, True, what=f"D={head_dim}, shape {shape}: ")
+
+
+@hopper_only
 def test_gluon_backward_equals_the_triton_kernels_closely(device, monkeypatch):
     """Same inputs, the Gluon and the Triton kernels: the same sums in another order, so close to a few ulps."""
     q, k, v, dout = make_qkv(2, 700, 900, 8, 2, 128, torch.float16, device, seed=3)
@@ -271,8 +285,10 @@ def test_dispatch_config():
     # 80 / 96 / 112 take D=128's rows (128-column tiles), 192 D=256's; head dims no Gluon kernel takes, none
     assert configs.gluon_bwd_config(96, 4096, 4096, False) == configs.gluon_bwd_config(128, 4096, 4096, False)
     assert configs.gluon_bwd_config(192, 4096, 4096, True) == configs.gluon_bwd_config(256, 4096, 4096, True)
-    assert configs.gluon_bwd_config(72, 4096, 4096, False) is None
-    assert configs.gluon_bwd_config(160, 4096, 4096, False) is None
+    assert configs.gluon_bwd_config(72, 4096, 4096, False) == configs.gluon_bwd_config(128, 4096, 4096, False)
+    assert configs.gluon_bwd_config(160, 4096, 4096, False) == configs.gluon_bwd_config(256, 4096, 4096, False)
+    assert configs.gluon_bwd_config(40, 4096, 4096, False) == configs.gluon_bwd_config(64, 4096, 4096, False)
+    assert configs.gluon_bwd_config(59, 4096, 4096, False) is None  # rows of 118 bytes: the Triton kernels
     # split loops (dense, without dropout or ALiBi): in 128-column tiles a window (dK/dV with 2 stages) and causal
     # softcap split both kernels, causal without a variant dQ alone; at D=64 causal both; the rest as without them
     for head_dim in (80, 128):

@@ -70,7 +70,9 @@ def test_candidates_follow_the_table_and_the_switch():
     half = torch.bfloat16
     assert dispatch.candidates("fwd", half, 128, 9) == ["gluon_fwd", "tma_fwd", "portable_fwd"]
     assert dispatch.candidates("fwd", half, 96, 9) == ["gluon_fwd", "portable_fwd"]  # tiles of 128
-    assert dispatch.candidates("fwd", half, 72, 9) == ["portable_fwd"]
+    assert dispatch.candidates("fwd", half, 72, 9) == ["gluon_fwd", "portable_fwd"]  # tiles of 128 too
+    assert dispatch.candidates("fwd", half, 59, 9) == ["portable_fwd"]  # rows of 118 bytes: no TMA
+    assert dispatch.candidates("bwd", half, 224, 9) == ["gluon_bwd", "portable_bwd"]
     assert dispatch.candidates("fwd", torch.float32, 128, 9) == ["portable_fwd"]
     assert dispatch.candidates("fwd", half, 128, 8) == ["portable_fwd"]
     assert dispatch.candidates("bwd", half, 64, 9, varlen=True) == ["gluon_bwd", "portable_bwd"]
@@ -81,7 +83,8 @@ def test_candidates_follow_the_table_and_the_switch():
         assert dispatch.candidates("fwd", half, 128, 9) == ["tma_fwd", "portable_fwd"]
         assert dispatch.candidates("bwd", half, 128, 9) == ["portable_bwd"]
     # a field some kernels do not declare: the call falls to those that do
-    assert dispatch.candidates("fwd", half, 72, 9, fields=frozenset({"softcap"})) == ["portable_fwd"]
+    assert dispatch.candidates("fwd", half, 59, 9, fields=frozenset({"softcap"})) == ["portable_fwd"]
+    assert dispatch.candidates("fwd", half, 72, 9, fields=frozenset({"softcap"})) == ["gluon_fwd", "portable_fwd"]
     assert dispatch.candidates("fwd", half, 128, 9, fields=frozenset({"softcap"})) == ["gluon_fwd", "tma_fwd",
                                                                                        "portable_fwd"]
     assert dispatch.candidates("bwd", half, 128, 9, fields=frozenset({"causal", "window_size"})) == ["gluon_bwd",
@@ -108,7 +111,7 @@ def test_the_tma_gate_reads_the_table():
     from flashtriton.kernels.common import _tma_shapes_ok
 
     assert dispatch.BY_NAME["tma_fwd"].head_dims == (64, 128)
-    assert dispatch.BY_NAME["gluon_fwd"].head_dims == (64, 80, 96, 112, 128, 192, 256)  # padded tiles
+    assert dispatch.BY_NAME["gluon_fwd"].head_dims == tuple(range(8, 257, 8))  # in tiles of 64, 128, 256 columns
     shape = ((2, 64, 4, 128), (64 * 4 * 128, 4 * 128, 128, 1))
     assert _tma_shapes_ok(dispatch.BY_NAME["tma_fwd"].head_dims, 2, (shape,))
     assert not _tma_shapes_ok(dispatch.BY_NAME["tma_fwd"].head_dims, 2, (((2, 64, 4, 96), (1, 1, 1, 1)),))

@@ -279,7 +279,7 @@ def test_flash_attn_func_takes_the_gluon_kernel_where_configured(causal, head_di
 
 
 @hopper_only
-@pytest.mark.parametrize("head_dim", [80, 96, 112, 192, 256])
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 80, 96, 104, 112, 160, 192, 224, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("o_in_q", [False, True])

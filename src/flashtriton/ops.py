@@ -273,13 +273,13 @@ def draw_dropout_state(device) -> torch.Tensor:
     return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device)
 
 
-# Head dims the Hopper Gluon kernels do not take (`configs.GLUON_HEAD_DIMS`: 40, 59, 111, 160, 224 …) run padded
-# with zero columns to the next one they take (40, 59 -> 64, 111 -> 112, 160 -> 192), where that is at most twice
-# the head dim and their call would run on the Gluon kernels: the scores are the same, the output's extra columns
-# zero and cropped. The portable kernels run these head dims at 0.24-0.42 of cuDNN (an H100,
-# benchmarks/2026-12-06-h100/padded-dims/), the Gluon kernels 80 / 96 / 192 at 0.8-1.2 of it, so the padded call
-# should run 2-4x faster despite the padding's FLOPs and the copies of q, k, v (a few percent of the attention's
-# time at T = 1k); not yet measured. "auto": there; "always" (tests: the interpreter too); "off".
+# Head dims the Hopper Gluon kernels do not take (`configs.GLUON_HEAD_DIMS`: those not a multiple of 8, whose rows
+# break the TMA's 16-byte rule) run padded with zero columns to the next one they take (59 -> 64, 111 -> 112),
+# where that is at most twice the head dim and their call would run on the Gluon kernels: the scores are the same,
+# the output's extra columns zero and cropped. At D=59 (an H100, bf16, causal, T = 1k / 4k, beside FLASH: cuDNN
+# refuses it) the padded call runs 1.06-1.22x FLASH forward and 1.47-1.51x backward
+# (benchmarks/2026-12-06-h100/dims8/), where the portable kernels ran 0.58-0.88x / 0.44-0.90x (padded-dims/).
+# "auto": there; "always" (tests: the interpreter too); "off".
 PAD_HEAD_DIMS = "auto"
 # head dim -> the one it pads to (the smallest of GLUON_HEAD_DIMS above it, at most twice it)
 _PADDED_TO = {d: min(t for t in GLUON_HEAD_DIMS if t > d) for d in range(1, max(GLUON_HEAD_DIMS))

@@ -110,10 +110,13 @@ GLUON_BWD_D64 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
 # 0.79-1.23x cuDNN at D = 256, 0.94-1.10x at 192, above FLASH everywhere (the source below).
 GLUON_BWD_D256 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
                   "dq": dict(BLOCK_N=32, NUM_STAGES=2, CONSUMER_REGS=240)}
-# Head dims the Gluon backward runs in wider tiles (`kernels.gluon_common.head_block`: the TMA loads the missing
+# Head dims the Gluon backward runs: every multiple of 8 up to 256 (the forward's, `configs.GLUON_HEAD_DIMS`), in
+# the tiles of 64, 128 or 256 columns that hold them (`kernels.gluon_common.head_block`: the TMA loads the missing
 # columns as zeros and stores none of them): 80, 96, 112 in D=128's (H200, bf16: 0.88-0.98x cuDNN, above FLASH at
-# every point, benchmarks/2026-12-02-h200/gluon-head-dims/h200/headdims_gluon/bench.json), 192 in D=256's.
-GLUON_BWD_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+# every point, benchmarks/2026-12-02-h200/gluon-head-dims/h200/headdims_gluon/bench.json), 192 in D=256's. An
+# H100, bf16, causal, T = 1k / 4k: 0.95-0.97x cuDNN at D=40, 1.09-1.15x at 160, 1.00-1.13x at 224 (H100_DEC6 +
+# "dims8/"), where the portable kernels ran 0.24-0.42x.
+GLUON_BWD_HEAD_DIMS = tuple(range(8, 257, 8))
 GLUON_BWD = Table(("gpu", "dtype", "head_dim"), rows=[
     # gpu dtype  head dim  config          source
     (SM90, "16", 128,      GLUON_BWD_D128, H200 + "explore10/gluon_bwd_8c6167939b66.json"),
@@ -142,10 +145,14 @@ GLUON_BWD_SEPARATE_V = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
 ])
 
 
+# The head dims whose pairs (QK, V) the H200 has run through the Gluon backward against float64 (SEPARATE_V_TESTS).
+GLUON_BWD_PAIR_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+
+
 def gluon_bwd_pair_config(head_dim: int, head_dim_v: int) -> dict | None:
     """The Gluon backward's config for QK head dim `head_dim` with V head dim `head_dim_v` (!= head_dim): both of
-    GLUON_BWD_HEAD_DIMS and their tile widths a row of GLUON_BWD_SEPARATE_V; else None (the Triton kernels)."""
-    if head_dim not in GLUON_BWD_HEAD_DIMS or head_dim_v not in GLUON_BWD_HEAD_DIMS:
+    GLUON_BWD_PAIR_HEAD_DIMS and their tile widths a row of GLUON_BWD_SEPARATE_V; else None (the Triton kernels)."""
+    if head_dim not in GLUON_BWD_PAIR_HEAD_DIMS or head_dim_v not in GLUON_BWD_PAIR_HEAD_DIMS:
         return None
     return GLUON_BWD_SEPARATE_V.lookup(SM90, "16", gluon_tile_width(head_dim), gluon_tile_width(head_dim_v))
 

@@ -177,9 +177,12 @@ GLUON_WINDOW_FWD = Table(("gpu", "dtype", "head_dim", "band"), rows=[
 ])
 
 
-# The Gluon forward's head dims: its tiles span 64, 128 or 256 columns (`kernels.gluon_common.head_block`), the TMA
-# loading a narrower head's missing columns as zeros (rows of 16-byte multiples: the TMA's stride rule).
-GLUON_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+# The Gluon forward's head dims: every multiple of 8 up to 256 (rows of 16-byte multiples in fp16 / bf16: the
+# TMA's stride rule). Its tiles span 64, 128 or 256 columns (`kernels.gluon_common.head_block`), the TMA loading a
+# narrower head's missing columns as zeros; a head dim takes its tiles' rows of the tables (D=40 D=64's, 160 and
+# 224 D=256's). An H100, bf16, causal, T = 1k / 4k, beside cuDNN: forward 0.98-1.00x at D=40, 0.95-0.96x at 160,
+# 0.93-0.98x at 224 (H100_DEC6 + "dims8/"), where the portable forward ran 0.26-0.37x (H100_DEC6 + "padded-dims/").
+GLUON_HEAD_DIMS = tuple(range(8, 257, 8))
 
 
 def gluon_head_block(head_dim: int) -> int | None:
@@ -292,6 +295,11 @@ GLUON_VARLEN_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
     (SM90, "16", 64,       None,              "why: the TMA kernel is faster on packed batches: " + VARLEN_WIDE),
     (ANY,  ANY,  ANY,      None,              NO_GLUON),
 ])
+# Narrower heads in 64-column tiles (D = 8 ... 56), which the TMA kernel does not take (it runs D=64 itself): items
+# from a counter, the config that ran the varlen suite's batch at D=64 at 0.88-0.98x the TMA kernel's rate and 1.44x
+# FLASH's varlen forward's (causal; VARLEN_WIDE: "gluon dynamic"), where the portable forward runs these head dims
+# (0.26-0.29x cuDNN at D=40 dense: H100_DEC6 + "padded-dims/"). Not yet run on a GPU at these head dims.
+GLUON_NARROW_VARLEN = GLUON_DYNAMIC
 # V in tiles narrower than QK's on packed batches: QK 256 / V 128 (DeepSeek's MLA, 192 / 128) takes the dense
 # pair's 64-key tiles with items from a counter, 2.7-3.0x the portable forward that ran it (VARLEN_WIDE).
 GLUON_SEPARATE_V_VARLEN_FWD = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
@@ -312,6 +320,8 @@ def gluon_varlen_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, cau
         return None
     if block_v != block:
         return GLUON_SEPARATE_V_VARLEN_FWD.lookup(SM90, "16", block, block_v)
+    if block == 64 and head_dim < 64:
+        return GLUON_NARROW_VARLEN
     return GLUON_VARLEN_FWD.lookup(SM90, "16", block)
 
 
@@ -335,7 +345,9 @@ def gluon_paged_config(head_dim: int, max_seqlen_q: int, max_seqlen_k: int, caus
     """The Gluon forward's config for paged varlen prefill over pages of `page_size` keys, or None (the portable
     kernel): `gluon_varlen_config`'s where its key tiles divide a page or are made of whole pages of a multiple of
     8 keys (the producer gathers them: `kernels.forward_gluon_producer.load_item`), else `GLUON_PAGED_FWD`'s.
-    `dropout`: as `gluon_fwd_config`'s."""
+    `dropout`: as `gluon_fwd_config`'s. Not in 64-column tiles (D <= 64): neither tested nor timed there."""
+    if gluon_head_block(head_dim) == 64:
+        return None
     config = gluon_varlen_config(head_dim, max_seqlen_q, max_seqlen_k, causal, head_dim_v, dropout)
     if config is None or page_size % config["BLOCK_N"] == 0 or (
             GATHER_PAGES and config["BLOCK_N"] % page_size == 0 and page_size % 8 == 0):
