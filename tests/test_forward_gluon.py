@@ -128,7 +128,7 @@ def test_gluon_wide_configs_against_float64(name, causal, bottom_right, head_dim
         assert torch.all(out[~seen.transpose(1, 2)] == 0), where
 
 
-# QK_WIDTH (`forward_gluon._scores`, `gluon_common.mma_nt`): Q Kᵀ over the head's own columns in pieces of powers of
+# QK_WIDTH (`forward_gluon_tiles.qk_tile`, `gluon_common.mma_nt`): Q Kᵀ over the head's own columns in pieces of powers of
 # two (192 = 128 + 64 of 256, 160 = 128 + 32, 96 = 64 + 32 of 128, 80 = 64 + 16, 112 = 64 + 32 + 16); with V in tiles
 # of its own (MLA's 192 / 128) and every variant.
 QK_WIDTH_CASES = {  # (head_dim, head_dim_v, causal, window, softcap, alibi, sinks)

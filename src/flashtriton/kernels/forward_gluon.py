@@ -1,7 +1,8 @@
 """Hopper forward in Gluon with FlashAttention-3's schedule, the device code: a TMA producer, consumer
 warpgroups, softmax overlapped with the matmuls, persistent programs. Here: the kernel and its consumer
-warpgroups; the producer partition is `forward_gluon_producer`, the work items `forward_gluon_items`, the host side
-(configs checked, grid, arguments, launch, offline compile) `forward_gluon_launch`.
+warpgroups' loops over work items; a warpgroup's work on one item's K/V tiles (S, the softmax, P V) is
+`forward_gluon_tiles`, the producer partition `forward_gluon_producer`, the work items `forward_gluon_items`, the
+host side (configs checked, grid, arguments, launch, offline compile) `forward_gluon_launch`.
 
 A work item is 64 · N_CONSUMERS query rows (128 with the default two consumers) of one (batch, query head).
 Each program (one per SM) loops over items in 1 + N_CONSUMERS partitions:
@@ -33,97 +34,18 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
-from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_PV_SPLIT, SC_QK_16, SC_SINKS,
-                                  SC_O_IN_Q,
-                                  SC_SOFTCAP, SC_WINDOW,
-                                  item_bounds, num_items, read_item, work, work_ahead)
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_O_IN_Q, SC_PV_SPLIT, SC_QK_16,
+                                  SC_SINKS, SC_SOFTCAP, SC_WINDOW, item_bounds, num_items, read_item, work, work_ahead)
 from .forward_gluon_producer import ROWS, producer
-from .gluon_common import dropout_keep, mma_nt, wgmma_layout
-from .variant import alibi_bias, dropout_state, key_end, softcap_scores, tanh, tile_masked, visible
+from .forward_gluon_tiles import (acc_scaled, acc_zero, alibi_rows, attend_keys, consumer_scores, first_tile, last_pv,
+                                  out_layout, pv, pv_groups, pv_wait, qk_tile, rescales, softmax_tile, wait_v)
+from .gluon_common import wgmma_layout
+from .variant import dropout_state
 
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
 NONE = gl.constexpr(0)  # what stands for a variant argument that is off
-
-
-@gluon.jit
-def _wait_v(v_ready, v_fixed, stage, phase, IS_VARLEN: gl.constexpr):
-    mbarrier.wait(v_ready.index(stage), phase)
-    if IS_VARLEN:
-        mbarrier.wait(v_fixed.index(stage), phase)
-
-
-@gluon.constexpr_function
-def _qk_width(scores, tile):
-    """The columns of Q Kᵀ's product: QK_WIDTH from SCORES' bits (`SC_QK_16`), else the tiles' `tile`."""
-    return (scores % SC_O_IN_Q.value // SC_QK_16.value) * 16 or tile
-
-
-@gluon.constexpr_function
-def _out_layout(head_dim_v, scores):
-    """Registers of a warpgroup's output accumulator (`wgmma_layout`), the parent of the P operand's layout: of
-    V's tiles' width, or under PV_SPLIT (`SC_PV_SPLIT`) of its first accumulator's 128 columns."""
-    return wgmma_layout(128 if scores & SC_PV_SPLIT.value else head_dim_v)
-
-
-@gluon.jit
-def _acc_zero(HEAD_DIM_V: gl.constexpr, SCORES: gl.constexpr):
-    """A warpgroup's zero output accumulator: one (ROWS, HEAD_DIM_V) tensor, or under PV_SPLIT (V's head of
-    129 … 192 columns in 256-column tiles) a pair over V's columns 0 … 127 and 128 … 191, so that P V skips the
-    tiles' 64 zero columns (Triton's tensors are powers of two)."""
-    if (SCORES & SC_PV_SPLIT) != 0:
-        return (gl.zeros([ROWS, 128], gl.float32, wgmma_layout(128)),
-                gl.zeros([ROWS, 64], gl.float32, wgmma_layout(64)))
-    else:
-        return gl.zeros([ROWS, HEAD_DIM_V], gl.float32, wgmma_layout(HEAD_DIM_V))
-
-
-@gluon.jit
-def _pv(p_op, v_tile, acc, SCORES: gl.constexpr):
-    """acc + P V of one (BLOCK_N, HEAD_DIM_V) V tile in shared memory as asynchronous wgmmas (`_pv_groups` commit
-    groups): into each accumulator of `_acc_zero` its columns of V."""
-    if (SCORES & SC_PV_SPLIT) != 0:
-        p_hi = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(64), k_width=2))
-        return (warpgroup_mma(p_op, v_tile.slice(0, 128, dim=1), acc[0], is_async=True),
-                warpgroup_mma(p_hi, v_tile.slice(128, 64, dim=1), acc[1], is_async=True))
-    else:
-        return warpgroup_mma(p_op, v_tile, acc, is_async=True)
-
-
-@gluon.constexpr_function
-def _pv_groups(scores):
-    """The commit groups of one `_pv`: what a wait for S issued before it leaves outstanding."""
-    return 2 if scores & SC_PV_SPLIT.value else 1
-
-
-@gluon.jit
-def _pv_wait(acc_tok, p_op, SCORES: gl.constexpr):
-    """(acc, p_op) once every wgmma of the tokens is done."""
-    if (SCORES & SC_PV_SPLIT) != 0:
-        lo, hi, p_op = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1], p_op))
-        return (lo, hi), p_op
-    else:
-        return warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-
-
-@gluon.jit
-def _acc_scaled(acc, factor, SCORES: gl.constexpr):
-    """acc times a per-row factor (in the scores' row layout)."""
-    if (SCORES & SC_PV_SPLIT) != 0:
-        return (acc[0] * gl.convert_layout(factor, gl.SliceLayout(1, wgmma_layout(128)))[:, None],
-                acc[1] * gl.convert_layout(factor, gl.SliceLayout(1, wgmma_layout(64)))[:, None])
-    else:
-        return acc * gl.convert_layout(factor, gl.SliceLayout(1, acc.type.layout))[:, None]
-
-
-@gluon.jit
-def _scores(q, k_tile, s_zero, SCORES: gl.constexpr):
-    """S = Q Kᵀ of one key tile as asynchronous wgmmas: q (ROWS, HEAD_DIM) and k_tile (BLOCK_N, HEAD_DIM) in shared
-    memory, over the QK_WIDTH columns SCORES carries (`gluon_common.mma_nt`: D=192 in 256-column tiles as 128 + 64;
-    one commit group per piece), all of them by default; the caller's wait on the returned token covers them."""
-    return mma_nt(q, k_tile, s_zero, _qk_width(SCORES, k_tile.shape[1]))
 
 
 @gluon.jit
@@ -137,28 +59,6 @@ def _slope(scores, off_b, off_h, SCORES: gl.constexpr):
         return gl.load(scores[1] + gl.maximum(off_b, 0) * scores[2] + off_h) * 1.4426950408889634
     else:
         return 0.0
-
-
-@gluon.jit
-def _alibi_rows(m_i, slope, IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, SCORES: gl.constexpr):
-    """A finished row's m with the part of its causal ALiBi bias that `_softmax_tile` leaves out, -slope · (i - row0)
-    (the output does not depend on it, lse and a sink's share do)."""
-    if (SCORES & SC_ALIBI) and IS_CAUSAL:
-        return m_i - slope * gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)).to(gl.float32)
-    else:
-        return m_i
-
-
-@gluon.jit
-def _consumer_scores(scores, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, SCORES: gl.constexpr):
-    """A consumer's `scores`: the kernel's, and with causal ALiBi the columns 0 .. BLOCK_N - 1 of a score tile in
-    fp32 (this thread's), made once: `_softmax_tile` scales them by the slope (the conversion is not hoisted out
-    of the loops by the compiler)."""
-    if (SCORES & SC_ALIBI) and IS_CAUSAL:
-        cols_f = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, wgmma_layout(BLOCK_N))).to(gl.float32)
-        return scores[0], scores[1], scores[2], scores[3], scores[4], cols_f
-    else:
-        return scores
 
 
 @gluon.jit
@@ -188,205 +88,6 @@ def _dropout_scale(scores, SCORES: gl.constexpr):
         return scores[4][3]
     else:
         return 1.0
-
-
-@gluon.jit
-def _rescales(SCORES: gl.constexpr):
-    """Whether a tile's softmax can raise a row's m, so that acc is rescaled by alpha (not under CAP_FIXED)."""
-    return (SCORES & SC_CAP_FIXED) == 0
-
-
-@gluon.jit
-def _softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, scores, slope, bh,
-                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, COMPACT: gl.constexpr = False,
-                  SCORES: gl.constexpr = 0):
-    """Fold raw scores s (ROWS, BLOCK_N) of keys [n, n + BLOCK_N) into (m_i, l_i): (p, alpha, m_new, l_new).
-    Only tiles that reach past the keys or past the band (the first row's diagonal, a window's edges) pay for the
-    mask. COMPACT: one compare per score against the row's last visible key, for `_consume_flat` (which says why
-    only there), without a window. `scores` = (softcap, ...). The score changes cost special-function and fp32
-    instructions per score, which the softmax's overlap with the matmuls hides only in part, so they take their
-    shortest forms: softcap alone keeps t = tanh(scale · s) (`variant.tanh`) as the scores, with the cap in the
-    scale's place (the cap is > 0: it commutes with the max); ALiBi is `variant.alibi_bias` (after softcap), or,
-    causal (every visible key at or left of the diagonal), the bias -slope · (row0 + d - j) of the tile's first
-    row: the rest, -slope · (i - row0), is a row's constant, which the softmax ignores and `_alibi_rows` adds to m
-    once the row is done. DROPOUT: p keeps the scores `gluon_common.dropout_keep` keeps (of sequence-and-head bh),
-    the others 0, after l_new has summed them all (the output is the dropped P V over the undropped softmax's
-    denominator, scaled in `_store_item`).
-    CAP_FIXED (softcap without ALiBi, bf16, cap · log2(e) <= `forward_gluon_launch.CAP_FIXED_LIMIT`): the capped
-    scores t · C (C = cap · log2(e), |t| <= 1) lie in [-C, C], so every row takes the fixed m = 125 - C: p in
-    [2^-125, 2^(2C - 125)], normal fp32 and bf16 numbers, no row max, and alpha = 1 (the callers skip the rescale
-    of acc, `_rescales`): a max and a multiply per score fewer. l sums at most 2^31 · 2^(2C - 125) <= 2^62."""
-    HAS_WINDOW: gl.constexpr = (SCORES & SC_WINDOW) != 0
-    FOLD_CAP: gl.constexpr = (SCORES & (SC_SOFTCAP | SC_ALIBI)) == SC_SOFTCAP
-    SCALED: gl.constexpr = (SCORES & SC_ALIBI) != 0
-    # Causal ALiBi in the loop of `_consume_flat` (COMPACT): -slope · (row0 + d - j) = slope · (j - n) + shift,
-    # shift = slope · (n - row0 - d), the column part per score (one fused multiply-add with the scale, columns
-    # made once by `_consumer_scores`), the tile's constant in m: 1.5 instructions per score fewer than the whole
-    # bias per score (which the item-by-item loops keep: there the shorter form spills)
-    SHIFTED: gl.constexpr = SCALED and IS_CAUSAL and COMPACT
-    if FOLD_CAP:
-        s = tanh(s * qk_scale, True)
-        qk_scale = scores[0]
-    if SHIFTED:
-        col_bias = (slope * scores[5])[None, :]
-        if SCORES & SC_SOFTCAP:
-            s = softcap_scores(s, qk_scale, scores[0], True) + col_bias
-        else:
-            s = gl.fma(s, gl.full(s.shape, qk_scale, gl.float32, s_layout), gl.broadcast(col_bias, s)[0])
-        shift = slope * (n - row0 - diag).to(gl.float32)
-    elif SCALED:  # s in base 2, scaled
-        if SCORES & SC_SOFTCAP:
-            s = softcap_scores(s, qk_scale, scores[0], True)
-        else:
-            s = s * qk_scale
-        keys = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if IS_CAUSAL:
-            s = s + (-slope * ((row0 + diag).to(gl.float32) - keys.to(gl.float32)))[None, :]
-        else:
-            s = s + alibi_bias(rows[:, None], keys[None, :], diag, slope)
-    need_mask = (n + BLOCK_N > seqlen_k) | tile_masked(row0, n + BLOCK_N - 1, diag, IS_CAUSAL, HAS_WINDOW, window[0],
-                                                       window[1], row0 + (ROWS - 1), n)
-    if need_mask:
-        if COMPACT and not HAS_WINDOW:
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # in the tile
-            if IS_CAUSAL:
-                keep = cols[None, :] < (gl.minimum(key_end(rows, diag, IS_CAUSAL), seqlen_k) - n)[:, None]
-            else:
-                keep = cols[None, :] < seqlen_k - n
-        else:
-            cols = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = visible(cols[None, :] < seqlen_k, rows[:, None], cols[None, :], diag, IS_CAUSAL, HAS_WINDOW,
-                           window[0], window[1])
-        s = gl.where(keep, s, float("-inf"))
-    if SHIFTED:  # the scores are shift below the row's frame: its max and m_new - shift for the exponent
-        m_new = gl.maximum(m_i, gl.max(s, 1) + shift)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - (m_safe - shift)[:, None])
-    elif SCALED:
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[:, None])
-    elif (SCORES & SC_CAP_FIXED) != 0:
-        gl.static_assert(FOLD_CAP, "CAP_FIXED: softcap without ALiBi")
-        m_fixed = 125.0 - qk_scale  # qk_scale is C here
-        p = gl.exp2(s * qk_scale - m_fixed)
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * qk_scale - m_safe[:, None])
-    if (SCORES & SC_CAP_FIXED) != 0:
-        l_new = l_i + gl.sum(p, 1)
-        m_new = gl.zeros_like(l_i) + m_fixed
-        alpha = m_new  # (unused: `_rescales` is false)
-    else:
-        alpha = gl.exp2(m_i - m_safe)
-        l_new = l_i * alpha + gl.sum(p, 1)
-    if SCORES & SC_DROPOUT:
-        dropout = scores[4]
-        p = gl.where(dropout_keep(dropout[0], dropout[1], bh, row0, n, dropout[2], BLOCK_N), p, 0.0)
-    return p, alpha, m_new, l_new
-
-
-@gluon.jit
-def _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh, IS_CAUSAL: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, dtype: gl.constexpr,
-                   SCORES: gl.constexpr = 0):
-    """An item's first tile of scores s (ROWS, BLOCK_N), of keys from `first`, from a fresh softmax state:
-    (p_op, m_i, l_i), p_op the P operand of its P V."""
-    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_out_layout(HEAD_DIM_V, SCORES), k_width=2)
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first, row0, rows, seqlen_k, diag, qk_scale, window, scores,
-                                       slope, bh, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
-    return gl.convert_layout(p.to(dtype), p_layout), m_i, l_i
-
-
-@gluon.jit
-def _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh,
-                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
-                NUM_BUFFERS: gl.constexpr,
-                SCORES: gl.constexpr = 0):
-    """Tile c of the ring, an item's first: its scores and softmax (its P V goes out with the next tile's
-    scores): (p_op, m_i, l_i)."""
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, wgmma_layout(BLOCK_N))
-    stage = c % NUM_BUFFERS
-    mbarrier.wait(k_ready.index(stage), (c // NUM_BUFFERS) & 1)
-    s_tok = _scores(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), s_zero, SCORES)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    p_op, m_i, l_i = _first_softmax(s, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh, IS_CAUSAL,
-                                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, q.dtype, SCORES)
-    return p_op, m_i, l_i
-
-
-@gluon.jit
-def _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
-                first, seqlen_k, diag, qk_scale, window, scores, slope, bh, IS_CAUSAL: gl.constexpr,
-                IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
-                NUM_BUFFERS: gl.constexpr,
-                SCORES: gl.constexpr = 0):
-    """Tiles c + 1 .. c + n_tiles - 1 of an item whose first tile (c) left (p_op, m_i, l_i): per tile j, S_j and
-    P_{j-1} V_{j-1} as asynchronous wgmmas, S_j's softmax while the second runs (FlashAttention-3's
-    intra-warpgroup overlap). Returns (acc, p_op, m_i, l_i): acc holds P V of all but the last tile,
-    whose P is p_op."""
-    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_out_layout(HEAD_DIM_V, SCORES), k_width=2)
-    dtype: gl.constexpr = q.dtype
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,) query rows
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    acc = _acc_zero(HEAD_DIM_V, SCORES)
-    stage = c % NUM_BUFFERS
-    for j in range(1, n_tiles):
-        prev = stage
-        stage = (c + j) % NUM_BUFFERS
-        mbarrier.wait(k_ready.index(stage), ((c + j) // NUM_BUFFERS) & 1)
-        _wait_v(v_ready, v_fixed, prev, ((c + j - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
-        s_tok = _scores(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), s_zero, SCORES)
-        acc_tok = _pv(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, SCORES)
-        s = warpgroup_mma_wait(_pv_groups(SCORES), deps=(s_tok, ))  # S_j done; P_{j-1} V_{j-1} may still run
-        mbarrier.arrive(k_empty.index(stage), count=1)
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first + j * BLOCK_N, row0, rows, seqlen_k, diag, qk_scale,
-                                           window, scores, slope, bh, IS_CAUSAL, BLOCK_N, s_layout, False, SCORES)
-        acc, p_op = _pv_wait(acc_tok, p_op, SCORES)
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        if _rescales(SCORES):
-            acc = _acc_scaled(acc, alpha, SCORES)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-    return acc, p_op, m_i, l_i
-
-
-@gluon.jit
-def _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-             HEAD_DIM_V: gl.constexpr,
-             BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
-    """acc += P V of ring tile c, an item's last, alone on the tensor cores."""
-    stage = c % NUM_BUFFERS
-    _wait_v(v_ready, v_fixed, stage, (c // NUM_BUFFERS) & 1, IS_VARLEN)
-    acc_tok = _pv(p_op, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM_V]), acc, SCORES)
-    acc, p_op = _pv_wait(acc_tok, p_op, SCORES)
-    mbarrier.arrive(v_empty.index(stage), count=1)
-    return acc
-
-
-@gluon.jit
-def _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0, first, seqlen_k, diag,
-            qk_scale, window, scores, slope, bh, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-            HEAD_DIM: gl.constexpr,
-            HEAD_DIM_V: gl.constexpr,
-            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, SCORES: gl.constexpr = 0):
-    """One warpgroup's 64 rows against K/V tiles c .. c + n_tiles - 1 of the ring (n_tiles >= 1), keys from
-    `first`: (acc, m_i, l_i, next tile)."""
-    p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, row0, first, seqlen_k, diag, qk_scale, window,
-                                 scores, slope, bh, IS_CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
-    acc, p_op, m_i, l_i = _next_tiles(q, p_op, m_i, l_i, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty,
-                                      c, n_tiles, row0, first, seqlen_k, diag, qk_scale, window, scores, slope, bh,
-                                      IS_CAUSAL, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
-    acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c + n_tiles - 1, IS_VARLEN, HEAD_DIM, HEAD_DIM_V,
-                   BLOCK_N, NUM_BUFFERS, SCORES)
-    return acc, m_i, l_i, c + n_tiles
 
 
 @gluon.jit
@@ -438,7 +139,7 @@ def _store_item(acc, m_i, l_i, o_bufs, desc_o, O, LSE, off_b, off_h, row0, q_sta
             factor = factor * scale
         if SCORES & SC_SINKS:
             factor = factor * alpha
-        out = _acc_scaled(acc, factor, SCORES)
+        out = acc_scaled(acc, factor, SCORES)
         _store_out(out[0].to(dtype), 0, o_bufs, O, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh, WG,
                    IS_VARLEN, HEAD_DIM_V)
         _store_out(out[1].to(dtype), 128, o_bufs, O, off_b, off_h, row0, q_start, seqlen_q, stride_om, stride_oh,
@@ -485,12 +186,12 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
     slope = _slope(scores, off_b, off_h, SCORES)
     bh = _dropout_bh(items, off_b, off_h, SCORES)
     if n_tiles > 0:
-        acc, m_i, l_i, c = _attend(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
+        acc, m_i, l_i, c = attend_keys(q, k_bufs, v_bufs, k_ready, v_ready, v_fixed, k_empty, v_empty, c, n_tiles, row0,
                                    first, seqlen_k, diag, qk_scale, items[7], scores, slope, bh, IS_CAUSAL, IS_VARLEN,
                                    HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS, SCORES)
-        m_i = _alibi_rows(m_i, slope, IS_CAUSAL, s_layout, SCORES)
+        m_i = alibi_rows(m_i, slope, IS_CAUSAL, s_layout, SCORES)
     else:  # rows that see no key (causal with Sq > Sk, a window past the keys)
-        acc = _acc_zero(HEAD_DIM_V, SCORES)
+        acc = acc_zero(HEAD_DIM_V, SCORES)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     # O_IN_Q: the output staged in this warpgroup's Q buffer (its S products are done), which goes back to the
@@ -583,10 +284,10 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     (explore16/ab/ab_flat3.txt)."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, v_fixed, k_empty, v_empty, desc_o, O, LSE,
      items, n_items, qk_scale, stride_om, stride_oh, stride_lb, stride_lh, slots, scores) = shared
-    scores = _consumer_scores(scores, IS_CAUSAL, BLOCK_N, SCORES)
+    scores = consumer_scores(scores, IS_CAUSAL, BLOCK_N, SCORES)
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_out_layout(HEAD_DIM_V, SCORES), k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=out_layout(HEAD_DIM_V, SCORES), k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
     # The S side: the item in Q slot qi, tile j of its n_tiles; the output side (o_*): the item accumulated in acc.
     qi, valid, off_b, off_h, start_m, q_start, seqlen_q, seqlen_k, diag, first, n_tiles = _item_with_keys(
@@ -598,7 +299,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     bh = _dropout_bh(items, off_b, off_h, SCORES)
     c = gl.to_tensor(0)  # K/V tiles consumed, over all items
     j = gl.to_tensor(0)
-    acc = _acc_zero(HEAD_DIM_V, SCORES)
+    acc = acc_zero(HEAD_DIM_V, SCORES)
     p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -611,7 +312,7 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
     o_slope = slope
     if valid:  # the program's first S, with no P V beside it
         q = q_bufs.index((qi % Q_BUFFERS) * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
-        p_op, m_i, l_i = _first_tile(q, k_bufs, k_ready, k_empty, c, o_row0, first, seqlen_k, diag, qk_scale,
+        p_op, m_i, l_i = first_tile(q, k_bufs, k_ready, k_empty, c, o_row0, first, seqlen_k, diag, qk_scale,
                                      items[7], scores, slope, bh, IS_CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N, NUM_BUFFERS,
                                      SCORES)
         c = 1
@@ -632,29 +333,29 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
         stage = c % NUM_BUFFERS
         prev = (c - 1) % NUM_BUFFERS
         mbarrier.wait(k_ready.index(stage), (c // NUM_BUFFERS) & 1)
-        _wait_v(v_ready, v_fixed, prev, ((c - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
-        s_tok = _scores(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
+        wait_v(v_ready, v_fixed, prev, ((c - 1) // NUM_BUFFERS) & 1, IS_VARLEN)
+        s_tok = qk_tile(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
                         gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), SCORES)
-        acc_tok = _pv(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, SCORES)
-        s = warpgroup_mma_wait(_pv_groups(SCORES), deps=(s_tok, ))  # S done; the P V before it may still run
+        acc_tok = pv(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, SCORES)
+        s = warpgroup_mma_wait(pv_groups(SCORES), deps=(s_tok, ))  # S done; the P V before it may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         starts = j == 0  # S is an item's first tile
         m_in = gl.where(starts, float("-inf"), m_i)
         l_in = gl.where(starts, 0.0, l_i)
-        p, alpha, m_new, l_new = _softmax_tile(s, m_in, l_in, first + j * BLOCK_N, row0, rows, seqlen_k, diag,
+        p, alpha, m_new, l_new = softmax_tile(s, m_in, l_in, first + j * BLOCK_N, row0, rows, seqlen_k, diag,
                                                qk_scale, items[7], scores, slope, bh, IS_CAUSAL, BLOCK_N, s_layout,
                                                True, SCORES)
-        acc, p_op = _pv_wait(acc_tok, p_op, SCORES)
+        acc, p_op = pv_wait(acc_tok, p_op, SCORES)
         mbarrier.arrive(v_empty.index(prev), count=1)
         if starts:  # the output side's item is complete
             if not IS_VARLEN:
                 tma.store_wait(0)  # the previous output has left o_smem
-            _store_item(acc, _alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
+            _store_item(acc, alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
                         o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
                         stride_oh, stride_lb, stride_lh, o_sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN,
                         HEAD_DIM, HEAD_DIM_V, BLOCK_N, True,
                         SCORES)
-            acc = _acc_zero(HEAD_DIM_V, SCORES)
+            acc = acc_zero(HEAD_DIM_V, SCORES)
             o_b = off_b
             o_h = off_h
             o_row0 = row0
@@ -662,8 +363,8 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
             o_seqlen_q = seqlen_q
             o_sink = sink
             o_slope = slope
-        elif _rescales(SCORES):
-            acc = _acc_scaled(acc, alpha, SCORES)
+        elif rescales(SCORES):
+            acc = acc_scaled(acc, alpha, SCORES)
         m_i = m_new
         l_i = l_new
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -679,11 +380,11 @@ def _consume_flat(shared, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, CAUSAL_BOTT
             bh = _dropout_bh(items, off_b, off_h, SCORES)
             j = 0
     if c > 0:  # the last item's last P V, alone
-        acc = _last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c - 1, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+        acc = last_pv(acc, p_op, v_bufs, v_ready, v_fixed, v_empty, c - 1, IS_VARLEN, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
                        NUM_BUFFERS, SCORES)
         if not IS_VARLEN:
             tma.store_wait(0)
-        _store_item(acc, _alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
+        _store_item(acc, alibi_rows(m_i, o_slope, IS_CAUSAL, s_layout, SCORES), l_i, o_bufs, desc_o, O, LSE, o_b,
                     o_h, o_row0, o_q_start, o_seqlen_q, stride_om,
                     stride_oh, stride_lb, stride_lh, o_sink, _dropout_scale(scores, SCORES), WG, IS_VARLEN, HEAD_DIM,
                     HEAD_DIM_V, BLOCK_N, True, SCORES)

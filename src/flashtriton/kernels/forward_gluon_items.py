@@ -17,9 +17,9 @@ from .variant import diagonal, key_blocks
 
 # The score changes a Gluon forward compiles in, as one constexpr bit set (SCORES) that its partitions pass on:
 # the kernel's HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS, HAS_DROPOUT, CAP_FIXED (softcap's bounded scores
-# against a fixed max: `forward_gluon._softmax_tile`), PV_SPLIT (the output in two accumulators over V's columns
-# 0 … 127 and 128 … 191: `forward_gluon._pv`), and in the bits from SC_QK_16 up QK_WIDTH / 16 (Q Kᵀ over the
-# tiles' first QK_WIDTH columns: `forward_gluon._scores`; 0: all of them), and SC_O_IN_Q (the config's
+# against a fixed max: `forward_gluon_tiles.softmax_tile`), PV_SPLIT (the output in two accumulators over V's columns
+# 0 … 127 and 128 … 191: `forward_gluon_tiles.pv`), and in the bits from SC_QK_16 up QK_WIDTH / 16 (Q Kᵀ over the
+# tiles' first QK_WIDTH columns: `forward_gluon_tiles.qk_tile`; 0: all of them), and SC_O_IN_Q (the config's
 # O_IN_Q: each consumer stages its output in its own Q buffer for the TMA store, no staging tiles of their own:
 # `forward_gluon._consume_item`). 0: plain attention.
 SC_WINDOW, SC_SOFTCAP, SC_ALIBI, SC_SINKS, SC_DROPOUT = (gl.constexpr(1), gl.constexpr(2), gl.constexpr(4),

@@ -62,7 +62,7 @@ def kernel_config(config: dict) -> dict:
     return config
 
 
-# Softcap's scores against a fixed max (`forward_gluon._softmax_tile`'s CAP_FIXED; configs.forward.GLUON_CAP_FIXED):
+# Softcap's scores against a fixed max (`forward_gluon_tiles.softmax_tile`'s CAP_FIXED; configs.forward.GLUON_CAP_FIXED):
 # bf16 inputs (P in bf16 keeps fp32's exponent range, fp16's would not), no ALiBi (its bias is not bounded), and
 # cap · log2(e) at most CAP_FIXED_LIMIT, so that every p lies in [2^-125, 2^31] (Gemma 2's cap of 50: 72.1).
 CAP_FIXED_LIMIT = 78.0
