@@ -198,7 +198,7 @@ GLUON_BWD_DQ_SPLIT_SOURCE = "benchmarks/2026-12-06-h100/dq-split-decode/trim_ab.
 # dK and dV likewise in the dK/dV kernel (`acc_splits`: at D=192 the wide tiles' two warpgroups each hold 64 + 32 of
 # their columns). Built, off until timed.
 GLUON_BWD_DKDV_SPLIT = False
-# The Triton backward's preprocess in its dQ kernel (`kernels.backward._fused_delta`: dQ first, then dK/dV; with
+# The Triton backward's preprocess in its dQ kernel (`kernels.backward_kernels._fused_delta`: dQ first, then dK/dV; with
 # dlse and the sink's gradient's parts too; not under autotuning, whose dQ tiles are picked at the first launch):
 # one launch, two allocations and one pass over O and dO fewer. The short, host-bound backward (bf16, B*T = 16k,
 # T = 256-1024, D = 64 / 128, causal and not) 1.02-1.06x faster with the host work, sinks with a 128-key window

@@ -112,7 +112,7 @@ def lse_rows(off_b, off_h, heads_q, seqlen_pad, q_start, IS_VARLEN: gl.constexpr
     """Where the padded lse / delta of (sequence / batch entry off_b, query head off_h) start. Dense (B, Hq, Sq_pad):
     (off_b · Hq + off_h) · Sq_pad. Varlen (Hq, `padded_rows`): sequence b starts at 4 · (ceil(q_start / 4) + b),
     16-byte aligned so that its tiles can come by TMA, and at least its length past sequence b − 1's start (the
-    preprocess writes this layout: `backward._attn_bwd_preprocess`). int32, as TMA coordinates are: the launcher
+    preprocess writes this layout: `backward_kernels._attn_bwd_preprocess`). int32, as TMA coordinates are: the launcher
     keeps the buffers under 2**31 values."""
     if IS_VARLEN:
         return off_h * seqlen_pad + ((q_start + 3) // 4 + off_b) * 4

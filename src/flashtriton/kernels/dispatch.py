@@ -62,7 +62,7 @@ KERNELS = (
     Kernel("portable_fwd", "fwd", "portable", "forward._attn_fwd", paged=True, fields=TRAINING, separate_v=True),
     Kernel("gluon_bwd", "bwd", "gluon", "backward_gluon_dkdv._attn_bwd_dkdv_gluon / backward_gluon_dq._attn_bwd_dq_gluon", 9, HALF,
            GLUON_BWD_HEAD_DIMS, fields=TRAINING, separate_v=True),
-    Kernel("portable_bwd", "bwd", "portable", "backward._attn_bwd_dkdv / _attn_bwd_dq", fields=TRAINING,
+    Kernel("portable_bwd", "bwd", "portable", "backward_kernels._attn_bwd_dkdv / _attn_bwd_dq", fields=TRAINING,
            separate_v=True),
     Kernel("decode_stream", "decode", "portable", "decode._decode_stream", varlen=False, paged=True, fields=SCORES,
            separate_v=True),
