@@ -296,9 +296,9 @@ GLUON_VARLEN_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
     (ANY,  ANY,  ANY,      None,              NO_GLUON),
 ])
 # Narrower heads in 64-column tiles (D = 8 ... 56), which the TMA kernel does not take (it runs D=64 itself): items
-# from a counter, the config that ran the varlen suite's batch at D=64 at 0.88-0.98x the TMA kernel's rate and 1.44x
-# FLASH's varlen forward's (causal; VARLEN_WIDE: "gluon dynamic"), where the portable forward runs these head dims
-# (0.26-0.29x cuDNN at D=40 dense: H100_DEC6 + "padded-dims/"). Not yet run on a GPU at these head dims.
+# from a counter, the config that ran the varlen suite's batch at D=64 at 0.88-0.98x the TMA kernel's rate, 1.44x
+# FLASH's varlen forward (causal; VARLEN_WIDE: "gluon dynamic"); the alternative is the portable forward (0.26-0.29x
+# cuDNN at D=40 dense: H100_DEC6 + "padded-dims/"). Built offline without spills; not yet run on a GPU here.
 GLUON_NARROW_VARLEN = GLUON_DYNAMIC
 # V in tiles narrower than QK's on packed batches: QK 256 / V 128 (DeepSeek's MLA, 192 / 128) takes the dense
 # pair's 64-key tiles with items from a counter, 2.7-3.0x the portable forward that ran it (VARLEN_WIDE).
