@@ -17,8 +17,9 @@ Each program (one per SM) loops over items in 1 + N_CONSUMERS partitions:
     of its own, or under O_IN_Q the warpgroup's Q buffer, handed back to the producer once the store has read it)
     or masked stores (varlen, STORE_FROM_REGS); the log-sum-exp by plain stores.
 
-Scores are in base 2 (log2(e) folded into qk_scale, which must be > 0). fp16/bf16, head dim 64 or 128. Dense
-(B, S, H, D) tensors: rank-4 descriptors with block (1, rows, 1, D), rows past the sequence arrive as zeros.
+Scores are in base 2 (log2(e) folded into qk_scale, which must be > 0). fp16/bf16, head dims that are multiples of
+8 up to 256, in tiles of 64, 128 or 256 columns (`gluon_common.head_block`). Dense (B, S, H, D) tensors: rank-4
+descriptors with block (1, rows, 1, D), rows past the sequence arrive as zeros.
 Varlen (total, H, D) tensors with cu_seqlens: rank-3 descriptors with block (rows, 1, D), whose rows past a
 sequence belong to the next one (masked in the scores; cleared in V by the producer). Causal attention is
 bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal work. Which items a program takes
