@@ -37,20 +37,19 @@ off, so that a kernel without them compiles as it would without the code): a win
 query tiles of `variant.query_blocks` for its 128 keys, a dQ program only the key tiles of `variant.key_blocks` for
 its 128 rows (and skips a warpgroup's tile of no visible pair, `tile_hidden`); tiles on the band's edges are masked
 (`key_tile_masked` / `tile_masked`, `visible`), or, where the config says SPLIT, the dK/dV tiles run in three loops,
-the masked ones around those every pair of which is visible, which carry no mask code (`backward_gluon_dkdv._consume_keys`; the dQ
-kernel likewise under its own SPLIT, `backward_gluon_dq._dq_consumer`). Softcap: the
-capped scores and 1 − tanh², which multiplies dS (`softcap_scores_and_grad`; folded into P once dV has its copy);
-ALiBi: `alibi_bias` before exp2, the slopes (B or 1, Hq) fp32. The dK/dV consumers issue a variant tile's dPᵀ after
-its Pᵀ (fewer live registers: `backward_gluon_dkdv._consume_keys`). Sinks need nothing here: lse includes them, and their gradient comes
-from the preprocess (`backward.preprocess`).
-The preprocess' work in the dQ kernel (FUSED_DELTA, dense calls without a sink: `backward_gluon_dq._fused_delta`): each dQ warpgroup
-works out its rows' delta from O and dO and writes them, with its lse, into the padded buffers, so that a dense
-backward is two launches, dQ then dK/dV, instead of three.
-Dropout (HAS_DROPOUT, the forward's keep-mask Z regenerated: `gluon_common.dropout_keep` / `dropout_keep_t`, bit
-for bit `variant.dropout_keep`): dV += (Pᵀ ∘ Zᵀ / (1 − p)) dO and dSᵀ = Pᵀ ∘ (dPᵀ ∘ Zᵀ / (1 − p) − delta), dS
-likewise.
-Persistent dK/dV (PERSISTENT, a config constexpr off in the dispatch: `backward_gluon_dkdv._attn_bwd_dkdv_gluon`): one program per SM
-taking an item per round, two K/V buffer pairs.
+the masked ones around those every pair of which is visible, which carry no mask code
+(`backward_gluon_dkdv._consume_keys`; the dQ kernel likewise under its own SPLIT, `backward_gluon_dq._dq_consumer`).
+Softcap: the capped scores and 1 − tanh², which multiplies dS (`softcap_scores_and_grad`; folded into P once dV has
+its copy); ALiBi: `alibi_bias` before exp2, the slopes (B or 1, Hq) fp32. The dK/dV consumers issue a variant tile's
+dPᵀ after its Pᵀ (fewer live registers: `backward_gluon_dkdv._consume_keys`). Sinks need nothing here: lse includes
+them, and their gradient comes from the preprocess (`backward.preprocess`).
+The preprocess' work in the dQ kernel (FUSED_DELTA, dense calls without a sink: `backward_gluon_dq._fused_delta`):
+each dQ warpgroup works out its rows' delta from O and dO and writes them, with its lse, into the padded buffers, so
+that a dense backward is two launches, dQ then dK/dV, instead of three.
+Dropout (HAS_DROPOUT, the forward's keep-mask Z regenerated: `gluon_common.dropout_keep` / `dropout_keep_t`, bit for
+bit `variant.dropout_keep`): dV += (Pᵀ ∘ Zᵀ / (1 − p)) dO and dSᵀ = Pᵀ ∘ (dPᵀ ∘ Zᵀ / (1 − p) − delta), dS likewise.
+Persistent dK/dV (PERSISTENT, a config constexpr off in the dispatch: `backward_gluon_dkdv._attn_bwd_dkdv_gluon`):
+one program per SM taking an item per round, two K/V buffer pairs.
 Head dims: Q and K in tiles of 64, 128 or 256 columns (HEAD_DIM: `gluon_common.head_block` of D); V, dO and dV in
 tiles of V's own width, read from the V descriptor (HEAD_DIM_V; a pair such as DeepSeek's MLA, QK 192 / V 128, runs
 V's matmuls at 128 columns: `backward_gluon_launch.separate_v_ok` says which pairs). Products over the head dim run on
@@ -74,7 +73,8 @@ from .variant import alibi_bias, softcap_scores_and_grad
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
 BLOCK_M = gl.constexpr(64)  # query rows per streamed tile
 KEYS = gl.constexpr(2 * 64)  # keys per program
-WIDE_HEAD_DIM = gl.constexpr(256)  # dK/dV tiles this wide: 64 keys a program, split by columns (`backward_gluon_dkdv.dkdv_keys`)
+# dK/dV tiles this wide: 64 keys a program, split by columns (`backward_gluon_dkdv.dkdv_keys`)
+WIDE_HEAD_DIM = gl.constexpr(256)
 
 
 @gluon.constexpr_function

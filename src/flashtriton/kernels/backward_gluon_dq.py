@@ -44,8 +44,9 @@ FD_ON, FD_DLSE, FD_SINK = gl.constexpr(1), gl.constexpr(2), gl.constexpr(4)
 def _fused_delta(fused, do_buf, q_ready, rows, seqlen_q, lse_ptr, delta_ptr, WG: gl.constexpr,
                  s_layout: gl.constexpr, FUSED_DELTA: gl.constexpr, DV_OUT: gl.constexpr):
     """A dQ warpgroup's rows' (lse, delta) where the preprocess' work is the dQ kernel's (dense): delta = rowsum(dO ∘
-    O) in fp32 over O's DV_OUT columns, minus dlse (FD_DLSE) where lse is finite, as `backward_kernels._attn_bwd_preprocess`
-    works them out; both stored into the padded lse_ptr / delta_ptr for the dK/dV kernel, rows past Sq as -inf / 0.
+    O) in fp32 over O's DV_OUT columns, minus dlse (FD_DLSE) where lse is finite, as
+    `backward_kernels._attn_bwd_preprocess` works them out; both stored into the padded lse_ptr / delta_ptr for the
+    dK/dV kernel, rows past Sq as -inf / 0.
     FD_SINK: the warpgroup's share of the sink's gradient, −Σ exp(sink − lse) · delta over its rows (0 where lse is
     -inf), into part_ptr[WG] (the host sums the parts in a fixed order, as the preprocess' ones).
     `fused`: (O at this (batch, head), O's row stride (O's strides are specialized on their alignment, and DV_OUT
