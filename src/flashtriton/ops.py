@@ -278,7 +278,7 @@ def draw_dropout_state(device) -> torch.Tensor:
 # where that is at most twice the head dim and their call would run on the Gluon kernels: the scores are the same,
 # the output's extra columns zero and cropped. At D=59 (an H100, bf16, causal, T = 1k / 4k, beside FLASH: cuDNN
 # refuses it) the padded call runs 1.06-1.22x FLASH forward and 1.47-1.51x backward
-# (benchmarks/2026-12-06-h100/dims8/), where the portable kernels ran 0.58-0.88x / 0.44-0.90x (padded-dims/).
+# (benchmarks/2026-12-06-h100/dims8/); the portable kernels read 0.58-0.88x / 0.44-0.90x there (padded-dims/).
 # "auto": there; "always" (tests: the interpreter too); "off".
 PAD_HEAD_DIMS = "auto"
 # head dim -> the one it pads to (the smallest of GLUON_HEAD_DIMS above it, at most twice it)

@@ -115,7 +115,7 @@ GLUON_BWD_D256 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
 # columns as zeros and stores none of them): 80, 96, 112 in D=128's (H200, bf16: 0.88-0.98x cuDNN, above FLASH at
 # every point, benchmarks/2026-12-02-h200/gluon-head-dims/h200/headdims_gluon/bench.json), 192 in D=256's. An
 # H100, bf16, causal, T = 1k / 4k: 0.95-0.97x cuDNN at D=40, 1.09-1.15x at 160, 1.00-1.13x at 224 (H100_DEC6 +
-# "dims8/"), where the portable kernels ran 0.24-0.42x.
+# "dims8/"); the portable kernels read 0.24-0.42x there.
 GLUON_BWD_HEAD_DIMS = tuple(range(8, 257, 8))
 GLUON_BWD = Table(("gpu", "dtype", "head_dim"), rows=[
     # gpu dtype  head dim  config          source

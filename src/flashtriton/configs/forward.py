@@ -181,7 +181,7 @@ GLUON_WINDOW_FWD = Table(("gpu", "dtype", "head_dim", "band"), rows=[
 # TMA's stride rule). Its tiles span 64, 128 or 256 columns (`kernels.gluon_common.head_block`), the TMA loading a
 # narrower head's missing columns as zeros; a head dim takes its tiles' rows of the tables (D=40 D=64's, 160 and
 # 224 D=256's). An H100, bf16, causal, T = 1k / 4k, beside cuDNN: forward 0.98-1.00x at D=40, 0.95-0.96x at 160,
-# 0.93-0.98x at 224 (H100_DEC6 + "dims8/"), where the portable forward ran 0.26-0.37x (H100_DEC6 + "padded-dims/").
+# 0.93-0.98x at 224 (H100_DEC6 + "dims8/"), the portable forward 0.26-0.37x (H100_DEC6 + "padded-dims/").
 GLUON_HEAD_DIMS = tuple(range(8, 257, 8))
 
 
