@@ -138,14 +138,14 @@ def _fused_delta(o_ptrs, do, lse_ptrs, delta_ptrs, dlse_ptrs, sink_ptr, part_ptr
 @triton.jit
 def _dot_ds(ds, b, acc, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + dS · b, the fp32 tile dS rounded to b's dtype for the tensor cores; below 16 head dims as two such
-    tiles, its rounding and the residual, so that the product is as exact as in fp32. There the rounding of dS
-    alone dominates dQ's and dK's error there (1 / sqrt(D) sharpens the softmax: dS as one fp16 tile puts D=1 fp16
+    tiles, its rounding and the residual, so that the product is as exact as in fp32. Below 16 the rounding of dS
+    alone dominates dQ's and dK's error (1 / sqrt(D) sharpens the softmax: dS as one fp16 tile puts D=1 fp16
     dQ at 4.7x torch's own error on an H100, past the tests' rule, `tests/test_every_head_dim.py`), and the second
     MMA costs little beside the 16-column tiles' other work."""
-    ds_lo = ds.to(b.dtype)
-    acc = tl.dot(ds_lo, b, acc, input_precision=DOT_PRECISION)
+    ds_rounded = ds.to(b.dtype)
+    acc = tl.dot(ds_rounded, b, acc, input_precision=DOT_PRECISION)
     if HEAD_DIM < 16 and b.dtype != tl.float32:
-        acc = tl.dot((ds - ds_lo.to(tl.float32)).to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot((ds - ds_rounded.to(tl.float32)).to(b.dtype), b, acc, input_precision=DOT_PRECISION)
     return acc
 
 
