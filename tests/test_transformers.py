@@ -379,35 +379,37 @@ def test_mask_analysis_packed_rows():
         assert torch.equal(-1 - mask[:, 0, 0], ids.to(torch.int32))
 
 
-def test_mask_function_static_cache_and_alignment():
+def test_mask_function_static_cache_and_alignment(device):
     # a static cache of 16 slots, 5 written, one new query at position 5: keys end at the last query
     mask = ft_hf.flashtriton_mask(batch_size=2, q_length=1, kv_length=16, q_offset=5,
                                   mask_function=mu.causal_mask_function)
     assert mask.shape == (2, 6) and bool(mask.all()) and getattr(mask, "_flashtriton_dense")
     # no padding: a dense key mask that carries the verdict (a layer's is_causal does not decide), and no window of
     # its own (the layers' sliding_window holds); one query that sees every key: None
-    plain = ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, mask_function=mu.causal_mask_function)
+    plain = ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, mask_function=mu.causal_mask_function,
+                                  device=device)
     assert plain.shape == (2, 4) and bool(plain.all()) and getattr(plain, "_flashtriton_dense")
     assert getattr(plain, "_flashtriton_kind") == hf_masks.CAUSAL and not hasattr(plain, "_flashtriton_window")
     assert ft_hf.flashtriton_mask(batch_size=2, q_length=1, kv_length=4, q_offset=3,
                                   mask_function=mu.causal_mask_function) is None
-    q, k = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)
+    q, k = torch.randn(2, 2, 4, 8, device=device), torch.randn(2, 2, 4, 8, device=device)
     module = torch.nn.Module()
     module.is_causal = False  # as PEGASUS-X's decoder layers: the mask's causal verdict holds
     out, _ = ft_hf.flashtriton_attention_forward(module, q, k, k, plain)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True).transpose(1, 2)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    padding = torch.tensor([[True] * 4, [False, True, True, True]])
+    padding = torch.tensor([[True] * 4, [False, True, True, True]], device=device)
     assert torch.equal(ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, attention_mask=padding,
-                                              mask_function=mu.causal_mask_function), padding)
+                                              mask_function=mu.causal_mask_function, device=device), padding)
     # queries past the keys: a marker that refuses when a layer receives it (transformers builds unused masks too)
     marker = ft_hf.flashtriton_mask(batch_size=1, q_length=2, kv_length=4, q_offset=6,
-                                    mask_function=mu.causal_mask_function)
+                                    mask_function=mu.causal_mask_function, device=device)
     assert marker.dtype == torch.int8
-    q = torch.randn(1, 2, 2, 8)
+    q = torch.randn(1, 2, 2, 8, device=device)
     module = torch.nn.Module()
     with pytest.raises(NotImplementedError, match="queries as the last keys"):
-        ft_hf.flashtriton_attention_forward(module, q, torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), marker)
+        ft_hf.flashtriton_attention_forward(module, q, torch.randn(1, 2, 4, 8, device=device),
+                                            torch.randn(1, 2, 4, 8, device=device), marker)
 
 
 def test_unused_unexpressible_mask_does_not_refuse_the_model(device):
