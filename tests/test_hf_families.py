@@ -132,6 +132,7 @@ def _gemma3n():
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(lambda: _config("LlamaConfig", **DECODER)),
+    "llama_head_dim_512": Family(lambda: _config("LlamaConfig", **{**DECODER, "head_dim": 512})),
     "mistral_window8": Family(lambda: _config("MistralConfig", **DECODER, sliding_window=8)),
     "mistral_window64": Family(lambda: _config("MistralConfig", **DECODER, sliding_window=64)),
     "qwen2": Family(lambda: _config("Qwen2Config", **DECODER)),
@@ -585,6 +586,7 @@ CASES: dict[str, Case] = {
     "jamba_hybrid_generate": runs("jamba", lambda: _text(**_PROMPTS), run=_generate(), tokens=True),
     "bloom_alibi": may_refuse("bloom", lambda: _text(**_PADDED)),
     "t5_position_bias": may_refuse("t5", lambda: _seq2seq(10)),
+    "llama_head_dim_512": may_refuse("llama_head_dim_512", lambda: _text()),  # past flashtriton's 256: refused
 }
 
 

@@ -62,6 +62,7 @@ from typing import Callable, Optional
 import torch
 
 from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..validation import MAX_HEAD_DIM
 from . import hf_masks
 
 NAME = "flashtriton"
@@ -101,7 +102,7 @@ def flashtriton_attention_forward(
     marker = attention_mask if _is_marker(attention_mask) else None
     if marker is not None and marker.dtype == torch.int8:  # flashtriton_mask's refusal
         raise _refusal_for(module, getattr(marker, _REFUSAL, None))
-    _check_supported(module, query, key, None if marker is not None else attention_mask, kwargs)
+    _check_supported(module, query, key, value, None if marker is not None else attention_mask, kwargs)
     if kwargs.get("output_attentions", False):
         _warn_once("flashtriton does not return attention weights (output_attentions=True gives None).")
     if is_causal is None:
@@ -446,7 +447,7 @@ def _model_class(module) -> Optional[type]:
     return None
 
 
-def _check_supported(module, query, key, attention_mask, kwargs) -> None:
+def _check_supported(module, query, key, value, attention_mask, kwargs) -> None:
     where = f" ({type(module).__name__})" if module is not None else ""
     advice = _advice_for(_model_class(module))
     if kwargs.get("position_bias") is not None:
@@ -459,6 +460,12 @@ def _check_supported(module, query, key, attention_mask, kwargs) -> None:
     if query.dim() != 4 or key.dim() != 4:
         raise ValueError(f"expected query/key of shape (batch, heads, seqlen, head_dim), got "
                          f"{tuple(query.shape)} and {tuple(key.shape)}")
+    dims = {"query/key": query.shape[-1], "value": value.shape[-1]}
+    too_wide = {name: d for name, d in dims.items() if d > MAX_HEAD_DIM}
+    if too_wide:
+        raise NotImplementedError(
+            f"flashtriton attention{where} runs head dims up to {MAX_HEAD_DIM} (as flash-attn), this model's "
+            + ", ".join(f"{name} head dim is {d}" for name, d in too_wide.items()) + f". {advice}")
 
 
 def _sink(module, s_aux, query: torch.Tensor) -> Optional[torch.Tensor]:
