@@ -40,8 +40,8 @@ whose real tokens are not contiguous, sinks that are not one logit per query hea
 position biases (T5-style `position_bias`; no model of transformers 5.x passes ALiBi slopes through the
 attention interface: BLOOM and MPT add theirs in their own attention code, Falcon with `alibi=True` adds its
 bias to the 4-D mask, refused when the model is built; `hf_alibi.patch_alibi_attention` runs those three on
-flashtriton's ALiBi kernels instead), head dims past 256 (as flash-attn), 4-D custom attention masks, models transformers marks
-`_supports_flash_attn = False`, and models that switch to their own flash-attn classes (GPT-Neo, Bark, and
+flashtriton's ALiBi kernels instead), head dims past 256 (as flash-attn), 4-D custom attention masks, models
+transformers marks `_supports_flash_attn = False`, and models that switch to their own flash-attn classes (GPT-Neo, Bark, and
 Falcon before transformers 5.25).
 
 transformers treats every implementation whose name contains "flash" as a flash-attention flavour: it preloads
