@@ -398,9 +398,15 @@ def _chunked_prefill(split: int):
     return run
 
 
+def _tokens_and_logits(out) -> tuple:
+    """generate's tokens and each step's logits (a step can differ while its greedy token stays the same)."""
+    return out.sequences, torch.stack(list(out.logits), 1)
+
+
 def _generate(**kwargs):
     def run(model, inputs):
-        return model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD, **kwargs)
+        return _tokens_and_logits(model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
+                                                 output_logits=True, return_dict_in_generate=True, **kwargs))
 
     return run
 
@@ -409,8 +415,9 @@ def _generate_full_cache(**kwargs):
     """Generation with a DynamicCache that keeps every key (no config: no sliding layers), so that decoding past
     the window runs the window over the whole cache."""
     def run(model, inputs):
-        return model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
-                              **{_cache_kwarg(model): transformers.DynamicCache()}, **kwargs)
+        return _tokens_and_logits(model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
+                                                 output_logits=True, return_dict_in_generate=True,
+                                                 **{_cache_kwarg(model): transformers.DynamicCache()}, **kwargs))
 
     return run
 
@@ -573,6 +580,10 @@ CASES: dict[str, Case] = {
     "olmoe_window_over_plain_mask": runs("olmoe_window4", lambda: _text(), variants=()),
     "olmoe_window_over_plain_mask_generate": runs("olmoe_window4", lambda: _text(seqlen=10), tokens=True,
                                                   run=_generate_full_cache(), variants=()),
+    # a static cache of sliding layers (the config's sliding_window) makes generate prepare a windowed mask, which
+    # the model's own plain mask function must not overrule: sdpa keeps the prepared 4-D mask as it is
+    "olmoe_window_static_cache_generate": runs("olmoe_window4", lambda: _text(**_PROMPTS), tokens=True,
+                                               run=_generate(cache_implementation="static")),
     "qwen2_vl_images_left_padded": runs("qwen2_vl", lambda: _qwen_vl_images(lengths=(16, 12)), variants=()),
     "qwen2_5_vl_window_vision": runs("qwen2_5_vl", lambda: _qwen_vl_images(((1, 8, 8), (1, 4, 4)), seqlen=24,
                                                                           lengths=(24, 20)), variants=()),
@@ -837,8 +848,11 @@ def test_family_matches_reference_or_refuses(name):
         assert ref_spy.sdpa > 0, "the sdpa reference never called torch's scaled_dot_product_attention"
 
     if case.tokens:
-        assert torch.equal(got, expected), f"generated tokens differ:\n{got}\nvs\n{expected}; {routing}"
-        print(f"[{name}] ran, same tokens; {routing}")
+        (tokens, logits), (tokens_ref, logits_ref) = got, expected
+        assert torch.equal(tokens, tokens_ref), f"generated tokens differ:\n{tokens}\nvs\n{tokens_ref}; {routing}"
+        diff = (logits - logits_ref).abs().max().item()
+        assert diff <= ATOL, f"same tokens, but the steps' logits differ: max abs diff {diff:.3g}; {routing}"
+        print(f"[{name}] ran, same tokens, steps' logits within {diff:.2g}; {routing}")
         return
     assert got.shape == expected.shape
     real = _real_tokens(case.inputs())

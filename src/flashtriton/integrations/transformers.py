@@ -185,6 +185,11 @@ def flashtriton_mask(
     0 that no layer reads): a mask the kernels cannot run comes back as a (B, 1, 1, Sk) int8 tensor carrying its
     refusal (`_flashtriton_refusal`), and the attention function raises it when a layer receives it.
     """
+    if isinstance(attention_mask, torch.Tensor) and hasattr(attention_mask, _KIND):
+        # a mask this function made for this call already (generate's prepared mask, which the model's forward
+        # passes through its own mask function again): kept as it is, as transformers keeps a prepared 4-D mask,
+        # so that generate's verdict (a static cache's sliding window) is not overruled by the model's own one
+        return attention_mask
     try:
         return _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                                  attention_mask, **kwargs)
