@@ -401,6 +401,13 @@ def test_mask_function_static_cache_and_alignment(device):
     padding = torch.tensor([[True] * 4, [False, True, True, True]], device=device)
     assert torch.equal(ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, attention_mask=padding,
                                               mask_function=mu.causal_mask_function, device=device), padding)
+    # a mask it made, passed in again (generate's prepared mask through the model's own mask function): kept, window
+    # and all, whatever the model's own mask function says
+    windowed = ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, attention_mask=padding, device=device,
+                                      mask_function=mu.and_masks(mu.causal_mask_function, mu.sliding_window_overlay(2)))
+    assert getattr(windowed, "_flashtriton_window") == (1, 0)
+    assert ft_hf.flashtriton_mask(batch_size=2, q_length=4, kv_length=4, attention_mask=windowed, device=device,
+                                  mask_function=mu.causal_mask_function) is windowed
     # queries past the keys: a marker that refuses when a layer receives it (transformers builds unused masks too)
     marker = ft_hf.flashtriton_mask(batch_size=1, q_length=2, kv_length=4, q_offset=6,
                                     mask_function=mu.causal_mask_function, device=device)

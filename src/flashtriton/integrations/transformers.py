@@ -41,8 +41,8 @@ position biases (T5-style `position_bias`; no model of transformers 5.x passes A
 attention interface: BLOOM and MPT add theirs in their own attention code, Falcon with `alibi=True` adds its
 bias to the 4-D mask, refused when the model is built; `hf_alibi.patch_alibi_attention` runs those three on
 flashtriton's ALiBi kernels instead), head dims past 256 (as flash-attn), 4-D custom attention masks, models
-transformers marks `_supports_flash_attn = False`, and models that switch to their own flash-attn classes (GPT-Neo, Bark, and
-Falcon before transformers 5.25).
+transformers marks `_supports_flash_attn = False`, and models that switch to their own flash-attn classes (GPT-Neo,
+Bark, and Falcon before transformers 5.25).
 
 transformers treats every implementation whose name contains "flash" as a flash-attention flavour: it preloads
 its functions when a model is created (`register()` teaches that loader the name "flashtriton", which would
@@ -184,12 +184,13 @@ def flashtriton_mask(
     transformers builds every layer type's mask, used or not (Qwen2-MoE builds a sliding-window mask of width
     0 that no layer reads): a mask the kernels cannot run comes back as a (B, 1, 1, Sk) int8 tensor carrying its
     refusal (`_flashtriton_refusal`), and the attention function raises it when a layer receives it.
+
+    A mask this function returned comes back unchanged when it is passed in again (generate prepares a static
+    cache's mask, windowed where the cache has sliding layers, and the model's forward hands it to its own mask
+    function), as transformers passes a prepared 4-D mask through.
     """
     if isinstance(attention_mask, torch.Tensor) and hasattr(attention_mask, _KIND):
-        # a mask this function made for this call already (generate's prepared mask, which the model's forward
-        # passes through its own mask function again): kept as it is, as transformers keeps a prepared 4-D mask,
-        # so that generate's verdict (a static cache's sliding window) is not overruled by the model's own one
-        return attention_mask
+        return attention_mask  # generate's verdict (a static cache's window) is not overruled by the model's
     try:
         return _mask_for_kernels(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                                  attention_mask, **kwargs)
