@@ -323,26 +323,16 @@ def _ids(batch, seqlen, seed=1):
     return torch.randint(3, ID_HIGH, (batch, seqlen), generator=torch.Generator().manual_seed(seed))
 
 
-def _mask(lengths, seqlen, left):
-    mask = torch.zeros(len(lengths), seqlen, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        if left:
-            mask[b, seqlen - n:] = 1
-        else:
-            mask[b, :n] = 1
-    return mask
-
-
 def _text(seqlen=SEQ, lengths=None, left=True):
     ids = _ids(2, seqlen)
     if lengths is None:
         return {"input_ids": ids}
-    mask = _mask(lengths, seqlen, left)
+    mask = T._mask(lengths, seqlen, left)
     return {"input_ids": ids.masked_fill(mask == 0, PAD), "attention_mask": mask}
 
 
 def _seq2seq(left, dec_len=8):
-    mask = _mask((SEQ, SHORT), SEQ, left)
+    mask = T._mask((SEQ, SHORT), SEQ, left)
     return {"input_ids": _ids(2, SEQ).masked_fill(mask == 0, PAD), "attention_mask": mask,
             "decoder_input_ids": _ids(2, dec_len, seed=4)}
 

@@ -455,23 +455,22 @@ def _model_class(module) -> Optional[type]:
 
 def _check_supported(module, query, key, value, attention_mask, kwargs) -> None:
     where = f" ({type(module).__name__})" if module is not None else ""
-    advice = _advice_for(_model_class(module))
+
+    def refusal(what: str) -> NotImplementedError:  # the advice (a walk over the model's module) only when raising
+        return NotImplementedError(f"flashtriton attention{where} {what}. {_advice_for(_model_class(module))}")
+
     if kwargs.get("position_bias") is not None:
-        raise NotImplementedError(f"flashtriton attention{where} does not support position biases yet. {advice}")
+        raise refusal("does not support position biases yet")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
-        raise NotImplementedError(
-            f"flashtriton attention{where} takes only a 2-D padding mask (batch, keys), got {shape}: a custom "
-            f"4-D mask cannot be honoured. {advice}")
+        raise refusal(f"takes only a 2-D padding mask (batch, keys), got {shape}: a custom 4-D mask cannot be "
+                      "honoured")
     if query.dim() != 4 or key.dim() != 4:
         raise ValueError(f"expected query/key of shape (batch, heads, seqlen, head_dim), got "
                          f"{tuple(query.shape)} and {tuple(key.shape)}")
-    dims = {"query/key": query.shape[-1], "value": value.shape[-1]}
-    too_wide = {name: d for name, d in dims.items() if d > MAX_HEAD_DIM}
-    if too_wide:
-        raise NotImplementedError(
-            f"flashtriton attention{where} runs head dims up to {MAX_HEAD_DIM} (as flash-attn), this model's "
-            + ", ".join(f"{name} head dim is {d}" for name, d in too_wide.items()) + f". {advice}")
+    if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
+        raise refusal(f"runs head dims up to {MAX_HEAD_DIM} (as flash-attn), this model's query/key head dim is "
+                      f"{query.shape[-1]} and its value head dim {value.shape[-1]}")
 
 
 def _sink(module, s_aux, query: torch.Tensor) -> Optional[torch.Tensor]:
