@@ -68,9 +68,11 @@ ATOL = T.ATOL
 W, F, L, H, KV, D = 64, 128, 2, 4, 2, 16  # hidden, ffn, layers, heads, kv heads, head dim
 VOCAB, PAD, BOS, EOS = 128, 0, 1, 2
 ID_HIGH = 100  # random input ids in [3, ID_HIGH): special tokens (image, audio, ...) are moved to 100..127
-SEQ, SHORT = 12, 7
+SEQ, SHORT = 12, 7  # --seqlen N: SEQ = N, SHORT = 3 N / 5, WINDOW = N / 3, GEN = N - 2 (multi-tile sequences)
+GEN, GEN_SHORT = 10, 6  # the generate cases' prompts
 IMAGE, PATCH = 16, 4
 WINDOW = 8
+POSITIONS = 64
 
 # the heads, in priority order: one per model type, the first mapping that has it
 HEADS = [
@@ -152,7 +154,7 @@ def _tiny_value(name: str, value, width0, ffn0, pool: _TokenPool):
     if name == "vocab_size" or (low.startswith("vocab_size") and _is_int(value)) or low.endswith("_vocab_size"):
         return VOCAB if _is_int(value) or value is None else _KEEP
     if name in _POSITIONS and _is_int(value):
-        return 64
+        return POSITIONS
     if name in ("sliding_window", "sliding_window_size") and (_is_int(value) or value is None):
         return WINDOW
     if name == "use_sliding_window" and isinstance(value, bool):
@@ -323,7 +325,8 @@ def _ids(batch, seqlen, seed=1):
     return torch.randint(3, ID_HIGH, (batch, seqlen), generator=torch.Generator().manual_seed(seed))
 
 
-def _text(seqlen=SEQ, lengths=None, left=True):
+def _text(seqlen=None, lengths=None, left=True):
+    seqlen = seqlen or SEQ
     ids = _ids(2, seqlen)
     if lengths is None:
         return {"input_ids": ids}
@@ -379,10 +382,10 @@ def _cases_for(head: str, config, model_cls) -> list[tuple[str, dict, str]]:
     out = [("plain", _text(), "forward"), ("left_padded", _text(lengths=(SEQ, SHORT), left=True), "forward"),
            ("right_padded", _text(lengths=(SEQ, SHORT), left=False), "forward")]
     if head in ("causal_lm", "image_text_to_text") and hasattr(model_cls, "generate"):
-        out.append(("generate_left_padded", _text(seqlen=10, lengths=(10, 6), left=True), "generate"))
+        out.append(("generate_left_padded", _text(seqlen=GEN, lengths=(GEN, GEN_SHORT), left=True), "generate"))
         if HARD:  # a cache filled in two calls; a static cache (keys past the written ones)
             out.append(("chunked_prefill_left_padded", _text(lengths=(SEQ, SHORT), left=True), "chunked"))
-            out.append(("generate_static_cache", _text(seqlen=10, lengths=(10, 6), left=True), "generate_static"))
+            out.append(("generate_static_cache", _text(seqlen=GEN, lengths=(GEN, GEN_SHORT), left=True), "generate_static"))
     return out
 
 
@@ -761,6 +764,9 @@ def main():
     parser.add_argument("--hard", action="store_true",
                         help="causal LMs: also a chunked prefill through a DynamicCache and a static-cache generate")
     parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
+    parser.add_argument("--seqlen", type=int, default=12,
+                        help="tokens a sequence (default 12: one tile); longer ones span several of the kernels' "
+                             "tiles, with the padded rows 3/5 as long, windows a third and prompts 2 shorter")
     parser.add_argument("--merge", nargs="+", default=[],
                         help="merge these result files' cases into --out (first the earlier), write --summary, stop")
     parser.add_argument("--statuses", default="",
@@ -768,8 +774,11 @@ def main():
                              "(e.g. skipped,matched); their new records replace the old ones")
     args = parser.parse_args()
 
-    global HARD, CASES
+    global HARD, CASES, SEQ, SHORT, WINDOW, GEN, GEN_SHORT, POSITIONS
     HARD = args.hard
+    if args.seqlen != 12:
+        SEQ, SHORT, WINDOW = args.seqlen, args.seqlen * 3 // 5, max(8, args.seqlen // 3)
+        GEN, GEN_SHORT, POSITIONS = args.seqlen - 2, (args.seqlen - 2) // 2, max(64, 2 * args.seqlen + 16)
     CASES = set(filter(None, args.cases.split(",")))
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
