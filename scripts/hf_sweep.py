@@ -25,7 +25,8 @@ LMs and seq2seq LMs also (d) greedy generate of 4 tokens from left-padded prompt
 Seq2seq forward cases pad the encoder and compare every decoder position. Vision models: one batch of 2 images.
 Vision-language models run their text path (no images). A generate whose tokens differ only after a near tie (the
 logits agree up to the diverging step, top-2 gap <= 10 ATOL) counts as matched. --hard adds, for causal LMs, a
-prefill in two calls through one DynamicCache and a static-cache generate; and for every model the sdpa/eager model
+prefill in two calls through one DynamicCache, a static-cache generate and packed documents (position ids that
+restart, no attention mask); and for every model the sdpa/eager model
 switched with set_attn_implementation("flashtriton") on its first padded forward case. Where torch's sdpa runs
 inside the flashtriton model as often as inside the eager one (a pooling head calling it directly), it is noted,
 not failed.
@@ -334,6 +335,14 @@ def _text(seqlen=None, lengths=None, left=True):
     return {"input_ids": ids.masked_fill(mask == 0, PAD), "attention_mask": mask}
 
 
+def _packed():
+    """Two rows of SEQ tokens, no attention mask: row 0 two documents (SHORT tokens, then the rest), row 1 one
+    document that starts mid-way (positions 3 ...); the mask comes from the position ids' restarts."""
+    inputs = T._packed([(0, SHORT), (0, SEQ - SHORT)], [(3, SEQ + 3)])
+    inputs["input_ids"] = inputs["input_ids"] % (ID_HIGH - 3) + 3
+    return inputs
+
+
 def _seq2seq(left, dec_len=8):
     mask = T._mask((SEQ, SHORT), SEQ, left)
     return {"input_ids": _ids(2, SEQ).masked_fill(mask == 0, PAD), "attention_mask": mask,
@@ -386,6 +395,8 @@ def _cases_for(head: str, config, model_cls) -> list[tuple[str, dict, str]]:
         if HARD:  # a cache filled in two calls; a static cache (keys past the written ones)
             out.append(("chunked_prefill_left_padded", _text(lengths=(SEQ, SHORT), left=True), "chunked"))
             out.append(("generate_static_cache", _text(seqlen=GEN, lengths=(GEN, GEN_SHORT), left=True), "generate_static"))
+    if HARD and head == "causal_lm" and "position_ids" in params:  # documents back to back, as in packed training
+        out.append(("packed_documents", _packed(), "forward"))
     return out
 
 

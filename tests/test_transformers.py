@@ -472,6 +472,32 @@ def test_packed_rows_from_position_ids_in_a_batch_of_two(device):
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
+def test_position_ids_under_a_mask_of_several_rows_follow_the_mask(device):
+    """Position ids that restart under a mask the model built for two rows without packing (gpt-oss builds its
+    masks without the position ids): the mask is what eager, sdpa and flash attention apply, so each row attends
+    causally across the restart; one row reads its restarts, as transformers' flash attention does."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    positions = torch.tensor([list(range(10)) + list(range(14)), list(range(3, 27))], device=device)
+    q = torch.randn(2, 4, 24, 16, device=device)
+    k, v = (torch.randn(2, 2, 24, 16, device=device) for _ in range(2))
+    mask = ft_hf.flashtriton_mask(batch_size=2, q_length=24, kv_length=24, mask_function=mu.causal_mask_function,
+                                  device=device)
+    out, _ = ft_hf.flashtriton_attention_forward(module, q, k, v, mask, scaling=0.25, position_ids=positions)
+    causal = torch.ones(24, 24, dtype=torch.bool, device=device).tril()
+    torch.testing.assert_close(out, _reference(module, q, k, v, causal[None, None].expand(2, 1, 24, 24), 0.25),
+                               atol=ATOL, rtol=0)
+    one = ft_hf.flashtriton_mask(batch_size=1, q_length=24, kv_length=24, mask_function=mu.causal_mask_function,
+                                 device=device)
+    out, _ = ft_hf.flashtriton_attention_forward(module, q[:1], k[:1], v[:1], one, scaling=0.25,
+                                                 position_ids=positions[:1])
+    same = torch.arange(24, device=device) < 10
+    packed = causal & (same[:, None] == same[None, :])
+    torch.testing.assert_close(out, _reference(module, q[:1], k[:1], v[:1], packed[None, None], 0.25),
+                               atol=ATOL, rtol=0)
+
+
 class _NoFlash(transformers.PreTrainedModel):
     _supports_flash_attn = False
 

@@ -16,7 +16,8 @@ everything else. Then:
 - padding (left or right): `flash_attn_varlen_func` on each row's real keys. Causal attention keeps each
   row's real queries (padded query positions return 0); non-causal attention (encoders, cross-attention to a
   padded encoder) keeps every query, or with a window (ModernBERT's local attention) the real ones;
-- packed sequences (position ids that restart, in any row, as transformers detects them; or explicit
+- packed sequences (position ids that restart, in any row, as transformers' masks detect them; in one row
+  whose mask says nothing of them, or without a mask, as its flash-attention path reads them; or explicit
   `cu_seq_lens_q/k` kwargs, as `DataCollatorWithFlattening` makes): varlen over the packed sequences;
 - sliding windows as flash-attn's `window_size`, around each query's own position (per sequence in varlen):
   the window the mask function describes (`hf_masks`: transformers' `sliding_window_overlay(w)`, key k
@@ -146,7 +147,11 @@ def flashtriton_attention_forward(
     if cu_q is not None and cu_k is not None:  # padding-free batch with its boundaries given
         return _packed_attention(q, k, v, cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"),
                                  scaling, causal, window, **variant), None
-    segments = _segments_from_positions(kwargs.get("position_ids"), batch, seqlen_q, k.shape[1])
+    # Position ids that restart mark packed sequences where no mask says otherwise, or, as transformers' flash
+    # attention reads them, in a single row; a mask the model built for several rows (whose packing it would
+    # carry: the segments above) is what eager and sdpa apply, and flash attention too.
+    segments = (_segments_from_positions(kwargs.get("position_ids"), batch, seqlen_q, k.shape[1])
+                if attention_mask is None or batch == 1 else None)
     if segments is not None:
         return _segments_attention(q, k, v, segments, scaling, causal, window, **variant), None
 
