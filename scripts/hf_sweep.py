@@ -3,6 +3,7 @@
     TRITON_INTERPRET=1 PYTHONPATH=src .venv/bin/python scripts/hf_sweep.py --minutes 60      # CPU (interpreter)
     PYTHONPATH=src .venv/bin/python scripts/hf_sweep.py --device cuda                          # a GPU
     ... scripts/hf_sweep.py --only qwen3,mixtral --no-resume                                   # a few model types
+    ... scripts/hf_sweep.py --seqlen 100 --hard                                                # multi-tile lengths
 
 tests/test_hf_families.py checks ~45 families by hand; this script walks transformers' auto mappings (causal LM,
 seq2seq LM, masked LM, image-text-to-text, image classification, base models) and, for every model type, builds a
@@ -20,16 +21,15 @@ no sdpa, or where sdpa fails to build) and judges each case by the contract of t
 - ERROR:     any other exception from the flashtriton model where the reference ran;
 - skipped:   no tiny config / no generic inputs / the reference itself fails on the case (why is recorded).
 
-Cases: text models (a) 2 x 12 tokens, (b) left-padded rows (12 and 7 real tokens), (c) right-padded rows; causal
-LMs and seq2seq LMs also (d) greedy generate of 4 tokens from left-padded prompts (seq2seq: a padded encoder).
-Seq2seq forward cases pad the encoder and compare every decoder position. Vision models: one batch of 2 images.
-Vision-language models run their text path (no images). A generate whose tokens differ only after a near tie (the
-logits agree up to the diverging step, top-2 gap <= 10 ATOL) counts as matched. --hard adds, for causal LMs, a
-prefill in two calls through one DynamicCache, a static-cache generate and packed documents (position ids that
-restart, no attention mask); and for every model the sdpa/eager model
-switched with set_attn_implementation("flashtriton") on its first padded forward case. Where torch's sdpa runs
-inside the flashtriton model as often as inside the eager one (a pooling head calling it directly), it is noted,
-not failed.
+Cases (at the default --seqlen 12): text models (a) 2 x 12 tokens, (b) left-padded rows (12 and 7 real tokens),
+(c) right-padded rows; causal LMs and seq2seq LMs also (d) greedy generate of 4 tokens from left-padded prompts
+(seq2seq: a padded encoder). Seq2seq forward cases pad the encoder and compare every decoder position. Vision
+models: one batch of 2 images. Vision-language models run their text path (no images). A generate whose tokens
+differ only after a near tie (the logits agree up to the diverging step, top-2 gap <= 10 ATOL) counts as matched.
+--hard adds, for causal LMs, a prefill in two calls through one DynamicCache, a static-cache generate and packed
+documents (position ids that restart, no attention mask); and for every model the sdpa/eager model switched with
+set_attn_implementation("flashtriton") on its first padded forward case. Where torch's sdpa runs inside the
+flashtriton model as often as inside the eager one (a pooling head calling it directly), it is noted, not failed.
 
 Results go to --out (JSON, rewritten after every model, so an interrupted sweep resumes where it stopped; a model
 that killed the process is recorded as CRASH) and a readable --summary. One process, one thread by default.
@@ -394,7 +394,8 @@ def _cases_for(head: str, config, model_cls) -> list[tuple[str, dict, str]]:
         out.append(("generate_left_padded", _text(seqlen=GEN, lengths=(GEN, GEN_SHORT), left=True), "generate"))
         if HARD:  # a cache filled in two calls; a static cache (keys past the written ones)
             out.append(("chunked_prefill_left_padded", _text(lengths=(SEQ, SHORT), left=True), "chunked"))
-            out.append(("generate_static_cache", _text(seqlen=GEN, lengths=(GEN, GEN_SHORT), left=True), "generate_static"))
+            out.append(("generate_static_cache", _text(seqlen=GEN, lengths=(GEN, GEN_SHORT), left=True),
+                        "generate_static"))
     if HARD and head == "causal_lm" and "position_ids" in params:  # documents back to back, as in packed training
         out.append(("packed_documents", _packed(), "forward"))
     return out
@@ -773,7 +774,8 @@ def main():
     parser.add_argument("--device", default="cpu" if T.INTERPRET else "cuda")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hard", action="store_true",
-                        help="causal LMs: also a chunked prefill through a DynamicCache and a static-cache generate")
+                        help="causal LMs: also a chunked prefill through a DynamicCache, a static-cache generate "
+                             "and packed documents")
     parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
     parser.add_argument("--seqlen", type=int, default=12,
                         help="tokens a sequence (default 12: one tile); longer ones span several of the kernels' "

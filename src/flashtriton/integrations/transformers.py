@@ -638,7 +638,8 @@ def _segments_from_positions(position_ids, batch: int, seqlen_q: int, seqlen_k: 
     grow by one, in every row), or None: no restart, not a prefill (queries = keys), or not (B, S) positions.
 
     transformers detects packing in its mask only without a cache; a forward with `use_cache=True` creates an
-    empty one, so the positions are read here as flash-attention does (one device-to-host sync per layer)."""
+    empty one, so the positions are read here as its flash-attention path does (one device-to-host sync per layer),
+    for a single row or a call without a mask (`flashtriton_attention_forward`)."""
     if (position_ids is None or position_ids.dim() != 2 or seqlen_q != seqlen_k or seqlen_q < 2
             or position_ids.shape[-1] != seqlen_q or position_ids.shape[0] not in (1, batch)):
         return None
