@@ -323,7 +323,7 @@ def tiny_config(config_cls, default=None, pool: Optional[_TokenPool] = None, dep
 
 
 def _ids(batch, seqlen, seed=1):
-    return torch.randint(3, ID_HIGH, (batch, seqlen), generator=torch.Generator().manual_seed(seed))
+    return T._ids(batch, seqlen, seed, high=ID_HIGH)
 
 
 def _text(seqlen=None, lengths=None, left=True):

@@ -403,10 +403,15 @@ def _tokens_and_logits(out) -> tuple:
     return out.sequences, torch.stack(list(out.logits), 1)
 
 
+def _greedy(model, inputs, **kwargs) -> tuple:
+    """Six greedy tokens and their steps' logits (`_tokens_and_logits`)."""
+    return _tokens_and_logits(model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
+                                             output_logits=True, return_dict_in_generate=True, **kwargs))
+
+
 def _generate(**kwargs):
     def run(model, inputs):
-        return _tokens_and_logits(model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
-                                                 output_logits=True, return_dict_in_generate=True, **kwargs))
+        return _greedy(model, inputs, **kwargs)
 
     return run
 
@@ -415,9 +420,7 @@ def _generate_full_cache(**kwargs):
     """Generation with a DynamicCache that keeps every key (no config: no sliding layers), so that decoding past
     the window runs the window over the whole cache."""
     def run(model, inputs):
-        return _tokens_and_logits(model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
-                                                 output_logits=True, return_dict_in_generate=True,
-                                                 **{_cache_kwarg(model): transformers.DynamicCache()}, **kwargs))
+        return _greedy(model, inputs, **{_cache_kwarg(model): transformers.DynamicCache()}, **kwargs)
 
     return run
 
