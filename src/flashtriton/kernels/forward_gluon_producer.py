@@ -28,14 +28,26 @@ def zero_rows_from(tile, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _gather_pages(desc, entries, key, seqlen_k, off_hk, bar, tile, PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr):
-    """TMA loads of the key tile from `key` on out of GATHER pages of PAGE_SIZE rows, their indices in the pool at
-    entries[key // PAGE_SIZE + g] (the block-table row): page g into rows [g · PAGE_SIZE, + PAGE_SIZE) of `tile`
-    (BLOCK_N, 1, D), all on `bar`; a page past the sequence's keys is not read from the table (page 0 stands in)."""
+def _page_rows(entries, key, seqlen_k, PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr):
+    """The pool rows where the key tile from `key` on starts in each of its GATHER pages of PAGE_SIZE rows (a tuple),
+    page g's index at entries[key // PAGE_SIZE + g] (the block-table row); a page past the sequence's keys is not
+    read from the table (page 0 stands in). The loads go out together, ahead of the wait for the stage, so that no
+    box waits for a round trip of its own (boxes each behind its own load run 4 % slower at pages of 8 keys on an
+    H100: benchmarks/2026-12-07-h100/paged-prefetch/). Scalars, not one vector load: its elements' extraction
+    cost more than the loads (docs/performance.md)."""
+    rows = ()
     for g in gl.static_range(GATHER):
         used = key + g * PAGE_SIZE < seqlen_k
-        page = gl.load(entries + key // PAGE_SIZE + g, mask=used, other=0)
-        tma_load(desc, True, 0, page * PAGE_SIZE, off_hk, bar, tile.slice(g * PAGE_SIZE, PAGE_SIZE))
+        rows = rows + (gl.load(entries + key // PAGE_SIZE + g, mask=used, other=0) * PAGE_SIZE, )
+    return rows
+
+
+@gluon.jit
+def _gather_pages(desc, rows, off_hk, bar, tile, PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr):
+    """TMA loads of a key tile from its GATHER pages (`_page_rows`): page g into rows [g · PAGE_SIZE, + PAGE_SIZE)
+    of `tile` (BLOCK_N, 1, D), all on `bar`."""
+    for g in gl.static_range(GATHER):
+        tma_load(desc, True, 0, rows[g], off_hk, bar, tile.slice(g * PAGE_SIZE, PAGE_SIZE))
 
 
 @gluon.jit
@@ -76,7 +88,8 @@ def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARL
         phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
         key = first + t * BLOCK_N
         if GATHER > 1:
-            row = 0  # (the pages' rows: `_gather_pages`)
+            row = 0
+            pages = _page_rows(bt_row, key, seqlen_k, PAGE_SIZE, GATHER)
         elif PAGE_SIZE > 0:
             row = gl.load(bt_row + key // PAGE_SIZE) * PAGE_SIZE + key % PAGE_SIZE
         else:
@@ -84,15 +97,15 @@ def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARL
         mbarrier.wait(k_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
         mbarrier.expect(k_ready.index(stage), GATHER * desc_k.block_type.nbytes)
         if GATHER > 1:
-            _gather_pages(desc_k, bt_row, key, seqlen_k, off_hk, k_ready.index(stage), k_bufs.index(stage), PAGE_SIZE,
-                          GATHER)
+            _gather_pages(desc_k, pages, off_hk, k_ready.index(stage), k_bufs.index(stage), PAGE_SIZE, GATHER)
         else:
             tma_load(desc_k, IS_VARLEN, off_b, row, off_hk, k_ready.index(stage), k_bufs.index(stage))
+        if GATHER > 1:
+            pages = _page_rows(bt_row, key, seqlen_k, PAGE_SIZE, GATHER)  # again (L1 hits): fewer live registers
         mbarrier.wait(v_empty.index(stage), phase, pred=c >= NUM_BUFFERS)
         mbarrier.expect(v_ready.index(stage), GATHER * desc_v.block_type.nbytes)
         if GATHER > 1:
-            _gather_pages(desc_v, bt_row, key, seqlen_k, off_hk, v_ready.index(stage), v_bufs.index(stage), PAGE_SIZE,
-                          GATHER)
+            _gather_pages(desc_v, pages, off_hk, v_ready.index(stage), v_bufs.index(stage), PAGE_SIZE, GATHER)
         else:
             tma_load(desc_v, IS_VARLEN, off_b, row, off_hk, v_ready.index(stage), v_bufs.index(stage))
         if IS_VARLEN:
