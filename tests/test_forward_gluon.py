@@ -718,8 +718,11 @@ def test_gluon_separate_v_builds_compile_for_sm90_without_spills():
 def test_gluon_paged_builds_compile_for_sm90_without_spills():
     """The varlen forward over pages of 128 and 256 keys (each K/V tile one page's rows, its page read from the
     block table by the producer) and of 16 and 64 keys (a tile gathered from 8 / 2 pages) compiles offline within
-    its spill budget (in a fresh process, as above; triton 3.6's ptxas): up to 24 bytes, all in the producer's tile
-    loop (its block-table row pointer, the gathered pages' loads), which waits on the consumers most of its time."""
+    its spill budget (in a fresh process, as above; triton 3.6's ptxas): up to 36 bytes, all in the producer's
+    24-register tile loop (its block-table row pointer, a tile's page entries held across the wait for its stage),
+    which waits on the consumers most of its time. The 36-byte build at pages of 16 runs level with a 24-byte one
+    that loaded each entry as its box was issued, and 4 % faster at pages of 8 (an H100,
+    benchmarks/2026-12-07-h100/paged-prefetch/)."""
     script = (
         "from flashtriton import configs\n"
         "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
@@ -732,7 +735,7 @@ def test_gluon_paged_builds_compile_for_sm90_without_spills():
     )
     lines = [line.split() for line in compile_in_fresh_process(script).splitlines() if line.startswith("compiled")]
     assert len(lines) == 4, lines
-    budget = {"128": 8, "256": 0, "16": 24, "64": 0}  # bytes of spill stores by page size
+    budget = {"128": 8, "256": 0, "16": 36, "64": 0}  # bytes of spill stores by page size
     assert all(int(spill) <= budget[page] for _, page, _, _, spill in lines), lines
 
 
