@@ -88,7 +88,6 @@ def load_item(shared, qi, c, off_b, off_h, start_m, seq, first, n_tiles, IS_VARL
         phase = ((c // NUM_BUFFERS) & 1) ^ 1  # the first round passes: a fresh barrier's "previous" phase
         key = first + t * BLOCK_N
         if GATHER > 1:
-            row = 0
             pages = _page_rows(bt_row, key, seqlen_k, PAGE_SIZE, GATHER)
         elif PAGE_SIZE > 0:
             row = gl.load(bt_row + key // PAGE_SIZE) * PAGE_SIZE + key % PAGE_SIZE
