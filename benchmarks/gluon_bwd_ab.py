@@ -10,7 +10,8 @@ Cases (`--cases`, comma list of CASES' names):
 Candidates per case: the dispatch's config (`configs.gluon_bwd_config`) and the overrides of CANDIDATES[case] on it
 (constexprs of the dK/dV or the dQ kernel: NUM_STAGES, BLOCK_N, ...; "switches": `configs.backward`'s module
 switches set for the candidate's calls). Each candidate's gradients are checked against
-the dispatch config's (the same sums: equal but for the order of additions, judged at 1e-2 of their scale), then the
+the dispatch config's (the same sums: equal but for the order of additions, judged at 1e-2 of their scale; the table
+says where they are not bitwise equal), then the
 backward (`torch.autograd.grad` of one forward, retained) is timed by `triton.testing.do_bench` (L2 flushed), median
 of `--rounds` rounds in rotating order after a warmup, and each kernel's device time per call read by torch.profiler
 over 5 calls, median of `--rounds` readings in rotating order (the preprocess, dK/dV, dQ; a candidate read right after
@@ -55,7 +56,7 @@ SPLIT = {"unsplit, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=0)},
 CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
     "dense16k": SPLIT,
     "dense4k": SPLIT,
-    "dense4k_d64": SPLIT,
+    "dense4k_d64": dict(SPLIT, **{"K/V from shared memory": {"dkdv": dict(KV_REGS=False)}}),
     "softcap4k": SPLIT,
     "window1024": SPLIT,
     "window4096": SPLIT,
@@ -63,7 +64,9 @@ CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
     "dense4k_d64_full": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
                          "dQ 64-key tiles": {"dq": dict(BLOCK_N=64)},
                          "dQ 64-key tiles, 3 stages": {"dq": dict(BLOCK_N=64, NUM_STAGES=3)},
-                         "preprocess kernel": SPLIT["preprocess kernel"]},
+                         "preprocess kernel": SPLIT["preprocess kernel"],
+                         # Sᵀ's and dPᵀ's A operands (K, V) read from shared memory at every tile (KV_REGS off)
+                         "K/V from shared memory": {"dkdv": dict(KV_REGS=False)}},
     "mla": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
             "dQ 64-key tiles": {"dq": dict(BLOCK_N=64)}},
     "mla_causal": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
@@ -130,11 +133,12 @@ def main() -> int:
                 continue
             candidates[label] = {kernel: dict(base[kernel], **over.get(kernel, {})) for kernel in ("dkdv", "dq")}
             switches[label] = over.get("switches", {})
-        calls, reference = {}, None
+        calls, reference, bitwise = {}, None, {}
         for label, config in candidates.items():
             calls[label], grads = backward_call(case, config, switches.get(label))
             if reference is None:
                 reference = grads
+            bitwise[label] = all(torch.equal(g, r) for g, r in zip(grads, reference))
             for name, g, r in zip(("dq", "dk", "dv"), grads, reference):
                 scale = r.float().abs().max().item()
                 err = (g.float() - r.float()).abs().max().item()
@@ -158,8 +162,10 @@ def main() -> int:
             rows.append(dict(env, case=case, shape=CASES[case], candidate=label, config=candidates[label],
                              switches=switches.get(label, {}),
                              ms=ms[label], times=times[label], over_dispatch=ms["dispatch"] / ms[label],
+                             bitwise_equal=bitwise[label],
                              kernel_us=kernels))
             print(f"{case:12s} {label:20s} {ms[label]:8.3f} ms  x{ms['dispatch'] / ms[label]:.3f} of the dispatch's"
+                  f"{'' if bitwise[label] else ' (gradients not bitwise equal)'}"
                   f"  ({', '.join(f'{k}: {t:.0f} us' for k, t in sorted(kernels.items()))})", flush=True)
     C.write_rows(args.out, "gluon_bwd_ab.json", rows)
     return 0

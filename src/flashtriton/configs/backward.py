@@ -97,12 +97,14 @@ GLUON_BWD_MIN_FLOPS = 5e10
 GLUON_BWD_D64_MIN_KEYS = 513
 
 # The Gluon backward's configs by head dim: D = 128 3 stages, dQ by 64-key tiles (128-key tiles need 64 more
-# score registers a thread); D = 64 2 stages, dQ by 128-key tiles. Packed (varlen) batches take the same configs,
+# score registers a thread); D = 64 2 stages, dQ by 128-key tiles, dK/dV with K and V in registers (KV_REGS: the
+# dK/dV kernel 0.89x / 0.96x the time with them read from shared memory, non-causal / causal T=4k on an H100,
+# benchmarks/2026-12-07-h100/kv-regs/gluon_bwd_ab.json; at D = 128 they spill). Packed (varlen) batches take the same configs,
 # 1.25-1.35x faster than the Triton kernels on the varlen suite's batch.
 # H200: benchmarks/2026-11-29-h200/explore11/run_9452517c10f2/explore/varlen_bwd.json
 GLUON_BWD_D128 = {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240),
                   "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
-GLUON_BWD_D64 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240),
+GLUON_BWD_D64 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, KV_REGS=True),
                  "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
 # D = 256 (and 192 in its tiles): dK/dV programs of 64 keys whose two warpgroups split the columns
 # (`backward_gluon_dkdv.dkdv_keys`), 2 stages of Q / dO (197 KB of shared memory with K / V); dQ by 32-key tiles, 2
