@@ -602,6 +602,42 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
         assert_variant_grads(ours, portable, exact, dtype, f"{name}, shape {shape}: ")
 
 
+# The products' A operands held in registers (the dK/dV kernel's K and V: KV_REGS; the dQ kernel's Q and dO:
+# QDO_REGS), bit 4 set so that varlen and the variants take them too. What the dispatch honours (KV_REGS at D=64,
+# dense without a variant) runs in the float64 tests above; this runs the rest on the GPU before the dispatch
+# takes it.
+REGS_CASES = ["plain", "causal", "window_both", "causal_window", "softcap", "alibi", "sinks", "varlen"]
+
+
+@hopper_only
+@pytest.mark.parametrize("name", REGS_CASES)
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.float16), (128, torch.bfloat16)])
+def test_gluon_backward_operands_in_registers_against_float64(name, head_dim, dtype, device, monkeypatch):
+    spec = {"plain": {}, "causal": dict(causal=True), "varlen": dict(causal=True), **GLUON_VARIANTS}[name]
+    base = configs.gluon_bwd_config(head_dim, 4096, 4096, spec.get("causal", False))
+    config = {"dkdv": dict(base["dkdv"], KV_REGS=7), "dq": dict(base["dq"], QDO_REGS=7)}
+    for kernel in ("dkdv", "dq"):  # the builds take the operands from registers
+        assert BG.launch_parts((1, 64, 4, head_dim), (1, 64, 2, head_dim), False, True, config[kernel], kernel)[2][
+            "KV_REGS" if kernel == "dkdv" else "QDO_REGS"] == 7
+    for shape in VARIANT_SHAPES:
+        q, k, v, dout = make_qkv(*shape, head_dim, dtype, device, seed=shape[1])
+        kwargs, sinks = _variant_inputs(spec, shape[0], shape[3], device, seed=shape[2])
+        varlen = None
+        if name == "varlen":  # the batch's sequences packed: (B · S, H, D) with cu_seqlens
+            batch, sq, sk = shape[:3]
+            cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32, device=device)
+            cu_k = torch.arange(0, (batch + 1) * sk, sk, dtype=torch.int32, device=device)
+            varlen = (cu_q, cu_k, sq, sk)
+            packed = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v, dout)]
+            ours = variant_grads(*packed, kwargs, sinks, True, monkeypatch, config=config, varlen=varlen)
+            ours = [g.reshape(t.shape) for g, t in zip(ours, (q, k, v))]
+        else:
+            ours = variant_grads(q, k, v, dout, kwargs, sinks, True, monkeypatch, config=config)
+        portable = variant_grads(q, k, v, dout, kwargs, sinks, False, monkeypatch)
+        exact = exact_variant_grads(q, k, v, dout, kwargs, sinks)
+        assert_variant_grads(ours, portable, exact, dtype, f"{name}, shape {shape}: ")
+
+
 # QK_WIDTH / V_WIDTH (`gluon_common.mma_nt`): S and dP over the head's own columns, in pieces of powers of two
 # (80 = 64 + 16, 96 = 64 + 32, 112 = 64 + 32 + 16 of 128; 192 = 128 + 64 of 256), with V's own (the head dims
 # the dispatch gives the Gluon backward).
@@ -1054,7 +1090,8 @@ VARIANT_BUILDS = {
 # Persistent dK/dV builds (PERSISTENT, off in the dispatch): the items' places and loop state, kept across the tile
 # loop, spill (the tile loop itself reloads three values more than the one-item build's). Split dK/dV loops (SPLIT,
 # as `configs.backward.GLUON_BWD_SPLIT_CASES` dispatch them): none of their tile loops spills;
-# the dQ kernel's (off in the dispatch) spills nothing.
+# the dQ kernel's (off in the dispatch) spills nothing. The products' A operands in registers (KV_REGS, QDO_REGS; bit
+# 4 takes the variants too) spill only with a window and ALiBi at D=64.
 PERSISTENT_BUILDS = {
     # (kernel, head dim, causal, varlen, window, softcap, alibi, config's overrides): spill budget
     ("dkdv", 128, True, False, True, False, False, "persistent"): 200,
@@ -1074,6 +1111,15 @@ PERSISTENT_BUILDS = {
     ("dq", 64, False, False, False, False, False, "fused3"): 0,
     ("dq", 128, True, False, False, False, False, "fused5"): 0,
     ("dq", 64, True, False, True, True, True, "fused7"): 0,
+    # the products' A operands in registers (KV_REGS / QDO_REGS = 7: varlen and the variants too)
+    ("dkdv", 64, False, False, False, False, False, "regs"): 0,
+    ("dkdv", 64, True, True, False, False, False, "regs"): 0,
+    ("dkdv", 64, True, False, True, False, True, "regs"): 16,
+    ("dq", 64, False, False, False, False, False, "regs"): 0,
+    ("dq", 64, True, True, False, True, False, "regs"): 0,
+    ("dq", 64, True, False, True, False, True, "regs"): 32,
+    ("dq", 128, True, False, False, False, False, "regs"): 0,
+    ("dq", 128, True, True, True, True, True, "regs"): 0,
 }
 
 
@@ -1107,7 +1153,8 @@ def test_persistent_and_split_builds_compile_for_sm90_without_a_gpu():
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
         "OVERRIDES = {('dkdv', 'persistent'): dict(NUM_STAGES=2, PERSISTENT=True),\n"
         "             ('dkdv', 'split'): dict(NUM_STAGES=2, SPLIT=1), ('dq', 'split'): dict(SPLIT=1),\n"
-        "             ('dq', 'fused1'): {}, ('dq', 'fused3'): {}, ('dq', 'fused5'): {}, ('dq', 'fused7'): {}}\n"
+        "             ('dq', 'fused1'): {}, ('dq', 'fused3'): {}, ('dq', 'fused5'): {}, ('dq', 'fused7'): {},\n"
+        "             ('dkdv', 'regs'): dict(KV_REGS=7), ('dq', 'regs'): dict(QDO_REGS=7)}\n"
         f"for kernel, d, causal, varlen, window, softcap, alibi, kind in {list(PERSISTENT_BUILDS)!r}:\n"
         "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], **OVERRIDES[kernel, kind])\n"
         "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen,\n"

@@ -104,7 +104,7 @@ GLUON_BWD_D64_MIN_KEYS = 513
 # H200: benchmarks/2026-11-29-h200/explore11/run_9452517c10f2/explore/varlen_bwd.json
 GLUON_BWD_D128 = {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240),
                   "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}
-GLUON_BWD_D64 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, KV_REGS=True),
+GLUON_BWD_D64 = {"dkdv": dict(NUM_STAGES=2, CONSUMER_REGS=240, KV_REGS=3),
                  "dq": dict(BLOCK_N=128, NUM_STAGES=2, CONSUMER_REGS=240)}
 # D = 256 (and 192 in its tiles): dK/dV programs of 64 keys whose two warpgroups split the columns
 # (`backward_gluon_dkdv.dkdv_keys`), 2 stages of Q / dO (197 KB of shared memory with K / V); dQ by 32-key tiles, 2

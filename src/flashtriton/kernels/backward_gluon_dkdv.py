@@ -204,7 +204,7 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr,
                   HAS_DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, SPLIT: gl.constexpr = 0,
                   QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False,
-                  DV_SPLIT: gl.constexpr = False, KV_REGS: gl.constexpr = False):
+                  DV_SPLIT: gl.constexpr = False, KV_REGS: gl.constexpr = 0):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) of one program's keys (`place`) over the streamed
     tiles, then their stores (dK in QK's tiles, dV in V's: HEAD_DIM_V), through K/V buffers kv_base + WG, whose
     load completes phase `kv_phase` of `kv_bar`; `it0`: the tiles the program streamed before.
@@ -219,10 +219,10 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
     between them through shared memory in `gl.convert_layout`. DK_SPLIT, DV_SPLIT: dK, dV in two accumulators each
     (`acc_zero`: at D=192 in 256-column tiles, 128 + 64 columns), so that their products skip the zero columns.
-    KV_REGS: Sᵀ's and dPᵀ's A operands, the warpgroup's K and V, held in registers (16 a thread each at D=64), so
-    that of their products only Q's and dO's tiles are read from shared memory, whose bandwidth bounds the D=64
-    tiles (64 x 64 x 64 products, both operands read per wgmma); honoured where the GPU's float64 tests have run it
-    (below), else off."""
+    KV_REGS (bits: 1 K, 2 V, 4 with varlen, windows and ALiBi): Sᵀ's and dPᵀ's A operands, the warpgroup's K and V,
+    held in registers (16 a thread each at D=64), so that of their products only Q's and dO's tiles are read from
+    shared memory, whose bandwidth bounds the D=64 tiles (64 x 64 x 64 products, both operands read per wgmma);
+    honoured where they build without spills (below), else off."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
      stride_dkn, stride_dkh, stride_dvn, stride_dvh, d_valid, dv_valid) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
@@ -245,16 +245,15 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     k = k_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM])
     v = v_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(kv_bar, kv_phase)
-    # K and V in registers for dense calls without a variant, in whole tiles (no column pieces), one warpgroup a
-    # worker: softcap's and dropout's tiles spill with them; varlen, windows and ALiBi build without spills and have
-    # not yet run on the GPU with them
-    KV_IN_REGS: gl.constexpr = (KV_REGS and QK_W == HEAD_DIM and V_W == HEAD_DIM_V and WARPS_N == 1 and not (
-        PERSISTENT or IS_VARLEN or HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_DROPOUT))
-    if KV_IN_REGS:
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        tiles = (q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k.load(a_layout), v.load(a_layout), s_zero)
-    else:
-        tiles = (q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k, v, s_zero)
+    # K (KV_REGS bit 1) and V (bit 2) in registers for dense calls without a variant (bit 4: varlen, windows and
+    # ALiBi too, which have not yet run their GPU tests with them), in whole tiles (no column pieces), one warpgroup
+    # a worker; softcap's and dropout's tiles spill with them
+    REGS_ON: gl.constexpr = QK_W == HEAD_DIM and V_W == HEAD_DIM_V and WARPS_N == 1 and not (
+        PERSISTENT or HAS_SOFTCAP or HAS_DROPOUT or (not (KV_REGS & 4) and (IS_VARLEN or HAS_WINDOW or HAS_ALIBI)))
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    k_op = k.load(a_layout) if REGS_ON and (KV_REGS & 1) else k
+    v_op = v.load(a_layout) if REGS_ON and (KV_REGS & 2) else v
+    tiles = (q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k_op, v_op, s_zero)
     # (SPLIT takes dense causal calls and windows in one-item programs of 128 keys: elsewhere there is nothing to
     # split, and a varlen split is neither tested nor timed)
     SPLIT_ON: gl.constexpr = SPLIT and (IS_CAUSAL or HAS_WINDOW) and WARPS_N == 1 and not (PERSISTENT or IS_VARLEN)
@@ -328,7 +327,7 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr = False, schedule=None,
               kv_empty=None, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0, QK_W: gl.constexpr = 0,
               V_W: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False, DV_SPLIT: gl.constexpr = False,
-              KV_REGS: gl.constexpr = False):
+              KV_REGS: gl.constexpr = 0):
     """dK, dV of the program's keys (`_consume_keys`). `variant`: (window left, right, softcap, the group's first
     query head's ALiBi slope pointer, dropout), None where off; dropout = (seed, offset, threshold, 1 / (1 - p),
     b · Hq + the group's first query head). PERSISTENT: those of every item of the program (`_round_item`), item j's
@@ -378,7 +377,7 @@ def _attn_bwd_dkdv_gluon(
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
     HAS_DROPOUT: gl.constexpr = False, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0,
     QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False,
-    DV_SPLIT: gl.constexpr = False, KV_REGS: gl.constexpr = False,
+    DV_SPLIT: gl.constexpr = False, KV_REGS: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that

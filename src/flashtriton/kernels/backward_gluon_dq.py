@@ -149,12 +149,16 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr = False,
                  SPLIT: gl.constexpr = 0, fused=0, FUSED_DELTA: gl.constexpr = 0, DV_OUT: gl.constexpr = 0,
-                 QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False):
+                 QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False,
+                 QDO_REGS: gl.constexpr = 0):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. FUSED_DELTA:
     their lse and delta from `fused` (`_fused_delta`), else from the padded lse_ptr / delta_ptr. `variant`:
     (window left, right, softcap, pointer at the head's ALiBi slope, dropout), None where off; dropout = (seed,
     offset, threshold, 1 / (1 - p), b · Hq + h). SPLIT (causal or a window): the tiles in three loops, the masked
-    ones (`_dq_tile`'s MASK 2) around those every pair of which is visible (MASK 1: no mask code)."""
+    ones (`_dq_tile`'s MASK 2) around those every pair of which is visible (MASK 1: no mask code). QDO_REGS (bits:
+    1 Q, 2 dO, 4 with any variant): S's and dP's A operands, the warpgroup's Q and dO, held in registers, so that of
+    their products only the K and V tiles are read from shared memory (as the dK/dV kernel's KV_REGS). Built
+    without spills at D = 64 and 128, not yet timed or run on the GPU: off in the configs."""
     (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh,
      d_valid) = shared
     off_b, off_h, off_hk, start_m, n_tiles, key_lo = place
@@ -182,7 +186,14 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
     do = do_bufs.index(WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(q_ready, 0)
-    tiles = (k_bufs, v_bufs, kv_ready, kv_empty, q, do, s_zero)
+    # Q (QDO_REGS bit 1) and dO (bit 2) in registers for dense calls without a variant (bit 4: any variant), in whole
+    # tiles (no column pieces)
+    REGS_ON: gl.constexpr = QK_W == HEAD_DIM and V_W == HEAD_DIM_V and (
+        (QDO_REGS & 4) or not (IS_VARLEN or HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_DROPOUT))
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    q_op = q.load(a_layout) if REGS_ON and (QDO_REGS & 1) else q
+    do_op = do.load(a_layout) if REGS_ON and (QDO_REGS & 2) else do
+    tiles = (k_bufs, v_bufs, kv_ready, kv_empty, q_op, do_op, s_zero)
     # (SPLIT takes causal calls and windows: elsewhere only the keys' end is masked)
     if SPLIT and (IS_CAUSAL or HAS_WINDOW):  # the tiles in three runs: masked (a window's left edge), whole, masked
         first, start, lo, _ = key_blocks(start_m // KEYS, seqlen_k, diag, IS_CAUSAL, KEYS, BLOCK_N, HAS_WINDOW, left,
@@ -237,6 +248,7 @@ def _attn_bwd_dq_gluon(
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
     HAS_DROPOUT: gl.constexpr = False, SPLIT: gl.constexpr = 0, FUSED_DELTA: gl.constexpr = 0,
     DV_OUT: gl.constexpr = 0, QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False,
+    QDO_REGS: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
@@ -324,8 +336,10 @@ def _attn_bwd_dq_gluon(
         (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT,
+                        QDO_REGS)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT,
+                        QDO_REGS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
