@@ -613,6 +613,8 @@ REGS_CASES = ["plain", "causal", "window_both", "causal_window", "softcap", "ali
 @pytest.mark.parametrize("name", REGS_CASES)
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.float16), (128, torch.bfloat16)])
 def test_gluon_backward_operands_in_registers_against_float64(name, head_dim, dtype, device, monkeypatch):
+    """The dispatch's configs with K / V (dK/dV) and Q / dO (dQ) in registers wherever they build, dense or packed,
+    with the variants: the gradients (dsink too) against float64 within 2x the portable backward's error."""
     spec = {"plain": {}, "causal": dict(causal=True), "varlen": dict(causal=True), **GLUON_VARIANTS}[name]
     base = configs.gluon_bwd_config(head_dim, 4096, 4096, spec.get("causal", False))
     config = {"dkdv": dict(base["dkdv"], KV_REGS=7), "dq": dict(base["dq"], QDO_REGS=7)}
