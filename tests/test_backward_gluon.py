@@ -503,6 +503,36 @@ def test_gluon_backward_compiles_for_sm90_without_a_gpu():
     assert compile_in_fresh_process(script).count("compiled") == 12
 
 
+def test_operands_in_registers_reach_the_wgmmas():
+    """KV_REGS / QDO_REGS change the products' A operands, not only a flag: with them every wgmma of the D=64 dK/dV
+    dispatch build, and of the dQ build that sets QDO_REGS, reads its A operand from registers (two register lists
+    in the PTX instruction), and without them Sᵀ / S and dPᵀ / dP read both from shared memory; a variant the
+    dispatch does not give them (softcap) builds with the shared-memory operands. In a fresh process, as above."""
+    script = (
+        "import re, torch\n"
+        "from flashtriton import configs\n"
+        "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
+        "def counts(kernel, overrides, **variant):\n"
+        "    config = dict(configs.gluon_bwd_config(64, 4096, 4096, False)[kernel], **overrides)\n"
+        "    ptx = compile_for_sm90(64, False, config, torch.bfloat16, kernel, **variant).asm['ptx']\n"
+        "    mmas = re.findall(r'wgmma.mma_async[^;]*;', ptx)\n"
+        "    return len(mmas), sum(m.count('{') == 2 for m in mmas)\n"
+        "print('dkdv', *counts('dkdv', {}))\n"
+        "print('dkdv_off', *counts('dkdv', dict(KV_REGS=0)))\n"
+        "print('dkdv_softcap', *counts('dkdv', {}, softcap=30.0))\n"
+        "print('dq', *counts('dq', dict(QDO_REGS=3)))\n"
+        "print('dq_off', *counts('dq', {}))\n"
+    )
+    found = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in compile_in_fresh_process(script).splitlines()
+             if line.split() and line.split()[0] in ("dkdv", "dkdv_off", "dkdv_softcap", "dq", "dq_off")}
+    for name in ("dkdv", "dq"):  # every product from registers
+        total, from_registers = found[name]
+        assert total > 0 and from_registers == total, (name, found)
+    for name in ("dkdv_off", "dkdv_softcap", "dq_off"):  # dV / dK or dQ only (P and dS are register operands)
+        total, from_registers = found[name]
+        assert 0 < from_registers < total, (name, found)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Variants: windows, softcap, ALiBi and sinks in the Gluon backward
 # ----------------------------------------------------------------------------------------------------------------
