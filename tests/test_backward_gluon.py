@@ -523,8 +523,9 @@ def test_operands_in_registers_reach_the_wgmmas():
         "print('dq', *counts('dq', dict(QDO_REGS=3)))\n"
         "print('dq_off', *counts('dq', {}))\n"
     )
-    found = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in compile_in_fresh_process(script).splitlines()
-             if line.split() and line.split()[0] in ("dkdv", "dkdv_off", "dkdv_softcap", "dq", "dq_off")}
+    names = ("dkdv", "dkdv_off", "dkdv_softcap", "dq", "dq_off")
+    lines = compile_in_fresh_process(script).splitlines()
+    found = {words[0]: tuple(map(int, words[1:])) for words in map(str.split, lines) if words and words[0] in names}
     for name in ("dkdv", "dq"):  # every product from registers
         total, from_registers = found[name]
         assert total > 0 and from_registers == total, (name, found)
