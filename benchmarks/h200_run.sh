@@ -10,7 +10,9 @@
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-R=/tmp/results; rm -rf $R; mkdir -p $R  # results of earlier calls can survive on the device: check git_sha.txt
+# results of earlier calls can survive on the device (check git_sha.txt); KEEP_RESULTS=1 keeps them, for a second
+# invocation in the same call whose results should join the first's
+R=/tmp/results; [ -n "${KEEP_RESULTS:-}" ] || rm -rf $R; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv | tee $R/nvidia-smi.txt
 git rev-parse HEAD > $R/git_sha.txt 2>/dev/null || echo unknown > $R/git_sha.txt
 for step in "$@"; do
