@@ -98,9 +98,9 @@ GLUON_BWD_D64_MIN_KEYS = 513
 
 # The Gluon backward's configs by head dim: D = 128 3 stages, dQ by 64-key tiles (128-key tiles need 64 more
 # score registers a thread); D = 64 2 stages, dQ by 128-key tiles, dK/dV with K and V in registers (KV_REGS: the
-# dK/dV kernel 0.89x / 0.96x the time with them read from shared memory, non-causal / causal T=4k on an H100,
-# benchmarks/2026-12-07-h100/kv-regs/gluon_bwd_ab.json; at D = 128 they spill). Packed (varlen) batches take the
-# same configs, 1.25-1.35x faster than the Triton kernels on the varlen suite's batch.
+# dK/dV kernel 0.89x / 0.96x the time with them read from shared memory, non-causal / causal T=4k, our kernels
+# alone on an H100, benchmarks/2026-12-07-h100/kv-regs/gluon_bwd_ab.json; at D = 128 they spill). Packed (varlen)
+# batches take the same configs, 1.25-1.35x faster than the Triton kernels on the varlen suite's batch.
 # H200: benchmarks/2026-11-29-h200/explore11/run_9452517c10f2/explore/varlen_bwd.json
 GLUON_BWD_D128 = {"dkdv": dict(NUM_STAGES=3, CONSUMER_REGS=240),
                   "dq": dict(BLOCK_N=64, NUM_STAGES=3, CONSUMER_REGS=240)}

@@ -11,7 +11,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .backward_gluon import (BLOCK_M, ROWS, WIDE_HEAD_DIM, acc_mma, acc_operands, acc_out, acc_store_rows,
                              acc_to_shared, acc_wait_both, acc_zero, lse_base2, lse_rows, probabilities, tile_width,
                              work_item)
-from .gluon_common import dropout_keep_t, mma_nt, sequence, tma_load, tma_store, wgmma_layout, width_pieces
+from .gluon_common import (a_operand, dropout_keep_t, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
+                           width_pieces)
 from .variant import diagonal, dropout_state, key_tile_masked, query_blocks, query_first, visible
 
 
@@ -250,10 +251,8 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     # a worker; softcap's and dropout's tiles spill with them
     REGS_ON: gl.constexpr = QK_W == HEAD_DIM and V_W == HEAD_DIM_V and WARPS_N == 1 and not (
         PERSISTENT or HAS_SOFTCAP or HAS_DROPOUT or (not (KV_REGS & 4) and (IS_VARLEN or HAS_WINDOW or HAS_ALIBI)))
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    k_op = k.load(a_layout) if REGS_ON and (KV_REGS & 1) else k
-    v_op = v.load(a_layout) if REGS_ON and (KV_REGS & 2) else v
-    tiles = (q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k_op, v_op, s_zero)
+    tiles = (q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, a_operand(k, s_layout, REGS_ON and (KV_REGS & 1)),
+             a_operand(v, s_layout, REGS_ON and (KV_REGS & 2)), s_zero)
     # (SPLIT takes dense causal calls and windows in one-item programs of 128 keys: elsewhere there is nothing to
     # split, and a varlen split is neither tested nor timed)
     SPLIT_ON: gl.constexpr = SPLIT and (IS_CAUSAL or HAS_WINDOW) and WARPS_N == 1 and not (PERSISTENT or IS_VARLEN)

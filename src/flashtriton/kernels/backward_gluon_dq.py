@@ -10,7 +10,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .backward_gluon import (KEYS, ROWS, acc_mma, acc_operands, acc_out, acc_store_rows, acc_to_shared, acc_wait,
                              acc_zero, lse_base2, lse_rows, probabilities, tile_width, work_item)
-from .gluon_common import dropout_keep, mma_nt, sequence, tma_load, tma_store, wgmma_layout, width_pieces
+from .gluon_common import (a_operand, dropout_keep, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
+                           width_pieces)
 from .variant import (diagonal, dropout_state, key_blocks, key_end_before, tile_hidden, tile_masked, visible)
 
 
@@ -190,10 +191,8 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     # tiles (no column pieces)
     REGS_ON: gl.constexpr = QK_W == HEAD_DIM and V_W == HEAD_DIM_V and (
         (QDO_REGS & 4) or not (IS_VARLEN or HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_DROPOUT))
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    q_op = q.load(a_layout) if REGS_ON and (QDO_REGS & 1) else q
-    do_op = do.load(a_layout) if REGS_ON and (QDO_REGS & 2) else do
-    tiles = (k_bufs, v_bufs, kv_ready, kv_empty, q_op, do_op, s_zero)
+    tiles = (k_bufs, v_bufs, kv_ready, kv_empty, a_operand(q, s_layout, REGS_ON and (QDO_REGS & 1)),
+             a_operand(do, s_layout, REGS_ON and (QDO_REGS & 2)), s_zero)
     # (SPLIT takes causal calls and windows: elsewhere only the keys' end is masked)
     if SPLIT and (IS_CAUSAL or HAS_WINDOW):  # the tiles in three runs: masked (a window's left edge), whole, masked
         first, start, lo, _ = key_blocks(start_m // KEYS, seqlen_k, diag, IS_CAUSAL, KEYS, BLOCK_N, HAS_WINDOW, left,

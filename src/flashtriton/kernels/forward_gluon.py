@@ -44,7 +44,7 @@ from .forward_gluon_producer import ROWS, producer
 from .forward_gluon_tiles import (acc_scaled, acc_zero, alibi_rows, attend_keys, consumer_scores, first_tile, last_pv,
                                   out_layout, pv, pv_groups, pv_wait, qk_tile, qk_width, rescales, softmax_tile,
                                   wait_v)
-from .gluon_common import wgmma_layout
+from .gluon_common import a_operand, wgmma_layout
 from .variant import dropout_state
 
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
@@ -184,13 +184,12 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
-    q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
-    # Q_REGS: Q Kᵀ's A operand from registers, where that builds without spills: dense, non-causal, no variant
-    # (SCORES' bits below SC_CAP_FIXED), the whole tile (offline sm_90 builds spill 112-148 bytes at D=128 causal or
-    # with a variant)
-    if (SCORES & SC_Q_REGS) and not (IS_CAUSAL or IS_VARLEN) and SCORES % SC_CAP_FIXED == 0 and qk_width(
-            SCORES, HEAD_DIM) == HEAD_DIM:
-        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    # Q_REGS: Q Kᵀ's A operand from registers, where that builds without spills: dense, non-causal, no variant, the
+    # whole tile (offline sm_90 builds spill 112-148 bytes at D=128 causal or with a variant)
+    VARIANTS: gl.constexpr = SC_WINDOW | SC_SOFTCAP | SC_ALIBI | SC_SINKS | SC_DROPOUT
+    Q_IN_REGS: gl.constexpr = ((SCORES & SC_Q_REGS) != 0 and not (IS_CAUSAL or IS_VARLEN)
+                               and (SCORES & VARIANTS) == 0 and qk_width(SCORES, HEAD_DIM) == HEAD_DIM)
+    q = a_operand(q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM]), s_layout, Q_IN_REGS)
     sink = _sink(scores, off_h, SCORES)
     slope = _slope(scores, off_b, off_h, SCORES)
     bh = _dropout_bh(items, off_b, off_h, SCORES)

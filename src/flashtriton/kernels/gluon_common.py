@@ -62,6 +62,18 @@ def width_pieces(width):
 
 
 @gluon.jit
+def a_operand(tile, acc_layout: gl.constexpr, IN_REGISTERS: gl.constexpr):
+    """A shared-memory tile as the A operand of `mma_nt`'s wgmmas into accumulators of `acc_layout`: loaded into
+    registers once (IN_REGISTERS: each product then reads only its B operand from shared memory, whose bandwidth
+    bounds 64-row products at narrow head dims), else the tile itself. In registers only the whole width runs
+    (`mma_nt` slices shared memory for its pieces): the caller turns it on where WIDTH is the tile's."""
+    if IN_REGISTERS:
+        return tile.load(gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
+    else:
+        return tile
+
+
+@gluon.jit
 def mma_nt(a, b, zero, WIDTH: gl.constexpr):
     """A · Bᵀ of shared-memory tiles a (M, K) and b (N, K) over their columns [0, WIDTH) (K or `product_width`'s
     narrower width: the TMA filled the columns past the head with zeros), as asynchronous wgmmas into `zero`'s
