@@ -1373,8 +1373,8 @@ DROPOUT_BUILDS = {("dkdv", 64, False, False): 0, ("dq", 64, True, True): 8, ("dq
 
 
 def test_gluon_backward_dropout_builds_compile_for_sm90():
-    """The dropout builds (the forward's keep-mask regenerated in both kernels, `gluon_common.dropout_keep` and the
-    transposed `dropout_keep_t`) compile offline within their spill budgets (in a fresh process, as above); tiles
+    """The dropout builds (the forward's keep-mask regenerated in both kernels, `gluon_common.dropout_tile` and the
+    transposed `dropout_tile_t`) compile offline within their spill budgets (in a fresh process, as above); tiles
     of 256 columns have no dropout rule."""
     script = (
         "import torch\n"
@@ -1387,7 +1387,7 @@ def test_gluon_backward_dropout_builds_compile_for_sm90():
         "    config = configs.gluon_bwd_config(d, 4096, 4096, causal, varlen=varlen, dropout=True)[kernel]\n"
         "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen, dropout_p=0.1)\n"
         "    ptx = compiled.asm['ptx']\n"
-        "    assert 'wgmma.mma_async' in ptx and 'mul.hi.u32' in ptx and compiled.asm['cubin']\n"
+        "    assert 'wgmma.mma_async' in ptx and 'mul.wide.u32' in ptx and compiled.asm['cubin']\n"
         "    print('compiled', kernel, d, causal, varlen, 'spill', spill_bytes(compiled))\n"
     )
     assert_within_spill_budgets(compile_in_fresh_process(script), DROPOUT_BUILDS)

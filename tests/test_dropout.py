@@ -216,7 +216,7 @@ def test_mask_is_its_definition():
     """`testing.dropout_mask` (the kernels' `variant.dropout_keep`) is, bit for bit, the definition written out
     per score in numpy: score (i, j) of sequence-and-head bh takes field j mod 2 (16 bits) of output
     2 ((i // 8) mod 2) + (j // 8) mod 2 of Philox4x32-7 (`variant.DROPOUT_ROUNDS`) on
-    (4 (j // 16) + (j mod 8) // 2, 8 (i // 16) + i mod 8, bh, offset), kept iff the field is >= round(p · 2^16).
+    (bh, 8 (i // 16) + i mod 8, offset, 4 (j // 16) + (j mod 8) // 2), kept iff the field is >= round(p · 2^16).
     A negative seed and an offset past 2^32 (its low 32 bits count) too."""
     import numpy as np
 
@@ -226,9 +226,9 @@ def test_mask_is_its_definition():
         i = np.arange(sq, dtype=np.uint64)[None, None, :, None]
         j = np.arange(sk, dtype=np.uint64)[None, None, None, :]
         bh = np.arange(batch * heads, dtype=np.uint64).reshape(batch, heads, 1, 1)
-        c0 = 4 * (j // 16) + (j % 8) // 2 + 0 * (i + bh)
-        c1 = 8 * (i // 16) + i % 8 + 0 * (j + bh)
-        words = _philox4x32(c0, c1, bh + 0 * (i + j), np.full_like(c0, offset % 2**32), seed % 2**64, 7)
+        keys = 4 * (j // 16) + (j % 8) // 2 + 0 * (i + bh)
+        rows = 8 * (i // 16) + i % 8 + 0 * (j + bh)
+        words = _philox4x32(bh + 0 * (i + j), rows, np.full_like(rows, offset % 2**32), keys, seed % 2**64, 7)
         word = 2 * ((i // 8) % 2) + (j // 8) % 2 + 0 * bh
         bits = np.choose(word.astype(np.int64), words)
         field = (bits >> (16 * (j % 2))) & np.uint64(0xFFFF)

@@ -952,7 +952,7 @@ def test_gluon_variant_builds_compile_for_sm90():
 
 
 def test_gluon_dropout_builds_compile_for_sm90():
-    """The dropout builds (`gluon_common.dropout_keep` in the softmax, the output scaled by 1 / (1 - p)) compile
+    """The dropout builds (`gluon_common.dropout_tile` in the softmax, the output scaled by 1 / (1 - p)) compile
     offline: the rules `configs.GLUON_DROPOUT_FWD` (and GLUON_DROPOUT_FWD_ALL) name (the flat loop at D=64 and
     128, causal or not) within 16 bytes of spills (triton 3.6's ptxas; 24 at D=128 non-causal, whose build with
     Philox4x32-7 runs 1.13-1.22x faster than Philox4x32-10's 16: benchmarks/2026-12-06-h100/dropout-rounds/), their keep-mask made on the threads that hold its scores (no more
@@ -970,17 +970,17 @@ def test_gluon_dropout_builds_compile_for_sm90():
         "    compiled = compile_for_sm90(head_dim, causal, config, variant=Variant.of(causal, dropout_p=0.1))\n"
         "    ptx = compiled.asm['ptx']\n"
         "    plain = compile_for_sm90(head_dim, causal, config, variant=Variant.of(causal)).asm['ptx']\n"
-        "    assert 'wgmma.mma_async' in ptx and 'mul.hi.u32' in ptx\n"
+        "    assert 'wgmma.mma_async' in ptx and 'mul.wide.u32' in ptx\n"
         "    assert ptx.count('shfl.sync') == plain.count('shfl.sync'), (head_dim, causal)\n"
         "    assert spill_bytes(compiled) <= (24 if (head_dim, causal) == (128, False) else 16), (head_dim, causal)\n"
         "    print('compiled', head_dim, causal, keys)\n"
         "variant = Variant.of(True, True, (100, 0), 15.0, True, True, 0.1)\n"
         "config = configs_forward.gluon_fwd_config(128, 1024, 1024, True, 100, dropout=True)\n"
-        "assert 'mul.hi.u32' in compile_for_sm90(128, True, config, variant=variant).asm['ptx']\n"
+        "assert 'mul.wide.u32' in compile_for_sm90(128, True, config, variant=variant).asm['ptx']\n"
         "print('compiled variants')\n"
         "config = configs_forward.gluon_varlen_config(128, 4096, 4096, True, dropout=True)\n"
         "ptx = compile_for_sm90(128, True, config, varlen=True, variant=Variant.of(True, dropout_p=0.1)).asm['ptx']\n"
-        "assert 'mul.hi.u32' in ptx\n"
+        "assert 'mul.wide.u32' in ptx\n"
         "print('compiled varlen')\n"
     )
     assert compile_in_fresh_process(script).count("compiled") == 5

@@ -159,8 +159,8 @@ def gluon_bwd_pair_config(head_dim: int, head_dim_v: int) -> dict | None:
     return GLUON_BWD_SEPARATE_V.lookup(SM90, "16", gluon_tile_width(head_dim), gluon_tile_width(head_dim_v))
 
 
-# Dropout in the Gluon backward (the forward's keep-mask regenerated: `kernels.gluon_common.dropout_keep` and
-# `dropout_keep_t`): dense calls of GLUON_BWD_DROPOUT_CASES (tile width, causal), where it is faster than the Triton
+# Dropout in the Gluon backward (the forward's keep-mask regenerated: `kernels.gluon_common.dropout_tile` and
+# `dropout_tile_t`): dense calls of GLUON_BWD_DROPOUT_CASES (tile width, causal), where it is faster than the Triton
 # backward with dropout. H200, p = 0.1, bf16, T = 1k / 4k / 16k (configs.forward.DROPOUT_EVIDENCE): D=128
 # 0.99-1.12x the Triton backward, D=64 non-causal 1.07-1.09x, D=64 causal 0.91-0.99x (the Triton backward keeps
 # it). Varlen dropout calls are not timed: the Triton backward. Tiles of 256 columns (two warpgroups sharing 64

@@ -46,8 +46,10 @@ them, and their gradient comes from the preprocess (`backward.preprocess`).
 The preprocess' work in the dQ kernel (FUSED_DELTA, dense calls without a sink: `backward_gluon_dq._fused_delta`):
 each dQ warpgroup works out its rows' delta from O and dO and writes them, with its lse, into the padded buffers, so
 that a dense backward is two launches, dQ then dK/dV, instead of three.
-Dropout (HAS_DROPOUT, the forward's keep-mask Z regenerated: `gluon_common.dropout_keep` / `dropout_keep_t`, bit for
-bit `variant.dropout_keep`): dV += (Pᵀ ∘ Zᵀ / (1 − p)) dO and dSᵀ = Pᵀ ∘ (dPᵀ ∘ Zᵀ / (1 − p) − delta), dS likewise.
+Dropout (HAS_DROPOUT, the forward's keep-mask Z regenerated: `gluon_common.dropout_tile` / `dropout_tile_t`, bit for
+bit `variant.dropout_keep`): dV += (Pᵀ ∘ Zᵀ / (1 − p)) dO and dSᵀ = Pᵀ ∘ (dPᵀ ∘ Zᵀ / (1 − p) − delta), dS likewise,
+as P' = P / (1 − p) straight from exp2 (log2(1 − p) added to lse) and dS = P' ∘ (dP ∘ Z − delta · (1 − p)): no
+multiply per score for the scale.
 Persistent dK/dV (PERSISTENT, a config constexpr off in the dispatch: `backward_gluon_dkdv._attn_bwd_dkdv_gluon`):
 one program per SM taking an item per round, two K/V buffer pairs.
 Head dims: Q and K in tiles of 64, 128 or 256 columns (HEAD_DIM: `gluon_common.head_block` of D); V, dO and dV in

@@ -11,9 +11,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .backward_gluon import (BLOCK_M, ROWS, WIDE_HEAD_DIM, acc_mma, acc_operands, acc_out, acc_store_rows,
                              acc_to_shared, acc_wait_both, acc_zero, lse_base2, lse_rows, probabilities, tile_width,
                              work_item)
-from .gluon_common import (a_operand, dropout_keep_t, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
+from .gluon_common import (a_operand, dropout_tile_t, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
                            width_pieces)
-from .variant import diagonal, dropout_state, key_tile_masked, query_blocks, query_first, visible
+from .variant import diagonal, dropout_sign, dropout_state, key_tile_masked, query_blocks, query_first, visible
 
 
 @gluon.constexpr_function
@@ -156,6 +156,8 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
         in_seq = m + cols < seqlen_q
         lse = gl.where(in_seq, lse, float("-inf"))
     lse = lse_base2(lse)
+    if HAS_DROPOUT:  # Pᵀ / (1 - p) straight from exp2 (and delta · (1 - p) below): no multiply per score
+        lse = lse - dropout[3][0]
     slope = gl.load(slopes + g) * 1.4426950408889634 if HAS_ALIBI else None  # query head g's, in base 2
     if LATE_DP:
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -175,8 +177,10 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
         p = gl.where(visible(True, (m + cols)[None, :], keys[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right), p,
                      0.0)
     if HAS_DROPOUT:  # the forward's mask (query head g's); dV takes the kept probabilities, scaled
-        keep = dropout_keep_t(dropout[0], dropout[1], dropout[4] + g, first_key, m, dropout[2], BLOCK_M, s_layout)
-        p_op = acc_operands(gl.where(keep, p * dropout[3], 0.0).to(dtype), HEAD_DIM_V, V_W, DV_SPLIT, WARPS_N)
+        # Pᵀ' of dropped scores negated: max(Pᵀ', 0) is dV's, |Pᵀ'| dSᵀ's (`variant.dropout_sign`)
+        p = dropout_sign(dropout_tile_t(dropout[0], dropout[1], dropout[4] + g, first_key, m, BLOCK_M, WARPS_N),
+                         dropout[2], p)
+        p_op = acc_operands(gl.maximum(p, 0.0).to(dtype), HEAD_DIM_V, V_W, DV_SPLIT, WARPS_N)
     else:
         p_op = acc_operands(p.to(dtype), HEAD_DIM_V, V_W, DV_SPLIT, WARPS_N)
     if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
@@ -188,9 +192,10 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
     if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
         delta = gl.where(in_seq, delta, 0.0)
     dp = warpgroup_mma_wait(0 if LATE_DP else (2 if DV_SPLIT else 1), deps=(dp_tok, ))  # (dV's may still run)
-    if HAS_DROPOUT:
-        dp = gl.where(keep, dp * dropout[3], 0.0)
-    ds = p * (dp - delta[None, :])  # dSᵀ
+    if HAS_DROPOUT:  # dSᵀ = Pᵀ' ∘ (dPᵀ ∘ Zᵀ - delta · (1 - p)), Pᵀ' = Pᵀ / (1 - p)
+        ds = gl.abs(p) * (gl.where(p >= 0.0, dp, 0.0) - (delta * dropout[3][1])[None, :])
+    else:
+        ds = p * (dp - delta[None, :])  # dSᵀ
     ds_op = acc_operands(ds.to(dtype), HEAD_DIM, QK_W, DK_SPLIT, WARPS_N)
     dk_tok = acc_mma(ds_op, q, dk, QK_W, DK_SPLIT)
     dv, dk = acc_wait_both(dv_tok, p_op, dk_tok, ds_op, DV_SPLIT, DK_SPLIT)
@@ -328,9 +333,9 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               V_W: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False, DV_SPLIT: gl.constexpr = False,
               KV_REGS: gl.constexpr = 0):
     """dK, dV of the program's keys (`_consume_keys`). `variant`: (window left, right, softcap, the group's first
-    query head's ALiBi slope pointer, dropout), None where off; dropout = (seed, offset, threshold, 1 / (1 - p),
-    b · Hq + the group's first query head). PERSISTENT: those of every item of the program (`_round_item`), item j's
-    through buffer pair j % 2 (`_producer`)."""
+    query head's ALiBi slope pointer, dropout), None where off; dropout = (seed, offset, threshold,
+    (log2(1 / (1 - p)), 1 - p), b · Hq + the group's first query head). PERSISTENT: those of every item of the
+    program (`_round_item`), item j's through buffer pair j % 2 (`_producer`)."""
     kv_ready = shared[6]
     if PERSISTENT:
         KV_BLOCKS: gl.constexpr = 2 // WARPS_N
@@ -452,7 +457,8 @@ def _attn_bwd_dkdv_gluon(
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
     if HAS_DROPOUT:
         seed, offset = dropout_state(DROPOUT_RNG)
-        dropout = (seed, offset, gl.to_tensor(dropout_threshold), gl.to_tensor(dropout_scale),
+        scale = gl.to_tensor(dropout_scale)  # 1 / (1 - p): as log2 (lse's shift) and 1 - p (delta's factor)
+        dropout = (seed, offset, gl.to_tensor(dropout_threshold), (gl.log2(scale), 1.0 / scale),
                    off_b * HEADS_Q + off_hk * group_size)
     else:
         dropout = gl.constexpr(0)  # (off: what stands for it; a variable cannot hold None)

@@ -10,9 +10,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .backward_gluon import (KEYS, ROWS, acc_mma, acc_operands, acc_out, acc_store_rows, acc_to_shared, acc_wait,
                              acc_zero, lse_base2, lse_rows, probabilities, tile_width, work_item)
-from .gluon_common import (a_operand, dropout_keep, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
+from .gluon_common import (a_operand, dropout_tile, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
                            width_pieces)
-from .variant import (diagonal, dropout_state, key_blocks, key_end_before, tile_hidden, tile_masked, visible)
+from .variant import (diagonal, dropout_select, dropout_state, key_blocks, key_end_before, tile_hidden, tile_masked,
+                      visible)
 
 
 @gluon.jit
@@ -133,10 +134,10 @@ def _dq_tile(tiles, dq, j, key_lo, row0, rows, cols, lse, delta, seqlen_k, diag,
                            HAS_WINDOW, left, right)
             p = gl.where(keep, p, 0.0)
         if HAS_DROPOUT:  # the forward's mask, made while dP runs
-            kept = dropout_keep(dropout[0], dropout[1], dropout[4], row0, n, dropout[2], BLOCK_N)
+            fields = dropout_tile(dropout[0], dropout[1], dropout[4], row0, n, BLOCK_N)
         dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
         if HAS_DROPOUT:
-            dp = gl.where(kept, dp * dropout[3], 0.0)
+            dp = dropout_select(fields, dropout[2], dp)  # (the scale is in P and delta: `_dq_consumer`)
         ds = p * (dp - delta[:, None])  # dS (ROWS, BLOCK_N)
         ds_op = acc_operands(ds.to(dtype), HEAD_DIM, QK_W, DQ_SPLIT)
         dq = acc_wait(acc_mma(ds_op, k, dq, QK_W, DQ_SPLIT), ds_op, DQ_SPLIT)
@@ -155,11 +156,12 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. FUSED_DELTA:
     their lse and delta from `fused` (`_fused_delta`), else from the padded lse_ptr / delta_ptr. `variant`:
     (window left, right, softcap, pointer at the head's ALiBi slope, dropout), None where off; dropout = (seed,
-    offset, threshold, 1 / (1 - p), b · Hq + h). SPLIT (causal or a window): the tiles in three loops, the masked
-    ones (`_dq_tile`'s MASK 2) around those every pair of which is visible (MASK 1: no mask code). QDO_REGS (bits:
-    1 Q, 2 dO, 4 with any variant): S's and dP's A operands, the warpgroup's Q and dO, held in registers, so that of
-    their products only the K and V tiles are read from shared memory (as the dK/dV kernel's KV_REGS). Built
-    without spills at D = 64 and 128, not yet timed or run on the GPU: off in the configs."""
+    offset, threshold, (log2(1 / (1 - p)), 1 - p), b · Hq + h). SPLIT (causal or a window): the tiles in three
+    loops, the masked ones (`_dq_tile`'s MASK 2) around those every pair of which is visible (MASK 1: no mask
+    code). QDO_REGS (bits: 1 Q, 2 dO, 4 with any variant): S's and dP's A operands, the warpgroup's Q and dO, held
+    in registers, so that of their products only the K and V tiles are read from shared memory (as the dK/dV
+    kernel's KV_REGS). Built without spills at D = 64 and 128, not yet timed or run on the GPU: off in the
+    configs."""
     (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh,
      d_valid) = shared
     off_b, off_h, off_hk, start_m, n_tiles, key_lo = place
@@ -181,6 +183,9 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
         lse = gl.where(rows < seqlen_q, lse, float("-inf"))
         delta = gl.where(rows < seqlen_q, delta, 0.0)
     lse = lse_base2(lse)
+    if HAS_DROPOUT:  # P / (1 - p) straight from exp2, and delta · (1 - p): dS = P' ∘ (dP ∘ Z - delta'), no multiply
+        lse = lse - dropout[3][0]  # per score for the scale
+        delta = delta * dropout[3][1]
     slope = gl.load(slopes) * 1.4426950408889634 if HAS_ALIBI else None  # in base 2
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = acc_zero(HEAD_DIM, QK_W, DQ_SPLIT)
@@ -325,7 +330,9 @@ def _attn_bwd_dq_gluon(
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
     if HAS_DROPOUT:
         seed, offset = dropout_state(DROPOUT_RNG)
-        dropout = (seed, offset, gl.to_tensor(dropout_threshold), gl.to_tensor(dropout_scale), off_b * HEADS_Q + off_h)
+        scale = gl.to_tensor(dropout_scale)  # 1 / (1 - p): as log2 (lse's shift) and 1 - p (delta's factor)
+        dropout = (seed, offset, gl.to_tensor(dropout_threshold), (gl.log2(scale), 1.0 / scale),
+                   off_b * HEADS_Q + off_h)
     else:
         dropout = gl.constexpr(0)  # (off: what stands for it; a variable cannot hold None)
     variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,

@@ -26,7 +26,7 @@ bottom-right (or top-left) as in `forward.py`; causal items go in pairs of equal
 and how the producer posts them to the consumers: `forward_gluon_items`. OVERLAP: each item's last P V goes out with
 the next item's first S, in one loop over all the program's K/V tiles (`_consume_flat`). The variants (window,
 softcap, ALiBi, sinks, dropout) are constexpr flags, which the partitions pass on as one bit set, SCORES; dropout's
-keep-mask is the portable kernels' (`gluon_common.dropout_keep`), so their backward regenerates it. Compiles for
+keep-mask is the portable kernels' (`gluon_common.dropout_tile`), so their backward regenerates it. Compiles for
 sm_90 only; `forward.launch_forward` takes this path where `configs.gluon_fwd_config` (dense) or
 `configs.gluon_varlen_config` (varlen) gives a config.
 """

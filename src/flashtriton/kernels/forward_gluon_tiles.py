@@ -13,8 +13,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .forward_gluon_items import (SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_O_IN_Q, SC_PV_SPLIT, SC_QK_16, SC_SOFTCAP,
                                   SC_WINDOW)
 from .forward_gluon_producer import ROWS
-from .gluon_common import dropout_keep, mma_nt, wgmma_layout
-from .variant import alibi_bias, key_end, softcap_scores, tanh, tile_masked, visible
+from .gluon_common import dropout_tile, mma_nt, wgmma_layout
+from .variant import alibi_bias, dropout_select, key_end, softcap_scores, tanh, tile_masked, visible
 
 
 @gluon.jit
@@ -136,9 +136,9 @@ def softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, s
     scale's place (the cap is > 0: it commutes with the max); ALiBi is `variant.alibi_bias` (after softcap), or,
     causal (every visible key at or left of the diagonal), the bias -slope · (row0 + d - j) of the tile's first
     row: the rest, -slope · (i - row0), is a row's constant, which the softmax ignores and `alibi_rows` adds to m
-    once the row is done. DROPOUT: p keeps the scores `gluon_common.dropout_keep` keeps (of sequence-and-head bh),
-    the others 0, after l_new has summed them all (the output is the dropped P V over the undropped softmax's
-    denominator, scaled in `_store_item`).
+    once the row is done. DROPOUT: p keeps the scores dropout keeps (`gluon_common.dropout_tile`, of
+    sequence-and-head bh), the others 0, after l_new has summed them all (the output is the dropped P V over the
+    undropped softmax's denominator, scaled in `_store_item`).
     CAP_FIXED (softcap without ALiBi, bf16, cap · log2(e) <= `forward_gluon_launch.CAP_FIXED_LIMIT`): the capped
     scores t · C (C = cap · log2(e), |t| <= 1) lie in [-C, C], so every row takes the fixed m = 125 - C: p in
     [2^-125, 2^(2C - 125)], normal fp32 and bf16 numbers, no row max, and alpha = 1 (the callers skip the rescale
@@ -211,7 +211,7 @@ def softmax_tile(s, m_i, l_i, n, row0, rows, seqlen_k, diag, qk_scale, window, s
         l_new = l_i * alpha + gl.sum(p, 1)
     if SCORES & SC_DROPOUT:
         dropout = scores[4]
-        p = gl.where(dropout_keep(dropout[0], dropout[1], bh, row0, n, dropout[2], BLOCK_N), p, 0.0)
+        p = dropout_select(dropout_tile(dropout[0], dropout[1], bh, row0, n, BLOCK_N), dropout[2], p)
     return p, alpha, m_new, l_new
 
 

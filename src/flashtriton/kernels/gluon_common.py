@@ -109,11 +109,26 @@ def dropout_calls_layout(m, n):
                                       warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[m // 2, n // 4])
 
 
+@gluon.constexpr_function
+def dropout_calls_layout_t(m, warps_n):
+    """Registers of the (m / 2, 16) Philox calls of an (m, 64) score tile whose scores a (64, m)
+    `wgmma_layout(m, warps_n)` holds transposed (the dK/dV kernel's Sᵀ: keys as rows), placed so that each score
+    reaches its thread within its warp: a call's eight scores (query rows r, r + 8; keys 2c + π + 8κ of a 16-key
+    group) go to two lanes of the warp that holds that key group (lanes l and l ^ 4: one holds the keys with
+    π = 0, the other π = 1), and the call is made on one of them, so that the transposition is an exchange of
+    half of each call's fields between neighbouring lanes (shuffles), no shared memory. Lane bits: rows 2, 4,
+    then row parity (which the exchange turns into π), then the key group's c (1, 2); warps: key groups, then
+    (warps_n = 2) the half of the rows; registers: the rest of the rows."""
+    split = [[m // 4, 0]] if warps_n == 2 else []
+    regs = [[8 << i, 0] for i in range((m // 16).bit_length() - 1 - len(split))]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[2, 0], [4, 0], [1, 0], [0, 1], [0, 2]],
+                                      warp_bases=[[0, 4], [0, 8]] + split, block_bases=[], shape=[m // 2, 16])
+
+
 @gluon.jit
-def _fields(seed, offset, bh, row0, n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+def _fields(seed, offset, bh, row0, n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, calls: gl.constexpr):
     """`variant.dropout_fields` of the (ROWS, BLOCK_N) score tile at (row0, n), in the layout the calls leave
-    them in (`dropout_calls_layout`)."""
-    calls: gl.constexpr = dropout_calls_layout(ROWS, BLOCK_N)
+    them in (`calls`: `dropout_calls_layout` or `dropout_calls_layout_t`)."""
     c1 = row0 // 2 + gl.arange(0, ROWS // 2, layout=gl.SliceLayout(1, calls))
     c0 = n // 4 + gl.arange(0, BLOCK_N // 4, layout=gl.SliceLayout(0, calls))
     c0, c1 = c0[None, :] + c1[:, None] * 0, c1[:, None] + c0[None, :] * 0
@@ -121,24 +136,25 @@ def _fields(seed, offset, bh, row0, n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def dropout_keep(seed, offset, bh, row0, n, threshold, BLOCK_N: gl.constexpr):
-    """The keep-mask of a (64, BLOCK_N) score tile in `wgmma_layout(BLOCK_N)`: rows row0 .. row0 + 63 against keys
-    n .. n + BLOCK_N - 1 of sequence-and-head `bh`, bit for bit `variant.dropout_keep`'s (so the portable
-    backward and `flashtriton.testing.dropout_mask` regenerate it): one Philox4x32-7 call per eight scores, each
-    on the thread that holds them. The 32-bit fields change layout (register moves; booleans would be packed
-    into bytes), then meet the threshold."""
-    fields = gl.convert_layout(_fields(seed, offset, bh, row0, n, 64, BLOCK_N), wgmma_layout(BLOCK_N))
-    return fields >= (threshold.to(gl.uint32) << 16)
+def dropout_tile(seed, offset, bh, row0, n, BLOCK_N: gl.constexpr):
+    """The dropout fields of a (64, BLOCK_N) score tile in `wgmma_layout(BLOCK_N)`: rows row0 .. row0 + 63 against
+    keys n .. n + BLOCK_N - 1 of sequence-and-head `bh`, for `variant.dropout_select`; bit for bit
+    `variant.dropout_keep`'s mask (so the portable backward and `flashtriton.testing.dropout_mask` regenerate
+    it), one Philox4x32-7 call per eight scores, each on the thread that holds them. The 32-bit fields change
+    layout (register moves; booleans would be packed into bytes)."""
+    fields = _fields(seed, offset, bh, row0, n, 64, BLOCK_N, dropout_calls_layout(64, BLOCK_N))
+    return gl.convert_layout(fields, wgmma_layout(BLOCK_N))
 
 
 @gluon.jit
-def dropout_keep_t(seed, offset, bh, k0, m0, threshold, QUERIES: gl.constexpr, layout: gl.constexpr):
-    """The keep-mask of a transposed (64, QUERIES) score tile in `layout` (the tile's: `wgmma_layout(QUERIES)`, or
-    split by columns over two warpgroups): keys k0 .. k0 + 63 against query rows m0 .. m0 + QUERIES - 1 of
-    sequence-and-head `bh`, bit for bit `variant.dropout_keep`'s with KEYS_FIRST: made as the (QUERIES, 64) tile
-    of the queries' orientation, then transposed (through shared memory)."""
-    keep = _fields(seed, offset, bh, m0, k0, QUERIES, 64) >= (threshold.to(gl.uint32) << 16)
-    return gl.convert_layout(gl.permute(keep, (1, 0)), layout)
+def dropout_tile_t(seed, offset, bh, k0, m0, QUERIES: gl.constexpr, WARPS_N: gl.constexpr):
+    """The dropout fields of a transposed (64, QUERIES) score tile in `wgmma_layout(QUERIES, WARPS_N)`: keys
+    k0 .. k0 + 63 against query rows m0 .. m0 + QUERIES - 1 of sequence-and-head `bh`, for
+    `variant.dropout_select`; bit for bit `variant.dropout_keep`'s with KEYS_FIRST. Made as the (QUERIES, 64) tile
+    of the queries' orientation, on the lanes `dropout_calls_layout_t` places the calls on, then transposed
+    within each warp."""
+    fields = _fields(seed, offset, bh, m0, k0, QUERIES, 64, dropout_calls_layout_t(QUERIES, WARPS_N))
+    return gl.convert_layout(gl.permute(fields, (1, 0)), wgmma_layout(QUERIES, WARPS_N))
 
 
 @gluon.jit

@@ -30,7 +30,8 @@ import triton.language as tl
 
 
 LOG2E = 1.4426950408889634
-TANH_APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")  # `tanh(APPROX=True)`: PTX on a GPU
+# Whether the kernels compile to PTX (a GPU), so that inline PTX may stand for a longer form the interpreter runs
+PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # Rounds of the dropout generator's Philox4x32 (`dropout_fields`): seven, as FlashAttention-2's and PyTorch's flash
 # kernels draw their masks (Philox4x32-7 passes TestU01's BigCrush, Salmon et al., SC 2011). The rounds' integer
 # multiplies and logic share the softmax's issue slots: against Philox4x32-10's ten, the Gluon kernels' dropout
@@ -410,7 +411,7 @@ def tanh(x, APPROX: tl.constexpr = False):
     tanh.approx.f32, one special-function instruction, relative error below 2^-10.9, what FlashAttention's softcap
     uses; the rational form costs the forward about three times its softmax time). Otherwise, and always in the
     interpreter (which has no PTX), Eigen's rational approximation, to a few ulp: for fp32 inputs."""
-    if APPROX and TANH_APPROX:
+    if APPROX and PTX:
         return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
     else:
@@ -475,6 +476,85 @@ def dropout_state(rng):
 
 
 @triton.jit
+def _mulhilo_a(x):
+    """(hi, lo) 32-bit halves of x · 0xD2511F53 (Philox4x32's first round multiplier; x uint32). On a GPU one
+    `mul.wide.u32` (IMAD.WIDE.U32, one issue slot: `umulhi` and `*` compile to an IMAD.HI and an IMAD), in the
+    interpreter (which has no PTX) `umulhi` and `*`: the same bits."""
+    if PTX:
+        return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
+                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        return tl.math.umulhi(x, 0xD2511F53), x * 0xD2511F53
+
+
+@triton.jit
+def _mulhilo_b(x):
+    """`_mulhilo_a` with Philox4x32's second multiplier, 0xCD9E8D57."""
+    if PTX:
+        return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
+                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        return tl.math.umulhi(x, 0xCD9E8D57), x * 0xCD9E8D57
+
+
+@triton.jit
+def philox(seed, c0, c1, c2, c3):
+    """Philox4x32-`DROPOUT_ROUNDS` (Salmon et al., SC 2011; bit for bit `tl.philox`) of the counter
+    (c0, c1, c2, c3) keyed by the 64-bit `seed`: c0, c2 scalars, c1, c3 uint32 tensors that broadcast. A round
+    multiplies c0 and c2 and xors c1 and c3 in, so with the scalars there the first round's products are
+    scalars, and a tile's rows (c1) and keys (c3) meet only in the third round's results: of the second and
+    third rounds' products one depends on the row alone and one on the key alone, so that a loop over key tiles
+    (the forward, dQ) or over query tiles (dK/dV) makes 10 of the 14 products per call. Each product is one wide
+    multiply (`_mulhilo_a`)."""
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = c0.to(tl.uint32, bitcast=True)
+    c2 = c2.to(tl.uint32, bitcast=True)
+    c0, c1, c2, c3 = (tl.math.umulhi(c2, 0xCD9E8D57) ^ c1 ^ k0, c2 * 0xCD9E8D57,
+                      tl.math.umulhi(c0, 0xD2511F53) ^ c3 ^ k1, c0 * 0xD2511F53)
+    for _ in tl.static_range(DROPOUT_ROUNDS - 1):
+        k0 += 0x9E3779B9
+        k1 += 0xBB67AE85
+        hi0, lo0 = _mulhilo_a(c0)
+        hi2, lo2 = _mulhilo_b(c2)
+        c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def dropout_select(fields, threshold, x):
+    """x where the score's field (`dropout_fields`) is kept (>= `dropout_threshold`'s `threshold`), else 0, in
+    fp32. On a
+    GPU one compare and one fp32 select (PTX `setp` / `selp`): a `tl.where` of fp32 scores that are then rounded
+    to 16 bits becomes, in LLVM, a select of the rounded halves, which unpacks and repacks each pair (two
+    permutes and an integer select per score)."""
+    threshold = threshold.to(tl.uint32) << 16  # (the fields' low 16 bits cannot change the comparison)
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred k; setp.ge.u32 k, $1, $2; selp.f32 $0, $3, 0f00000000, k; }", "=r,r,r,r",
+            [fields, threshold, x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.where(fields >= threshold, x, 0.0)
+
+
+@triton.jit
+def dropout_sign(fields, threshold, x):
+    """x (>= 0: probabilities) where the score is kept (`dropout_select`), else -x: the keep-mask carried in the
+    sign bit, for a kernel that needs it again after a matmul (`backward_gluon_dkdv`: max(x, 0) is the kept
+    probability, |x| the probability; an underflowed 0 is 0 either way). On a GPU a compare and a predicated xor
+    (a mask held across the matmul otherwise sits in predicate bits of a register: three instructions per score
+    to set, clear and test them)."""
+    threshold = threshold.to(tl.uint32) << 16
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred d; setp.lt.u32 d, $1, $2; mov.b32 $0, $3; @d xor.b32 $0, $3, 0x80000000; }", "=r,r,r,r",
+            [fields, threshold, x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.where(fields >= threshold, x, -x)
+
+
+@triton.jit
 def dropout_fields(seed, offset, bh, c0, c1):
     """The random fields of the Philox calls (c0, c1), shape (M / 2, N / 4), laid out as the (M, N) scores they
     serve (`dropout_keep`): uint32 values whose top 16 bits are the score's field (the bits below it are 0 or
@@ -482,7 +562,7 @@ def dropout_fields(seed, offset, bh, c0, c1):
     (R, C) = (8a + b, 4m + c) serves rows 16a + b + 8ρ and keys 16m + 2c + 8κ + π: field π (0: bits 0..15,
     1: bits 16..31) of its output 2ρ + κ. Only register moves lie between the calls' shape and the scores' where
     a thread holds all eight scores of each of its calls (`gluon_common.dropout_calls_layout`)."""
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, bh, offset, n_rounds=DROPOUT_ROUNDS)
+    r0, r1, r2, r3 = philox(seed, bh, c1.to(tl.uint32, bitcast=True), offset, c0.to(tl.uint32, bitcast=True))
     x0 = tl.join(r0 << 16, r0)  # (M / 2, N / 4, π)
     x1 = tl.join(r1 << 16, r1)
     x2 = tl.join(r2 << 16, r2)
@@ -504,10 +584,10 @@ def dropout_keep(seed, offset, bh, m0, k0, threshold, BLOCK_M: tl.constexpr, BLO
     BLOCK_K), or (BLOCK_K, BLOCK_M) for KEYS_FIRST (key-major tiles); True where the score is kept.
     Counter-based, so that the forward, both backward kernels and `flashtriton.testing.dropout_mask` regenerate
     the same bits from the same indices, whatever their tiles: score (i, j) takes 16 bits of the Philox4x32-7
-    call (`tl.philox`, keyed by the call's 64-bit seed) on the counter (4 (j // 16) + (j mod 8) // 2,
-    8 (i // 16) + i mod 8, bh, offset) (`dropout_state`), field j mod 2 of its output 2 ((i // 8) mod 2) +
-    (j // 8) mod 2 (`dropout_fields`). One call (about 50 integer instructions) serves eight scores. A score is
-    kept iff its field is >= threshold (`dropout_threshold`)."""
+    call (`philox`, keyed by the call's 64-bit seed) on the counter (bh, 8 (i // 16) + i mod 8, offset,
+    4 (j // 16) + (j mod 8) // 2) (`dropout_state`), field j mod 2 of its output 2 ((i // 8) mod 2) +
+    (j // 8) mod 2 (`dropout_fields`). One call (about 40 integer instructions in a loop over tiles) serves eight
+    scores. A score is kept iff its field is >= threshold (`dropout_threshold`)."""
     calls_m = m0 // 2 + tl.arange(0, BLOCK_M // 2)
     calls_k = k0 // 4 + tl.arange(0, BLOCK_K // 4)
     c0 = calls_k[None, :] + calls_m[:, None] * 0  # (BLOCK_M / 2, BLOCK_K / 4)
