@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .common import load_tile, sequence_bounds
-from .variant import (alibi_bias, diagonal, dropout_keep, dropout_state, key_blocks, query_blocks,
-                      softcap_scores_and_grad, visible)
+from .variant import (alibi_bias, diagonal, dropout_keep, dropout_select, dropout_state, dropout_tile_fields,
+                      key_blocks, query_blocks, softcap_scores_and_grad, visible)
 
 
 @triton.jit
@@ -199,14 +199,14 @@ def _attn_bwd_dkdv_tile(
             p_t = tl.where(visible(True, rows[None, :], offs_n[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
                            p_t, 0.0)
         if HAS_DROPOUT:
-            keep_t = dropout_keep(seed, offset, bh + g, m, start_n, dropout_threshold, BLOCK_M, offs_n.shape[0], True)
-            dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv,
+            fields_t = tl.trans(dropout_tile_fields(seed, offset, bh + g, m, start_n, BLOCK_M, offs_n.shape[0]))
+            dv = tl.dot(dropout_select(fields_t, dropout_threshold, p_t * dropout_scale).to(do.dtype), do, dv,
                         input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_DV)
         else:
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_DV)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         if HAS_DROPOUT:
-            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+            dp_t = dropout_select(fields_t, dropout_threshold, dp_t * dropout_scale)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * cap_grad
@@ -352,8 +352,8 @@ def _attn_bwd_dq_tile(
                                  HAS_WINDOW, left, right), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if HAS_DROPOUT:
-            dp = tl.where(dropout_keep(seed, offset, bh, m0, n, dropout_threshold, offs_m.shape[0], BLOCK_N),
-                          dp * dropout_scale, 0.0)
+            dp = dropout_select(dropout_tile_fields(seed, offset, bh, m0, n, offs_m.shape[0], BLOCK_N),
+                                dropout_threshold, dp * dropout_scale)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * cap_grad

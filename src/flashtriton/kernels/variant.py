@@ -588,11 +588,17 @@ def dropout_keep(seed, offset, bh, m0, k0, threshold, BLOCK_M: tl.constexpr, BLO
     4 (j // 16) + (j mod 8) // 2) (`dropout_state`), field j mod 2 of its output 2 ((i // 8) mod 2) +
     (j // 8) mod 2 (`dropout_fields`). One call (about 40 integer instructions in a loop over tiles) serves eight
     scores. A score is kept iff its field is >= threshold (`dropout_threshold`)."""
+    keep = dropout_tile_fields(seed, offset, bh, m0, k0, BLOCK_M, BLOCK_K) >= (threshold.to(tl.uint32) << 16)
+    if KEYS_FIRST:
+        keep = tl.trans(keep)
+    return keep
+
+
+@triton.jit
+def dropout_tile_fields(seed, offset, bh, m0, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) fields (`dropout_fields`) of `dropout_keep`'s tile, for `dropout_select`."""
     calls_m = m0 // 2 + tl.arange(0, BLOCK_M // 2)
     calls_k = k0 // 4 + tl.arange(0, BLOCK_K // 4)
     c0 = calls_k[None, :] + calls_m[:, None] * 0  # (BLOCK_M / 2, BLOCK_K / 4)
     c1 = calls_m[:, None] + calls_k[None, :] * 0
-    keep = dropout_fields(seed, offset, bh, c0, c1) >= (threshold.to(tl.uint32) << 16)
-    if KEYS_FIRST:
-        keep = tl.trans(keep)
-    return keep
+    return dropout_fields(seed, offset, bh, c0, c1)
