@@ -525,10 +525,9 @@ def philox(seed, c0, c1, c2, c3):
 @triton.jit
 def dropout_select(fields, threshold, x):
     """x where the score's field (`dropout_fields`) is kept (>= `dropout_threshold`'s `threshold`), else 0, in
-    fp32. On a
-    GPU one compare and one fp32 select (PTX `setp` / `selp`): a `tl.where` of fp32 scores that are then rounded
-    to 16 bits becomes, in LLVM, a select of the rounded halves, which unpacks and repacks each pair (two
-    permutes and an integer select per score)."""
+    fp32. On a GPU one compare and one fp32 select (PTX `setp` / `selp`): a `tl.where` of fp32 scores that are
+    then rounded to 16 bits becomes, in LLVM, a select of the rounded halves, which unpacks and repacks each pair
+    (two permutes and an integer select per score)."""
     threshold = threshold.to(tl.uint32) << 16  # (the fields' low 16 bits cannot change the comparison)
     if PTX:
         return tl.inline_asm_elementwise(
