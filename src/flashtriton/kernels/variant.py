@@ -476,25 +476,16 @@ def dropout_state(rng):
 
 
 @triton.jit
-def _mulhilo_a(x):
-    """(hi, lo) 32-bit halves of x · 0xD2511F53 (Philox4x32's first round multiplier; x uint32). On a GPU one
-    `mul.wide.u32` (IMAD.WIDE.U32, one issue slot: `umulhi` and `*` compile to an IMAD.HI and an IMAD), in the
+def _mulhilo(x, M: tl.constexpr):
+    """(hi, lo) 32-bit halves of x · M (x uint32, M one of Philox4x32's round multipliers). On a GPU one
+    `mul.wide.u32` (IMAD.WIDE.U32, one instruction: `umulhi` and `*` compile to an IMAD.HI and an IMAD), in the
     interpreter (which has no PTX) `umulhi` and `*`: the same bits."""
     if PTX:
-        return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
-                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, $3; mov.b64 {$1, $0}, t; }",
+                                         "=r,=r,r,r", [x, tl.cast(M, tl.uint32)], dtype=(tl.uint32, tl.uint32),
+                                         is_pure=True, pack=1)
     else:
-        return tl.math.umulhi(x, 0xD2511F53), x * 0xD2511F53
-
-
-@triton.jit
-def _mulhilo_b(x):
-    """`_mulhilo_a` with Philox4x32's second multiplier, 0xCD9E8D57."""
-    if PTX:
-        return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
-                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
-    else:
-        return tl.math.umulhi(x, 0xCD9E8D57), x * 0xCD9E8D57
+        return tl.math.umulhi(x, M), x * M
 
 
 @triton.jit
@@ -505,7 +496,7 @@ def philox(seed, c0, c1, c2, c3):
     scalars, and a tile's rows (c1) and keys (c3) meet only in the third round's results: of the second and
     third rounds' products one depends on the row alone and one on the key alone, so that a loop over key tiles
     (the forward, dQ) or over query tiles (dK/dV) makes 10 of the 14 products per call. Each product is one wide
-    multiply (`_mulhilo_a`)."""
+    multiply (`_mulhilo`)."""
     seed = seed.to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -516,8 +507,8 @@ def philox(seed, c0, c1, c2, c3):
     for _ in tl.static_range(DROPOUT_ROUNDS - 1):
         k0 += 0x9E3779B9
         k1 += 0xBB67AE85
-        hi0, lo0 = _mulhilo_a(c0)
-        hi2, lo2 = _mulhilo_b(c2)
+        hi0, lo0 = _mulhilo(c0, 0xD2511F53)
+        hi2, lo2 = _mulhilo(c2, 0xCD9E8D57)
         c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
     return c0, c1, c2, c3
 
