@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .common import load_tile, sequence_bounds
-from .variant import (alibi_bias, diagonal, dropout_keep, dropout_select, dropout_state, dropout_tile_fields,
-                      key_blocks, query_blocks, softcap_scores_and_grad, visible)
+from .variant import (alibi_bias, diagonal, dropout_select, dropout_state, dropout_tile_fields, key_blocks,
+                      query_blocks, softcap_scores_and_grad, visible)
 
 
 @triton.jit

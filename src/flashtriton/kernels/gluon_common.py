@@ -150,9 +150,9 @@ def dropout_tile(seed, offset, bh, row0, n, BLOCK_N: gl.constexpr):
 def dropout_tile_t(seed, offset, bh, k0, m0, QUERIES: gl.constexpr, WARPS_N: gl.constexpr):
     """The dropout fields of a transposed (64, QUERIES) score tile in `wgmma_layout(QUERIES, WARPS_N)`: keys
     k0 .. k0 + 63 against query rows m0 .. m0 + QUERIES - 1 of sequence-and-head `bh`, for
-    `variant.dropout_select` or `dropout_sign`; bit for bit `variant.dropout_keep`'s with KEYS_FIRST. Made as the (QUERIES, 64) tile
-    of the queries' orientation, on the lanes `dropout_calls_layout_t` places the calls on, then transposed
-    within each warp."""
+    `variant.dropout_select` or `dropout_sign`; bit for bit `variant.dropout_keep`'s mask, transposed. Made as the
+    (QUERIES, 64) tile of the queries' orientation, on the lanes `dropout_calls_layout_t` places the calls on, then
+    transposed within each warp."""
     fields = _fields(seed, offset, bh, m0, k0, QUERIES, 64, dropout_calls_layout_t(QUERIES, WARPS_N))
     return gl.convert_layout(gl.permute(fields, (1, 0)), wgmma_layout(QUERIES, WARPS_N))
 

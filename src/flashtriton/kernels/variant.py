@@ -566,22 +566,19 @@ def dropout_fields(seed, offset, bh, c0, c1):
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, m0, k0, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 KEYS_FIRST: tl.constexpr = False):
+def dropout_keep(seed, offset, bh, m0, k0, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The dropout keep-mask of a tile of scores of sequence-and-head `bh` (batch b · Hq + query head h): query
     rows m0 .. m0 + BLOCK_M - 1 against keys k0 .. k0 + BLOCK_K - 1, both counted within the sequence (varlen: its
     own rows and keys); m0, k0 and the tile sizes are multiples of 16 (every kernel's tiles are). (BLOCK_M,
-    BLOCK_K), or (BLOCK_K, BLOCK_M) for KEYS_FIRST (key-major tiles); True where the score is kept.
+    BLOCK_K), True where the score is kept (the kernels select with the fields themselves: `dropout_tile_fields`,
+    `dropout_select`).
     Counter-based, so that the forward, both backward kernels and `flashtriton.testing.dropout_mask` regenerate
     the same bits from the same indices, whatever their tiles: score (i, j) takes 16 bits of the Philox4x32-7
     call (`philox`, keyed by the call's 64-bit seed) on the counter (bh, 8 (i // 16) + i mod 8, offset,
     4 (j // 16) + (j mod 8) // 2) (`dropout_state`), field j mod 2 of its output 2 ((i // 8) mod 2) +
     (j // 8) mod 2 (`dropout_fields`). One call (about 40 integer instructions in a loop over tiles) serves eight
     scores. A score is kept iff its field is >= threshold (`dropout_threshold`)."""
-    keep = dropout_tile_fields(seed, offset, bh, m0, k0, BLOCK_M, BLOCK_K) >= (threshold.to(tl.uint32) << 16)
-    if KEYS_FIRST:
-        keep = tl.trans(keep)
-    return keep
+    return dropout_tile_fields(seed, offset, bh, m0, k0, BLOCK_M, BLOCK_K) >= (threshold.to(tl.uint32) << 16)
 
 
 @triton.jit
