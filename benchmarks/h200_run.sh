@@ -3,7 +3,7 @@
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
 # Steps: tests (whole suite; ~600 s), bwd_ab (benchmarks/gluon_bwd_ab.py: Gluon backward configs, kernel times; AB_CASES, AB_ROUNDS, AB_LABELS), regs (KV_REGS / QDO_REGS / the forward's Q_REGS: their GPU tests, gluon_bwd_ab.py's and fwd_config_ab.py's register candidates), fused_ab (the preprocess inside the dQ kernels: GPU tests and benchmarks/fused_delta_ab.py), bwd_timeline (benchmarks/bwd_timeline.py), softcap_ab (tests and benchmarks/softcap_ab.py), decode_dims (decode at D=256 and 192/128 beside cuDNN; DECODE_DIMS narrows), o_in_q (O_IN_Q's GPU tests and its wide forward timed; O_IN_Q_AB=0: the tests only), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), testpart (PART=i/N: every N-th file from the i-th), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), fuzz (scripts/fuzz.py on the GPU, FUZZ_S seconds twice), varlen_wide (benchmarks/varlen_wide_ab.py), padded (padded head dims: tests, speed), dims8 (every head dim against float64, the multiples of 8 timed), paged_ab (paged prefill's tests and timing, then again with AB_SWAP's file: an A/B), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
-# eco (notebook, compile, transformers tests), dropout (dropout.py), gluon_dropout (the dropout tests with the Gluon kernels', dropout.py --gluon), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
+# eco (notebook, compile, transformers tests), dropout (dropout.py), gluon_dropout (the dropout tests with the Gluon kernels', dropout.py --gluon), dropout_ab (dropout.py --gluon on the tree and on 5267c80's mask code; DAB_T), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
 # benchmarks/2026-11-29-h200/explore16/warmup/); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024), VH_ARGS to variant_host.py. Each step has its own time limit; typical seconds: tests 240, gputests 45,
@@ -196,6 +196,15 @@ for step in "$@"; do
         > $R/pytest_gluon_dropout.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_gluon_dropout.txt | head -20
       timeout 300 python benchmarks/dropout.py --gluon --out $R/gluon_dropout > $R/gluon_dropout.txt 2>&1
       tail -36 $R/gluon_dropout.txt ;;
+    dropout_ab) # the dropout mask code against 5267c80's (mask_code.patch reversed, then restored): dropout.py --gluon
+      # (the Gluon and the portable kernels, ours without dropout and cuDNN beside them) on each tree, T = DAB_T
+      P=benchmarks/2026-12-07-cpu/dropout-builds/mask_code.patch
+      timeout 240 python benchmarks/dropout.py --gluon --seqlens ${DAB_T:-4096} --out $R/dropout_after \
+        > $R/dropout_after.txt 2>&1; tail -24 $R/dropout_after.txt
+      if patch -R -p1 -s --dry-run < $P > /dev/null; then patch -R -p1 -s < $P
+        timeout 240 python benchmarks/dropout.py --gluon --seqlens ${DAB_T:-4096} --out $R/dropout_before \
+          > $R/dropout_before.txt 2>&1; tail -24 $R/dropout_before.txt; patch -p1 -s < $P
+      else echo "mask_code.patch does not reverse-apply here"; fi ;;
     explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; decode_schedule) echo 300;; tma) echo 400;; gluon) echo 360;; gluon_bwd) echo 300;; varlen) echo 150;; varlen_bwd) echo 220;; bwd_host) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
   esac
