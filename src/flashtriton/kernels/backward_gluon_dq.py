@@ -183,8 +183,8 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
         lse = gl.where(rows < seqlen_q, lse, float("-inf"))
         delta = gl.where(rows < seqlen_q, delta, 0.0)
     lse = lse_base2(lse)
-    if HAS_DROPOUT:  # P / (1 - p) straight from exp2, and delta · (1 - p): dS = P' ∘ (dP ∘ Z - delta'), no multiply
-        lse = lse - dropout[3][0]  # per score for the scale
+    if HAS_DROPOUT:  # P' = P / (1 - p) straight from exp2, delta' = delta · (1 - p): dS = P' ∘ (dP ∘ Z - delta'),
+        lse = lse - dropout[3][0]  # with no multiply per score for the scale
         delta = delta * dropout[3][1]
     slope = gl.load(slopes) * 1.4426950408889634 if HAS_ALIBI else None  # in base 2
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
