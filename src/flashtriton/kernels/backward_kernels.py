@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .common import load_tile, sequence_bounds
-from .variant import (alibi_bias, diagonal, dropout_select, dropout_state, dropout_tile_fields, key_blocks,
+from .variant import (alibi_bias, diagonal, dropout_select, dropout_state, dropout_tile, key_blocks,
                       query_blocks, softcap_scores_and_grad, visible)
 
 
@@ -199,7 +199,7 @@ def _attn_bwd_dkdv_tile(
             p_t = tl.where(visible(True, rows[None, :], offs_n[:, None], diag, IS_CAUSAL, HAS_WINDOW, left, right),
                            p_t, 0.0)
         if HAS_DROPOUT:
-            fields_t = tl.trans(dropout_tile_fields(seed, offset, bh + g, m, start_n, BLOCK_M, offs_n.shape[0]))
+            fields_t = tl.trans(dropout_tile(seed, offset, bh + g, m, start_n, BLOCK_M, offs_n.shape[0]))
             dv = tl.dot(dropout_select(fields_t, dropout_threshold, p_t * dropout_scale).to(do.dtype), do, dv,
                         input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_DV)
         else:
@@ -352,7 +352,7 @@ def _attn_bwd_dq_tile(
                                  HAS_WINDOW, left, right), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if HAS_DROPOUT:
-            dp = dropout_select(dropout_tile_fields(seed, offset, bh, m0, n, offs_m.shape[0], BLOCK_N),
+            dp = dropout_select(dropout_tile(seed, offset, bh, m0, n, offs_m.shape[0], BLOCK_N),
                                 dropout_threshold, dp * dropout_scale)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:

@@ -13,7 +13,7 @@ import triton.language as tl
 from .._env import INTERPRET
 from . import dispatch
 from .host import capability
-from .variant import alibi_bias, dropout_select, dropout_tile_fields, softcap_scores, visible
+from .variant import alibi_bias, dropout_select, dropout_tile, softcap_scores, visible
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them the TMA paths are never taken
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -101,7 +101,7 @@ def softmax_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
-        p = dropout_select(dropout_tile_fields(seed, offset, bh, m0, n, offs_m.shape[0], cols.shape[0]),
+        p = dropout_select(dropout_tile(seed, offset, bh, m0, n, offs_m.shape[0], cols.shape[0]),
                            dropout_threshold, p)
     if UPCAST_DOT:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DOT_PRECISION)

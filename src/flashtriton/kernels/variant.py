@@ -570,7 +570,7 @@ def dropout_keep(seed, offset, bh, m0, k0, threshold, BLOCK_M: tl.constexpr, BLO
     """The dropout keep-mask of a tile of scores of sequence-and-head `bh` (batch b · Hq + query head h): query
     rows m0 .. m0 + BLOCK_M - 1 against keys k0 .. k0 + BLOCK_K - 1, both counted within the sequence (varlen: its
     own rows and keys); m0, k0 and the tile sizes are multiples of 16 (every kernel's tiles are). (BLOCK_M,
-    BLOCK_K), True where the score is kept (the kernels select with the fields themselves: `dropout_tile_fields`,
+    BLOCK_K), True where the score is kept (the kernels select with the fields themselves: `dropout_tile`,
     `dropout_select`).
     Counter-based, so that the forward, both backward kernels and `flashtriton.testing.dropout_mask` regenerate
     the same bits from the same indices, whatever their tiles: score (i, j) takes 16 bits of the Philox4x32-7
@@ -578,11 +578,11 @@ def dropout_keep(seed, offset, bh, m0, k0, threshold, BLOCK_M: tl.constexpr, BLO
     4 (j // 16) + (j mod 8) // 2) (`dropout_state`), field j mod 2 of its output 2 ((i // 8) mod 2) +
     (j // 8) mod 2 (`dropout_fields`). One call (about 40 integer instructions in a loop over tiles) serves eight
     scores. A score is kept iff its field is >= threshold (`dropout_threshold`)."""
-    return dropout_tile_fields(seed, offset, bh, m0, k0, BLOCK_M, BLOCK_K) >= (threshold.to(tl.uint32) << 16)
+    return dropout_tile(seed, offset, bh, m0, k0, BLOCK_M, BLOCK_K) >= (threshold.to(tl.uint32) << 16)
 
 
 @triton.jit
-def dropout_tile_fields(seed, offset, bh, m0, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def dropout_tile(seed, offset, bh, m0, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The (BLOCK_M, BLOCK_K) fields (`dropout_fields`) of `dropout_keep`'s tile, for `dropout_select`."""
     calls_m = m0 // 2 + tl.arange(0, BLOCK_M // 2)
     calls_k = k0 // 4 + tl.arange(0, BLOCK_K // 4)
