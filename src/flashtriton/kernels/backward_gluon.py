@@ -70,7 +70,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
 from .gluon_common import wgmma_layout, width_piece
-from .variant import alibi_bias, softcap_scores_and_grad
+from .variant import alibi_bias, dropout_state, softcap_scores_and_grad
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup (wgmma's M); a program holds 2 * ROWS keys
 BLOCK_M = gl.constexpr(64)  # query rows per streamed tile
@@ -90,6 +90,16 @@ def tile_width(width, tile):
 def lse_base2(lse):
     """lse in base 2 for exp2(s · qk_scale − lse); rows that see no key (−inf) get +inf, so that their P is 0."""
     return gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@gluon.jit
+def dropout_scalars(DROPOUT_RNG, dropout_threshold, dropout_scale, bh):
+    """A backward kernel's dropout, as its tiles take it: (seed, offset, threshold, (log2(1 / (1 - p)), 1 - p), bh),
+    the scale as lse's shift and delta's factor (P / (1 - p) straight from exp2, no multiply per score), bh the
+    mask's b · Hq + h."""
+    seed, offset = dropout_state(DROPOUT_RNG)
+    scale = gl.to_tensor(dropout_scale)  # 1 / (1 - p)
+    return seed, offset, gl.to_tensor(dropout_threshold), (gl.log2(scale), 1.0 / scale), bh
 
 
 @gluon.jit

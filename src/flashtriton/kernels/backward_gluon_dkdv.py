@@ -9,11 +9,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from .backward_gluon import (BLOCK_M, ROWS, WIDE_HEAD_DIM, acc_mma, acc_operands, acc_out, acc_store_rows,
-                             acc_to_shared, acc_wait_both, acc_zero, lse_base2, lse_rows, probabilities, tile_width,
-                             work_item)
+                             acc_to_shared, acc_wait_both, acc_zero, dropout_scalars, lse_base2, lse_rows,
+                             probabilities, tile_width, work_item)
 from .gluon_common import (a_operand, dropout_tile_t, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
                            width_pieces)
-from .variant import diagonal, dropout_sign, dropout_state, key_tile_masked, query_blocks, query_first, visible
+from .variant import diagonal, dropout_sign, key_tile_masked, query_blocks, query_first, visible
 
 
 @gluon.constexpr_function
@@ -253,7 +253,7 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     mbarrier.wait(kv_bar, kv_phase)
     # K (KV_REGS bit 1) and V (bit 2) in registers for dense calls without a variant (bit 4: varlen, windows and
     # ALiBi too, which have not yet run their GPU tests with them), in whole tiles (no column pieces), one warpgroup
-    # a worker; softcap's and dropout's tiles spill with them
+    # a worker; softcap's tiles spill with them, dropout's have not been timed with them
     REGS_ON: gl.constexpr = QK_W == HEAD_DIM and V_W == HEAD_DIM_V and WARPS_N == 1 and not (
         PERSISTENT or HAS_SOFTCAP or HAS_DROPOUT or (not (KV_REGS & 4) and (IS_VARLEN or HAS_WINDOW or HAS_ALIBI)))
     tiles = (q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, a_operand(k, s_layout, REGS_ON and (KV_REGS & 1)),
@@ -456,10 +456,7 @@ def _attn_bwd_dkdv_gluon(
     scales = (diag, gl.to_tensor(qk_scale), gl.to_tensor(softmax_scale))
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
     if HAS_DROPOUT:
-        seed, offset = dropout_state(DROPOUT_RNG)
-        scale = gl.to_tensor(dropout_scale)  # 1 / (1 - p): as log2 (lse's shift) and 1 - p (delta's factor)
-        dropout = (seed, offset, gl.to_tensor(dropout_threshold), (gl.log2(scale), 1.0 / scale),
-                   off_b * HEADS_Q + off_hk * group_size)
+        dropout = dropout_scalars(DROPOUT_RNG, dropout_threshold, dropout_scale, off_b * HEADS_Q + off_hk * group_size)
     else:
         dropout = gl.constexpr(0)  # (off: what stands for it; a variable cannot hold None)
     variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,

@@ -9,11 +9,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from .backward_gluon import (KEYS, ROWS, acc_mma, acc_operands, acc_out, acc_store_rows, acc_to_shared, acc_wait,
-                             acc_zero, lse_base2, lse_rows, probabilities, tile_width, work_item)
+                             acc_zero, dropout_scalars, lse_base2, lse_rows, probabilities, tile_width, work_item)
 from .gluon_common import (a_operand, dropout_tile, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
                            width_pieces)
-from .variant import (diagonal, dropout_select, dropout_state, key_blocks, key_end_before, tile_hidden, tile_masked,
-                      visible)
+from .variant import diagonal, dropout_select, key_blocks, key_end_before, tile_hidden, tile_masked, visible
 
 
 @gluon.jit
@@ -329,10 +328,7 @@ def _attn_bwd_dq_gluon(
         fused = gl.constexpr(0)
     # The variant's scalars as the consumers take them: tensors where the variant has them, else None (constexprs).
     if HAS_DROPOUT:
-        seed, offset = dropout_state(DROPOUT_RNG)
-        scale = gl.to_tensor(dropout_scale)  # 1 / (1 - p): as log2 (lse's shift) and 1 - p (delta's factor)
-        dropout = (seed, offset, gl.to_tensor(dropout_threshold), (gl.log2(scale), 1.0 / scale),
-                   off_b * HEADS_Q + off_h)
+        dropout = dropout_scalars(DROPOUT_RNG, dropout_threshold, dropout_scale, off_b * HEADS_Q + off_h)
     else:
         dropout = gl.constexpr(0)  # (off: what stands for it; a variable cannot hold None)
     variant = (gl.to_tensor(window_left) if HAS_WINDOW else None, gl.to_tensor(window_right) if HAS_WINDOW else None,
