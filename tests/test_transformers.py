@@ -6,6 +6,8 @@ fp32 dots), on the CPU through the interpreter or on a GPU.
 
 import copy
 import importlib.util
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,6 +256,39 @@ def test_attention_dropout_runs_in_training(device):
     ours.train()
     ours(input_ids=ids).logits.sum().backward()
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in ours.parameters())
+
+
+
+def _bert_dropout():
+    """benchmarks/bert_dropout.py, the BERT fine-tuning step of issue 29, as a module."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bert_dropout.py"
+    spec = importlib.util.spec_from_file_location("bert_dropout", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bert_training_step_with_attention_dropout(device):
+    """A tiny BERT (its default dropout probabilities) trains on flashtriton: eval losses equal sdpa's, and in
+    train mode the loss is finite, moves with the seed, differs from the eval loss and repeats with a seed."""
+    bd = _bert_dropout()
+    models = bd.build("tiny", device)
+    ids, mask, labels = bd.make_batch(models[0].config.vocab_size, 3, 12, device)
+    eval_ours, eval_sdpa = bd.eval_losses(models, ids, mask, labels, autocast=False)
+    assert abs(eval_ours - eval_sdpa) <= 1e-4
+    (ours, _) = bd.seeded_losses(models, ids, mask, labels, 3, autocast=False)
+    assert all(math.isfinite(x) for x in ours) and len(set(ours)) == 3 and eval_ours not in ours
+    torch.manual_seed(1)
+    assert bd.step(models[0], ids, mask, labels, autocast=False) == ours[1]
+
+
+@pytest.mark.gpu
+def test_bert_base_training_step_matches_sdpa_in_expectation():
+    """BERT-base (default config, random weights), 16 x 128 tokens, bf16 autocast: the step's loss over 32 seeds
+    equals sdpa's in expectation and spread, and the eval losses agree (benchmarks/bert_dropout.py)."""
+    bd = _bert_dropout()
+    r = bd.run("base", seeds=32, batch=16, seqlen=128, rep=0)
+    assert bd.verdicts(r, eval_atol=2e-2) == dict(eval=True, mean=True, spread=True), bd.report(r, 2e-2)
 
 
 def _training_step_grads(models, device) -> list[dict]:
