@@ -259,6 +259,21 @@ def test_attention_dropout_runs_in_training(device):
 
 
 
+def test_unpadding_is_kept_for_the_same_unchanged_mask(device):
+    """The layers of a forward share one padding mask: its unpadding (two host syncs) is computed once while the
+    tensor is unchanged, and again after an in-place change or for another tensor."""
+    from flashtriton.integrations.transformers import _unpad_indices
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool, device=device)
+    first = _unpad_indices(mask)
+    assert _unpad_indices(mask) is first
+    mask[1, 2] = True  # in place: the version counter moves
+    indices, cu, longest = _unpad_indices(mask)
+    assert indices.tolist() == [0, 1, 2, 4, 5, 6] and cu.tolist() == [0, 3, 6] and longest == 3
+    other = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool, device=device)
+    indices, cu, longest = _unpad_indices(other)
+    assert indices.tolist() == [0, 4, 5, 6, 7] and cu.tolist() == [0, 1, 5] and longest == 4
+
 def _bert_dropout():
     """benchmarks/bert_dropout.py, the BERT fine-tuning step of issue 29, as a module."""
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "bert_dropout.py"

@@ -58,9 +58,11 @@ import inspect
 import math
 import re
 import sys
+import weakref
 from typing import Callable, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..interface import flash_attn_func, flash_attn_varlen_func
 from ..validation import MAX_HEAD_DIM
@@ -612,11 +614,28 @@ def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: b
     return out.view(q.shape[0], -1, *out.shape[1:])
 
 
+# The last padding mask unpadded in an eager call: (a weak reference to it, its version counter, the result).
+_LAST_UNPAD: list = [None]
+
+
 def _unpad_indices(mask: torch.Tensor):
+    """(token indices, cu_seqlens, longest row) of a (B, S) padding mask. Finding them syncs the host with the
+    device twice (`nonzero`, the maximum), and every layer of a forward pass gets the same mask tensor: in eager
+    calls the result is kept for the last mask while that tensor lives unchanged (its version counter), so that
+    a model's forward syncs once, not once per layer."""
+    eager = (type(mask) is torch.Tensor and not torch.compiler.is_compiling()
+             and _get_current_dispatch_mode() is None)
+    if eager:
+        last = _LAST_UNPAD[0]
+        if last is not None and last[0]() is mask and last[1] == mask._version:
+            return last[2]
     lengths = mask.sum(-1, dtype=torch.int32)
     indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
     cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    return indices, cu, int(lengths.max()) if lengths.numel() else 0
+    result = indices, cu, int(lengths.max()) if lengths.numel() else 0
+    if eager:
+        _LAST_UNPAD[0] = (weakref.ref(mask), mask._version, result)
+    return result
 
 
 def _gather(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
