@@ -311,7 +311,7 @@ def test_p_zero_takes_the_dropout_free_path(device, monkeypatch):
 
 def test_dispatch_of_dropout_and_the_gluon_forwards_gate(monkeypatch):
     """The Gluon and the portable kernels declare dropout. The Gluon forward's rules take dense dropout calls
-    without a window at tiles of 128 columns only (`configs.GLUON_DROPOUT_FWD`: the measured faster cases), the
+    without a window at tiles of 64 and 128 columns only (`configs.GLUON_DROPOUT_FWD`: the measured faster cases), the
     Gluon backward's dense calls of `GLUON_BWD_DROPOUT_CASES`; the portable kernels run the rest, and all of them
     with the switches off. Under GLUON_DROPOUT_ALL / GLUON_BWD_DROPOUT_ALL every call the Gluon kernels have a rule
     for takes them (not the backward's tiles of 256 columns)."""
@@ -331,16 +331,16 @@ def test_dispatch_of_dropout_and_the_gluon_forwards_gate(monkeypatch):
     assert configs_forward.GLUON_DROPOUT and not configs_forward.GLUON_DROPOUT_ALL
     for head_dim, keys, causal in ((128, 16384, False), (128, 512, True), (96, 4096, False)):
         assert fwd(head_dim, keys, keys, causal, dropout=True) == configs_forward.GLUON_SHORT
-    for head_dim in (64, 256):
-        assert fwd(head_dim, 4096, 4096, False, dropout=True) is None
-        assert fwd(head_dim, 4096, 4096, False) is not None
+    assert fwd(64, 4096, 4096, False, dropout=True) == configs_forward.GLUON_SHORT_D64
+    assert fwd(256, 4096, 4096, False, dropout=True) is None and fwd(256, 4096, 4096, False) is not None
     assert fwd(128, 4096, 4096, True, 1024, dropout=True) is None  # a window
     assert varlen(True) is None and paged(True) is None and varlen(False) is not None and paged(False) is not None
     bwd = configs.gluon_bwd_config
     # (the table's row: the split loops are not built with dropout)
     assert bwd(128, 4096, 4096, True, dropout=True) == configs.GLUON_BWD.lookup(configs.table.SM90, "16", 128)
     assert bwd(64, 4096, 4096, False, dropout=True) == bwd(64, 4096, 4096, False)
-    assert bwd(64, 4096, 4096, True, dropout=True) is None and bwd(64, 4096, 4096, True) is not None
+    assert bwd(64, 4096, 4096, True, dropout=True) == bwd(64, 4096, 4096, True, varlen=True)  # (not split)
+    assert bwd(256, 4096, 4096, True, dropout=True) is None and bwd(256, 4096, 4096, True) is not None
     assert bwd(128, 4096, 4096, True, varlen=True, dropout=True) is None
     monkeypatch.setattr(configs_forward, "GLUON_DROPOUT", False)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DROPOUT", False)

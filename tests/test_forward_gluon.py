@@ -953,7 +953,7 @@ def test_gluon_variant_builds_compile_for_sm90():
 
 def test_gluon_dropout_builds_compile_for_sm90():
     """The dropout builds (`gluon_common.dropout_tile` in the softmax, the output scaled by 1 / (1 - p)) compile
-    offline: the rules `configs.GLUON_DROPOUT_FWD` (and GLUON_DROPOUT_FWD_ALL) name (the flat loop at D=64 and
+    offline: the rules `configs.GLUON_DROPOUT_FWD` names (the flat loop at D=64 and
     128, causal or not) within 16 bytes of spills (triton 3.6's ptxas; 24 at D=128 non-causal, whose build with
     Philox4x32-7 runs 1.13-1.22x faster than Philox4x32-10's 16: benchmarks/2026-12-06-h100/dropout-rounds/), their keep-mask made on the threads that hold its scores (no more
     warp shuffles than the dropout-free build); a combination with a window, softcap, ALiBi and sinks, and the
@@ -963,10 +963,10 @@ def test_gluon_dropout_builds_compile_for_sm90():
         "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
         "from flashtriton.kernels.variant import Variant\n"
         "configs_forward.GLUON_DROPOUT = configs_forward.GLUON_DROPOUT_ALL = True\n"
-        "for head_dim, causal, keys in ((128, False, 16384), (128, True, 1024), (64, False, 16384)):\n"
+        "for head_dim, causal, keys in ((128, False, 16384), (128, True, 1024), (64, False, 16384), (64, True, 4096)):\n"
         "    config = configs_forward.gluon_fwd_config(head_dim, keys, keys, causal, dropout=True)\n"
         "    rule = configs_forward.GLUON_DROPOUT_FWD.lookup(configs_forward.SM90, '16', head_dim)\n"
-        "    assert config == (rule or configs_forward.GLUON_DROPOUT_FWD_ALL[head_dim]), config\n"
+        "    assert config == rule, config\n"
         "    compiled = compile_for_sm90(head_dim, causal, config, variant=Variant.of(causal, dropout_p=0.1))\n"
         "    ptx = compiled.asm['ptx']\n"
         "    plain = compile_for_sm90(head_dim, causal, config, variant=Variant.of(causal)).asm['ptx']\n"
@@ -983,7 +983,7 @@ def test_gluon_dropout_builds_compile_for_sm90():
         "assert 'mul.wide.u32' in ptx\n"
         "print('compiled varlen')\n"
     )
-    assert compile_in_fresh_process(script).count("compiled") == 5
+    assert compile_in_fresh_process(script).count("compiled") == 6
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])

@@ -203,22 +203,23 @@ GLUON_SEPARATE_V_FWD = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
 
 # Dropout in the Gluon forward (`kernels.gluon_common.dropout_keep`: the portable kernels' mask, bit for bit): dense
 # calls without a window at the head dims GLUON_DROPOUT_FWD times faster than the portable forward with dropout;
-# every other dropout call takes the portable forward. H200, p = 0.1, bf16, T = 1k / 4k / 16k (DROPOUT_EVIDENCE):
-# D=128 1.00-1.16x the portable forward (1.02-1.11x cuDNN's dropout forward); D=64 0.79-0.99x, so the portable
-# forward keeps D=64. The flat loop's dropout builds spill at most 16 bytes (triton 3.6's ptxas); the item-by-item
-# loop spills more (benchmarks/2026-12-03-h200/offline-builds/gluon_dropout_spills.txt). GLUON_DROPOUT off: every
-# dropout call takes the portable forward; GLUON_DROPOUT_ALL on (tests, A/B runs): every dropout call the Gluon
-# forward has a rule for takes it (GLUON_DROPOUT_FWD's, else its rule without dropout).
-DROPOUT_EVIDENCE = "benchmarks/2026-12-03-h200/gluon-dropout-fields16/dropout.json"
+# every other dropout call takes the portable forward. p = 0.1, bf16, the Gluon forward against the portable one in
+# one run: an H100 at T = 4k (DROPOUT_EVIDENCE, the mask code of `variant.philox` / `dropout_select`): D=128
+# 1.22x / 1.29x (non-causal / causal), D=64 1.17x / 1.28x; on the H200 with the earlier mask code (T = 1k / 4k / 16k,
+# DROPOUT_EVIDENCE_H200) D=128 1.00-1.16x, D=64 0.79-0.99x. The flat loop's dropout builds spill at most 16 bytes
+# (triton 3.6's ptxas; benchmarks/2026-12-03-h200/offline-builds/gluon_dropout_spills.txt). GLUON_DROPOUT off:
+# every dropout call takes the portable forward; GLUON_DROPOUT_ALL on (tests, A/B runs): every dropout call the
+# Gluon forward has a rule for takes it (GLUON_DROPOUT_FWD's, else its rule without dropout).
+DROPOUT_EVIDENCE = "benchmarks/2026-12-07-h100/dropout-mask-code/results/dropout_after/dropout.json"
+DROPOUT_EVIDENCE_H200 = "benchmarks/2026-12-03-h200/gluon-dropout-fields16/dropout.json"
 GLUON_DROPOUT = True
 GLUON_DROPOUT_ALL = False
 GLUON_DROPOUT_FWD = Table(("gpu", "dtype", "head_dim"), rows=[
     # gpu dtype  head dim  config           source
     (SM90, "16", 128,      GLUON_SHORT,     DROPOUT_EVIDENCE),
-    (SM90, "16", 64,       None,            "why: the portable forward is faster with dropout: " + DROPOUT_EVIDENCE),
+    (SM90, "16", 64,       GLUON_SHORT_D64, DROPOUT_EVIDENCE),
     (ANY,  ANY,  ANY,      None,            "why: not timed with dropout: the portable forward"),
 ])
-GLUON_DROPOUT_FWD_ALL = {64: GLUON_SHORT_D64}  # GLUON_DROPOUT_ALL's rule at D=64 (the flat loop; spills nothing)
 
 
 # Softcap in the Gluon forward against a fixed max (`kernels.forward_gluon_launch.cap_fixed` says where it applies:
@@ -261,8 +262,6 @@ def gluon_fwd_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, 
         return None
     if dropout and block_v == head_dim and not 0 < band < seqlen_k:
         config = GLUON_DROPOUT_FWD.lookup(SM90, "16", head_dim)
-        if config is None and GLUON_DROPOUT_ALL:
-            config = GLUON_DROPOUT_FWD_ALL.get(head_dim)
         if config is not None:
             return config
     if not _dropout_gate(dropout):

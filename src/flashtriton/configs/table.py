@@ -34,7 +34,7 @@ CAUSAL = "causal"
 FULL = "full"
 VARIANTS = (CAUSAL, FULL)
 
-# The H200 runs (benchmarks/README.md) whose files the rules cite.
+# The runs (benchmarks/README.md) whose files the rules cite: the H200's, and an H100's where no H200 came.
 H200 = "benchmarks/2026-11-29-h200/"
 H200_DEC = "benchmarks/2026-12-01-h200/"
 H200_HEADS = "benchmarks/2026-12-02-h200/gluon-head-dims/h200/"
@@ -44,7 +44,8 @@ H200_PAGED = "benchmarks/2026-12-02-h200/paged-small/h200/"
 H200_LATE = "benchmarks/2026-12-03-h200/"
 H200_DEC4 = "benchmarks/2026-12-04-h200/"
 H100_DEC6 = "benchmarks/2026-12-06-h100/"  # an H100's runs: each file holds its own baseline
-RUNS = (H200, H200_DEC, H200_HEADS, H200_WIDE, H200_MERGED, H200_PAGED, H200_LATE, H200_DEC4, H100_DEC6)
+H100_DEC7 = "benchmarks/2026-12-07-h100/"
+RUNS = (H200, H200_DEC, H200_HEADS, H200_WIDE, H200_MERGED, H200_PAGED, H200_LATE, H200_DEC4, H100_DEC6, H100_DEC7)
 
 
 def gpu_class(device: torch.device) -> str:
