@@ -198,6 +198,27 @@ def test_kept_fraction_per_row_and_overall(p, device):
     assert abs(corr.item()) < 5 / math.sqrt(a.numel())
 
 
+
+def test_scores_of_one_call_and_their_neighbours_are_independent():
+    """At p = 0.5 (every bit of a field counts), the keep indicators are uncorrelated at the lags where scores
+    share a Philox call, a word of it, a row or key of its counter, or sit in the next tile (each within 5
+    sigma), and the eight scores of one call are kept as eight independent draws: their count of kept scores
+    follows Binomial(8, 1/2) (chi-square, 8 degrees of freedom, below its 1e-6 tail)."""
+    batch, heads, n, keep = 2, 2, 256, 0.5
+    mask = testing.dropout_mask((987654321, 7), batch, heads, n, n, 0.5, device=DEVICE).double().cpu()
+    centred = mask - keep
+    for di, dj in ((0, 1), (0, 2), (0, 8), (0, 9), (0, 16), (1, 0), (8, 0), (16, 0), (8, 8), (1, 1), (8, 1)):
+        a, b = centred[..., : n - di, : n - dj], centred[..., di:, dj:]
+        corr = (a * b).mean() / (keep * (1 - keep))
+        assert abs(corr.item()) < 5 / math.sqrt(a.numel()), (di, dj, corr.item())
+    # call (i mod 8, (j mod 8) // 2) of each 16 x 16 block serves rows i, i + 8 and keys j, j + 1, j + 8, j + 9
+    blocks = mask.reshape(batch, heads, n // 16, 2, 8, n // 16, 2, 4, 2)  # (.., a, ρ, i mod 8, m, κ, c, π)
+    kept = blocks.sum(dim=(3, 6, 8)).flatten()  # per call: its eight scores
+    counts = torch.bincount(kept.long(), minlength=9).double()
+    expected = torch.tensor([math.comb(8, k) / 256 for k in range(9)], dtype=torch.float64) * kept.numel()
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 45.0, (chi2, counts.tolist())
+
 def _philox4x32(c0, c1, c2, c3, seed: int, rounds: int):
     """Philox4x32-`rounds` (Salmon et al., as `tl.philox` computes it) on numpy uint64 arrays holding 32-bit words,
     keyed by the 64-bit seed: the four output words."""
