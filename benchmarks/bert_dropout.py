@@ -8,7 +8,8 @@ different dropout masks from the same seed, so the step's loss is compared in ex
 the paired difference, in standard errors (|z| < 4 passes), and the spread of the losses over seeds (the
 dropout's noise: the ratio of the two standard deviations). In eval mode (no dropout) the two models' losses
 must agree as the dropout-free call does (`--eval-atol`). On a GPU the step runs under bf16 autocast and is timed
-(median of `--rep` steps after warmup, each synchronised) for both.
+(median of `--rep` steps after warmup, each synchronised) for both. `--attention-dropout` / `--hidden-dropout` set
+other probabilities (hidden 0: the spread over seeds is the attention dropout's alone).
 
     python benchmarks/bert_dropout.py --out DIR                       # BERT-base, 32 x 128 tokens, 32 seeds
     TRITON_INTERPRET=1 python benchmarks/bert_dropout.py --config tiny  # a 2-layer BERT on the CPU
@@ -30,14 +31,15 @@ TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_h
             max_position_embeddings=64)
 
 
-def build(config: str, device):
-    """(flashtriton model, sdpa model) with the same random weights, on `device`, in train mode."""
+def build(config: str, device, **overrides):
+    """(flashtriton model, sdpa model) with the same random weights, on `device`, in train mode; `overrides`:
+    BertConfig fields (the dropout probabilities)."""
     import transformers
 
     from flashtriton.integrations import transformers as ft_hf
 
     ft_hf.register()
-    cfg = transformers.BertConfig(**(TINY if config == "tiny" else {}), num_labels=2)
+    cfg = transformers.BertConfig(**{**(TINY if config == "tiny" else {}), **overrides}, num_labels=2)
     torch.manual_seed(0)
     ours = transformers.BertForSequenceClassification._from_config(copy.deepcopy(cfg),
                                                                    attn_implementation="flashtriton")
@@ -108,11 +110,12 @@ def time_steps(model, ids, mask, labels, rep: int) -> float:
     return statistics.median(times)
 
 
-def run(config: str = "base", seeds: int = 32, batch: int = 32, seqlen: int = 128, rep: int = 20) -> dict:
-    """The comparison's numbers (`report` prints them); rep = 0: no timing."""
+def run(config: str = "base", seeds: int = 32, batch: int = 32, seqlen: int = 128, rep: int = 20,
+        **overrides) -> dict:
+    """The comparison's numbers (`report` prints them); rep = 0: no timing; `overrides`: BertConfig fields."""
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
     autocast = device == "cuda"
-    models = build(config, device)
+    models = build(config, device, **overrides)
     ids, mask, labels = make_batch(models[0].config.vocab_size, batch, seqlen, device)
     result = dict(config=config, batch=batch, seqlen=seqlen, seeds=seeds, device=device,
                   dtype="bf16 autocast" if autocast else "fp32",
@@ -162,13 +165,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seqlen", type=int, default=128)
     parser.add_argument("--rep", type=int, default=20)
+    parser.add_argument("--attention-dropout", type=float, default=None, help="default: the config's (0.1)")
+    parser.add_argument("--hidden-dropout", type=float, default=None, help="default: the config's (0.1)")
     parser.add_argument("--eval-atol", type=float, default=None,
                         help="default 2e-2 under bf16 autocast, 1e-4 in fp32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.config == "tiny" and args.seqlen == 128:
         args.seqlen, args.batch = 16, 4
-    r = run(args.config, args.seeds, args.batch, args.seqlen, args.rep)
+    overrides = {name: value for name, value in (("attention_probs_dropout_prob", args.attention_dropout),
+                                                 ("hidden_dropout_prob", args.hidden_dropout)) if value is not None}
+    r = run(args.config, args.seeds, args.batch, args.seqlen, args.rep, **overrides)
     eval_atol = args.eval_atol if args.eval_atol is not None else (2e-2 if r["device"] == "cuda" else 1e-4)
     lines = report(r, eval_atol)
     print("\n".join(lines))
