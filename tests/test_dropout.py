@@ -203,7 +203,8 @@ def test_scores_of_one_call_and_their_neighbours_are_independent():
     """At p = 0.5 (every bit of a field counts), the keep indicators are uncorrelated at the lags where scores
     share a Philox call, a word of it, a row or key of its counter, or sit in the next tile (each within 5
     sigma), and the eight scores of one call are kept as eight independent draws: their count of kept scores
-    follows Binomial(8, 1/2) (chi-square, 8 degrees of freedom, below its 1e-6 tail)."""
+    follows Binomial(8, 1/2) (chi-square, 8 degrees of freedom, below its 1e-6 tail), and a row's count of kept
+    scores has a binomial's variance."""
     batch, heads, n, keep = 2, 2, 256, 0.5
     mask = testing.dropout_mask((987654321, 7), batch, heads, n, n, 0.5, device=DEVICE).double().cpu()
     centred = mask - keep
@@ -218,6 +219,10 @@ def test_scores_of_one_call_and_their_neighbours_are_independent():
     expected = torch.tensor([math.comb(8, k) / 256 for k in range(9)], dtype=torch.float64) * kept.numel()
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 45.0, (chi2, counts.tolist())
+    # a row's kept count (the keys a softmax row keeps) varies as a binomial's: no correlation along the row
+    rows = mask.sum(-1).flatten()
+    ratio = rows.var().item() / (n * keep * (1 - keep))
+    assert abs(ratio - 1) < 5 * math.sqrt(2 / rows.numel()), ratio
 
 def _philox4x32(c0, c1, c2, c3, seed: int, rounds: int):
     """Philox4x32-`rounds` (Salmon et al., as `tl.philox` computes it) on numpy uint64 arrays holding 32-bit words,
