@@ -260,8 +260,8 @@ def test_attention_dropout_runs_in_training(device):
 
 
 def test_unpadding_is_kept_for_the_same_unchanged_mask(device):
-    """The layers of a forward share one padding mask: its unpadding (two host syncs) is computed once while the
-    tensor is unchanged, and again after an in-place change or for another tensor."""
+    """The layers of a forward share one padding mask (or alternate between two): its unpadding (two host syncs)
+    is computed once while the tensor is unchanged, and again after an in-place change or for another tensor."""
     from flashtriton.integrations.transformers import _unpad_indices
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool, device=device)
@@ -273,6 +273,9 @@ def test_unpadding_is_kept_for_the_same_unchanged_mask(device):
     other = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool, device=device)
     indices, cu, longest = _unpad_indices(other)
     assert indices.tolist() == [0, 4, 5, 6, 7] and cu.tolist() == [0, 1, 5] and longest == 4
+    # layers that alternate between two masks keep both
+    kept_mask, kept_other = _unpad_indices(mask), _unpad_indices(other)
+    assert _unpad_indices(mask) is kept_mask and _unpad_indices(other) is kept_other
 
 def _bert_dropout():
     """benchmarks/bert_dropout.py, the BERT fine-tuning step of issue 29, as a module."""

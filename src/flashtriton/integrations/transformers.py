@@ -614,27 +614,31 @@ def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: b
     return out.view(q.shape[0], -1, *out.shape[1:])
 
 
-# The last padding mask unpadded in an eager call: (a weak reference to it, its version counter, the result).
-_LAST_UNPAD: list = [None]
+# The padding masks last unpadded in eager calls, most recent first: (a weak reference to the mask, its version
+# counter, the result). A few, for models whose layers alternate between masks (sliding and full layers).
+_UNPADDED: list = []
+_UNPADDED_KEPT = 4
 
 
 def _unpad_indices(mask: torch.Tensor):
     """(token indices, cu_seqlens, longest row) of a (B, S) padding mask. Finding them syncs the host with the
-    device twice (`nonzero`, the maximum), and every layer of a forward pass gets the same mask tensor: in eager
-    calls the result is kept for the last mask while that tensor lives unchanged (its version counter), so that
-    a model's forward syncs once, not once per layer."""
+    device twice (`nonzero`, the maximum), and every layer of a forward pass gets the same mask tensor (or one of
+    two, where sliding and full layers alternate): in eager calls the result is kept for the last few masks while
+    each tensor lives unchanged (its version counter), so that a model's forward syncs once per mask, not once
+    per layer."""
     eager = (type(mask) is torch.Tensor and not torch.compiler.is_compiling()
              and _get_current_dispatch_mode() is None)
     if eager:
-        last = _LAST_UNPAD[0]
-        if last is not None and last[0]() is mask and last[1] == mask._version:
-            return last[2]
+        for ref, version, result in _UNPADDED:
+            if ref() is mask and version == mask._version:
+                return result
     lengths = mask.sum(-1, dtype=torch.int32)
     indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
     cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
     result = indices, cu, int(lengths.max()) if lengths.numel() else 0
     if eager:
-        _LAST_UNPAD[0] = (weakref.ref(mask), mask._version, result)
+        _UNPADDED[:] = [(weakref.ref(mask), mask._version, result)] + [
+            entry for entry in _UNPADDED[: _UNPADDED_KEPT - 1] if entry[0]() is not None and entry[0]() is not mask]
     return result
 
 
