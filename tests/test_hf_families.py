@@ -192,6 +192,10 @@ FAMILIES: dict[str, Family] = {
     "modernbert_local64": Family(lambda: _modernbert(local_attention=64), auto="AutoModelForMaskedLM"),
     "vit": Family(lambda: _config("ViTConfig", image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, intermediate_size=64), auto="AutoModel"),
+    "vit_train_dropout": Family(lambda: _config("ViTConfig", image_size=16, patch_size=4, hidden_size=32,
+                                                num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.3),
+                                auto="AutoModel", train=True),
     "whisper": Family(lambda: _config("WhisperConfig", **{k: v for k, v in SEQ2SEQ.items()
                                                           if k != "max_position_embeddings"},
                                       num_mel_bins=8, max_source_positions=12, max_target_positions=32,
@@ -553,6 +557,7 @@ CASES: dict[str, Case] = {
     "deepseek_v3_generate": runs("deepseek_v3", lambda: _text(**_PROMPTS), run=_generate(), tokens=True,
                                  variants=("separate_v",)),
     "vit": runs("vit", lambda: {"pixel_values": _pixels(2)}),
+    "vit_train_dropout": runs("vit_train_dropout", lambda: {"pixel_values": _pixels(2)}),
     "whisper": runs("whisper", lambda: _whisper(10)),
     "whisper_decoder_longer": runs("whisper", lambda: _whisper(20)),
     "bart_decoder10": runs("bart", lambda: _seq2seq(10)),
