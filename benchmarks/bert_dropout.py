@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from flashtriton._env import INTERPRET
+
 TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=64)
 
@@ -41,9 +43,9 @@ def build(config: str, device, **overrides):
     ft_hf.register()
     cfg = transformers.BertConfig(**{**(TINY if config == "tiny" else {}), **overrides}, num_labels=2)
     torch.manual_seed(0)
-    ours = transformers.BertForSequenceClassification._from_config(copy.deepcopy(cfg),
-                                                                   attn_implementation="flashtriton")
-    ref = transformers.BertForSequenceClassification._from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+    auto = transformers.AutoModelForSequenceClassification
+    ours = auto.from_config(copy.deepcopy(cfg), attn_implementation="flashtriton")
+    ref = auto.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
     ref.load_state_dict(ours.state_dict())
     return ours.to(device).train(), ref.to(device).train()
 
@@ -113,7 +115,7 @@ def time_steps(model, ids, mask, labels, rep: int) -> float:
 def run(config: str = "base", seeds: int = 32, batch: int = 32, seqlen: int = 128, rep: int = 20,
         **overrides) -> dict:
     """The comparison's numbers (`report` prints them); rep = 0: no timing; `overrides`: BertConfig fields."""
-    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    device = "cpu" if INTERPRET else "cuda"
     autocast = device == "cuda"
     models = build(config, device, **overrides)
     ids, mask, labels = make_batch(models[0].config.vocab_size, batch, seqlen, device)

@@ -15,6 +15,13 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/results; [ -n "${KEEP_RESULTS:-}" ] || rm -rf $R; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv | tee $R/nvidia-smi.txt
 git rev-parse HEAD > $R/git_sha.txt 2>/dev/null || echo unknown > $R/git_sha.txt
+# An A/B against the tree before a change: run the command with the change's patch ($1) reversed, then restore it.
+with_patch_reversed() {
+  local patch_file=$1; shift
+  if patch -R -p1 -s --dry-run < "$patch_file" > /dev/null; then
+    patch -R -p1 -s < "$patch_file"; "$@"; patch -p1 -s < "$patch_file"
+  else echo "$patch_file does not reverse-apply here"; fi
+}
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -200,22 +207,18 @@ for step in "$@"; do
       tail -8 $R/bert_dropout.txt ;;
     bert_unpad_ab) # the HF integration's padding mask unpadded once per forward (the tree) against once per layer
       # (unpad_memo.patch reversed, then restored): bert_dropout.py's step times and losses on each
-      P=benchmarks/2026-12-07-cpu/bert-unpad/unpad_memo.patch
       timeout 150 python benchmarks/bert_dropout.py --seeds ${BERT_SEEDS:-96} --out $R/bert_unpad_after > /dev/null 2>&1
       tail -7 $R/bert_unpad_after/bert_dropout.txt
-      if patch -R -p1 -s --dry-run < $P > /dev/null; then patch -R -p1 -s < $P
+      with_patch_reversed benchmarks/2026-12-07-cpu/bert-unpad/unpad_memo.patch \
         timeout 120 python benchmarks/bert_dropout.py --seeds 8 --out $R/bert_unpad_before > /dev/null 2>&1
-        tail -7 $R/bert_unpad_before/bert_dropout.txt; patch -p1 -s < $P
-      else echo "unpad_memo.patch does not reverse-apply here"; fi ;;
+      tail -7 $R/bert_unpad_before/bert_dropout.txt ;;
     dropout_ab) # the dropout mask code against 5267c80's (mask_code.patch reversed, then restored): dropout.py --gluon
       # (the Gluon and the portable kernels, ours without dropout and cuDNN beside them) on each tree, T = DAB_T
-      P=benchmarks/2026-12-07-cpu/dropout-builds/mask_code.patch
       timeout 240 python benchmarks/dropout.py --gluon --seqlens ${DAB_T:-4096} --out $R/dropout_after \
         > $R/dropout_after.txt 2>&1; tail -24 $R/dropout_after.txt
-      if patch -R -p1 -s --dry-run < $P > /dev/null; then patch -R -p1 -s < $P
+      with_patch_reversed benchmarks/2026-12-07-cpu/dropout-builds/mask_code.patch \
         timeout 240 python benchmarks/dropout.py --gluon --seqlens ${DAB_T:-4096} --out $R/dropout_before \
-          > $R/dropout_before.txt 2>&1; tail -24 $R/dropout_before.txt; patch -p1 -s < $P
-      else echo "mask_code.patch does not reverse-apply here"; fi ;;
+        > $R/dropout_before.txt 2>&1; tail -24 $R/dropout_before.txt ;;
     explore_*) sweep=${step#explore_}; lim=$(case $sweep in fwd) echo 200;; bwd) echo 300;; decode) echo 240;; decode_schedule) echo 300;; tma) echo 400;; gluon) echo 360;; gluon_bwd) echo 300;; varlen) echo 150;; varlen_bwd) echo 220;; bwd_host) echo 150;; *) echo 60;; esac)
       timeout $lim python benchmarks/explore.py $sweep --out $R/explore ${EXPLORE_ARGS:-} > $R/explore_$sweep.txt 2>&1; tail -40 $R/explore_$sweep.txt ;;
   esac

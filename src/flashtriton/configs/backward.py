@@ -162,10 +162,10 @@ def gluon_bwd_pair_config(head_dim: int, head_dim_v: int) -> dict | None:
 # Dropout in the Gluon backward (the forward's keep-mask regenerated: `kernels.gluon_common.dropout_tile` and
 # `dropout_tile_t`): dense calls of GLUON_BWD_DROPOUT_CASES (tile width, causal), where it is faster than the Triton
 # backward with dropout. p = 0.1, bf16, in one run (configs.forward.DROPOUT_EVIDENCE: an H100, T = 4k): D=128 1.25x /
-# 1.27x the Triton backward (non-causal / causal), D=64 1.18x / 1.09x; on the H200 with the earlier mask code
-# (T = 1k / 4k / 16k, configs.forward.DROPOUT_EVIDENCE_H200): D=128 0.99-1.12x, D=64 non-causal 1.07-1.09x, causal
-# 0.91-0.99x. Varlen dropout calls are not timed: the Triton backward. Tiles of 256 columns (two warpgroups sharing
-# 64 keys) have no dropout build. GLUON_BWD_DROPOUT off: every dropout call takes the Triton backward;
+# 1.27x the Triton backward (non-causal / causal), D=64 1.18x / 1.09x; on the H200 with its run's mask code (ten Philox
+# rounds; T = 1k / 4k / 16k, configs.forward.DROPOUT_EVIDENCE_H200): D=128 0.99-1.12x, D=64 non-causal 1.07-1.09x,
+# causal 0.91-0.99x. Varlen dropout calls are not timed: the Triton backward. Tiles of 256 columns (two warpgroups
+# sharing 64 keys) have no dropout build. GLUON_BWD_DROPOUT off: every dropout call takes the Triton backward;
 # GLUON_BWD_DROPOUT_ALL on (tests, A/B runs): every dropout call the Gluon backward has a rule for takes it.
 GLUON_BWD_DROPOUT = True
 GLUON_BWD_DROPOUT_ALL = False

@@ -202,14 +202,14 @@ GLUON_SEPARATE_V_FWD = Table(("gpu", "dtype", "head_dim", "head_dim_v"), rows=[
 
 
 # Dropout in the Gluon forward (`kernels.gluon_common.dropout_keep`: the portable kernels' mask, bit for bit): dense
-# calls without a window at the head dims GLUON_DROPOUT_FWD times faster than the portable forward with dropout;
-# every other dropout call takes the portable forward. p = 0.1, bf16, the Gluon forward against the portable one in
-# one run: an H100 at T = 4k (DROPOUT_EVIDENCE, the mask code of `variant.philox` / `dropout_select`): D=128
-# 1.22x / 1.29x (non-causal / causal), D=64 1.17x / 1.28x; on the H200 with the earlier mask code (T = 1k / 4k / 16k,
+# calls without a window at the head dims GLUON_DROPOUT_FWD times faster than the portable forward with dropout; every
+# other dropout call takes the portable forward. p = 0.1, bf16, the Gluon forward against the portable one in one run:
+# an H100 at T = 4k (DROPOUT_EVIDENCE, the mask code of `variant.philox` / `dropout_select`): D=128 1.22x / 1.29x
+# (non-causal / causal), D=64 1.17x / 1.28x; on the H200 with its run's mask code (ten Philox rounds; T = 1k / 4k / 16k,
 # DROPOUT_EVIDENCE_H200) D=128 1.00-1.16x, D=64 0.79-0.99x. The flat loop's dropout builds spill at most 16 bytes
-# (triton 3.6's ptxas; benchmarks/2026-12-03-h200/offline-builds/gluon_dropout_spills.txt). GLUON_DROPOUT off:
-# every dropout call takes the portable forward; GLUON_DROPOUT_ALL on (tests, A/B runs): every dropout call the
-# Gluon forward has a rule for takes it (GLUON_DROPOUT_FWD's, else its rule without dropout).
+# (triton 3.6's ptxas; benchmarks/2026-12-03-h200/offline-builds/gluon_dropout_spills.txt). GLUON_DROPOUT off: every
+# dropout call takes the portable forward; GLUON_DROPOUT_ALL on (tests, A/B runs): every dropout call the Gluon forward
+# has a rule for takes it (GLUON_DROPOUT_FWD's, else its rule without dropout).
 DROPOUT_EVIDENCE = "benchmarks/2026-12-07-h100/dropout-mask-code/results/dropout_after/dropout.json"
 DROPOUT_EVIDENCE_H200 = "benchmarks/2026-12-03-h200/gluon-dropout-fields16/dropout.json"
 GLUON_DROPOUT = True

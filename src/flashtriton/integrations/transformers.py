@@ -58,7 +58,6 @@ import inspect
 import math
 import re
 import sys
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -76,6 +75,7 @@ _KIND = "_flashtriton_kind"  # attribute of a returned key mask: the analysed ki
 _DENSE = "_flashtriton_dense"  # attribute of a returned key mask: no key is padded
 _REFUSAL = "_flashtriton_refusal"  # attribute of a returned int8 marker: why the kernels cannot run that mask
 _WINDOW = "_flashtriton_window"  # attribute of a returned mask: the window it describes (hf_masks.MaskSpec.window)
+_UNPADDED = "_flashtriton_unpadded"  # attribute of a padding mask: (its version, `_unpad_indices`'s result)
 
 
 def flashtriton_attention_forward(
@@ -614,31 +614,23 @@ def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: b
     return out.view(q.shape[0], -1, *out.shape[1:])
 
 
-# The padding masks last unpadded in eager calls, most recent first: (a weak reference to the mask, its version
-# counter, the result). A few, for models whose layers alternate between masks (sliding and full layers).
-_UNPADDED: list = []
-_UNPADDED_KEPT = 4
-
-
 def _unpad_indices(mask: torch.Tensor):
     """(token indices, cu_seqlens, longest row) of a (B, S) padding mask. Finding them syncs the host with the
     device twice (`nonzero`, the maximum), and every layer of a forward pass gets the same mask tensor (or one of
-    two, where sliding and full layers alternate): in eager calls the result is kept for the last few masks while
-    each tensor lives unchanged (its version counter), so that a model's forward syncs once per mask, not once
-    per layer."""
+    two, where sliding and full layers alternate): in eager calls the result is kept on the mask tensor with its
+    version counter and reused while the tensor is unchanged, so that a model's forward syncs once per mask, not
+    once per layer."""
     eager = (type(mask) is torch.Tensor and not torch.compiler.is_compiling()
              and _get_current_dispatch_mode() is None)
-    if eager:
-        for ref, version, result in _UNPADDED:
-            if ref() is mask and version == mask._version:
-                return result
+    kept = getattr(mask, _UNPADDED, None) if eager else None
+    if kept is not None and kept[0] == mask._version:
+        return kept[1]
     lengths = mask.sum(-1, dtype=torch.int32)
     indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
     cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
     result = indices, cu, int(lengths.max()) if lengths.numel() else 0
     if eager:
-        _UNPADDED[:] = [(weakref.ref(mask), mask._version, result)] + [
-            entry for entry in _UNPADDED[: _UNPADDED_KEPT - 1] if entry[0]() is not None and entry[0]() is not mask]
+        setattr(mask, _UNPADDED, (mask._version, result))
     return result
 
 
