@@ -171,10 +171,10 @@ for step in "$@"; do
       timeout 200 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
         --dtypes bf16 --head-dims 192/128 --seqlens 1024,4096,16384 --causal 0,1 --out $R/separate_v --no-plots \
         > $R/separate_v.txt 2>&1; grep -v "it/s" $R/separate_v.txt | tail -16 ;;
-    wide) # D = 256 / 192 (and 192/128) beside cuDNN and FLASH, fwd and bwd, fp16 and bf16 (DTYPES narrows)
+    wide) # D = 256 / 192 (and 192/128) beside cuDNN and FLASH, fwd and bwd, fp16 and bf16 (DTYPES narrows; WIDE_TAG names a second run's files)
       timeout 400 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 --warmup 25 \
-        --dtypes ${DTYPES:-fp16,bf16} --head-dims ${HEAD_DIMS:-256,192} --seqlens 1024,4096,16384 --causal 0,1 --out $R/wide --no-plots \
-        > $R/wide.txt 2>&1; grep -v "it/s" $R/wide.txt | tail -60 ;;
+        --dtypes ${DTYPES:-fp16,bf16} --head-dims ${HEAD_DIMS:-256,192} --seqlens 1024,4096,16384 --causal 0,1 --out $R/wide${WIDE_TAG:-} --no-plots \
+        > $R/wide${WIDE_TAG:-}.txt 2>&1; grep -v "it/s" $R/wide${WIDE_TAG:-}.txt | tail -60 ;;
     graphs) timeout 200 python -m pytest -v -p no:cacheprovider --tb=short -rf tests/test_cuda_graphs.py \
         tests/test_kvcache.py -k "graph" > $R/pytest_graphs.txt 2>&1; grep -E "PASSED|FAILED|ERROR|passed|failed" $R/pytest_graphs.txt | tail -16 ;;
     padded) # head dims padded to the Gluon kernels' (ops.PAD_HEAD_DIMS): their GPU tests and the varlen wide tiles' with
