@@ -14,7 +14,8 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 # invocation in the same call whose results should join the first's
 R=/tmp/results; [ -n "${KEEP_RESULTS:-}" ] || rm -rf $R; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv | tee $R/nvidia-smi.txt
-git rev-parse HEAD > $R/git_sha.txt 2>/dev/null || echo unknown > $R/git_sha.txt
+# the commit the caller names (the device's checkout may hold an older .git), else what git says there
+[ -n "${FLASHTRITON_GIT_SHA:-}" ] && echo "$FLASHTRITON_GIT_SHA" > $R/git_sha.txt || git rev-parse HEAD > $R/git_sha.txt 2>/dev/null || echo unknown > $R/git_sha.txt
 # An A/B against the tree before a change: run the command with the change's patch ($1) reversed, then restore it.
 with_patch_reversed() {
   local patch_file=$1; shift
