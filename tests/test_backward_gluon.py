@@ -506,8 +506,8 @@ def test_gluon_backward_compiles_for_sm90_without_a_gpu():
 def test_operands_in_registers_reach_the_wgmmas():
     """KV_REGS / QDO_REGS change the products' A operands, not only a flag: with them every wgmma of the D=64 dK/dV
     dispatch build, and of the dQ build that sets QDO_REGS, reads its A operand from registers (two register lists
-    in the PTX instruction), and without them Sᵀ / S and dPᵀ / dP read both from shared memory; a variant the
-    dispatch does not give them (softcap) builds with the shared-memory operands. In a fresh process, as above."""
+    in the PTX instruction), and without them Sᵀ / S and dPᵀ / dP read both from shared memory; softcap, and a
+    window even with KV_REGS' bit 4, build with the shared-memory operands. In a fresh process, as above."""
     script = (
         "import re, torch\n"
         "from flashtriton import configs\n"
@@ -520,16 +520,17 @@ def test_operands_in_registers_reach_the_wgmmas():
         "print('dkdv', *counts('dkdv', {}))\n"
         "print('dkdv_off', *counts('dkdv', dict(KV_REGS=0)))\n"
         "print('dkdv_softcap', *counts('dkdv', {}, softcap=30.0))\n"
+        "print('dkdv_window', *counts('dkdv', dict(KV_REGS=7), window_size=(100, 50)))\n"
         "print('dq', *counts('dq', dict(QDO_REGS=3)))\n"
         "print('dq_off', *counts('dq', {}))\n"
     )
-    names = ("dkdv", "dkdv_off", "dkdv_softcap", "dq", "dq_off")
+    names = ("dkdv", "dkdv_off", "dkdv_softcap", "dkdv_window", "dq", "dq_off")
     lines = compile_in_fresh_process(script).splitlines()
     found = {words[0]: tuple(map(int, words[1:])) for words in map(str.split, lines) if words and words[0] in names}
     for name in ("dkdv", "dq"):  # every product from registers
         total, from_registers = found[name]
         assert total > 0 and from_registers == total, (name, found)
-    for name in ("dkdv_off", "dkdv_softcap", "dq_off"):  # dV / dK or dQ only (P and dS are register operands)
+    for name in ("dkdv_off", "dkdv_softcap", "dkdv_window", "dq_off"):  # dV / dK or dQ only (P and dS in registers)
         total, from_registers = found[name]
         assert 0 < from_registers < total, (name, found)
 
@@ -634,9 +635,10 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
 
 
 # The products' A operands held in registers (the dK/dV kernel's K and V: KV_REGS; the dQ kernel's Q and dO:
-# QDO_REGS), bit 4 set so that varlen and the variants take them too. What the dispatch honours (KV_REGS at D=64,
-# dense without a variant) runs in the float64 tests above; this runs the rest on the GPU before the dispatch
-# takes it.
+# QDO_REGS), bit 4 set so that varlen and the variants take them too (the dK/dV kernel never takes them with a
+# window, whose dK they broke on the H200: the window cases check that forcing them changes nothing). What the
+# dispatch honours (KV_REGS at D=64, dense without a variant) runs in the float64 tests above; this runs the rest on
+# the GPU before the dispatch takes it.
 REGS_CASES = ["plain", "causal", "window_both", "causal_window", "softcap", "alibi", "sinks", "varlen"]
 
 
@@ -1124,7 +1126,8 @@ VARIANT_BUILDS = {
 # loop, spill (the tile loop itself reloads three values more than the one-item build's). Split dK/dV loops (SPLIT,
 # as `configs.backward.GLUON_BWD_SPLIT_CASES` dispatch them): none of their tile loops spills;
 # the dQ kernel's (off in the dispatch) spills nothing. The products' A operands in registers (KV_REGS, QDO_REGS; bit
-# 4 takes the variants too) spill only with a window and ALiBi at D=64.
+# 4 takes varlen and the variants too, but the dK/dV kernel never a window) spill only in the dQ kernel with a window
+# and ALiBi at D=64.
 PERSISTENT_BUILDS = {
     # (kernel, head dim, causal, varlen, window, softcap, alibi, config's overrides): spill budget
     ("dkdv", 128, True, False, True, False, False, "persistent"): 200,
@@ -1147,7 +1150,7 @@ PERSISTENT_BUILDS = {
     # the products' A operands in registers (KV_REGS / QDO_REGS = 7: varlen and the variants too)
     ("dkdv", 64, False, False, False, False, False, "regs"): 0,
     ("dkdv", 64, True, True, False, False, False, "regs"): 0,
-    ("dkdv", 64, True, False, True, False, True, "regs"): 16,
+    ("dkdv", 64, True, False, True, False, True, "regs"): 0,  # (a window: K and V stay in shared memory)
     ("dq", 64, False, False, False, False, False, "regs"): 0,
     ("dq", 64, True, True, False, True, False, "regs"): 0,
     ("dq", 64, True, False, True, False, True, "regs"): 32,

@@ -225,7 +225,7 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
     between them through shared memory in `gl.convert_layout`. DK_SPLIT, DV_SPLIT: dK, dV in two accumulators each
     (`acc_zero`: at D=192 in 256-column tiles, 128 + 64 columns), so that their products skip the zero columns.
-    KV_REGS (bits: 1 K, 2 V, 4 with varlen, windows and ALiBi): Sᵀ's and dPᵀ's A operands, the warpgroup's K and V,
+    KV_REGS (bits: 1 K, 2 V, 4 with varlen and ALiBi; never with a window): Sᵀ's and dPᵀ's A operands, the warpgroup's K and V,
     held in registers (16 a thread each at D=64), so that of their products only Q's and dO's tiles are read from
     shared memory, whose bandwidth bounds the D=64 tiles (64 x 64 x 64 products, both operands read per wgmma);
     honoured where they build without spills (below), else off."""
@@ -251,11 +251,13 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     k = k_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM])
     v = v_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(kv_bar, kv_phase)
-    # K (KV_REGS bit 1) and V (bit 2) in registers for dense calls without a variant (bit 4: varlen, windows and
-    # ALiBi too, which have not yet run their GPU tests with them), in whole tiles (no column pieces), one warpgroup
-    # a worker; softcap's tiles spill with them, dropout's have not been timed with them
+    # K (KV_REGS bit 1) and V (bit 2) in registers for dense calls without a variant (bit 4: varlen and ALiBi too,
+    # whose GPU tests pass with them but which are not timed with them), in whole tiles (no column pieces), one
+    # warpgroup a worker. Never with a window: a non-causal window's dK came out wrong with them on the H200 (D=64,
+    # benchmarks/2026-12-07-h200/regs/pytest_regs.txt; not diagnosed). Softcap's tiles spill with them, dropout's
+    # have not been timed with them.
     REGS_ON: gl.constexpr = QK_W == HEAD_DIM and V_W == HEAD_DIM_V and WARPS_N == 1 and not (
-        PERSISTENT or HAS_SOFTCAP or HAS_DROPOUT or (not (KV_REGS & 4) and (IS_VARLEN or HAS_WINDOW or HAS_ALIBI)))
+        PERSISTENT or HAS_SOFTCAP or HAS_DROPOUT or HAS_WINDOW or (not (KV_REGS & 4) and (IS_VARLEN or HAS_ALIBI)))
     tiles = (q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, a_operand(k, s_layout, REGS_ON and (KV_REGS & 1)),
              a_operand(v, s_layout, REGS_ON and (KV_REGS & 2)), s_zero)
     # (SPLIT takes dense causal calls and windows in one-item programs of 128 keys: elsewhere there is nothing to
