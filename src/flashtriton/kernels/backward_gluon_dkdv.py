@@ -225,10 +225,10 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
     between them through shared memory in `gl.convert_layout`. DK_SPLIT, DV_SPLIT: dK, dV in two accumulators each
     (`acc_zero`: at D=192 in 256-column tiles, 128 + 64 columns), so that their products skip the zero columns.
-    KV_REGS (bits: 1 K, 2 V, 4 with varlen and ALiBi; never with a window): Sᵀ's and dPᵀ's A operands, the warpgroup's K and V,
-    held in registers (16 a thread each at D=64), so that of their products only Q's and dO's tiles are read from
-    shared memory, whose bandwidth bounds the D=64 tiles (64 x 64 x 64 products, both operands read per wgmma);
-    honoured where they build without spills (below), else off."""
+    KV_REGS (bits: 1 K, 2 V, 4 with varlen and ALiBi; never with a window): Sᵀ's and dPᵀ's A operands, the
+    warpgroup's K and V, held in registers (16 a thread each at D=64), so that of their products only Q's and dO's
+    tiles are read from shared memory, whose bandwidth bounds the D=64 tiles (64 x 64 x 64 products, both operands
+    read per wgmma); honoured where they build without spills (below), else off."""
     (q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, desc_dk, desc_dv, DK, DV,
      stride_dkn, stride_dkh, stride_dvn, stride_dvh, d_valid, dv_valid) = shared
     off_b, off_hk, start_n, lo, n_m, n_iters = place
