@@ -115,10 +115,24 @@ def test_window_size_given_as_list_of_defaults_is_fine(device):
     flashtriton.flash_attn_func(*qkv(device), window_size=[-1, -1])
 
 
-def test_sdpa_attn_mask_raises(device):
+def test_sdpa_attn_mask_that_is_not_key_padding_raises(device):
+    """A causal (or any query-dependent) mask, a bias, a mask with is_causal, a mask of the wrong shape, dtype or
+    device: each refused by name, never run as something else (tests/test_sdpa_mask.py runs the masks it takes)."""
     q, k, v = (t.transpose(1, 2) for t in qkv(device))
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=device))
+    causal = torch.ones(8, 8, dtype=torch.bool, device=device).tril()
+    with pytest.raises(NotImplementedError, match="key-padding"):
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    with pytest.raises(NotImplementedError, match="bias"):
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.full((8,), 0.5, device=device))
+    with pytest.raises(NotImplementedError, match="is_causal"):
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, dtype=torch.bool, device=device),
+                                                 is_causal=True)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(7, dtype=torch.bool, device=device))
+    with pytest.raises(TypeError, match="bool or floating"):
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor"):
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=[True] * 8)
 
 
 def test_wrong_number_of_dims(device):
@@ -445,8 +459,8 @@ def test_sdpa_checks_are_remembered_per_signature(device, monkeypatch):
         m.setattr(validation, "check_tensors", lambda *a, **kw: pytest.fail("a check ran for a signature that passed"))
         assert torch.equal(first, flashtriton.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3))
     with pytest.raises(NotImplementedError, match="attn_mask"):
-        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=device),
-                                                 scale=0.3)
+        flashtriton.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=device).tril(), scale=0.3)
     with pytest.raises(ValueError, match="enable_gqa"):
         flashtriton.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True, scale=0.3)
     with pytest.raises(ValueError, match="dropout_p must be in"):

@@ -260,9 +260,16 @@ def scaled_dot_product_attention(
     query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv). As in torch, `is_causal`
     is aligned top-left (query i sees keys j <= i), Hq != Hkv needs `enable_gqa=True`, `scale` may be any finite
     real and value may have a head dim of its own. dropout_p in [0, 1) drops attention weights as
-    `flash_attn_func`'s dropout_p (applied whenever it is > 0, as in torch: pass 0.0 in evaluation). attn_mask is
-    not supported yet (NotImplementedError). The result is a (B, Hq, Sq, Dv) view of a (B, Sq, Hq, Dv) tensor, as torch's flash
-    backend returns it.
+    `flash_attn_func`'s dropout_p (applied whenever it is > 0, as in torch: pass 0.0 in evaluation). The result
+    is a (B, Hq, Sq, Dv) view of a (B, Sq, Hq, Dv) tensor, as torch's flash backend returns it.
+
+    attn_mask: a key-padding mask, as encoders and `nn.MultiheadAttention`'s key_padding_mask give it: bool (True:
+    attend) or float (0: attend, -inf: not), broadcastable to (B, Hq, Sq, Sk) and the same for every query and
+    head, e.g. (B, 1, 1, Sk) or an expanded (B, 1, Sq, Sk). Each row of queries attends to its batch entry's kept
+    keys (gathered and run as a packed batch; a batch entry without a kept key gives 0, as torch's math backend
+    does). Reading the mask syncs with the host once a call. A mask that differs between queries or heads (a
+    causal or a general one), a float mask with other values (a bias), or attn_mask with is_causal=True raise
+    NotImplementedError; use is_causal for causal attention.
     """
     is_causal, enable_gqa = V.check_flag("is_causal", is_causal), V.check_flag("enable_gqa", enable_gqa)
     checks_key = V.checked_key((query, key, value), (attn_mask,), (dropout_p, scale, enable_gqa))
@@ -272,7 +279,7 @@ def scaled_dot_product_attention(
         V.check_not_transformed(("query", "key", "value"), (query, key, value))
         q, k, v = (V.last_dim_contiguous(t.transpose(1, 2)) for t in (query, key, value))
     else:
-        V.not_implemented("attn_mask", attn_mask, None)
+        _check_attn_mask(attn_mask, query, key)
         dropout_p = V.check_dropout(dropout_p)
         V.check_tensors(("query", "key", "value"), (query, key, value), 4, "(batch, nheads, seqlen, headdim)")
         V.check_same("batch sizes of query, key, value", query=query.shape[0], key=key.shape[0],
@@ -293,6 +300,66 @@ def scaled_dot_product_attention(
         V.check_grid(q.shape[0], q.shape[2])
         V.remember_checked(checks_key, (dropout_p,))
     q, softmax_scale = _positive_scale(q, _default_scale(scale, q.shape[-1]))
+    keep = None if attn_mask is None else _kept_keys(attn_mask, is_causal, q.shape[0], k.shape[1])
+    if keep is not None:  # some keys masked out: each batch entry's kept keys, packed
+        return _key_padded_attention(q, k, v, keep, softmax_scale, dropout_p).transpose(1, 2)
     out, _ = attention(q, k, v, softmax_scale, is_causal, False, None, None, q.shape[1], k.shape[1],
                        dropout_p=dropout_p)
     return out.transpose(1, 2)  # (B, Hq, Sq, Dv)
+
+
+def _check_attn_mask(attn_mask, query: torch.Tensor, key: torch.Tensor) -> None:
+    """attn_mask's type, dtype, device and shape (what `_kept_keys` reads of its values comes at every call)."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device}, query on {query.device}")
+    target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(m not in (1, t) for m, t in zip(shape[::-1], target[::-1])):
+        raise ValueError(f"attn_mask of shape {shape} does not broadcast to (batch, nheads, seqlen_q, seqlen_k) = "
+                         f"{target}")
+
+
+def _kept_keys(attn_mask: torch.Tensor, is_causal: bool, batch: int, seqlen_k: int) -> torch.Tensor | None:
+    """The (B, Sk) bool keys a key-padding attn_mask keeps, or None when it keeps them all; raises
+    NotImplementedError for a mask that is not a key-padding mask (`scaled_dot_product_attention`). Reads the
+    mask's values: one device-to-host sync."""
+    if is_causal:
+        raise NotImplementedError("flashtriton's scaled_dot_product_attention takes attn_mask or is_causal=True, "
+                                  "not both")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("flashtriton's scaled_dot_product_attention reads attn_mask's values on the host, "
+                                  "which a compiled graph cannot; pass it outside torch.compile or use is_causal")
+    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if attn_mask.dtype == torch.bool:
+        keep = mask
+    else:
+        keep = mask == 0
+        if not (keep | (mask == float("-inf"))).all():
+            raise NotImplementedError("flashtriton's scaled_dot_product_attention takes a float attn_mask of 0 "
+                                      "(attend) and -inf (masked) only; other values are a bias it does not add")
+    if (keep.shape[1] > 1 or keep.shape[2] > 1) and not (keep == keep[:, :1, :1, :]).all():
+        raise NotImplementedError("flashtriton's scaled_dot_product_attention takes attn_mask only as a key-padding "
+                                  "mask (the same for every query and head, e.g. (batch, 1, 1, seqlen_k)); for "
+                                  "causal attention pass is_causal=True")
+    keep = keep[:, 0, 0, :].expand(batch, seqlen_k)
+    return None if keep.all() else keep
+
+
+def _key_padded_attention(q, k, v, keep: torch.Tensor, softmax_scale: float, dropout_p: float) -> torch.Tensor:
+    """q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), keep (B, Sk) bool -> (B, Sq, Hq, Dv): each batch entry's queries
+    over its kept keys, as one packed (varlen) call; k and v gathered (differentiably) to the kept keys."""
+    batch, seqlen_q = q.shape[:2]
+    lengths = keep.sum(-1, dtype=torch.int32)
+    indices = torch.nonzero(keep.flatten()).flatten()
+    cu_k = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
+    k_kept, v_kept = (t.reshape(-1, *t.shape[2:])[indices] for t in (k, v))
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k_kept, v_kept, cu_q, cu_k, seqlen_q,
+                                 int(lengths.max()), dropout_p=dropout_p, softmax_scale=softmax_scale)
+    return out.view(batch, seqlen_q, *out.shape[1:])

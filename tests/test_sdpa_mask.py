@@ -1,0 +1,91 @@
+"""`scaled_dot_product_attention` with a key-padding attn_mask (what encoders and `nn.MultiheadAttention`'s
+key_padding_mask pass): bool or 0 / -inf float, (B, 1, 1, Sk) or expanded over queries and heads, against torch's
+SDPA in float64 with the same mask (forward and gradients), within 2x torch's own error in the dtype
+(tests/accuracy.py). The masks it refuses: tests/test_validation.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashtriton
+from accuracy import assert_close_to_exact
+
+
+def masked_inputs(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, device, seed, keep_share=0.7):
+    """q (B, H, Sq, D), k, v (B, Hkv, Sk, D) and a (B, Sk) bool keep-mask: random keys kept, batch entry 0 with
+    every key, the last (when B > 2) with none."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seqlen_q, head_dim, generator=gen).to(device, dtype)
+    k, v = (torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+    keep = torch.rand(batch, seqlen_k, generator=gen) < keep_share
+    keep[0] = True
+    if batch > 2:
+        keep[-1] = False
+    return q, k, v, keep.to(device)
+
+
+def sdpa_grads(fn, q, k, v, mask, dout, dtype=None):
+    """(out, dq, dk, dv) of `fn` (an SDPA) on copies of q, k, v (cast to `dtype`), GQA as torch takes it."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return (out, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+
+
+def as_float_mask(keep, dtype):
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("form", ["bool_b11k", "float_b11k", "bool_expanded", "bool_k"])
+@pytest.mark.parametrize("shape", [(3, 4, 2, 37, 53, 32), (2, 2, 2, 65, 130, 64)])
+def test_key_padding_mask_against_float64(form, shape, dtype, device):
+    batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim = shape
+    if form == "bool_k":  # one (Sk,) mask for every batch entry: all of them see the same keys
+        batch = 2
+    q, k, v, keep = masked_inputs(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, device, seed=seqlen_k)
+    keep4 = keep[:, None, None, :]
+    mask = {"bool_b11k": keep4, "float_b11k": as_float_mask(keep4, dtype),
+            "bool_expanded": keep4.expand(batch, 1, seqlen_q, seqlen_k),
+            "bool_k": keep[1]}[form]
+    reference_mask = mask if form != "bool_k" else keep[1][None, None, None, :].expand(batch, 1, 1, seqlen_k)
+    dout = torch.randn(batch, heads, seqlen_q, head_dim, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    ours = sdpa_grads(flashtriton.scaled_dot_product_attention, q, k, v, mask, dout)
+    exact = sdpa_grads(F.scaled_dot_product_attention, q, k, v, reference_mask.to(torch.float64)
+                       if reference_mask.is_floating_point() else reference_mask, dout, torch.float64)
+    theirs = sdpa_grads(F.scaled_dot_product_attention, q, k, v, reference_mask, dout)
+    for name, o, t, e in zip(("out", "dq", "dk", "dv"), ours, theirs, exact):
+        assert o.shape == e.shape and o.dtype == dtype, name
+        assert_close_to_exact(o, t, e, dtype, f"{form} {shape}: {name}")
+    if batch > 2 and form != "bool_k":  # a batch entry that keeps no key: 0, as torch's math backend gives
+        assert torch.equal(ours[0][-1], torch.zeros_like(ours[0][-1]))
+
+
+def test_a_mask_that_keeps_every_key_is_the_call_without_it(device):
+    """All True (or all 0.0): the dense call itself, bit for bit."""
+    q, k, v, keep = masked_inputs(2, 2, 2, 16, 24, 16, torch.float16, device, seed=0, keep_share=2.0)
+    plain = flashtriton.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :]), plain)
+    zeros = torch.zeros(2, 1, 1, 24, dtype=torch.float16, device=device)
+    assert torch.equal(flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=zeros), plain)
+
+
+def test_key_padding_mask_with_dropout_reproduces(device):
+    """dropout_p runs with the mask (the packed call's dropout): a seed reproduces the output, two seeds differ."""
+    q, k, v, keep = masked_inputs(2, 2, 2, 16, 32, 16, torch.float16, device, seed=3)
+    mask = keep[:, None, None, :]
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        runs.append(flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.3))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_a_mask_under_torch_compile_is_refused_by_name(device):
+    """Reading the mask's values needs the host: a fullgraph compile fails with that reason (torch.compile's own
+    error carries it); without fullgraph the call runs eagerly at a graph break."""
+    q, k, v, keep = masked_inputs(1, 2, 2, 8, 8, 16, torch.float16, device, seed=0)
+    fn = torch.compile(flashtriton.scaled_dot_product_attention, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="reads attn_mask's values on the host"):
+        fn(q, k, v, attn_mask=keep[:, None, None, :])
