@@ -39,7 +39,8 @@ def as_float_mask(keep, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("form", ["bool_b11k", "float_b11k", "bool_expanded", "bool_k"])
-@pytest.mark.parametrize("shape", [(3, 4, 2, 37, 53, 32), (2, 2, 2, 65, 130, 64)])
+@pytest.mark.parametrize("shape", [(3, 4, 2, 37, 53, 32), (2, 2, 2, 65, 130, 64),
+                                   pytest.param((4, 16, 8, 1024, 2048, 128), marks=pytest.mark.gpu)])
 def test_key_padding_mask_against_float64(form, shape, dtype, device):
     batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim = shape
     if form == "bool_k":  # one (Sk,) mask for every batch entry: all of them see the same keys
