@@ -124,6 +124,8 @@ def test_sdpa_attn_mask_that_is_not_key_padding_raises(device):
         flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=causal)
     with pytest.raises(NotImplementedError, match="bias"):
         flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.full((8,), 0.5, device=device))
+    with pytest.raises(NotImplementedError, match="gradient"):  # (a float mask that would need its gradient)
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(8, device=device, requires_grad=True))
     with pytest.raises(NotImplementedError, match="is_causal"):
         flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, dtype=torch.bool, device=device),
                                                  is_causal=True)

@@ -332,6 +332,9 @@ def _kept_keys(attn_mask: torch.Tensor, is_causal: bool, batch: int, seqlen_k: i
     if is_causal:
         raise NotImplementedError("flashtriton's scaled_dot_product_attention takes attn_mask or is_causal=True, "
                                   "not both")
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("flashtriton's scaled_dot_product_attention gives attn_mask no gradient: pass a "
+                                  "mask that does not require grad (a learned bias is not a key-padding mask)")
     if torch.compiler.is_compiling():
         raise NotImplementedError("flashtriton's scaled_dot_product_attention reads attn_mask's values on the host, "
                                   "which a compiled graph cannot; pass it outside torch.compile or use is_causal")
