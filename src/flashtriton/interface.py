@@ -268,8 +268,8 @@ def scaled_dot_product_attention(
     head, e.g. (B, 1, 1, Sk) or an expanded (B, 1, Sq, Sk). Each row of queries attends to its batch entry's kept
     keys (gathered and run as a packed batch; a batch entry without a kept key gives 0, as torch's math backend
     does). Reading the mask syncs with the host once a call. A mask that differs between queries or heads (a
-    causal or a general one), a float mask with other values (a bias), or attn_mask with is_causal=True raise
-    NotImplementedError; use is_causal for causal attention.
+    causal or a general one), a float mask with other values (a bias) or that requires grad, and attn_mask with
+    is_causal=True raise NotImplementedError; use is_causal for causal attention.
     """
     is_causal, enable_gqa = V.check_flag("is_causal", is_causal), V.check_flag("enable_gqa", enable_gqa)
     checks_key = V.checked_key((query, key, value), (attn_mask,), (dropout_p, scale, enable_gqa))
