@@ -90,3 +90,16 @@ def test_a_mask_under_torch_compile_is_refused_by_name(device):
     fn = torch.compile(flashtriton.scaled_dot_product_attention, fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="reads attn_mask's values on the host"):
         fn(q, k, v, attn_mask=keep[:, None, None, :])
+
+
+@pytest.mark.parametrize("scale", [-0.4, 1.7])
+def test_key_padding_mask_with_a_scale_in_fp32(scale, device):
+    """fp32 inputs and a negative or large scale take the same packed path (scale passed through, q negated for
+    a negative one)."""
+    q, k, v, keep = masked_inputs(3, 2, 1, 9, 21, 24, torch.float32, device, seed=7)
+    mask = keep[:, None, None, :]
+    ours = flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    assert_close_to_exact(ours, theirs, exact, torch.float32, f"scale {scale}")
