@@ -302,7 +302,7 @@ def scaled_dot_product_attention(
     q, softmax_scale = _positive_scale(q, _default_scale(scale, q.shape[-1]))
     keep = None if attn_mask is None else _kept_keys(attn_mask, is_causal, q.shape[0], k.shape[1])
     if keep is not None:  # some keys masked out: each batch entry's kept keys, packed
-        return _key_padded_attention(q, k, v, keep, softmax_scale, dropout_p).transpose(1, 2)
+        return key_padded_attention(q, k, v, unpad(keep), softmax_scale, dropout_p=dropout_p).transpose(1, 2)
     out, _ = attention(q, k, v, softmax_scale, is_causal, False, None, None, q.shape[1], k.shape[1],
                        dropout_p=dropout_p)
     return out.transpose(1, 2)  # (B, Hq, Sq, Dv)
@@ -354,15 +354,23 @@ def _kept_keys(attn_mask: torch.Tensor, is_causal: bool, batch: int, seqlen_k: i
     return None if keep.all() else keep
 
 
-def _key_padded_attention(q, k, v, keep: torch.Tensor, softmax_scale: float, dropout_p: float) -> torch.Tensor:
-    """q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), keep (B, Sk) bool -> (B, Sq, Hq, Dv): each batch entry's queries
-    over its kept keys, as one packed (varlen) call; k and v gathered (differentiably) to the kept keys."""
-    batch, seqlen_q = q.shape[:2]
+def unpad(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(token indices, cu_seqlens int32, longest row) of a (B, S) bool mask of the tokens to keep, over its
+    flattened B · S tokens. Syncs the host with the device (`nonzero`, the longest row)."""
     lengths = keep.sum(-1, dtype=torch.int32)
-    indices = torch.nonzero(keep.flatten()).flatten()
-    cu_k = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
+    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return indices, cu, int(lengths.max()) if lengths.numel() else 0
+
+
+def key_padded_attention(q, k, v, unpadded: tuple, softmax_scale: float, **varlen_kwargs) -> torch.Tensor:
+    """q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> (B, Sq, Hq, Dv): every query of batch entry b over b's kept keys,
+    `unpadded` = `unpad(keep)` of the (B, Sk) keep-mask; one packed (varlen) call, k and v gathered (differentiably)
+    to the kept keys. `varlen_kwargs`: `flash_attn_varlen_func`'s (non-causal) variant arguments."""
+    batch, seqlen_q = q.shape[:2]
+    indices, cu_k, max_k = unpadded
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
     k_kept, v_kept = (t.reshape(-1, *t.shape[2:])[indices] for t in (k, v))
-    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k_kept, v_kept, cu_q, cu_k, seqlen_q,
-                                 int(lengths.max()), dropout_p=dropout_p, softmax_scale=softmax_scale)
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k_kept, v_kept, cu_q, cu_k, seqlen_q, max_k,
+                                 softmax_scale=softmax_scale, causal=False, **varlen_kwargs)
     return out.view(batch, seqlen_q, *out.shape[1:])

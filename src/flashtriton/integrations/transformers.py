@@ -63,7 +63,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..interface import flash_attn_func, flash_attn_varlen_func, key_padded_attention, unpad
 from ..validation import MAX_HEAD_DIM
 from . import hf_masks
 
@@ -562,14 +562,9 @@ def _padded_attention(q, k, v, mask: torch.Tensor, scale: float, causal: bool, w
                                       f"{mask.shape[1]} keys")
     variant = dict(window_size=window or (-1, -1), softcap=softcap, learnable_sink=sink, dropout_p=dropout_p,
                    alibi_slopes=alibi_slopes)
-    k_idx, cu_k, max_k = _unpad_indices(mask)
     if not causal and window is None:
-        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
-        out = flash_attn_varlen_func(
-            q.reshape(-1, *q.shape[2:]), _gather(k, k_idx), _gather(v, k_idx), cu_q, cu_k, seqlen_q, max_k,
-            softmax_scale=scale, causal=False, **variant,
-        )
-        return out.view(batch, seqlen_q, *out.shape[1:])
+        return key_padded_attention(q, k, v, _unpad_indices(mask), scale, **variant)
+    k_idx, cu_k, max_k = _unpad_indices(mask)
     if seqlen_q == mask.shape[1]:
         q_idx, cu_q, max_q = k_idx, cu_k, max_k
     elif seqlen_q == 1:
@@ -615,20 +610,16 @@ def _packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale: float, causal: b
 
 
 def _unpad_indices(mask: torch.Tensor):
-    """(token indices, cu_seqlens, longest row) of a (B, S) padding mask. Finding them syncs the host with the
-    device twice (`nonzero`, the maximum), and every layer of a forward pass gets the same mask tensor (or one of
-    two, where sliding and full layers alternate): in eager calls the result is kept on the mask tensor with its
-    version counter and reused while the tensor is unchanged, so that a model's forward syncs once per mask, not
-    once per layer."""
+    """`interface.unpad` of a (B, S) padding mask. It syncs the host with the device twice (`nonzero`, the
+    maximum), and every layer of a forward pass gets the same mask tensor (or one of two, where sliding and full
+    layers alternate): in eager calls the result is kept on the mask tensor with its version counter and reused
+    while the tensor is unchanged, so that a model's forward syncs once per mask, not once per layer."""
     eager = (type(mask) is torch.Tensor and not torch.compiler.is_compiling()
              and _get_current_dispatch_mode() is None)
     kept = getattr(mask, _UNPADDED, None) if eager else None
     if kept is not None and kept[0] == mask._version:
         return kept[1]
-    lengths = mask.sum(-1, dtype=torch.int32)
-    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
-    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    result = indices, cu, int(lengths.max()) if lengths.numel() else 0
+    result = unpad(mask)
     if eager:
         setattr(mask, _UNPADDED, (mask._version, result))
     return result
