@@ -6,7 +6,7 @@
 # eco (notebook, compile, transformers tests), dropout (dropout.py), gluon_dropout (the dropout tests with the Gluon kernels', dropout.py --gluon), dropout_ab (dropout.py --gluon on the tree and on 5267c80's mask code; DAB_T), bert_dropout (a BERT-base fine-tuning step with attention dropout against sdpa: benchmarks/bert_dropout.py), bert_unpad_ab (bert_dropout.py on the tree, then with the HF integration's kept unpadding reversed), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
-# benchmarks/2026-11-29-h200/explore16/warmup/); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024), VH_ARGS to variant_host.py. Each step has its own time limit; typical seconds: tests 240, gputests 45,
+# benchmarks/2026-11-29-h200/explore16/warmup/); EXPLORE_ARGS passes options to explore.py (e.g. --decode-points 1x1024,64x1024), VH_ARGS to variant_host.py. Each step has its own time limit; typical seconds: tests 240, gputests ~400 (GPU_S caps it),
 # check 20, tune 60, bench_std 75, bench_extra 45, fwdfinal 50, serving 60 (plus ~60 s to start the machine).
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -68,7 +68,7 @@ for step in "$@"; do
         > $R/pytest_bwd.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_bwd.txt | head -30 ;;
     kvtests) timeout 150 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_launch.py tests/test_kvcache.py \
         > $R/pytest_kv.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_kv.txt | head -30 ;;
-    gputests) timeout 80 python -m pytest -v -n 8 -p no:cacheprovider --tb=line -m gpu tests > $R/pytest_gpu.txt 2>&1
+    gputests) timeout ${GPU_S:-400} python -m pytest -v -n 14 -p no:cacheprovider --tb=line -m gpu tests > $R/pytest_gpu.txt 2>&1
       grep -cE "PASSED" $R/pytest_gpu.txt; grep -E "FAILED|ERROR|passed|failed" $R/pytest_gpu.txt | head -20 ;;
     diag) for f in forward backward varlen kvcache compile transformers cli; do
         (CUDA_LAUNCH_BLOCKING=1 timeout 200 python -m pytest -x -q -p no:cacheprovider --tb=short tests/test_$f.py > $R/diag_$f.txt 2>&1) &
