@@ -1,7 +1,8 @@
 """`scaled_dot_product_attention` with a key-padding attn_mask (what encoders and `nn.MultiheadAttention`'s
 key_padding_mask pass): bool or 0 / -inf float, (B, 1, 1, Sk) or expanded over queries and heads, against torch's
 SDPA in float64 with the same mask (forward and gradients), within 2x torch's own error in the dtype
-(tests/accuracy.py). The masks it refuses: tests/test_validation.py."""
+(tests/accuracy.py); and inputs of 3 or more than 4 dims, as torch takes them. The masks it refuses:
+tests/test_validation.py."""
 
 from __future__ import annotations
 
@@ -103,3 +104,50 @@ def test_key_padding_mask_with_a_scale_in_fp32(scale, device):
                                            enable_gqa=True)
     theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     assert_close_to_exact(ours, theirs, exact, torch.float32, f"scale {scale}")
+
+
+@pytest.mark.parametrize("case", ["3d", "3d_gqa_causal", "5d", "5d_mask", "6d_mask_4d", "3d_mask"])
+def test_inputs_of_other_ranks_as_torch_takes_them(case, device):
+    """(..., H, S, D) of 3 or more than 4 dims: the dims before the heads a batch, as torch's SDPA has it (GQA on
+    the head dim, a mask broadcast over the leading dims), forward and gradients against torch's in float64."""
+    lead, heads, heads_kv, causal, mask_shape = {
+        "3d": ((), 2, 2, False, None), "3d_gqa_causal": ((), 4, 2, True, None), "5d": ((2, 3), 2, 1, False, None),
+        "5d_mask": ((2, 3), 2, 2, False, (2, 1, 1, 1, 40)), "6d_mask_4d": ((2, 1, 2), 2, 2, False, (2, 1, 1, 40)),
+        "3d_mask": ((), 2, 2, False, (1, 1, 40))}[case]
+    gen = torch.Generator().manual_seed(len(case))
+    q = torch.randn(*lead, heads, 17, 32, generator=gen).to(device, torch.float16)
+    k, v = (torch.randn(*lead, heads_kv, 40, 32, generator=gen).to(device, torch.float16) for _ in range(2))
+    mask = None
+    if mask_shape is not None:
+        mask = torch.rand(mask_shape, generator=gen) < 0.6
+        mask[..., 0] = True
+        mask = mask.to(device)
+    dout = torch.randn(*lead, heads, 17, 32, generator=gen).to(device, torch.float16)
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, attn_mask=mask, is_causal=causal, enable_gqa=heads != heads_kv)
+        return (out, *torch.autograd.grad(out, leaves, dout.to(dtype)))
+
+    ours = grads(flashtriton.scaled_dot_product_attention, torch.float16)
+    theirs = grads(F.scaled_dot_product_attention, torch.float16)
+    exact = grads(F.scaled_dot_product_attention, torch.float64)
+    for name, o, t, e in zip(("out", "dq", "dk", "dv"), ours, theirs, exact):
+        assert o.shape == e.shape, (case, name, o.shape, e.shape)
+        assert_close_to_exact(o, t, e, torch.float16, f"{case}: {name}")
+
+
+def test_inputs_of_other_ranks_that_torch_would_broadcast_are_refused(device):
+    """Leading dims that differ between query and key/value (torch's math backend broadcasts them), unequal
+    ranks and fewer than 3 dims: refused by name."""
+    q = torch.randn(2, 3, 2, 8, 16, dtype=torch.float16, device=device)
+    kv = torch.randn(2, 1, 2, 8, 16, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="leading .batch. dims of query and key must be equal"):
+        flashtriton.scaled_dot_product_attention(q, kv, kv)
+    with pytest.raises(ValueError, match="same number of dims"):
+        flashtriton.scaled_dot_product_attention(q, q[0], q[0])
+    with pytest.raises(ValueError, match="at least 3 dims"):
+        flashtriton.scaled_dot_product_attention(q[0, 0, 0], q[0, 0, 0], q[0, 0, 0])
+    with pytest.raises(ValueError, match="does not broadcast to the query's batch dims"):
+        flashtriton.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, 1, 1, 8, dtype=torch.bool,
+                                                                                 device=device))

@@ -255,9 +255,11 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Drop-in for `torch.nn.functional.scaled_dot_product_attention` on 4-D inputs.
+    """Drop-in for `torch.nn.functional.scaled_dot_product_attention`.
 
-    query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv). As in torch, `is_causal`
+    query (B, Hq, Sq, D), key (B, Hkv, Sk, D), value (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv); as in torch, inputs of
+    3 or more than 4 dims are (..., H, S, D), the dims before the heads one batch of independent calls (which must
+    be equal in query, key and value: they are not broadcast), and the result has the query's leading dims. `is_causal`
     is aligned top-left (query i sees keys j <= i), Hq != Hkv needs `enable_gqa=True`, `scale` may be any finite
     real and value may have a head dim of its own. dropout_p in [0, 1) drops attention weights as
     `flash_attn_func`'s dropout_p (applied whenever it is > 0, as in torch: pass 0.0 in evaluation). The result
@@ -271,6 +273,8 @@ def scaled_dot_product_attention(
     causal or a general one), a float mask with other values (a bias) or that requires grad, and attn_mask with
     is_causal=True raise NotImplementedError; use is_causal for causal attention.
     """
+    if isinstance(query, torch.Tensor) and query.dim() != 4:
+        return _batch_dims_flattened(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     is_causal, enable_gqa = V.check_flag("is_causal", is_causal), V.check_flag("enable_gqa", enable_gqa)
     checks_key = V.checked_key((query, key, value), (attn_mask,), (dropout_p, scale, enable_gqa))
     seen = V.checked(checks_key)
@@ -306,6 +310,42 @@ def scaled_dot_product_attention(
     out, _ = attention(q, k, v, softmax_scale, is_causal, False, None, None, q.shape[1], k.shape[1],
                        dropout_p=dropout_p)
     return out.transpose(1, 2)  # (B, Hq, Sq, Dv)
+
+
+def _batch_dims_flattened(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor:
+    """`scaled_dot_product_attention` of (..., H, S, D) inputs of 3 or more than 4 dims: the 4-D call on the
+    leading dims flattened into one batch dim (a batch of one for 3 dims), its result given the query's leading
+    dims back. attn_mask broadcasts against (..., Hq, Sq, Sk) as in torch: its leading dims are expanded to the
+    query's and flattened the same way."""
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if query.dim() < 3:
+        raise ValueError(f"query must have at least 3 dims (..., nheads, seqlen, headdim), got {query.dim()} dims "
+                         f"with shape {tuple(query.shape)}")
+    if key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(f"query, key and value must have the same number of dims, got query: {query.dim()}, "
+                         f"key: {key.dim()}, value: {value.dim()}")
+    batch = tuple(query.shape[:-3])
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape[:-3]) != batch:
+            raise ValueError(f"the leading (batch) dims of query and {name} must be equal (flashtriton does not "
+                             f"broadcast them), got query: {batch}, {name}: {tuple(t.shape[:-3])}")
+    calls = math.prod(batch)
+    q, k, v = (t.reshape(calls, *t.shape[-3:]) for t in (query, key, value))
+    mask = attn_mask
+    if isinstance(mask, torch.Tensor) and mask.dim() > 3:
+        if mask.dim() > query.dim():
+            raise ValueError(f"attn_mask of shape {tuple(mask.shape)} has more dims than query "
+                             f"{tuple(query.shape)}")
+        lead = mask.dim() - 3
+        if any(m not in (1, b) for m, b in zip(mask.shape[:lead], batch[len(batch) - lead:])):
+            raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to the query's batch dims "
+                             f"{batch}")
+        mask = mask.reshape((1,) * (len(batch) - lead) + tuple(mask.shape))
+        mask = mask.expand(*batch, *mask.shape[-3:]).reshape(calls, *mask.shape[-3:])
+    out = scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+    return out.reshape(*batch, *out.shape[1:])
 
 
 def _check_attn_mask(attn_mask, query: torch.Tensor, key: torch.Tensor) -> None:
