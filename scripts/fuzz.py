@@ -1,6 +1,7 @@
-"""Random calls of flash_attn_func and flash_attn_varlen_func (forward and backward, every variant together) and
-flash_attn_with_kvcache (paged or not, appends, cache_batch_idx, the variants) against the float64 reference: a
-search for inputs the test suite's grid misses.
+"""Random calls of flash_attn_func and flash_attn_varlen_func (forward and backward, every variant together),
+flash_attn_with_kvcache (paged or not, appends, cache_batch_idx, the variants) and scaled_dot_product_attention
+(inputs of 3 to 5 dims, GQA, is_causal, key-padding masks of every form it takes) against float64: a search for
+inputs the test suite's grid misses.
 
     TRITON_INTERPRET=1 .venv/bin/python scripts/fuzz.py --seconds 600       # CPU (fp32 and fp16)
     .venv/bin/python scripts/fuzz.py --seconds 300 --device cuda            # a GPU (fp16 and bf16 too)
@@ -131,10 +132,22 @@ def run_case(case: dict, seed: int, device: str) -> None:
         results[ref_dtype] = [ref_out, *grads], ref_lse
     (exact, exact_lse), (low, _) = results[torch.float64], results[dt if dt != torch.float32 else torch.float32]
     names = ["out", "dq", "dk", "dv", "dsink"]
+    judge(names, got, exact, low, dt, device, q, k, v, dout, case["scale"])
+    fin = torch.isfinite(exact_lse)
+    if not torch.equal(torch.isfinite(lse), fin.to(lse.device)):
+        raise AssertionError("lse: -inf where the reference has a finite value, or the reverse")
+    if fin.any() and (lse[fin].double() - exact_lse[fin]).abs().max().item() > 1e-2 + 1e-3 * exact_lse[fin].abs().max():
+        raise AssertionError("lse: error")
+
+
+def judge(names, got, exact, low, dt, device, q, k, v, dout, softmax_scale) -> None:
+    """Each result in `got` against the float64 one (`exact`) within twice the error of the same computation in
+    the inputs' dtype (`low`, torch's) plus a floor; raises AssertionError naming the first that is not."""
+    d, dv = q.shape[-1], v.shape[-1]
     # The backward's dS = P (dP - rowsum(dO O)) cancels where a row sees one key (exactly 0 in the reference's
     # algebra): allow rounding of the size of its terms, |dP| |k| |scale| (dq), |dP| |q| |scale| (dk).
     mag = lambda t: t.abs().max().item() if t.numel() else 0.0  # noqa: E731
-    s_eff = abs(case["scale"] if case["scale"] is not None else d ** -0.5)
+    s_eff = abs(softmax_scale if softmax_scale is not None else d ** -0.5)
     dp = mag(dout) * mag(v) * math.sqrt(dv)
     cancel = {"dq": dp * mag(k) * s_eff * math.sqrt(d), "dk": dp * mag(q) * s_eff * math.sqrt(d)}
     # fp32 under the interpreter: numpy's matmul sums Q Kᵀ in another order than K Qᵀ (the dK/dV kernel's), so the
@@ -154,11 +167,54 @@ def run_case(case: dict, seed: int, device: str) -> None:
         bound = 2 * err_lo + 8 * FLOOR[dt] * max(size, cancel.get(name, 0.0))
         if err > bound:
             raise AssertionError(f"{name}: error {err:.3e} > bound {bound:.3e} (torch's {err_lo:.3e})")
-    fin = torch.isfinite(exact_lse)
-    if not torch.equal(torch.isfinite(lse), fin.to(lse.device)):
-        raise AssertionError("lse: -inf where the reference has a finite value, or the reverse")
-    if fin.any() and (lse[fin].double() - exact_lse[fin]).abs().max().item() > 1e-2 + 1e-3 * exact_lse[fin].abs().max():
-        raise AssertionError("lse: error")
+
+
+def run_sdpa_case(case: dict, seed: int, device: str) -> None:
+    """scaled_dot_product_attention in torch's layout (..., H, S, D): 3, 4 or 5 dims, enable_gqa, is_causal or a
+    key-padding mask (bool or 0 / -inf; (..., 1, 1, Sk), expanded over the queries, or (Sk,)), against torch's
+    own SDPA in float64 and in the inputs' dtype, forward and gradients."""
+    rng = random.Random(seed * 7 + 1)
+    gen = torch.Generator().manual_seed(seed)
+    dt = case["dtype"]
+    b, sq, sk, hq, hkv, d, dv = (case[n] for n in ("batch", "sq", "sk", "hq", "hkv", "d", "dv"))
+    lead = rng.choice([(b,), (b,), (), (b, 2)])
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+    q, dout = rand(*lead, hq, sq, d), rand(*lead, hq, sq, dv)
+    k, v = rand(*lead, hkv, sk, d), rand(*lead, hkv, sk, dv)
+    causal, mask = case["causal"], None
+    if not causal and rng.random() < 0.7:
+        form = rng.choice(["keys", "rows", "expanded", "one"])
+        keep = torch.rand(*lead, sk, generator=gen) < rng.choice([0.2, 0.7, 1.0])
+        if form == "one" or not lead:
+            keep = keep.reshape(-1, sk)[0]
+        elif form == "rows":
+            keep = keep[..., None, None, :]
+        elif form == "expanded":
+            keep = keep[..., None, None, :].expand(*lead, 1, sq, sk)
+        else:
+            keep = keep[..., None, None, :].expand(*lead, hq, 1, sk)
+        mask = keep.to(device)
+        if rng.random() < 0.4:
+            mask = torch.zeros(mask.shape, dtype=dt, device=device).masked_fill(~mask, float("-inf"))
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        ref_mask = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
+        if fn is not flashtriton.scaled_dot_product_attention and ref_mask is not None and ref_mask.dim() == 1:
+            ref_mask = ref_mask[None]  # (Sk,) as (1, Sk): torch's math backend indexes the mask's dim -2
+        out = fn(*leaves, attn_mask=ref_mask, is_causal=causal, scale=case["scale"], enable_gqa=hq != hkv)
+        return [out, *torch.autograd.grad(out, leaves, dout.to(dtype))]
+
+    got = grads(flashtriton.scaled_dot_product_attention, dt)
+    exact = grads(torch.nn.functional.scaled_dot_product_attention, torch.float64)
+    low = grads(torch.nn.functional.scaled_dot_product_attention, dt)
+    for name, g, ex in zip(("out", "dq", "dk", "dv"), got, exact):
+        if g.shape != ex.shape:
+            raise AssertionError(f"{name}: shape {tuple(g.shape)}, torch's {tuple(ex.shape)}")
+    judge(("out", "dq", "dk", "dv"), got, exact, low, dt, device, q, k, v, dout, case["scale"])
 
 
 def run_decode_case(case: dict, seed: int, device: str) -> None:
@@ -243,6 +299,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="first case's seed (default: from the clock)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--decode", type=float, default=0.3, help="the share of flash_attn_with_kvcache cases")
+    ap.add_argument("--sdpa", type=float, default=0.15, help="the share of scaled_dot_product_attention cases")
     ap.add_argument("--gluon-bwd-everywhere", action="store_true",
                     help="the Gluon backward at every size (no minimum of work or keys), so that the small cases "
                          "reach it on Hopper")
@@ -263,10 +320,11 @@ def main() -> int:
     failures = n = 0
     while time.monotonic() < end and n < args.cases:
         case = draw(random.Random(seed), args.device)
-        decode = random.Random(-seed).random() < args.decode
-        case["decode"] = decode
+        draw_kind = random.Random(-seed).random()
+        kind = "decode" if draw_kind < args.decode else "sdpa" if draw_kind < args.decode + args.sdpa else "dense"
+        case["kind"] = kind
         try:
-            (run_decode_case if decode else run_case)(case, seed, args.device)
+            {"decode": run_decode_case, "sdpa": run_sdpa_case, "dense": run_case}[kind](case, seed, args.device)
         except NotImplementedError as e:
             print(f"seed {seed}: refused ({e})", flush=True)
         except Exception:  # report every failure with its seed, go on
