@@ -2,8 +2,7 @@
 at the wide head dims (tiles of 256 columns: D = 192, 256, and QK 192 / V 128) the candidates below, and at every
 head dim the dispatch's config with its output staged in the Q buffers ("dispatch+oq": O_IN_Q, where the
 dispatch's config stages its output with one Q slot and no OVERLAP), also with a third K/V stage in the shared
-memory that frees ("dispatch+oq_s3", where it fits), and non-causal where the dispatch's config takes items in
-turn (no OVERLAP) with each item's Q held in registers as Q Kᵀ's A operand ("dispatch+qregs": Q_REGS).
+memory that frees ("dispatch+oq_s3", where it fits).
 
 Candidates (`CANDIDATES`, `configs.forward.GLUON_BASE` with): 32-key tiles with the output staged for a TMA store
 ("n32"), 64-key tiles stored from registers ("n64_regs"), 32-key tiles stored from registers with a third K/V stage
@@ -51,7 +50,6 @@ CANDIDATES = {
     "n64_regs_s3": dict(GLUON_BASE, BLOCK_N=64, STORE_FROM_REGS=True, NUM_BUFFERS=3),
 }
 DISPATCH_OQ = ("dispatch+oq", "dispatch+oq_s3")
-DISPATCH_QREGS = "dispatch+qregs"
 
 
 def calls_of(T: int, D: int, Dv: int, causal: bool, wanted: set) -> tuple[dict, dict]:
@@ -82,8 +80,6 @@ def calls_of(T: int, D: int, Dv: int, causal: bool, wanted: set) -> tuple[dict, 
             config = dict(dispatch, O_IN_Q=True, NUM_BUFFERS=stages)
             if name in wanted and G.shared_memory_bytes(config, head_block(D)) <= SHARED_MEMORY_LIMIT:
                 calls[name], used[name] = gluon(config), config
-    if DISPATCH_QREGS in wanted and not (causal or dispatch["OVERLAP"]):  # (the kernel ignores it elsewhere)
-        calls[DISPATCH_QREGS], used[DISPATCH_QREGS] = gluon(dict(dispatch, Q_REGS=True)), dict(dispatch, Q_REGS=True)
     for name, config in CANDIDATES.items():
         if name not in wanted or D <= 128 or (name.endswith("_ov") and Dv > 128) or ("_oq" in name and Dv < D):
             continue
@@ -104,7 +100,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--head-dims", default="192,256,192/128")
     parser.add_argument("--seqlens", default="1024,4096,16384")
-    parser.add_argument("--candidates", default=",".join([*CANDIDATES, *DISPATCH_OQ, DISPATCH_QREGS]))
+    parser.add_argument("--candidates", default=",".join([*CANDIDATES, *DISPATCH_OQ]))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     wanted = {name.strip() for name in args.candidates.split(",")}

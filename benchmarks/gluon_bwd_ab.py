@@ -53,24 +53,21 @@ SPLIT = {"unsplit, 2 stages": {"dkdv": dict(NUM_STAGES=2, SPLIT=0)},
          "split dQ": {"dq": dict(SPLIT=1)},
          # the preprocess as a kernel of its own, dK/dV, then dQ (what runs with a sink or varlen)
          "preprocess kernel": {"switches": dict(GLUON_BWD_FUSED_DELTA=False)}}
-# S's and dP's A operands (Q, dO) held in registers in the dQ kernel (QDO_REGS; 7: with a variant too)
-QDO = {"dQ: Q/dO in registers": {"dq": dict(QDO_REGS=3)}}
-QDO_VARIANT = {"dQ: Q/dO in registers": {"dq": dict(QDO_REGS=7)}}
 CANDIDATES = {  # name: {label: {"dkdv": overrides, "dq": overrides}}
-    "dense16k": dict(SPLIT, **QDO),
-    "dense4k": dict(SPLIT, **QDO),
-    "dense4k_full": QDO,
-    "dense4k_d64": dict(SPLIT, **{"K/V from shared memory": {"dkdv": dict(KV_REGS=0)}}, **QDO),
-    "softcap4k": dict(SPLIT, **QDO_VARIANT),
-    "window1024": dict(SPLIT, **QDO_VARIANT),
-    "window4096": dict(SPLIT, **QDO_VARIANT),
+    "dense16k": SPLIT,
+    "dense4k": SPLIT,
+    "dense4k_full": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)}},
+    "dense4k_d64": dict(SPLIT, **{"K/V from shared memory": {"dkdv": dict(KV_REGS=0)}}),
+    "softcap4k": SPLIT,
+    "window1024": SPLIT,
+    "window4096": SPLIT,
     # D=64 non-causal: the standard sweep's lowest backward points (0.74-0.87x cuDNN at T >= 4k on an H100)
     "dense4k_d64_full": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
                          "dQ 64-key tiles": {"dq": dict(BLOCK_N=64)},
                          "dQ 64-key tiles, 3 stages": {"dq": dict(BLOCK_N=64, NUM_STAGES=3)},
                          "preprocess kernel": SPLIT["preprocess kernel"],
                          # Sᵀ's and dPᵀ's A operands (K, V) read from shared memory at every tile (KV_REGS off)
-                         "K/V from shared memory": {"dkdv": dict(KV_REGS=0)}, **QDO},
+                         "K/V from shared memory": {"dkdv": dict(KV_REGS=0)}},
     "mla": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},
             "dQ 64-key tiles": {"dq": dict(BLOCK_N=64)}},
     "mla_causal": {"dK/dV 3 stages": {"dkdv": dict(NUM_STAGES=3)}, "dQ 3 stages": {"dq": dict(NUM_STAGES=3)},

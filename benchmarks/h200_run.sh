@@ -2,7 +2,7 @@
 # One device call: GPU tests, `flashtriton check`, `flashtriton tune` and the side-by-side benchmarks;
 # everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files). The device gets no .git,
 # so pass the commit:   FLASHTRITON_GIT_SHA=$(git rev-parse --short=12 HEAD) bash benchmarks/h200_run.sh STEPS...
-# Steps: tests (whole suite; ~600 s), bwd_ab (benchmarks/gluon_bwd_ab.py: Gluon backward configs, kernel times; AB_CASES, AB_ROUNDS, AB_LABELS), regs (KV_REGS / QDO_REGS / the forward's Q_REGS: their GPU tests, gluon_bwd_ab.py's and fwd_config_ab.py's register candidates), fused_ab (the preprocess inside the dQ kernels: GPU tests and benchmarks/fused_delta_ab.py), bwd_timeline (benchmarks/bwd_timeline.py), softcap_ab (tests and benchmarks/softcap_ab.py), decode_dims (decode at D=256 and 192/128 beside cuDNN; DECODE_DIMS narrows), o_in_q (O_IN_Q's GPU tests and its wide forward timed; O_IN_Q_AB=0: the tests only), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), testpart (PART=i/N: every N-th file from the i-th), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), fuzz (scripts/fuzz.py on the GPU, FUZZ_S seconds twice), varlen_wide (benchmarks/varlen_wide_ab.py), trim_ab (benchmarks/trim_ab.py: the dQ / dK-dV accumulator splits at D=192; TRIM_DIMS, TRIM_T), padded (padded head dims: tests, speed), dims8 (every head dim against float64, the multiples of 8 timed), paged_ab (paged prefill's tests and timing, then again with AB_SWAP's file: an A/B), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
+# Steps: tests (whole suite; ~600 s), bwd_ab (benchmarks/gluon_bwd_ab.py: Gluon backward configs, kernel times; AB_CASES, AB_ROUNDS, AB_LABELS), regs (KV_REGS: its GPU tests, gluon_bwd_ab.py's K/V from shared memory), fused_ab (the preprocess inside the dQ kernels: GPU tests and benchmarks/fused_delta_ab.py), bwd_timeline (benchmarks/bwd_timeline.py), softcap_ab (tests and benchmarks/softcap_ab.py), decode_dims (decode at D=256 and 192/128 beside cuDNN; DECODE_DIMS narrows), o_in_q (O_IN_Q's GPU tests and its wide forward timed; O_IN_Q_AB=0: the tests only), pyk (PYK_FILES filtered by PYK_K), tests1 / tests2 (its files in two halves), testpart (PART=i/N: every N-th file from the i-th), blocking (tests1 with CUDA_LAUNCH_BLOCKING=1, -v), memcheck (compute-sanitizer over the Gluon variant tests), fuzz (scripts/fuzz.py on the GPU, FUZZ_S seconds twice), varlen_wide (benchmarks/varlen_wide_ab.py), trim_ab (benchmarks/trim_ab.py: the trimmed products and accumulator splits at D=192; TRIM_DIMS, TRIM_T), padded (padded head dims: tests, speed), dims8 (every head dim against float64, the multiples of 8 timed), paged_ab (paged prefill's tests and timing, then again with AB_SWAP's file: an A/B), gluon_paged (separate-V and paged-prefill tests, paged_prefill.py, 192/128 timed), wide (D=256/192 beside cuDNN and FLASH, fwd+bwd, fp16+bf16), graphs (training calls and decoding in CUDA graphs), bwdtests (test_backward.py), quick (launch, kvcache, varlen, forward tests), kvtests (launch, kvcache), gputests (the `gpu`-marked ones), diag (one file per process, first failure),
 # eco (notebook, compile, transformers tests), dropout (dropout.py), gluon_dropout (the dropout tests with the Gluon kernels', dropout.py --gluon), dropout_ab (dropout.py --gluon on the tree and on 5267c80's mask code; DAB_T), bert_dropout (a BERT-base fine-tuning step with attention dropout against sdpa: benchmarks/bert_dropout.py), bert_unpad_ab (bert_dropout.py on the tree, then with the HF integration's kept unpadding reversed), check, tune, explore_{fwd,bwd,decode,host,tma,varlen,gluon} (variant sweeps, benchmarks/explore.py), final (fwd+bwd, fp16+bf16, D=64/128: the standard sweep), d256 (the D=256 sweep, fwd+bwd), bench_std, bench_extra (bf16, D=256), fwdfinal (forward sweep fp16+bf16), varlen (the varlen suite), serving (varlen,
 # decode), anchors (the forward at the anchors file's tutorial-kernel points, timed as the anchors were: 25 ms warmup,
 # 100 ms rep; scripts/readme_tables.py compares); final and fwdfinal warm each timing up for 100 ms (a GPU that has paused runs up to 10 % faster at first:
@@ -116,18 +116,13 @@ for step in "$@"; do
     pyk) # PYK_FILES (tests/... paths) filtered by -k "$PYK_K"
       timeout ${PYK_S:-240} python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf ${PYK_FILES:-tests} -k "${PYK_K:-}" \
         > $R/pytest_k.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_k.txt | head -30 ;;
-    regs) # the products' A operands in registers (dK/dV's KV_REGS, dQ's QDO_REGS): their float64 GPU tests (varlen
-      # and the variants too), then gluon_bwd_ab.py's register candidates beside the dispatch's configs
+    regs) # the dK/dV kernel's K and V in registers (KV_REGS): its float64 GPU tests (varlen and the variants too),
+      # then gluon_bwd_ab.py's "K/V from shared memory" beside the dispatch's configs
       timeout ${REGS_S:-200} python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_backward_gluon.py \
         -k operands_in_registers > $R/pytest_regs.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_regs.txt | head -20
-      timeout 300 python benchmarks/gluon_bwd_ab.py --cases ${AB_CASES:-dense4k_d64_full,dense4k_d64,dense4k_full,dense4k} \
-        --rounds ${AB_ROUNDS:-4} --labels "dQ: Q/dO in registers,K/V from shared memory" --out $R/regs_ab > $R/regs_ab.txt 2>&1
-      grep -v -i warn $R/regs_ab.txt | tail -20
-      # the forward's Q in registers (Q_REGS) where the dispatch takes items in turn: its GPU tests, then timed
-      timeout 120 python -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf tests/test_forward_gluon.py \
-        -k "against_float64 and registers" > $R/pytest_qregs.txt 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" $R/pytest_qregs.txt | head
-      timeout 150 python benchmarks/fwd_config_ab.py --head-dims 128 --seqlens 2048,4096,8192 --candidates dispatch+qregs \
-        --out $R/qregs_ab > $R/qregs_ab.txt 2>&1; grep -v -i warn $R/qregs_ab.txt | tail -12 ;;
+      timeout 300 python benchmarks/gluon_bwd_ab.py --cases ${AB_CASES:-dense4k_d64_full,dense4k_d64} \
+        --rounds ${AB_ROUNDS:-4} --labels "K/V from shared memory" --out $R/regs_ab > $R/regs_ab.txt 2>&1
+      grep -v -i warn $R/regs_ab.txt | tail -20 ;;
     bwd_ab) # Gluon backward config candidates beside the dispatch's, with each kernel's time (AB_CASES, AB_ROUNDS)
       timeout 300 python benchmarks/gluon_bwd_ab.py --cases ${AB_CASES:-window1024,window4096,dense4k,dense4k_d64,softcap4k} \
         --rounds ${AB_ROUNDS:-4} --labels "${AB_LABELS:-}" --out $R/gluon_bwd_ab > $R/gluon_bwd_ab.txt 2>&1; grep -v -i warn $R/gluon_bwd_ab.txt | tail -40 ;;
@@ -195,8 +190,8 @@ for step in "$@"; do
       timeout 120 python -m flashtriton bench --providers flashtriton,sdpa_flash,sdpa_cudnn --modes fwd,bwd --rep 40 \
         --warmup 25 --dtypes bf16 --head-dims 40,72,160,224 --seqlens 1024,4096 --causal 0,1 --out $R/dims8 \
         --no-plots > $R/dims8.txt 2>&1; grep -v "it/s" $R/dims8.txt | tail -40 ;;
-    trim_ab) # benchmarks/trim_ab.py: the Gluon backward's dQ (GLUON_BWD_DQ_SPLIT) and dK/dV (GLUON_BWD_DKDV_SPLIT) in two
-      # accumulators at D = 192 against the trimmed products and the whole tiles, beside cuDNN (TRIM_DIMS, TRIM_T)
+    trim_ab) # benchmarks/trim_ab.py: the products over the head's own columns, the forward's two accumulators and the
+      # backward's dQ in two (GLUON_BWD_DQ_SPLIT) at D = 192 against the whole tiles, beside cuDNN (TRIM_DIMS, TRIM_T)
       timeout ${TRIM_S:-300} python benchmarks/trim_ab.py --head-dims ${TRIM_DIMS:-192,192/128} --seqlens ${TRIM_T:-1024,4096,16384} \
         --out $R/trim_ab > $R/trim_ab.txt 2>&1; tail -40 $R/trim_ab.txt ;;
     varlen_wide) # the Gluon forward on packed batches at 64- and 256-column tiles against the dispatch's (VW_DIMS)

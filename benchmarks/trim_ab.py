@@ -2,8 +2,7 @@
 Q Kᵀ; `configs.backward.GLUON_BWD_TRIM`: the backward's S and dP) against the whole tiles' products, beside SDPA's
 cuDNN backend on the same call, forward and backward; at V head dims of 129 … 192 also the forward with its output in
 two accumulators (`configs.forward.GLUON_PV_SPLIT`, "two accumulators", beside the trimmed Q Kᵀ), and at QK head
-dims of 129 … 192 the backward with dQ in two accumulators (`configs.backward.GLUON_BWD_DQ_SPLIT`, "dq split") and
-with dK, dV too (`GLUON_BWD_DKDV_SPLIT`, "all split": dV at V head dims of 129 … 192).
+dims of 129 … 192 the backward with dQ in two accumulators (`configs.backward.GLUON_BWD_DQ_SPLIT`, "dq split").
 
 Cases (bf16, B·T = 16384 tokens, H·D ≈ 2048 as the head-dim sweeps have them: H = 25 / 21 / 18 / 10 at D = 80 /
 96 / 112 / 192): D = 80, 96, 112, 192 and QK 192 / V 128 (DeepSeek's MLA), T = 1024 / 4096 / 16384, causal and not.
@@ -41,13 +40,13 @@ def calls_of(T: int, D: int, Dv: int, causal: bool) -> dict:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flashtriton.flash_attn_func(*leaves, causal=causal)
 
-    def switched(direction, trimmed, fn, split_pv=False, split_dq=False, split_dkdv=False):
+    def switched(direction, trimmed, fn, split_pv=False, split_dq=False):
         module, name = SWITCHES[direction]
         setting = (128, 256) if trimmed else ()
 
         def call():
             with C.switched(module, **{name: setting}), C.switched(configs.forward, GLUON_PV_SPLIT=split_pv), \
-                    C.switched(configs.backward, GLUON_BWD_DQ_SPLIT=split_dq, GLUON_BWD_DKDV_SPLIT=split_dkdv):
+                    C.switched(configs.backward, GLUON_BWD_DQ_SPLIT=split_dq):
                 return fn()
         return call
 
@@ -76,7 +75,6 @@ def calls_of(T: int, D: int, Dv: int, causal: bool) -> dict:
     split = {("fwd", "two accumulators"): switched("fwd", True, forward, True)} if 128 < Dv <= 192 else {}
     if 128 < D <= 192:
         split[("bwd", "dq split")] = switched("bwd", True, backward, split_dq=True)
-        split[("bwd", "all split")] = switched("bwd", True, backward, split_dq=True, split_dkdv=True)
     return {("fwd", "whole tiles"): switched("fwd", False, forward), ("fwd", "trimmed"): switched("fwd", True, forward),
             **split, ("fwd", "sdpa_cudnn"): cudnn_fwd,
             ("bwd", "whole tiles"): switched("bwd", False, backward),
@@ -86,7 +84,7 @@ def calls_of(T: int, D: int, Dv: int, causal: bool) -> dict:
 def check(calls: dict, case: str) -> None:
     """The trimmed products' output and gradients against the whole tiles' (within 2e-2 of their scale)."""
     for direction, label in (("fwd", "trimmed"), ("fwd", "two accumulators"), ("bwd", "trimmed"),
-                             ("bwd", "dq split"), ("bwd", "all split")):
+                             ("bwd", "dq split")):
         if (direction, label) not in calls:
             continue
         whole, trimmed = calls[(direction, "whole tiles")](), calls[(direction, label)]()
@@ -118,7 +116,7 @@ def main() -> int:
         for direction, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
             base = statistics.median(times[(direction, "whole tiles")])
             cudnn = statistics.median(times[(direction, "sdpa_cudnn")])
-            for label in ("whole tiles", "trimmed", "two accumulators", "dq split", "all split", "sdpa_cudnn"):
+            for label in ("whole tiles", "trimmed", "two accumulators", "dq split", "sdpa_cudnn"):
                 if (direction, label) not in times:
                     continue
                 ms = statistics.median(times[(direction, label)])

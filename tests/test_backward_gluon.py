@@ -504,10 +504,10 @@ def test_gluon_backward_compiles_for_sm90_without_a_gpu():
 
 
 def test_operands_in_registers_reach_the_wgmmas():
-    """KV_REGS / QDO_REGS change the products' A operands, not only a flag: with them every wgmma of the D=64 dK/dV
-    dispatch build, and of the dQ build that sets QDO_REGS, reads its A operand from registers (two register lists
-    in the PTX instruction), and without them Sᵀ / S and dPᵀ / dP read both from shared memory; softcap, and a
-    window even with KV_REGS' bit 4, build with the shared-memory operands. In a fresh process, as above."""
+    """KV_REGS changes the products' A operands, not only a flag: with it every wgmma of the D=64 dK/dV dispatch
+    build reads its A operand from registers (two register lists in the PTX instruction), and without it Sᵀ and dPᵀ
+    read both from shared memory, as the dQ kernel's S and dP do; softcap, and a window even with KV_REGS' bit 4,
+    build with the shared-memory operands. In a fresh process, as above."""
     script = (
         "import re, torch\n"
         "from flashtriton import configs\n"
@@ -521,15 +521,13 @@ def test_operands_in_registers_reach_the_wgmmas():
         "print('dkdv_off', *counts('dkdv', dict(KV_REGS=0)))\n"
         "print('dkdv_softcap', *counts('dkdv', {}, softcap=30.0))\n"
         "print('dkdv_window', *counts('dkdv', dict(KV_REGS=7), window_size=(100, 50)))\n"
-        "print('dq', *counts('dq', dict(QDO_REGS=3)))\n"
         "print('dq_off', *counts('dq', {}))\n"
     )
-    names = ("dkdv", "dkdv_off", "dkdv_softcap", "dkdv_window", "dq", "dq_off")
+    names = ("dkdv", "dkdv_off", "dkdv_softcap", "dkdv_window", "dq_off")
     lines = compile_in_fresh_process(script).splitlines()
     found = {words[0]: tuple(map(int, words[1:])) for words in map(str.split, lines) if words and words[0] in names}
-    for name in ("dkdv", "dq"):  # every product from registers
-        total, from_registers = found[name]
-        assert total > 0 and from_registers == total, (name, found)
+    total, from_registers = found["dkdv"]  # every product from registers
+    assert total > 0 and from_registers == total, found
     for name in ("dkdv_off", "dkdv_softcap", "dkdv_window", "dq_off"):  # dV / dK or dQ only (P and dS in registers)
         total, from_registers = found[name]
         assert 0 < from_registers < total, (name, found)
@@ -634,9 +632,9 @@ def test_gluon_backward_variants_against_float64(name, head_dim, dtype, device, 
         assert_variant_grads(ours, portable, exact, dtype, f"{name}, shape {shape}: ")
 
 
-# The products' A operands held in registers (the dK/dV kernel's K and V: KV_REGS; the dQ kernel's Q and dO:
-# QDO_REGS), bit 4 set so that varlen and the variants take them too (the dK/dV kernel never takes them with a
-# window, whose dK they broke on the H200: the window cases check that forcing them changes nothing). What the
+# The dK/dV kernel's K and V held in registers (KV_REGS) as Sᵀ's and dPᵀ's A operands, bit 4 set so that varlen
+# and the variants take them too (the kernel never takes them with a window, whose dK they broke on the H200: the
+# window cases check that forcing them changes nothing). What the
 # dispatch honours (KV_REGS at D=64, dense without a variant) runs in the float64 tests above; this runs the rest on
 # the GPU before the dispatch takes it.
 REGS_CASES = ["plain", "causal", "window_both", "causal_window", "softcap", "alibi", "sinks", "varlen"]
@@ -646,14 +644,14 @@ REGS_CASES = ["plain", "causal", "window_both", "causal_window", "softcap", "ali
 @pytest.mark.parametrize("name", REGS_CASES)
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.float16), (128, torch.bfloat16)])
 def test_gluon_backward_operands_in_registers_against_float64(name, head_dim, dtype, device, monkeypatch):
-    """The dispatch's configs with K / V (dK/dV) and Q / dO (dQ) in registers wherever they build, dense or packed,
-    with the variants: the gradients (dsink too) against float64 within 2x the portable backward's error."""
+    """The dispatch's configs with K and V in registers wherever the dK/dV kernel builds them, dense or packed, with
+    the variants: the gradients (dsink too) against float64 within 2x the portable backward's error."""
     spec = {"plain": {}, "causal": dict(causal=True), "varlen": dict(causal=True), **GLUON_VARIANTS}[name]
     base = configs.gluon_bwd_config(head_dim, 4096, 4096, spec.get("causal", False))
-    config = {"dkdv": dict(base["dkdv"], KV_REGS=7), "dq": dict(base["dq"], QDO_REGS=7)}
-    for kernel in ("dkdv", "dq"):  # the builds take the operands from registers
-        assert BG.launch_parts((1, 64, 4, head_dim), (1, 64, 2, head_dim), False, True, config[kernel], kernel)[2][
-            "KV_REGS" if kernel == "dkdv" else "QDO_REGS"] == 7
+    config = {"dkdv": dict(base["dkdv"], KV_REGS=7), "dq": base["dq"]}
+    # the build takes the operands from registers
+    assert BG.launch_parts((1, 64, 4, head_dim), (1, 64, 2, head_dim), False, True, config["dkdv"], "dkdv")[2][
+        "KV_REGS"] == 7
     for shape in VARIANT_SHAPES:
         q, k, v, dout = make_qkv(*shape, head_dim, dtype, device, seed=shape[1])
         kwargs, sinks = _variant_inputs(spec, shape[0], shape[3], device, seed=shape[2])
@@ -687,14 +685,13 @@ TRIM_HEAD_DIMS = [(80, 80, torch.bfloat16), (96, 96, torch.float16), (112, 112, 
 @pytest.mark.parametrize("split", [False, True])
 def test_gluon_backward_trimmed_products_against_float64(name, head_dim, head_dim_v, dtype, split, device,
                                                          monkeypatch):
-    """S and dP over the head's own columns (GLUON_BWD_TRIM for both tile widths) and, split, dQ, dK and dV in two
-    accumulators each (GLUON_BWD_DQ_SPLIT, GLUON_BWD_DKDV_SPLIT: QK or V head dim 192) through the dispatch's
+    """S and dP over the head's own columns (GLUON_BWD_TRIM for both tile widths) and, split, dQ in two
+    accumulators (GLUON_BWD_DQ_SPLIT: QK head dim 192) through the dispatch's
     configs, dense, with GQA and Sq != Sk: the gradients (dsink too) against float64 within 2x the portable
     backward's error; the plan's constexprs say the narrower products ran."""
     monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", (128, 256))
     monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM_PIECES", 3)  # (D=112's three wgmmas too)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DQ_SPLIT", split)
-    monkeypatch.setattr(configs.backward, "GLUON_BWD_DKDV_SPLIT", split)
     if split and head_dim != 192:
         pytest.skip("the split accumulators take D=192 (pieces of 64 columns or more)")
     spec = {"plain": {}, "causal": dict(causal=True), **GLUON_VARIANTS}[name]
@@ -706,12 +703,9 @@ def test_gluon_backward_trimmed_products_against_float64(name, head_dim, head_di
     config = configs.gluon_bwd_config(head_dim, 4096, 4096, spec.get("causal", False), head_dim_v=head_dim_v)
     for kernel in ("dkdv", "dq"):
         _, _, meta = BG.launch_parts((1, 64, 4, head_dim), (1, 64, 2, head_dim), False, True, config[kernel], kernel,
-                                     head_dim_v=head_dim_v, widths=widths,
-                                     splits=BG.acc_splits(head_dim, head_dim_v))
+                                     head_dim_v=head_dim_v, widths=widths, dq_split=BG.dq_split(head_dim))
         assert (meta.get("QK_WIDTH", 0), meta.get("V_WIDTH", 0)) == widths
         assert meta.get("DQ_SPLIT", False) == (split and kernel == "dq")
-        assert meta.get("DK_SPLIT", False) == (split and kernel == "dkdv")
-        assert meta.get("DV_SPLIT", False) == (split and kernel == "dkdv" and head_dim_v == 192)
     for shape in VARIANT_SHAPES[1:]:
         batch, sq, sk, hq, hkv = shape
         gen = torch.Generator().manual_seed(sq + head_dim)
@@ -730,13 +724,11 @@ def test_gluon_backward_trimmed_products_against_float64(name, head_dim, head_di
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim_v", [192, 128])
 def test_gluon_backward_acc_split_varlen(causal, head_dim_v, device, monkeypatch):
-    """dQ, dK and dV in two accumulators each (GLUON_BWD_DQ_SPLIT, GLUON_BWD_DKDV_SPLIT) on packed sequences at
-    QK head dim 192: a sequence's last partial block stored row by row from both accumulators (the second at column
-    128, its columns past the head not stored); per-sequence gradients against float64, rows outside every sequence
-    left at 0."""
+    """dQ in two accumulators (GLUON_BWD_DQ_SPLIT) on packed sequences at QK head dim 192: a sequence's last partial
+    block stored row by row from both accumulators (the second at column 128, its columns past the head not
+    stored); per-sequence gradients against float64, rows outside every sequence left at 0."""
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DQ_SPLIT", True)
-    monkeypatch.setattr(configs.backward, "GLUON_BWD_DKDV_SPLIT", True)
-    assert BG.acc_splits(192, head_dim_v) == (True, True, head_dim_v == 192) and not any(BG.acc_splits(96))
+    assert BG.dq_split(192) and not BG.dq_split(96)
     lengths_q, lengths_k = [5, 0, 1, 200, 33, 130], [9, 4, 1, 150, 20, 0]
     q, k, v, dout, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 4, 2, 192, torch.bfloat16, device, 17)
     if head_dim_v != 192:
@@ -757,25 +749,23 @@ def test_gluon_backward_acc_split_varlen(causal, head_dim_v, device, monkeypatch
 
 
 def test_gluon_acc_split_builds_compile_for_sm90():
-    """dQ (GLUON_BWD_DQ_SPLIT) and dK, dV (GLUON_BWD_DKDV_SPLIT) in two accumulators each compile for sm_90 (dense
-    and varlen, QK 192 with V 192 and 128) with no more spill stores and no more shuffles than one accumulator each:
-    dS and P reach the second product without moving."""
+    """dQ in two accumulators (GLUON_BWD_DQ_SPLIT) compiles for sm_90 (dense and varlen, QK 192 with V 192 and
+    128) with no more spill stores and no more shuffles than one accumulator: dS reaches the second product without
+    moving."""
     out = compile_in_fresh_process(
         "from flashtriton import configs\n"
         "from flashtriton.configs import backward as cb\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
-        "for kernel, switch in (('dq', 'GLUON_BWD_DQ_SPLIT'), ('dkdv', 'GLUON_BWD_DKDV_SPLIT')):\n"
-        "    for d, dv, causal, varlen in ((192, 192, True, False), (192, 128, False, True)):\n"
-        "        cfg = configs.gluon_bwd_config(d, 4096, 4096, causal, 1e12, varlen, dv)\n"
-        "        found = []\n"
-        "        for on in (False, True):\n"
-        "            setattr(cb, switch, on)\n"
-        "            c = compile_for_sm90(d, causal, cfg[kernel], kernel=kernel, head_dim_v=dv, varlen=varlen)\n"
-        "            found.append((spill_bytes(c), c.asm['ptx'].count('shfl')))\n"
-        "        assert found[1][0] <= found[0][0] and found[1][1] <= found[0][1], (kernel, d, dv, found)\n"
-        "        print('compiled', kernel, d, dv, varlen, found)\n"
-        "        setattr(cb, switch, False)\n")
-    assert out.count("compiled") == 4
+        "for d, dv, causal, varlen in ((192, 192, True, False), (192, 128, False, True)):\n"
+        "    cfg = configs.gluon_bwd_config(d, 4096, 4096, causal, 1e12, varlen, dv)\n"
+        "    found = []\n"
+        "    for on in (False, True):\n"
+        "        cb.GLUON_BWD_DQ_SPLIT = on\n"
+        "        c = compile_for_sm90(d, causal, cfg['dq'], kernel='dq', head_dim_v=dv, varlen=varlen)\n"
+        "        found.append((spill_bytes(c), c.asm['ptx'].count('shfl')))\n"
+        "    assert found[1][0] <= found[0][0] and found[1][1] <= found[0][1], (d, dv, found)\n"
+        "    print('compiled', d, dv, varlen, found)\n")
+    assert out.count("compiled") == 2
 
 
 def test_trimmed_products_take_the_tile_widths_the_switch_names(monkeypatch):
@@ -792,14 +782,11 @@ def test_trimmed_products_take_the_tile_widths_the_switch_names(monkeypatch):
     monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", ())
     assert BG.product_widths(192, 128) == (0, 0)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DQ_SPLIT", True)
-    monkeypatch.setattr(configs.backward, "GLUON_BWD_DKDV_SPLIT", True)
-    assert not any(BG.acc_splits(192))  # (no trimmed width, no pieces)
+    assert not BG.dq_split(192)  # (no trimmed width, no pieces)
     monkeypatch.setattr(configs.backward, "GLUON_BWD_TRIM", (128, 256))
-    assert [d for d in (80, 96, 112, 128, 192, 256) if any(BG.acc_splits(d))] == [192]
-    assert BG.acc_splits(192) == (True, True, True) and BG.acc_splits(192, 128) == (True, True, False)
-    assert BG.acc_splits(256, 192) == (False, False, True)
+    assert [d for d in (80, 96, 112, 128, 192, 256) if BG.dq_split(d)] == [192]
     monkeypatch.setattr(configs.backward, "GLUON_BWD_DQ_SPLIT", False)
-    assert BG.acc_splits(192, 128) == (False, True, False)
+    assert not BG.dq_split(192)
 
 
 def test_gluon_backward_trimmed_builds_compile_for_sm90():
@@ -809,7 +796,7 @@ def test_gluon_backward_trimmed_builds_compile_for_sm90():
         "from flashtriton import configs\n"
         "from flashtriton.configs import backward as cb\n"
         "from flashtriton.kernels.backward_gluon_launch import compile_for_sm90\n"
-        "cb.GLUON_BWD_DQ_SPLIT = cb.GLUON_BWD_DKDV_SPLIT = False\n"
+        "cb.GLUON_BWD_DQ_SPLIT = False\n"
         "for d, dv, causal in ((96, 96, True), (192, 128, True)):\n"
         "    cfg = configs.gluon_bwd_config(d, 4096, 4096, causal, 1e12, False, dv)\n"
         "    for kernel in ('dkdv', 'dq'):\n"
@@ -1125,9 +1112,8 @@ VARIANT_BUILDS = {
 # Persistent dK/dV builds (PERSISTENT, off in the dispatch): the items' places and loop state, kept across the tile
 # loop, spill (the tile loop itself reloads three values more than the one-item build's). Split dK/dV loops (SPLIT,
 # as `configs.backward.GLUON_BWD_SPLIT_CASES` dispatch them): none of their tile loops spills;
-# the dQ kernel's (off in the dispatch) spills nothing. The products' A operands in registers (KV_REGS, QDO_REGS; bit
-# 4 takes varlen and the variants too, but the dK/dV kernel never a window) spill only in the dQ kernel with a window
-# and ALiBi at D=64.
+# the dQ kernel's (off in the dispatch) spills nothing. The dK/dV kernel's K and V in registers (KV_REGS; bit 4
+# takes varlen and the variants too, but never a window) spill nothing.
 PERSISTENT_BUILDS = {
     # (kernel, head dim, causal, varlen, window, softcap, alibi, config's overrides): spill budget
     ("dkdv", 128, True, False, True, False, False, "persistent"): 200,
@@ -1147,15 +1133,10 @@ PERSISTENT_BUILDS = {
     ("dq", 64, False, False, False, False, False, "fused3"): 0,
     ("dq", 128, True, False, False, False, False, "fused5"): 0,
     ("dq", 64, True, False, True, True, True, "fused7"): 0,
-    # the products' A operands in registers (KV_REGS / QDO_REGS = 7: varlen and the variants too)
+    # the dK/dV kernel's K and V in registers (KV_REGS = 7: varlen and the variants too)
     ("dkdv", 64, False, False, False, False, False, "regs"): 0,
     ("dkdv", 64, True, True, False, False, False, "regs"): 0,
     ("dkdv", 64, True, False, True, False, True, "regs"): 0,  # (a window: K and V stay in shared memory)
-    ("dq", 64, False, False, False, False, False, "regs"): 0,
-    ("dq", 64, True, True, False, True, False, "regs"): 0,
-    ("dq", 64, True, False, True, False, True, "regs"): 32,
-    ("dq", 128, True, False, False, False, False, "regs"): 0,
-    ("dq", 128, True, True, True, True, True, "regs"): 0,
 }
 
 
@@ -1190,7 +1171,7 @@ def test_persistent_and_split_builds_compile_for_sm90_without_a_gpu():
         "OVERRIDES = {('dkdv', 'persistent'): dict(NUM_STAGES=2, PERSISTENT=True),\n"
         "             ('dkdv', 'split'): dict(NUM_STAGES=2, SPLIT=1), ('dq', 'split'): dict(SPLIT=1),\n"
         "             ('dq', 'fused1'): {}, ('dq', 'fused3'): {}, ('dq', 'fused5'): {}, ('dq', 'fused7'): {},\n"
-        "             ('dkdv', 'regs'): dict(KV_REGS=7), ('dq', 'regs'): dict(QDO_REGS=7)}\n"
+        "             ('dkdv', 'regs'): dict(KV_REGS=7)}\n"
         f"for kernel, d, causal, varlen, window, softcap, alibi, kind in {list(PERSISTENT_BUILDS)!r}:\n"
         "    config = dict(configs.gluon_bwd_config(d, 4096, 4096, causal)[kernel], **OVERRIDES[kernel, kind])\n"
         "    compiled = compile_for_sm90(d, causal, config, torch.bfloat16, kernel, varlen,\n"

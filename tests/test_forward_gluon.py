@@ -64,10 +64,6 @@ CONFIGS = {
     "output in the Q buffers": {**_BASE, "O_IN_Q": True},
     "output in the Q buffers, 3 stages": {**_BASE, "O_IN_Q": True, "NUM_BUFFERS": 3},
     "output in the Q buffers, dynamic schedule": {**_BASE, "CAUSAL_PAIRS": False, "DYNAMIC": True, "O_IN_Q": True},
-    # an item's Q held in registers as Q Kᵀ's A operand (Q_REGS: dense non-causal calls without a variant; the
-    # causal ones take Q from shared memory as without it)
-    "Q in registers": {**_BASE, "Q_REGS": True},
-    "Q in registers, output in the Q buffers": {**_BASE, "Q_REGS": True, "O_IN_Q": True},
 }
 # The wide head dims' (tiles of 256 columns): 32-key tiles beside the O staging tiles, or 64-key tiles with the
 # output stored from registers.
@@ -665,28 +661,6 @@ def test_gluon_kernel_compiles_for_sm90_without_a_gpu():
                 _, d, causal, varlen, keys, _, spill, _ = line.split()
                 key = (int(d), causal == "True", varlen == "True", int(keys))
                 assert int(spill) <= SPILL_BUDGET.get(key, 0), f"{line}: more spills than {SPILL_BUDGET.get(key, 0)} bytes"
-
-
-def test_q_in_registers_reaches_the_wgmmas():
-    """Q_REGS makes every Q Kᵀ product of the dense non-causal D=128 build take its A operand from registers (P V
-    takes P from registers either way), without spills; the causal build, where it spills, ignores it (the same
-    register operands as without it). In a fresh process, as above."""
-    script = (
-        "import re\n"
-        "from flashtriton import configs\n"
-        "from flashtriton.kernels.forward_gluon_launch import compile_for_sm90\n"
-        "for causal in (False, True):\n"
-        "    for q_regs in (False, True):\n"
-        "        compiled = compile_for_sm90(128, causal, dict(configs.forward.GLUON_BASE, Q_REGS=q_regs))\n"
-        "        mmas = re.findall(r'wgmma.mma_async[^;]*;', compiled.asm['ptx'])\n"
-        "        print('built', causal, q_regs, len(mmas), sum(m.count('{') == 2 for m in mmas), spill_bytes(compiled))\n"
-    )
-    found = {(causal == "True", q_regs == "True"): tuple(map(int, rest)) for _, causal, q_regs, *rest in
-             (line.split() for line in compile_in_fresh_process(script).splitlines() if line.startswith("built"))}
-    total, from_registers, spill = found[False, True]
-    assert total > 0 and from_registers == total and spill == 0, found
-    assert found[False, False][1] < found[False, False][0], found  # (P V only)
-    assert found[True, True][:2] == found[True, False][:2], found
 
 
 @hopper_only

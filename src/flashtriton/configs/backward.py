@@ -192,17 +192,12 @@ GLUON_BWD_FUSED_SINK = True
 GLUON_BWD_TRIM = (128, 256)
 GLUON_BWD_TRIM_PIECES = 2
 GLUON_BWD_TRIM_SOURCE = "benchmarks/2026-12-06-h100/trim/trim_ab.json"
-# The Gluon dQ kernel's accumulator in two over the trimmed head's pieces (`kernels.backward_gluon_launch.acc_splits`:
+# The Gluon dQ kernel's accumulator in two over the trimmed head's pieces (`kernels.backward_gluon_launch.dq_split`:
 # D=192 as 128 + 64 columns), so that dS K skips the 256-column tiles' zero columns. On an H100, bf16, T = 1k / 4k /
 # 16k, causal and not: the backward 0.99-1.06x of the trimmed products' alone at QK 192 / V 192 and 192 / 128
 # (GLUON_BWD_DQ_SPLIT_SOURCE).
 GLUON_BWD_DQ_SPLIT = True
 GLUON_BWD_DQ_SPLIT_SOURCE = "benchmarks/2026-12-06-h100/dq-split-decode/trim_ab.txt"
-# dK and dV likewise in the dK/dV kernel (`acc_splits`: at D=192 the wide tiles' two warpgroups each hold 64 + 32 of
-# their columns): against the dQ split alone, an H100, bf16, T = 1k / 4k / 16k, causal and not, 0.93-0.98x at
-# QK 192 / V 192 and 1.00-1.02x at 192 / 128 (GLUON_BWD_DKDV_SPLIT_SOURCE): off.
-GLUON_BWD_DKDV_SPLIT = False
-GLUON_BWD_DKDV_SPLIT_SOURCE = "benchmarks/2026-12-07-h100/headdims-6514c72/trim_ab.txt"
 # The Triton backward's preprocess in its dQ kernel (`kernels.backward_kernels._fused_delta`: dQ first, then dK/dV; with
 # dlse and the sink's gradient's parts too; not under autotuning, whose dQ tiles are picked at the first launch):
 # one launch, two allocations and one pass over O and dO fewer. The short, host-bound backward (bf16, B*T = 16k,

@@ -147,8 +147,7 @@ def _plan_key(dout, q, k, v, out, lse, softmax_scale, variant, cu_seqlens_q, cu_
             configs.backward.GLUON_BWD_D64_MIN_KEYS, configs.backward.GLUON_BWD_DROPOUT,
             configs.backward.GLUON_BWD_FUSED_DELTA, configs.backward.GLUON_BWD_FUSED_SINK,
             configs.backward.TRITON_BWD_FUSED_DELTA, configs.backward.GLUON_BWD_TRIM,
-            configs.backward.GLUON_BWD_TRIM_PIECES, configs.backward.GLUON_BWD_DQ_SPLIT,
-            configs.backward.GLUON_BWD_DKDV_SPLIT)
+            configs.backward.GLUON_BWD_TRIM_PIECES, configs.backward.GLUON_BWD_DQ_SPLIT)
 
 
 def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, variant, cu_seqlens_q, max_seqlen_q,

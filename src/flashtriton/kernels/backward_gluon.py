@@ -55,9 +55,9 @@ one program per SM taking an item per round, two K/V buffer pairs.
 Head dims: Q and K in tiles of 64, 128 or 256 columns (HEAD_DIM: `gluon_common.head_block` of D); V, dO and dV in
 tiles of V's own width, read from the V descriptor (HEAD_DIM_V; a pair such as DeepSeek's MLA, QK 192 / V 128, runs
 V's matmuls at 128 columns: `backward_gluon_launch.separate_v_ok` says which pairs). Products over the head dim run on
-the head's own columns (QK_WIDTH, V_WIDTH: `gluon_common.mma_nt`); where such a width is two pieces of at least 64
-columns (D=192 in 256-column tiles: 128 + 64), a gradient may live in two accumulators over them, so that its product
-skips the zero columns too (DQ_SPLIT, DK_SPLIT, DV_SPLIT: `acc_zero`, `backward_gluon_launch.acc_splits`).
+the head's own columns (QK_WIDTH, V_WIDTH: `gluon_common.mma_nt`); where QK's width is two pieces of at least 64
+columns (D=192 in 256-column tiles: 128 + 64), dQ lives in two accumulators over them, so that its product skips the
+zero columns too (DQ_SPLIT: `acc_zero`, `backward_gluon_launch.dq_split`).
 fp16/bf16; sm_90.
 `backward.attention_backward` launches these (`backward_gluon_launch.launch_dkdv_gluon` / `launch_dq_gluon`) where
 `configs.gluon_bwd_config` says.
@@ -209,21 +209,10 @@ def acc_wait(tokens, ops, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def acc_wait_both(tok_a, ops_a, tok_b, ops_b, SPLIT_A: gl.constexpr, SPLIT_B: gl.constexpr):
-    """`acc_wait` of two accumulators (each one tensor or a SPLIT pair) in one wait."""
-    if SPLIT_A and SPLIT_B:
-        a0, a1, b0, b1, oa0, oa1, ob0, ob1 = warpgroup_mma_wait(0, deps=(tok_a[0], tok_a[1], tok_b[0], tok_b[1],
-                                                                         ops_a[0], ops_a[1], ops_b[0], ops_b[1]))
-        return (a0, a1), (b0, b1)
-    elif SPLIT_A:
-        a0, a1, b, oa0, oa1, ob = warpgroup_mma_wait(0, deps=(tok_a[0], tok_a[1], tok_b, ops_a[0], ops_a[1], ops_b))
-        return (a0, a1), b
-    elif SPLIT_B:
-        a, b0, b1, oa, ob0, ob1 = warpgroup_mma_wait(0, deps=(tok_a, tok_b[0], tok_b[1], ops_a, ops_b[0], ops_b[1]))
-        return a, (b0, b1)
-    else:
-        a, b, oa, ob = warpgroup_mma_wait(0, deps=(tok_a, tok_b, ops_a, ops_b))
-        return a, b
+def acc_wait_both(tok_a, ops_a, tok_b, ops_b):
+    """`acc_wait` of two accumulators in one wait."""
+    a, b, oa, ob = warpgroup_mma_wait(0, deps=(tok_a, tok_b, ops_a, ops_b))
+    return a, b
 
 
 @gluon.jit

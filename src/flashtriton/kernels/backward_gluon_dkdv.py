@@ -131,11 +131,10 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
                MASK: gl.constexpr, LATE_DP: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
                HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr, QK_W: gl.constexpr,
-               V_W: gl.constexpr, DK_SPLIT: gl.constexpr = False, DV_SPLIT: gl.constexpr = False):
+               V_W: gl.constexpr):
     """One streamed tile (query head g, rows [m, m + BLOCK_M), ring slot `it`) into a warpgroup's dK, dV (returned).
     `tiles`: (Q, dO, lse, delta buffers, ready, empty, K, V, a zero score tile). QK_W, V_W: the widths of Sᵀ's and
-    dPᵀ's products (`gluon_common.mma_nt`); DK_SPLIT, DV_SPLIT: dK over QK_W's pieces and dV over V_W's, each in two
-    accumulators (`acc_zero`). MASK: 0 masks the tile where it
+    dPᵀ's products (`gluon_common.mma_nt`). MASK: 0 masks the tile where it
     crosses the diagonal or a window's edge (`key_tile_masked`), 1 never (a tile every pair of which is visible),
     2 always. LATE_DP: dPᵀ issued once Pᵀ is on its way to dV (fewer live registers), else beside Sᵀ."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, k, v, s_zero = tiles
@@ -180,25 +179,25 @@ def _dkdv_tile(tiles, dk, dv, it, g, m, first_key, keys, cols, seqlen_q, diag, q
         # Pᵀ' of dropped scores negated: max(Pᵀ', 0) is dV's, |Pᵀ'| dSᵀ's (`variant.dropout_sign`)
         p = dropout_sign(dropout_tile_t(dropout[0], dropout[1], dropout[4] + g, first_key, m, BLOCK_M, WARPS_N),
                          dropout[2], p)
-        p_op = acc_operands(gl.maximum(p, 0.0).to(dtype), HEAD_DIM_V, V_W, DV_SPLIT, WARPS_N)
+        p_op = acc_operands(gl.maximum(p, 0.0).to(dtype), HEAD_DIM_V, V_W, False, WARPS_N)
     else:
-        p_op = acc_operands(p.to(dtype), HEAD_DIM_V, V_W, DV_SPLIT, WARPS_N)
+        p_op = acc_operands(p.to(dtype), HEAD_DIM_V, V_W, False, WARPS_N)
     if HAS_SOFTCAP:  # dSᵀ's factor folded into Pᵀ once dV has its copy: one score tile fewer stays live
         p = p * cap_grad
-    dv_tok = acc_mma(p_op, do, dv, V_W, DV_SPLIT)
+    dv_tok = acc_mma(p_op, do, dv, V_W, False)
     if LATE_DP:
         dp_tok = mma_nt(v, do, s_zero, V_W)  # dPᵀ
     delta = delta_bufs.index(stage).load(col_layout)
     if IS_VARLEN:  # P is 0 there, but 0 · NaN is not
         delta = gl.where(in_seq, delta, 0.0)
-    dp = warpgroup_mma_wait(0 if LATE_DP else (2 if DV_SPLIT else 1), deps=(dp_tok, ))  # (dV's may still run)
+    dp = warpgroup_mma_wait(0 if LATE_DP else 1, deps=(dp_tok, ))  # (dV's may still run)
     if HAS_DROPOUT:  # dSᵀ = Pᵀ' ∘ (dPᵀ ∘ Zᵀ - delta · (1 - p)), Pᵀ' = Pᵀ / (1 - p)
         ds = gl.abs(p) * (gl.where(p >= 0.0, dp, 0.0) - (delta * dropout[3][1])[None, :])
     else:
         ds = p * (dp - delta[None, :])  # dSᵀ
-    ds_op = acc_operands(ds.to(dtype), HEAD_DIM, QK_W, DK_SPLIT, WARPS_N)
-    dk_tok = acc_mma(ds_op, q, dk, QK_W, DK_SPLIT)
-    dv, dk = acc_wait_both(dv_tok, p_op, dk_tok, ds_op, DV_SPLIT, DK_SPLIT)
+    ds_op = acc_operands(ds.to(dtype), HEAD_DIM, QK_W, False, WARPS_N)
+    dk_tok = acc_mma(ds_op, q, dk, QK_W, False)
+    dv, dk = acc_wait_both(dv_tok, p_op, dk_tok, ds_op)
     mbarrier.arrive(empty.index(stage), count=1)
     return dk, dv
 
@@ -209,8 +208,7 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
                   HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr,
                   HAS_DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, SPLIT: gl.constexpr = 0,
-                  QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False,
-                  DV_SPLIT: gl.constexpr = False, KV_REGS: gl.constexpr = 0):
+                  QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0, KV_REGS: gl.constexpr = 0):
     """dK, dV of keys [start_n + 64 WG, start_n + 64 WG + 64) of one program's keys (`place`) over the streamed
     tiles, then their stores (dK in QK's tiles, dV in V's: HEAD_DIM_V), through K/V buffers kv_base + WG, whose
     load completes phase `kv_phase` of `kv_bar`; `it0`: the tiles the program streamed before.
@@ -223,8 +221,7 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     SPLIT = 1 issues those tiles' dPᵀ beside Sᵀ, as without a variant, 2 after Pᵀ, as the masked ones.
     WARPS_N = 2 (WIDE): the partition is two warpgroups that split every tile by columns (`wgmma_layout`): Sᵀ
     and dPᵀ by query rows, dK and dV by head dim; Pᵀ and dSᵀ, which each needs whole as the A operand, cross
-    between them through shared memory in `gl.convert_layout`. DK_SPLIT, DV_SPLIT: dK, dV in two accumulators each
-    (`acc_zero`: at D=192 in 256-column tiles, 128 + 64 columns), so that their products skip the zero columns.
+    between them through shared memory in `gl.convert_layout`.
     KV_REGS (bits: 1 K, 2 V, 4 with varlen and ALiBi; never with a window): Sᵀ's and dPᵀ's A operands, the
     warpgroup's K and V, held in registers (16 a thread each at D=64), so that of their products only Q's and dO's
     tiles are read from shared memory, whose bandwidth bounds the D=64 tiles (64 x 64 x 64 products, both operands
@@ -246,8 +243,8 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
     keys = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
     cols = gl.arange(0, BLOCK_M, layout=col_layout)  # (BLOCK_M,)
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
-    dk = acc_zero(HEAD_DIM, QK_W, DK_SPLIT, WARPS_N)
-    dv = acc_zero(HEAD_DIM_V, V_W, DV_SPLIT, WARPS_N)
+    dk = acc_zero(HEAD_DIM, QK_W, False, WARPS_N)
+    dv = acc_zero(HEAD_DIM_V, V_W, False, WARPS_N)
     k = k_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM])
     v = v_bufs.index(kv_base + WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(kv_bar, kv_phase)
@@ -272,28 +269,25 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
             for i in range(n_head):
                 dk, dv = _dkdv_tile(tiles, dk, dv, it, g, lo + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
                                     qk_scale, variant, 2, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W,
-                                    DK_SPLIT, DV_SPLIT)
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W)
                 it += 1
             for i in range(n_mid):
                 dk, dv = _dkdv_tile(tiles, dk, dv, it, g, mid + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
                                     qk_scale, variant, 1, LATE_DP if SPLIT == 2 else LATE_DP_WHOLE, IS_CAUSAL,
                                     IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                                    HAS_DROPOUT, QK_W, V_W, DK_SPLIT, DV_SPLIT)
+                                    HAS_DROPOUT, QK_W, V_W)
                 it += 1
             for i in range(n_m - n_head - n_mid):
                 dk, dv = _dkdv_tile(tiles, dk, dv, it, g, full + i * BLOCK_M, first_key, keys, cols, seqlen_q, diag,
                                     qk_scale, variant, 2, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W,
-                                    DK_SPLIT, DV_SPLIT)
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W)
                 it += 1
     else:
         for t in range(n_iters):
             g = t // n_m
             dk, dv = _dkdv_tile(tiles, dk, dv, it0 + t, g, lo + (t - g * n_m) * BLOCK_M, first_key, keys, cols,
                                 seqlen_q, diag, qk_scale, variant, 0, LATE_DP, IS_CAUSAL, IS_VARLEN, HEAD_DIM,
-                                NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W,
-                                    DK_SPLIT, DV_SPLIT)
+                                NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N, HAS_DROPOUT, QK_W, V_W)
             if PERSISTENT:
                 if (t == 0) & release[1]:
                     _release_keys(release[0])
@@ -301,17 +295,17 @@ def _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv
             if (n_iters == 0) & release[1]:
                 _release_keys(release[0])
 
-    dk = acc_out(dk, softmax_scale, dtype, DK_SPLIT)
-    dv = acc_out(dv, None, dtype, DV_SPLIT)
+    dk = acc_out(dk, softmax_scale, dtype, False)
+    dv = acc_out(dv, None, dtype, False)
     n_valid = seqlen_k - first_key
     if IS_VARLEN and n_valid < ROWS:  # the sequence ends in this block: a TMA store would write the next one's keys
         acc_store_rows(DK + off_hk * stride_dkh, stride_dkn, k_start + first_key, n_valid, dk, HEAD_DIM, d_valid,
-                        QK_W, DK_SPLIT, WARPS_N)
+                        QK_W, False, WARPS_N)
         acc_store_rows(DV + off_hk * stride_dvh, stride_dvn, k_start + first_key, n_valid, dv, HEAD_DIM_V,
-                        dv_valid, V_W, DV_SPLIT, WARPS_N)
+                        dv_valid, V_W, False, WARPS_N)
     else:  # dense: rows past Sk are clipped
-        acc_to_shared(k, dk, QK_W, DK_SPLIT)  # the buffers are this warpgroup's alone, its last wgmma done
-        acc_to_shared(v, dv, V_W, DV_SPLIT)
+        acc_to_shared(k, dk, QK_W, False)  # the buffers are this warpgroup's alone, its last wgmma done
+        acc_to_shared(v, dv, V_W, False)
         fence_async_shared()
         tma_store(desc_dk, IS_VARLEN, off_b, k_start + first_key, off_hk, k_bufs.index(kv_base + WG))
         tma_store(desc_dv, IS_VARLEN, off_b, k_start + first_key, off_hk, v_bufs.index(kv_base + WG))
@@ -332,8 +326,7 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
               NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
               HAS_ALIBI: gl.constexpr, WARPS_N: gl.constexpr, HAS_DROPOUT: gl.constexpr = False, schedule=None,
               kv_empty=None, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0, QK_W: gl.constexpr = 0,
-              V_W: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False, DV_SPLIT: gl.constexpr = False,
-              KV_REGS: gl.constexpr = 0):
+              V_W: gl.constexpr = 0, KV_REGS: gl.constexpr = 0):
     """dK, dV of the program's keys (`_consume_keys`). `variant`: (window left, right, softcap, the group's first
     query head's ALiBi slope pointer, dropout), None where off; dropout = (seed, offset, threshold,
     (log2(1 / (1 - p)), 1 - p), b · Hq + the group's first query head). PERSISTENT: those of every item of the
@@ -357,14 +350,14 @@ def _consumer(shared, place, seq, diag, qk_scale, softmax_scale, variant,
                 _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, item_variant, kv_ready.index(buf),
                               (j // 2) & 1, buf * KV_BLOCKS, it, (kv_empty.index(1 - buf), j > 0), WG, IS_CAUSAL,
                               IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                              HAS_DROPOUT, True, 0, QK_W, V_W, DK_SPLIT, DV_SPLIT)
+                              HAS_DROPOUT, True, 0, QK_W, V_W)
                 it += place[5]
                 j += 1
         tma.store_wait(0)
     else:
         _consume_keys(shared, place, seq, diag, qk_scale, softmax_scale, variant, kv_ready, 0, 0, 0, None, WG,
                       IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, WARPS_N,
-                      HAS_DROPOUT, False, SPLIT, QK_W, V_W, DK_SPLIT, DV_SPLIT, KV_REGS)
+                      HAS_DROPOUT, False, SPLIT, QK_W, V_W, KV_REGS)
 
 
 @gluon.jit(do_not_specialize=["window_left", "window_right", "stride_alibi_b", "stride_dkn", "stride_dkh",
@@ -382,8 +375,7 @@ def _attn_bwd_dkdv_gluon(
     HAS_ALIBI: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr, D_VALID: gl.constexpr,
     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr, DV_VALID: gl.constexpr = 0,
     HAS_DROPOUT: gl.constexpr = False, PERSISTENT: gl.constexpr = False, SPLIT: gl.constexpr = 0,
-    QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0, DK_SPLIT: gl.constexpr = False,
-    DV_SPLIT: gl.constexpr = False, KV_REGS: gl.constexpr = 0,
+    QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0, KV_REGS: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sk, PROGRAM_KEYS), Hkv, B) (varlen: Sk the longest sequence's; PROGRAM_KEYS = `dkdv_keys`);
     varlen with WORK_TABLE: one program per row of WORK (`work_table`: only the (sequence, head, key block)s that
@@ -472,8 +464,7 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(1))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(2), HAS_DROPOUT, None, None, False, 0, QK_W, V_W, DK_SPLIT,
-                         DV_SPLIT)),
+                         gl.constexpr(2), HAS_DROPOUT, None, None, False, 0, QK_W, V_W)),
         ], [8], [CONSUMER_REGS])
     elif PERSISTENT:
         schedule = (gl.program_id(0), gl.cdiv(SEQLEN_K, PROGRAM_KEYS) * (HEADS_Q // GROUP_SIZE) * BATCH,
@@ -487,12 +478,10 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(2), schedule, kv_empty, True)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W, DK_SPLIT,
-                         DV_SPLIT)),
+                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W, DK_SPLIT,
-                         DV_SPLIT)),
+                         gl.constexpr(1), HAS_DROPOUT, schedule, kv_empty, True, 0, QK_W, V_W)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -500,10 +489,8 @@ def _attn_bwd_dkdv_gluon(
                          gl.constexpr(2))),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(0),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W, DK_SPLIT,
-                         DV_SPLIT, KV_REGS)),
+                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W, KV_REGS)),
             (_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], variant, gl.constexpr(1),
                          IS_CAUSAL, IS_VARLEN, HEAD_DIM, NUM_STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W, DK_SPLIT,
-                         DV_SPLIT, KV_REGS)),
+                         gl.constexpr(1), HAS_DROPOUT, None, None, False, SPLIT, QK_W, V_W, KV_REGS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

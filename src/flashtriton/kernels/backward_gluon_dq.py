@@ -10,8 +10,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .backward_gluon import (KEYS, ROWS, acc_mma, acc_operands, acc_out, acc_store_rows, acc_to_shared, acc_wait,
                              acc_zero, dropout_scalars, lse_base2, lse_rows, probabilities, tile_width, work_item)
-from .gluon_common import (a_operand, dropout_tile, mma_nt, sequence, tma_load, tma_store, wgmma_layout,
-                           width_pieces)
+from .gluon_common import dropout_tile, mma_nt, sequence, tma_load, tma_store, wgmma_layout, width_pieces
 from .variant import diagonal, dropout_select, key_blocks, key_end_before, tile_hidden, tile_masked, visible
 
 
@@ -150,17 +149,13 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                  HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr = False,
                  SPLIT: gl.constexpr = 0, fused=0, FUSED_DELTA: gl.constexpr = 0, DV_OUT: gl.constexpr = 0,
-                 QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False,
-                 QDO_REGS: gl.constexpr = 0):
+                 QK_W: gl.constexpr = 0, V_W: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False):
     """dQ of query rows [start_m + 64 WG, start_m + 64 WG + 64) over the K/V tiles, then its store. FUSED_DELTA:
     their lse and delta from `fused` (`_fused_delta`), else from the padded lse_ptr / delta_ptr. `variant`:
     (window left, right, softcap, pointer at the head's ALiBi slope, dropout), None where off; dropout = (seed,
     offset, threshold, (log2(1 / (1 - p)), 1 - p), b · Hq + h). SPLIT (causal or a window): the tiles in three
     loops, the masked ones (`_dq_tile`'s MASK 2) around those every pair of which is visible (MASK 1: no mask
-    code). QDO_REGS (bits: 1 Q, 2 dO, 4 with any variant): S's and dP's A operands, the warpgroup's Q and dO, held
-    in registers, so that of their products only the K and V tiles are read from shared memory (as the dK/dV
-    kernel's KV_REGS). Built without spills at D = 64 and 128, not yet timed or run on the GPU: off in the
-    configs."""
+    code)."""
     (q_bufs, do_bufs, k_bufs, v_bufs, q_ready, kv_ready, kv_empty, desc_dq, DQ, stride_dqm, stride_dqh,
      d_valid) = shared
     off_b, off_h, off_hk, start_m, n_tiles, key_lo = place
@@ -191,12 +186,7 @@ def _dq_consumer(shared, place, seq, diag, qk_scale, softmax_scale, lse_ptr, del
     q = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
     do = do_bufs.index(WG).reshape([ROWS, HEAD_DIM_V])
     mbarrier.wait(q_ready, 0)
-    # Q (QDO_REGS bit 1) and dO (bit 2) in registers for dense calls without a variant (bit 4: any variant), in whole
-    # tiles (no column pieces)
-    REGS_ON: gl.constexpr = QK_W == HEAD_DIM and V_W == HEAD_DIM_V and (
-        (QDO_REGS & 4) or not (IS_VARLEN or HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_DROPOUT))
-    tiles = (k_bufs, v_bufs, kv_ready, kv_empty, a_operand(q, s_layout, REGS_ON and (QDO_REGS & 1)),
-             a_operand(do, s_layout, REGS_ON and (QDO_REGS & 2)), s_zero)
+    tiles = (k_bufs, v_bufs, kv_ready, kv_empty, q, do, s_zero)
     # (SPLIT takes causal calls and windows: elsewhere only the keys' end is masked)
     if SPLIT and (IS_CAUSAL or HAS_WINDOW):  # the tiles in three runs: masked (a window's left edge), whole, masked
         first, start, lo, _ = key_blocks(start_m // KEYS, seqlen_k, diag, IS_CAUSAL, KEYS, BLOCK_N, HAS_WINDOW, left,
@@ -251,7 +241,6 @@ def _attn_bwd_dq_gluon(
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORK_TABLE: gl.constexpr,
     HAS_DROPOUT: gl.constexpr = False, SPLIT: gl.constexpr = 0, FUSED_DELTA: gl.constexpr = 0,
     DV_OUT: gl.constexpr = 0, QK_WIDTH: gl.constexpr = 0, V_WIDTH: gl.constexpr = 0, DQ_SPLIT: gl.constexpr = False,
-    QDO_REGS: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sq, 128), Hq, B) (varlen: Sq the longest sequence's); varlen with WORK_TABLE: one program per
     row of WORK (`work_table`). num_warps=4: the producer; two consumer warpgroups of 64 query rows each. Causal:
@@ -338,10 +327,8 @@ def _attn_bwd_dq_gluon(
         (_dq_producer, (producer_args, place, seq, IS_VARLEN, NUM_STAGES)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(0), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT,
-                        QDO_REGS)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT)),
         (_dq_consumer, (consumer_args, place, seq, scales[0], scales[1], scales[2], lse_ptr, delta_ptr, variant,
                         gl.constexpr(1), IS_CAUSAL, IS_VARLEN, HEAD_DIM, BLOCK_N, NUM_STAGES, HAS_WINDOW,
-                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT,
-                        QDO_REGS)),
+                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, SPLIT, fused, FUSED_DELTA, DV_OUT, QK_W, V_W, DQ_SPLIT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

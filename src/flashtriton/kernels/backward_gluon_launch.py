@@ -77,7 +77,7 @@ def shared_memory_bytes(config: dict, head_dim: int, kernel: str = "dkdv", elem_
 def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, config: dict, kernel: str = "dkdv",
                  batch: int | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                  variant: Variant | None = None, head_dim_v: int | None = None, programs: int = 132,
-                 widths: tuple = (0, 0), splits: tuple = (False, False, False)):
+                 widths: tuple = (0, 0), dq_split: bool = False):
     """(grid, int arguments after the scales and output strides, constexprs and options) of the dK/dV or the dQ
     kernel. Dense (batch None): q (B, Sq, Hq, D), k (B, Sk, Hkv, D). Varlen: q (total_q, Hq, D),
     k (total_k, Hkv, D), `batch` sequences of at most max_seqlen_q / max_seqlen_k tokens. `variant`: the call's
@@ -86,8 +86,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     descriptor, and the dK/dV kernel stores dV's own columns (DV_VALID). A dK/dV config with PERSISTENT (dense,
     tiles up to 128 wide) launches at most `programs` programs (the GPU's SM count: one resident program each), or
     at most PERSISTENT programs where it is a number (tests: many items a program). `widths`: the products over
-    QK's and V's head dims (QK_WIDTH, V_WIDTH: `product_widths`), 0 for the tiles' whole width; `splits`: dQ's, dK's
-    and dV's accumulators in two each (DQ_SPLIT, DK_SPLIT, DV_SPLIT: `acc_splits` says where)."""
+    QK's and V's head dims (QK_WIDTH, V_WIDTH: `product_widths`), 0 for the tiles' whole width; `dq_split`: the dQ
+    kernel's accumulator in two (DQ_SPLIT: `dq_split` says where)."""
     varlen = batch is not None
     heads_q, head_dim, heads_kv = q_shape[-2], q_shape[-1], k_shape[-2]
     block_d = head_block(head_dim)  # the tiles' head dim (HEAD_DIM); D_VALID the head's own
@@ -124,10 +124,8 @@ def launch_parts(q_shape, k_shape, causal: bool, causal_bottom_right: bool, conf
     for name, width in zip(("QK_WIDTH", "V_WIDTH"), widths):  # (likewise: the whole tiles' launches keep their key)
         if width:
             meta[name] = width
-    names = ("DQ_SPLIT",) if kernel == "dq" else ("DK_SPLIT", "DV_SPLIT")
-    for name, split in zip(names, splits if kernel == "dq" else splits[1:]):  # (likewise)
-        if split:
-            meta[name] = True
+    if kernel == "dq" and dq_split:  # (likewise)
+        meta["DQ_SPLIT"] = True
     if variant.dropout_p:  # (likewise: the dropout-free launches keep their key)
         meta.update(variant.dropout_constexprs)
     return grid, ints, meta
@@ -142,17 +140,14 @@ def product_widths(head_dim: int, head_dim_v: int | None = None) -> tuple:
             trimmed_width(head_dim if head_dim_v is None else head_dim_v, trim, pieces))
 
 
-def acc_splits(head_dim: int, head_dim_v: int | None = None) -> tuple:
-    """(dQ, dK, dV): whether the Gluon backward keeps each gradient in two accumulators over the pieces of its
-    product width (`product_widths`: QK's for dQ and dK, V's for dV), so that its product skips the tiles' zero
-    columns: where that width is two pieces of at least 64 columns (D=192: 128 + 64; narrower pieces would slice the
-    tiles inside a swizzle atom), dQ's under `configs.backward.GLUON_BWD_DQ_SPLIT`, dK's and dV's under
-    GLUON_BWD_DKDV_SPLIT."""
-    def two(width):
-        return bool(width) and width_pieces(width) == 2 and width_piece(width, 1) >= 64
-    qk, v = product_widths(head_dim, head_dim_v)
-    dq, dkdv = configs.backward.GLUON_BWD_DQ_SPLIT, configs.backward.GLUON_BWD_DKDV_SPLIT
-    return bool(dq and two(qk)), bool(dkdv and two(qk)), bool(dkdv and two(v))
+def dq_split(head_dim: int) -> bool:
+    """Whether the Gluon dQ kernel keeps dQ in two accumulators over the pieces of QK's product width
+    (`product_widths`), so that its product skips the tiles' zero columns: under
+    `configs.backward.GLUON_BWD_DQ_SPLIT`, where that width is two pieces of at least 64 columns (D=192: 128 + 64;
+    narrower pieces would slice the tiles inside a swizzle atom)."""
+    width = product_widths(head_dim)[0]
+    return bool(configs.backward.GLUON_BWD_DQ_SPLIT and width and width_pieces(width) == 2
+                and width_piece(width, 1) >= 64)
 
 
 def separate_v_ok(head_dim: int, head_dim_v: int) -> bool:
@@ -246,13 +241,13 @@ class _DensePlan:
 
 @functools.lru_cache(maxsize=1024)
 def _dense_plan(kernel, q_shape, k_shape, dtype, device, causal, causal_bottom_right, config_items,
-                variant=None, head_dim_v=None, widths=(0, 0), splits=(False, False, False)) -> _DensePlan:
+                variant=None, head_dim_v=None, widths=(0, 0), split_dq=False) -> _DensePlan:
     """The plan of one call shape and variant (`Variant` equality: its window, softcap and whether ALiBi slopes
     are given; the scalars and slopes themselves are arguments of each launch); `head_dim_v`: V's head dim."""
     programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     return _DensePlan(*launch_parts(q_shape, k_shape, causal, causal_bottom_right, dict(config_items), kernel,
                                     variant=variant, head_dim_v=head_dim_v, programs=programs, widths=widths,
-                                    splits=splits))
+                                    dq_split=split_dq))
 
 
 def _launch_parts_for(kernel, q, k, v, variant, config, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -262,12 +257,12 @@ def _launch_parts_for(kernel, q, k, v, variant, config, cu_seqlens_q, cu_seqlens
     if cu_seqlens_q is None:
         plan = _dense_plan(kernel, tuple(q.shape), tuple(k.shape), q.dtype, q.device, causal, causal_bottom_right,
                            tuple(sorted(config.items())), variant, v.shape[-1],
-                           product_widths(q.shape[-1], v.shape[-1]), acc_splits(q.shape[-1], v.shape[-1]))
+                           product_widths(q.shape[-1], v.shape[-1]), dq_split(q.shape[-1]))
         return plan.grid, plan.ints, plan.meta, q, plan
     grid, ints, meta = launch_parts(q.shape, k.shape, causal, causal_bottom_right, config, kernel,
                                     cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, variant, v.shape[-1],
                                     widths=product_widths(q.shape[-1], v.shape[-1]),
-                                    splits=acc_splits(q.shape[-1], v.shape[-1]))
+                                    dq_split=dq_split(q.shape[-1]))
     grid, work, meta["WORK_TABLE"] = _varlen_work(q, k, cu_seqlens_q, cu_seqlens_k, causal, kernel, grid)
     return grid, ints, meta, work, None
 
@@ -384,11 +379,11 @@ class DenseBackward:
         head_dim_v = q.shape[-1] if head_dim_v is None else head_dim_v
         items = tuple(q.shape), tuple(k.shape), q.dtype, q.device, variant.causal, variant.bottom_right
         # every argument as `_launch_parts_for` passes it, so that both find the same `_dense_plan` entries
-        widths, splits = product_widths(q.shape[-1], head_dim_v), acc_splits(q.shape[-1], head_dim_v)
+        widths, split = product_widths(q.shape[-1], head_dim_v), dq_split(q.shape[-1])
         self.dkdv = _dense_plan("dkdv", *items, tuple(sorted(config["dkdv"].items())), variant, head_dim_v, widths,
-                                splits)
+                                split)
         dq_config = dict(config["dq"], FUSED_DELTA=fused, DV_OUT=head_dim_v) if fused else config["dq"]
-        self.dq = _dense_plan("dq", *items, tuple(sorted(dq_config.items())), variant, head_dim_v, widths, splits)
+        self.dq = _dense_plan("dq", *items, tuple(sorted(dq_config.items())), variant, head_dim_v, widths, split)
         self.fused = fused
         self.scalars = variant.scalars(softmax_scale)
         self.alibi_stride = alibi_batch_stride(alibi_slopes)
@@ -440,7 +435,7 @@ def compile_for_sm90(head_dim: int, causal: bool, config: dict, dtype: torch.dty
     variant = Variant.of(causal, True, window_size, softcap, alibi, dropout_p=dropout_p)
     _, _, meta = launch_parts(t.shape, t.shape, causal, True, config, kernel, 2 if varlen else None, 256, 256,
                               variant, head_dim_v, widths=product_widths(head_dim, head_dim_v),
-                              splits=acc_splits(head_dim, head_dim_v))
+                              dq_split=dq_split(head_dim))
     meta["WORK_TABLE"] = varlen and with_table  # varlen: programs from the work table, or the grid
     fn = _attn_bwd_dkdv_gluon if kernel == "dkdv" else _attn_bwd_dq_gluon
     for param in fn.params:  # constexprs a launch leaves at their defaults (DV_VALID)

@@ -37,14 +37,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
-from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_O_IN_Q, SC_PV_SPLIT, SC_Q_REGS,
+from .forward_gluon_items import (ITEM_FIELDS, SC_ALIBI, SC_CAP_FIXED, SC_DROPOUT, SC_O_IN_Q, SC_PV_SPLIT,
                                   SC_QK_16, SC_SINKS, SC_SOFTCAP, SC_WINDOW, item_bounds, num_items, read_item, work,
                                   work_ahead)
 from .forward_gluon_producer import ROWS, producer
 from .forward_gluon_tiles import (acc_scaled, acc_zero, alibi_rows, attend_keys, consumer_scores, first_tile, last_pv,
-                                  out_layout, pv, pv_groups, pv_wait, qk_tile, qk_width, rescales, softmax_tile,
-                                  wait_v)
-from .gluon_common import a_operand, wgmma_layout
+                                  out_layout, pv, pv_groups, pv_wait, qk_tile, rescales, softmax_tile, wait_v)
+from .gluon_common import wgmma_layout
 from .variant import dropout_state
 
 WG0, WG1, WG2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # which 64 rows a consumer warpgroup owns
@@ -184,12 +183,7 @@ def _consume_item(shared, qs, c, off_b, off_h, start_m, q_start, seqlen_q, seqle
     BLOCK_M: gl.constexpr = ROWS * N_CONSUMERS
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     row0 = start_m * BLOCK_M + WG * ROWS  # in the sequence
-    # Q_REGS: Q Kᵀ's A operand from registers, where that builds without spills: dense, non-causal, no variant, the
-    # whole tile (offline sm_90 builds spill 112-148 bytes at D=128 causal or with a variant)
-    VARIANTS: gl.constexpr = SC_WINDOW | SC_SOFTCAP | SC_ALIBI | SC_SINKS | SC_DROPOUT
-    Q_IN_REGS: gl.constexpr = ((SCORES & SC_Q_REGS) != 0 and not (IS_CAUSAL or IS_VARLEN)
-                               and (SCORES & VARIANTS) == 0 and qk_width(SCORES, HEAD_DIM) == HEAD_DIM)
-    q = a_operand(q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM]), s_layout, Q_IN_REGS)
+    q = q_bufs.index(qs * N_CONSUMERS + WG).reshape([ROWS, HEAD_DIM])
     sink = _sink(scores, off_h, SCORES)
     slope = _slope(scores, off_b, off_h, SCORES)
     bh = _dropout_bh(items, off_b, off_h, SCORES)
@@ -489,7 +483,7 @@ def _attn_fwd_gluon(
     STORE_FROM_REGS: gl.constexpr, HAS_WINDOW: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
     HAS_ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
     HAS_DROPOUT: gl.constexpr = False, CAP_FIXED: gl.constexpr = False, QK_WIDTH: gl.constexpr = 0,
-    PV_SPLIT: gl.constexpr = False, O_IN_Q: gl.constexpr = False, Q_REGS: gl.constexpr = False,
+    PV_SPLIT: gl.constexpr = False, O_IN_Q: gl.constexpr = False,
 ):
     """Grid (programs,): the program takes items of the cdiv(Sq, 64 N_CONSUMERS) · Hq · B (varlen: Sq, Sk the
     longest sequences', B the sequences) as `forward_gluon_items.item` hands them out (causal: in pairs).
@@ -504,8 +498,7 @@ def _attn_fwd_gluon(
     n_items = num_items(n_m, n_bh, IS_CAUSAL and CAUSAL_PAIRS)
     SCORES: gl.constexpr = (SC_WINDOW * HAS_WINDOW + SC_SOFTCAP * HAS_SOFTCAP + SC_ALIBI * HAS_ALIBI
                             + SC_SINKS * HAS_SINKS + SC_DROPOUT * HAS_DROPOUT + SC_CAP_FIXED * CAP_FIXED
-                            + SC_PV_SPLIT * PV_SPLIT + SC_QK_16 * (QK_WIDTH // 16) + SC_O_IN_Q * O_IN_Q
-                            + SC_Q_REGS * Q_REGS)
+                            + SC_PV_SPLIT * PV_SPLIT + SC_QK_16 * (QK_WIDTH // 16) + SC_O_IN_Q * O_IN_Q)
 
     dtype: gl.constexpr = desc_q.dtype
     gl.static_assert(not O_IN_Q or (Q_BUFFERS == 1 and not OVERLAP and HEAD_DIM_V == HEAD_DIM),

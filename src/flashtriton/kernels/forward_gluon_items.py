@@ -28,7 +28,6 @@ SC_CAP_FIXED = gl.constexpr(32)
 SC_PV_SPLIT = gl.constexpr(64)
 SC_QK_16 = gl.constexpr(128)
 SC_O_IN_Q = gl.constexpr(1 << 16)  # (above SC_QK_16's bits: QK_WIDTH / 16 < 512)
-SC_Q_REGS = gl.constexpr(1 << 17)
 L2_BUDGET = gl.constexpr(24 * 1024 * 1024)  # bytes of K/V the unpaired causal schedule keeps in use (L2: 50-60 MB)
 
 

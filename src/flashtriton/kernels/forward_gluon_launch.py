@@ -26,9 +26,8 @@ CONFIG_KEYS = frozenset({"BLOCK_N", "NUM_BUFFERS", "CONSUMER_REGS", "N_CONSUMERS
                          "DYNAMIC", "OVERLAP", "STORE_FROM_REGS"})
 # Keys a config may leave out, the kernel's default then: O_IN_Q (True: dense outputs staged for their TMA store in
 # the consumers' own Q buffers, which frees the staging tiles' shared memory; one Q slot, no OVERLAP, Q and V in
-# tiles of one width: `forward_gluon._consume_item`); Q_REGS (True: an item's Q held in registers as Q Kᵀ's A
-# operand, so that its products read only K from shared memory; items taken in turn, not OVERLAP's flat loop).
-OPTIONAL_KEYS = frozenset({"O_IN_Q", "Q_REGS"})
+# tiles of one width: `forward_gluon._consume_item`).
+OPTIONAL_KEYS = frozenset({"O_IN_Q"})
 # Work units are counted in int32, and a program's last draw (or static slot) runs up to one grid past the end.
 UNIT_LIMIT = 2**31 - 2**20
 
