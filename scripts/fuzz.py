@@ -1,6 +1,7 @@
 """Random calls of flash_attn_func and flash_attn_varlen_func (forward and backward, every variant together),
 flash_attn_with_kvcache (paged or not, appends, cache_batch_idx, the variants) and scaled_dot_product_attention
-(inputs of 3 to 5 dims, GQA, is_causal, key-padding masks of every form it takes) against float64: a search for
+(inputs of 3 to 5 dims, GQA, is_causal, causal and band masks, key-padding masks of every form it takes) against
+float64: a search for
 inputs the test suite's grid misses.
 
     TRITON_INTERPRET=1 .venv/bin/python scripts/fuzz.py --seconds 600       # CPU (fp32 and fp16)
@@ -165,14 +166,15 @@ def judge(names, got, exact, low, dt, device, q, k, v, dout, softmax_scale) -> N
         scale = max(ex.abs().max().item(), 1.0) if ex.numel() else 1.0
         size = scale * max(1.0, recompute) if name != "out" else scale
         bound = 2 * err_lo + 8 * FLOOR[dt] * max(size, cancel.get(name, 0.0))
-        if err > bound:
+        if not err <= bound:  # (a NaN error fails too)
             raise AssertionError(f"{name}: error {err:.3e} > bound {bound:.3e} (torch's {err_lo:.3e})")
 
 
 def run_sdpa_case(case: dict, seed: int, device: str) -> None:
-    """scaled_dot_product_attention in torch's layout (..., H, S, D): 3, 4 or 5 dims, enable_gqa, is_causal or a
-    key-padding mask (bool or 0 / -inf; (..., 1, 1, Sk), expanded over the queries, or (Sk,)), against torch's
-    own SDPA in float64 and in the inputs' dtype, forward and gradients."""
+    """scaled_dot_product_attention in torch's layout (..., H, S, D): 3, 4 or 5 dims, enable_gqa, is_causal, a
+    causal or band mask, or a key-padding mask (bool or 0 / -inf; (..., 1, 1, Sk), expanded over the queries, or
+    (Sk,)), against torch's own SDPA in float64 and in the inputs' dtype, forward and gradients (rows that see no
+    key: 0, as torch's math backend gives them)."""
     rng = random.Random(seed * 7 + 1)
     gen = torch.Generator().manual_seed(seed)
     dt = case["dtype"]
@@ -185,7 +187,15 @@ def run_sdpa_case(case: dict, seed: int, device: str) -> None:
     q, dout = rand(*lead, hq, sq, d), rand(*lead, hq, sq, dv)
     k, v = rand(*lead, hkv, sk, d), rand(*lead, hkv, sk, dv)
     causal, mask = case["causal"], None
-    if not causal and rng.random() < 0.7:
+    if not causal and rng.random() < 0.3:  # a causal mask (torch's tril) or a band about the bottom-right diagonal
+        rows = torch.arange(sq)[:, None] + (0 if rng.random() < 0.5 else sk - sq)
+        keys = torch.arange(sk)[None, :]
+        left, right = rng.choice([None, 0, 3, 20]), rng.choice([None, 0, 0, 5])
+        mask = (keys >= rows - (left if left is not None else sk)) & (keys <= rows + (right if right is not None else sk))
+        mask = mask.to(device)
+        if rng.random() < 0.4:
+            mask = torch.zeros(mask.shape, dtype=dt, device=device).masked_fill(~mask, float("-inf"))
+    elif not causal and rng.random() < 0.7:
         form = rng.choice(["keys", "rows", "expanded", "one"])
         keep = torch.rand(*lead, sk, generator=gen) < rng.choice([0.2, 0.7, 1.0])
         if form == "one" or not lead:
@@ -202,15 +212,18 @@ def run_sdpa_case(case: dict, seed: int, device: str) -> None:
 
     def grads(fn, dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        ref_mask = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
-        if fn is not flashtriton.scaled_dot_product_attention and ref_mask is not None and ref_mask.dim() == 1:
-            ref_mask = ref_mask[None]  # (Sk,) as (1, Sk): torch's math backend indexes the mask's dim -2
-        out = fn(*leaves, attn_mask=ref_mask, is_causal=causal, scale=case["scale"], enable_gqa=hq != hkv)
+        ref_mask, is_causal = (mask.to(dtype) if mask is not None and mask.is_floating_point() else mask), causal
+        if fn is not flashtriton.scaled_dot_product_attention:
+            if ref_mask is not None and ref_mask.dim() == 1:
+                ref_mask = ref_mask[None]  # (Sk,) as (1, Sk): torch's math backend indexes the mask's dim -2
+            if causal:  # torch's own is_causal gives NaN with a negative scale (2.13's math backend): its mask
+                ref_mask, is_causal = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(), False
+        out = fn(*leaves, attn_mask=ref_mask, is_causal=is_causal, scale=case["scale"], enable_gqa=hq != hkv)
         return [out, *torch.autograd.grad(out, leaves, dout.to(dtype))]
 
     got = grads(flashtriton.scaled_dot_product_attention, dt)
-    exact = grads(torch.nn.functional.scaled_dot_product_attention, torch.float64)
-    low = grads(torch.nn.functional.scaled_dot_product_attention, dt)
+    exact = [torch.nan_to_num(t) for t in grads(torch.nn.functional.scaled_dot_product_attention, torch.float64)]
+    low = [torch.nan_to_num(t) for t in grads(torch.nn.functional.scaled_dot_product_attention, dt)]
     for name, g, ex in zip(("out", "dq", "dk", "dv"), got, exact):
         if g.shape != ex.shape:
             raise AssertionError(f"{name}: shape {tuple(g.shape)}, torch's {tuple(ex.shape)}")

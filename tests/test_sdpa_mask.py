@@ -1,7 +1,7 @@
-"""`scaled_dot_product_attention` with a key-padding attn_mask (what encoders and `nn.MultiheadAttention`'s
-key_padding_mask pass): bool or 0 / -inf float, (B, 1, 1, Sk) or expanded over queries and heads, against torch's
-SDPA in float64 with the same mask (forward and gradients), within 2x torch's own error in the dtype
-(tests/accuracy.py); and inputs of 3 or more than 4 dims, as torch takes them. The masks it refuses:
+"""`scaled_dot_product_attention` with an attn_mask: a key-padding mask (what encoders and `nn.MultiheadAttention`'s
+key_padding_mask pass: bool or 0 / -inf float, (B, 1, 1, Sk) or expanded over queries and heads) and causal and
+band masks, against torch's SDPA in float64 with the same mask (forward and gradients), within 2x torch's own error
+in the dtype (tests/accuracy.py); and inputs of 3 or more than 4 dims, as torch takes them. The masks it refuses:
 tests/test_validation.py."""
 
 from __future__ import annotations
@@ -151,3 +151,69 @@ def test_inputs_of_other_ranks_that_torch_would_broadcast_are_refused(device):
     with pytest.raises(ValueError, match="does not broadcast to the query's batch dims"):
         flashtriton.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, 1, 1, 8, dtype=torch.bool,
                                                                                  device=device))
+
+
+def band_mask(seqlen_q, seqlen_k, left, right, diagonal, device):
+    """(Sq, Sk) bool: query i sees key j iff i + diagonal - left <= j <= i + diagonal + right (None: unbounded)."""
+    rows = torch.arange(seqlen_q, device=device)[:, None] + diagonal
+    keys = torch.arange(seqlen_k, device=device)[None, :]
+    keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left is not None:
+        keep &= keys >= rows - left
+    if right is not None:
+        keep &= keys <= rows + right
+    return keep
+
+
+# (Sq, Sk, left, right, diagonal): causal top-left (torch's is_causal: tril) at Sq = Sk, < Sk, > Sk; causal
+# bottom-right (Sk - Sq); a sliding window (w, 0); a band on both sides; bands about the bottom-right diagonal
+BAND_MASKS = {
+    "tril": (40, 40, None, 0, 0), "tril_short_q": (23, 70, None, 0, 0), "tril_long_q": (70, 23, None, 0, 0),
+    "causal_bottom_right": (23, 70, None, 0, 47), "causal_bottom_right_long_q": (70, 23, None, 0, -47),
+    "sliding_window": (65, 65, 16, 0, 0), "band": (65, 65, 5, 9, 0), "band_bottom_right": (33, 90, 20, 3, 57),
+    "left_only_bottom_right": (33, 90, 20, None, 57), "upper_triangle": (40, 40, 0, None, 0),
+}
+
+
+@pytest.mark.parametrize("form", ["bool", "float", "bool_b1qk"])
+@pytest.mark.parametrize("name", list(BAND_MASKS))
+def test_causal_and_band_masks_against_float64(name, form, device):
+    """A causal or band mask (the same for every batch entry and head) runs as is_causal / flash-attn's causal and
+    window_size: against torch's SDPA in float64 with the mask itself, forward and gradients, GQA, fp16."""
+    seqlen_q, seqlen_k, left, right, diagonal = BAND_MASKS[name]
+    q, k, v, _ = masked_inputs(2, 4, 2, seqlen_q, seqlen_k, 32, torch.float16, device, seed=seqlen_q + seqlen_k)
+    keep = band_mask(seqlen_q, seqlen_k, left, right, diagonal, device)
+    mask = {"bool": keep, "float": as_float_mask(keep, torch.float16),
+            "bool_b1qk": keep[None, None].expand(2, 1, seqlen_q, seqlen_k)}[form]
+    dout = torch.randn(2, 4, seqlen_q, 32, generator=torch.Generator().manual_seed(2)).to(device, torch.float16)
+    ours = sdpa_grads(flashtriton.scaled_dot_product_attention, q, k, v, mask, dout)
+    exact = sdpa_grads(F.scaled_dot_product_attention, q, k, v, mask.double() if mask.is_floating_point() else mask,
+                       dout, torch.float64)
+    theirs = sdpa_grads(F.scaled_dot_product_attention, q, k, v, mask, dout)
+    for label, o, t, e in zip(("out", "dq", "dk", "dv"), ours, theirs, exact):
+        e = torch.nan_to_num(e)  # (rows that see no key: torch's math backend gives 0 or NaN by version; ours 0)
+        t = torch.nan_to_num(t)
+        assert_close_to_exact(o, t, e, torch.float16, f"{name} {form}: {label}")
+
+
+def test_generate_square_subsequent_mask_is_is_causal(device):
+    """nn.Transformer's causal mask (float, 0 / -inf) gives the is_causal call, bit for bit."""
+    q, k, v, _ = masked_inputs(2, 2, 2, 48, 48, 16, torch.float16, device, seed=5)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(48, device=device, dtype=torch.float16)
+    assert torch.equal(flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                       flashtriton.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.gpu
+def test_band_masks_on_large_shapes(device):
+    """The kernels the dispatch picks for long sequences (Hopper: the Gluon ones) under a causal and a band mask."""
+    for seqlen_q, seqlen_k, left, right, diagonal in ((2048, 2048, None, 0, 0), (1024, 4096, 512, 0, 3072),
+                                                      (2048, 2048, 256, 128, 0)):
+        q, k, v, _ = masked_inputs(2, 8, 4, seqlen_q, seqlen_k, 128, torch.bfloat16, device, seed=seqlen_k)
+        mask = band_mask(seqlen_q, seqlen_k, left, right, diagonal, device)
+        dout = torch.randn(2, 8, seqlen_q, 128, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)
+        ours = sdpa_grads(flashtriton.scaled_dot_product_attention, q, k, v, mask, dout)
+        exact = sdpa_grads(F.scaled_dot_product_attention, q, k, v, mask, dout, torch.float64)
+        theirs = sdpa_grads(F.scaled_dot_product_attention, q, k, v, mask, dout)
+        for label, o, t, e in zip(("out", "dq", "dk", "dv"), ours, theirs, exact):
+            assert_close_to_exact(o, t, e, torch.bfloat16, f"{seqlen_q}/{seqlen_k} ({left}, {right}): {label}")

@@ -115,13 +115,27 @@ def test_window_size_given_as_list_of_defaults_is_fine(device):
     flashtriton.flash_attn_func(*qkv(device), window_size=[-1, -1])
 
 
-def test_sdpa_attn_mask_that_is_not_key_padding_raises(device):
-    """A causal (or any query-dependent) mask, a bias, a mask with is_causal, a mask of the wrong shape, dtype or
-    device: each refused by name, never run as something else (tests/test_sdpa_mask.py runs the masks it takes)."""
-    q, k, v = (t.transpose(1, 2) for t in qkv(device))
+def test_sdpa_attn_mask_it_does_not_take_raises(device):
+    """A general query-dependent mask, a causal mask below the diagonal or combined with key padding, a band the
+    bottom-right window cannot state, a bias, a mask with is_causal, a mask of the wrong shape, dtype or device:
+    each refused by name, never run as something else (tests/test_sdpa_mask.py runs the masks it takes)."""
+    q, k, v = (t.transpose(1, 2) for t in qkv(device, b=2))
     causal = torch.ones(8, 8, dtype=torch.bool, device=device).tril()
-    with pytest.raises(NotImplementedError, match="key-padding"):
-        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    strictly_below = torch.ones(8, 8, dtype=torch.bool, device=device).tril(-1)
+    general = causal.clone()
+    general[5, 1] = False
+    padded = causal[None, None].repeat(q.shape[0], 1, 1, 1)
+    padded[0, :, :, 7] = False
+    for mask in (strictly_below, general):
+        with pytest.raises(NotImplementedError, match="causal mask .top-left or bottom-right. or a band"):
+            flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with pytest.raises(NotImplementedError, match="combined with key padding"):
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=padded)
+    # a top-left band with Sq < Sk: its right side would be negative about the bottom-right diagonal
+    k2, v2 = torch.cat([k, k], 2), torch.cat([v, v], 2)
+    band = (torch.arange(16, device=device)[None, :] - torch.arange(8, device=device)[:, None]).abs() <= 1
+    with pytest.raises(NotImplementedError, match="neither"):
+        flashtriton.scaled_dot_product_attention(q, k2, v2, attn_mask=band)
     with pytest.raises(NotImplementedError, match="bias"):
         flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=torch.full((8,), 0.5, device=device))
     with pytest.raises(NotImplementedError, match="gradient"):  # (a float mask that would need its gradient)
@@ -460,9 +474,11 @@ def test_sdpa_checks_are_remembered_per_signature(device, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(validation, "check_tensors", lambda *a, **kw: pytest.fail("a check ran for a signature that passed"))
         assert torch.equal(first, flashtriton.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3))
+    causal = torch.ones(8, 8, dtype=torch.bool, device=device).tril()
+    assert torch.equal(first, flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=0.3))
+    causal[6, 2] = False  # (no longer a causal mask: refused)
     with pytest.raises(NotImplementedError, match="attn_mask"):
-        flashtriton.scaled_dot_product_attention(
-            q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=device).tril(), scale=0.3)
+        flashtriton.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=0.3)
     with pytest.raises(ValueError, match="enable_gqa"):
         flashtriton.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True, scale=0.3)
     with pytest.raises(ValueError, match="dropout_p must be in"):

@@ -265,13 +265,18 @@ def scaled_dot_product_attention(
     `flash_attn_func`'s dropout_p (applied whenever it is > 0, as in torch: pass 0.0 in evaluation). The result
     is a (B, Hq, Sq, Dv) view of a (B, Sq, Hq, Dv) tensor, as torch's flash backend returns it.
 
-    attn_mask: a key-padding mask, as encoders and `nn.MultiheadAttention`'s key_padding_mask give it: bool (True:
-    attend) or float (0: attend, -inf: not), broadcastable to (B, Hq, Sq, Sk) and the same for every query and
-    head, e.g. (B, 1, 1, Sk) or an expanded (B, 1, Sq, Sk). Each row of queries attends to its batch entry's kept
-    keys (gathered and run as a packed batch; a batch entry without a kept key gives 0, as torch's math backend
-    does). Reading the mask syncs with the host once a call. A mask that differs between queries or heads (a
-    causal or a general one), a float mask with other values (a bias) or that requires grad, and attn_mask with
-    is_causal=True raise NotImplementedError; use is_causal for causal attention.
+    attn_mask: bool (True: attend) or float (0: attend, -inf: not), broadcastable to (B, Hq, Sq, Sk), of one of
+    these kinds (read on the host: one sync a call):
+    - a key-padding mask, as encoders and `nn.MultiheadAttention`'s key_padding_mask give it: the same for every
+      query and head, e.g. (B, 1, 1, Sk) or an expanded (B, 1, Sq, Sk). Each row of queries attends to its batch
+      entry's kept keys (gathered and run as a packed batch; a batch entry without a kept key gives 0, as torch's
+      math backend does);
+    - a causal mask or a band around a diagonal, the same for every batch entry and head: query i sees keys j <= i
+      (`torch.tril`, `nn.Transformer.generate_square_subsequent_mask`: as is_causal=True) or j <= i + Sk - Sq
+      (flash-attn's bottom-right causal), or i + Sk - Sq - left <= j <= i + Sk - Sq + right with left, right >= 0
+      or unbounded (a sliding window: flash-attn's window_size).
+    Any other mask (a general one, a causal or band mask combined with padding), a float mask with other values (a
+    bias) or that requires grad, and attn_mask with is_causal=True raise NotImplementedError.
     """
     if isinstance(query, torch.Tensor) and query.dim() != 4:
         return _batch_dims_flattened(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -304,11 +309,13 @@ def scaled_dot_product_attention(
         V.check_grid(q.shape[0], q.shape[2])
         V.remember_checked(checks_key, (dropout_p,))
     q, softmax_scale = _positive_scale(q, _default_scale(scale, q.shape[-1]))
-    keep = None if attn_mask is None else _kept_keys(attn_mask, is_causal, q.shape[0], k.shape[1])
+    keep, bottom_right, window = None, False, (-1, -1)  # (is_causal: torch's top-left diagonal)
+    if attn_mask is not None:
+        keep, is_causal, bottom_right, window = _read_mask(attn_mask, is_causal, q.shape[0], q.shape[1], k.shape[1])
     if keep is not None:  # some keys masked out: each batch entry's kept keys, packed
         return key_padded_attention(q, k, v, unpad(keep), softmax_scale, dropout_p=dropout_p).transpose(1, 2)
-    out, _ = attention(q, k, v, softmax_scale, is_causal, False, None, None, q.shape[1], k.shape[1],
-                       dropout_p=dropout_p)
+    out, _ = attention(q, k, v, softmax_scale, is_causal, bottom_right, None, None, q.shape[1], k.shape[1],
+                       window_size=window, dropout_p=dropout_p)
     return out.transpose(1, 2)  # (B, Hq, Sq, Dv)
 
 
@@ -349,7 +356,7 @@ def _batch_dims_flattened(query, key, value, attn_mask, dropout_p, is_causal, sc
 
 
 def _check_attn_mask(attn_mask, query: torch.Tensor, key: torch.Tensor) -> None:
-    """attn_mask's type, dtype, device and shape (what `_kept_keys` reads of its values comes at every call)."""
+    """attn_mask's type, dtype, device and shape (what `_read_mask` reads of its values comes at every call)."""
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
@@ -365,16 +372,18 @@ def _check_attn_mask(attn_mask, query: torch.Tensor, key: torch.Tensor) -> None:
                          f"{target}")
 
 
-def _kept_keys(attn_mask: torch.Tensor, is_causal: bool, batch: int, seqlen_k: int) -> torch.Tensor | None:
-    """The (B, Sk) bool keys a key-padding attn_mask keeps, or None when it keeps them all; raises
-    NotImplementedError for a mask that is not a key-padding mask (`scaled_dot_product_attention`). Reads the
-    mask's values: one device-to-host sync."""
+def _read_mask(attn_mask: torch.Tensor, is_causal: bool, batch: int, seqlen_q: int,
+               seqlen_k: int) -> tuple[torch.Tensor | None, bool, bool, tuple[int, int]]:
+    """What an attn_mask asks of `scaled_dot_product_attention` (its docstring lists the kinds): (the (B, Sk) bool
+    keys a key-padding mask keeps, or None; causal; the diagonal bottom-right (flash-attn's) rather than top-left;
+    window_size). Raises NotImplementedError for any other mask.
+    Reads the mask's values: one device-to-host sync (a few for a mask that differs between queries)."""
     if is_causal:
         raise NotImplementedError("flashtriton's scaled_dot_product_attention takes attn_mask or is_causal=True, "
                                   "not both")
     if attn_mask.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("flashtriton's scaled_dot_product_attention gives attn_mask no gradient: pass a "
-                                  "mask that does not require grad (a learned bias is not a key-padding mask)")
+                                  "mask that does not require grad (a learned bias is not a mask it takes)")
     if torch.compiler.is_compiling():
         raise NotImplementedError("flashtriton's scaled_dot_product_attention reads attn_mask's values on the host, "
                                   "which a compiled graph cannot; pass it outside torch.compile or use is_causal")
@@ -386,12 +395,43 @@ def _kept_keys(attn_mask: torch.Tensor, is_causal: bool, batch: int, seqlen_k: i
         if not (keep | (mask == float("-inf"))).all():
             raise NotImplementedError("flashtriton's scaled_dot_product_attention takes a float attn_mask of 0 "
                                       "(attend) and -inf (masked) only; other values are a bias it does not add")
-    if (keep.shape[1] > 1 or keep.shape[2] > 1) and not (keep == keep[:, :1, :1, :]).all():
-        raise NotImplementedError("flashtriton's scaled_dot_product_attention takes attn_mask only as a key-padding "
-                                  "mask (the same for every query and head, e.g. (batch, 1, 1, seqlen_k)); for "
-                                  "causal attention pass is_causal=True")
-    keep = keep[:, 0, 0, :].expand(batch, seqlen_k)
-    return None if keep.all() else keep
+    if keep.shape[1] == 1 and keep.shape[2] == 1 or (keep == keep[:, :1, :1, :]).all():  # the same for every query
+        keep = keep[:, 0, 0, :].expand(batch, seqlen_k)
+        return (None if keep.all() else keep), False, False, (-1, -1)
+    return (None, *_band(keep, seqlen_q, seqlen_k))
+
+
+def _band(keep: torch.Tensor, seqlen_q: int, seqlen_k: int) -> tuple[bool, bool, tuple[int, int]]:
+    """(causal, bottom_right, window_size) of a (B | 1, H | 1, Sq, Sk) bool mask that differs between queries and is
+    the same for every batch entry and head: causal top-left (query i sees keys j <= i) or bottom-right (j <= i +
+    Sk - Sq), or a band i + d - left <= j <= i + d + right, d = Sk - Sq, each side >= 0 or unbounded;
+    NotImplementedError for any other."""
+    if (keep.shape[0] > 1 or keep.shape[1] > 1) and not (keep == keep[:1, :1]).all():
+        raise NotImplementedError("flashtriton's scaled_dot_product_attention takes an attn_mask that differs "
+                                  "between queries only if it is the same for every batch entry and head (a causal "
+                                  "or a band mask); combined with key padding it is not taken")
+    rows = keep[0, 0].expand(seqlen_q, seqlen_k)
+    offset = (torch.arange(seqlen_k, device=rows.device)[None, :]
+              - torch.arange(seqlen_q, device=rows.device)[:, None])  # j - i
+    # the band the seen keys span: j - i in [-left, right] (some key is seen: the mask differs between queries)
+    right = torch.where(rows, offset, torch.iinfo(torch.int64).min).max()
+    left = -torch.where(rows, offset, torch.iinfo(torch.int64).max).min()
+    is_band = (((offset >= -left) & (offset <= right)) == rows).all()
+    right, left, is_band = torch.stack((right, left, is_band.long())).tolist()  # (one sync)
+    if is_band:
+        d = seqlen_k - seqlen_q
+        unbounded_left, unbounded_right = left >= seqlen_q - 1, right >= seqlen_k - 1
+        if unbounded_left and right == 0:
+            return True, False, (-1, -1)  # torch's is_causal
+        if unbounded_left and right == d:
+            return True, True, (-1, -1)
+        if (unbounded_left or left + d >= 0) and (unbounded_right or right - d >= 0):  # (-1 means unbounded)
+            return False, True, (-1 if unbounded_left else left + d, -1 if unbounded_right else right - d)
+    raise NotImplementedError(
+        "flashtriton's scaled_dot_product_attention takes an attn_mask that differs between queries only as a "
+        "causal mask (top-left or bottom-right) or a band around the bottom-right diagonal (query i sees keys "
+        "i + Sk - Sq - left .. i + Sk - Sq + right, left and right >= 0): this one is neither; for causal attention "
+        "pass is_causal=True")
 
 
 def unpad(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
