@@ -411,12 +411,20 @@ def _band(keep: torch.Tensor, seqlen_q: int, seqlen_k: int) -> tuple[bool, bool,
                                   "between queries only if it is the same for every batch entry and head (a causal "
                                   "or a band mask); combined with key padding it is not taken")
     rows = keep[0, 0].expand(seqlen_q, seqlen_k)
-    offset = (torch.arange(seqlen_k, device=rows.device)[None, :]
-              - torch.arange(seqlen_q, device=rows.device)[:, None])  # j - i
-    # the band the seen keys span: j - i in [-left, right] (some key is seen: the mask differs between queries)
-    right = torch.where(rows, offset, torch.iinfo(torch.int64).min).max()
-    left = -torch.where(rows, offset, torch.iinfo(torch.int64).max).min()
-    is_band = (((offset >= -left) & (offset <= right)) == rows).all()
+    # each row's first and last seen key and how many it sees (vectors: nothing of size Sq x Sk but a byte copy)
+    seen = rows.to(torch.uint8)
+    count = seen.sum(-1)
+    first = seen.argmax(-1)
+    last = seqlen_k - 1 - seen.flip(-1).argmax(-1)
+    i = torch.arange(seqlen_q, device=rows.device)
+    some = count > 0
+    # the band the seen keys span, j - i in [-left, right] (some key is seen: the mask differs between queries),
+    # and whether every row sees exactly that band's keys, none where it holds none
+    left = torch.where(some, i - first, torch.iinfo(torch.int64).min).max()
+    right = torch.where(some, last - i, torch.iinfo(torch.int64).min).max()
+    band_first, band_last = (i - left).clamp(min=0), (i + right).clamp(max=seqlen_k - 1)
+    band_count = (band_last - band_first + 1).clamp(min=0)
+    is_band = ((count == band_count) & (~some | ((first == band_first) & (last == band_last)))).all()
     right, left, is_band = torch.stack((right, left, is_band.long())).tolist()  # (one sync)
     if is_band:
         d = seqlen_k - seqlen_q
