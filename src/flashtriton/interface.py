@@ -266,7 +266,7 @@ def scaled_dot_product_attention(
     is a (B, Hq, Sq, Dv) view of a (B, Sq, Hq, Dv) tensor, as torch's flash backend returns it.
 
     attn_mask: bool (True: attend) or float (0: attend, -inf: not), broadcastable to (B, Hq, Sq, Sk), of one of
-    these kinds (read on the host: one sync a call):
+    these kinds (its values read on the host: a sync a call, two more to pack a key-padding mask's keys):
     - a key-padding mask, as encoders and `nn.MultiheadAttention`'s key_padding_mask give it: the same for every
       query and head, e.g. (B, 1, 1, Sk) or an expanded (B, 1, Sq, Sk). Each row of queries attends to its batch
       entry's kept keys (gathered and run as a packed batch; a batch entry without a kept key gives 0, as torch's
@@ -377,7 +377,7 @@ def _read_mask(attn_mask: torch.Tensor, is_causal: bool, batch: int, seqlen_q: i
     """What an attn_mask asks of `scaled_dot_product_attention` (its docstring lists the kinds): (the (B, Sk) bool
     keys a key-padding mask keeps, or None; causal; the diagonal bottom-right (flash-attn's) rather than top-left;
     window_size). Raises NotImplementedError for any other mask.
-    Reads the mask's values: one device-to-host sync (a few for a mask that differs between queries)."""
+    Reads the mask's values: one device-to-host sync (two or three for a mask that differs between queries)."""
     if is_causal:
         raise NotImplementedError("flashtriton's scaled_dot_product_attention takes attn_mask or is_causal=True, "
                                   "not both")
@@ -388,16 +388,17 @@ def _read_mask(attn_mask: torch.Tensor, is_causal: bool, batch: int, seqlen_q: i
         raise NotImplementedError("flashtriton's scaled_dot_product_attention reads attn_mask's values on the host, "
                                   "which a compiled graph cannot; pass it outside torch.compile or use is_causal")
     mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    if attn_mask.dtype == torch.bool:
-        keep = mask
-    else:
-        keep = mask == 0
-        if not (keep | (mask == float("-inf"))).all():
-            raise NotImplementedError("flashtriton's scaled_dot_product_attention takes a float attn_mask of 0 "
-                                      "(attend) and -inf (masked) only; other values are a bias it does not add")
-    if keep.shape[1] == 1 and keep.shape[2] == 1 or (keep == keep[:, :1, :1, :]).all():  # the same for every query
-        keep = keep[:, 0, 0, :].expand(batch, seqlen_k)
-        return (None if keep.all() else keep), False, False, (-1, -1)
+    keep = mask if attn_mask.dtype == torch.bool else mask == 0
+    first_row = keep[:, :1, :1, :]
+    # (0 / -inf values only, the same for every query and head, every key kept: read in one sync)
+    only_masks, per_key, keeps_all = torch.stack((
+        (keep | (mask == float("-inf"))).all() if attn_mask.dtype != torch.bool else keep.new_ones(()),
+        (keep == first_row).all(), first_row.all())).tolist()
+    if not only_masks:
+        raise NotImplementedError("flashtriton's scaled_dot_product_attention takes a float attn_mask of 0 "
+                                  "(attend) and -inf (masked) only; other values are a bias it does not add")
+    if per_key:  # the same for every query and head: a key-padding mask
+        return (None if keeps_all else keep[:, 0, 0, :].expand(batch, seqlen_k)), False, False, (-1, -1)
     return (None, *_band(keep, seqlen_q, seqlen_k))
 
 
