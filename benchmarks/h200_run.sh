@@ -197,6 +197,11 @@ for step in "$@"; do
     varlen_wide) # the Gluon forward on packed batches at 64- and 256-column tiles against the dispatch's (VW_DIMS)
       timeout 300 python benchmarks/varlen_wide_ab.py --head-dims ${VW_DIMS:-64,192,256,192/128} --out $R/varlen_wide \
         > $R/varlen_wide.txt 2>&1; tail -40 $R/varlen_wide.txt ;;
+    shapes) # explicit shapes beside cuDNN, fwd + bwd (SHAPES="B,H,T,D ...", CAUSAL, DTYPES; SHAPES_TAG names the files):
+      # e.g. the same work in a number of units that divides the SMs and one that does not
+      timeout ${SHAPES_S:-240} python -m flashtriton bench --providers flashtriton,sdpa_cudnn --modes fwd,bwd --rep 60 --warmup 25 \
+        --dtypes ${DTYPES:-bf16} --causal ${CAUSAL:-0,1} $(for s in ${SHAPES:-4,16,4096,128}; do echo --shape $s; done) \
+        --out $R/shapes${SHAPES_TAG:-} --no-plots > $R/shapes${SHAPES_TAG:-}.txt 2>&1; grep -v "it/s" $R/shapes${SHAPES_TAG:-}.txt | tail -40 ;;
     dropout) timeout 300 python benchmarks/dropout.py --out $R/dropout > $R/dropout.txt 2>&1; tail -34 $R/dropout.txt ;;
     gluon_dropout) # the Gluon kernels' dropout: its GPU tests, then timed beside the portable kernels and cuDNN
       timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_dropout.py \
