@@ -202,6 +202,11 @@ for step in "$@"; do
       timeout ${SHAPES_S:-240} python -m flashtriton bench --providers flashtriton,sdpa_cudnn --modes fwd,bwd --rep 60 --warmup 25 \
         --dtypes ${DTYPES:-bf16} --causal ${CAUSAL:-0,1} $(for s in ${SHAPES:-4,16,4096,128}; do echo --shape $s; done) \
         --out $R/shapes${SHAPES_TAG:-} --no-plots > $R/shapes${SHAPES_TAG:-}.txt 2>&1; grep -v "it/s" $R/shapes${SHAPES_TAG:-}.txt | tail -40 ;;
+    fa_suite) # flash-attn 2's own tests/test_flash_attn.py against flashtriton (scripts/flash_attn_suite): the test
+      # file is not in the repository: carry out/flash_attn_suite (holding test_flash_attn.py); FA_PER_TEST, FA_S
+      timeout $(( ${FA_S:-420} + 60 )) python scripts/flash_attn_suite/run.py --device cuda --per-test ${FA_PER_TEST:-40} \
+        --budget ${FA_S:-420} --seed ${FA_SEED:-1} --results $R/flash_attn_suite > $R/flash_attn_suite.txt 2>&1
+      head -40 $R/flash_attn_suite/summary.txt ;;
     dropout) timeout 300 python benchmarks/dropout.py --out $R/dropout > $R/dropout.txt 2>&1; tail -34 $R/dropout.txt ;;
     gluon_dropout) # the Gluon kernels' dropout: its GPU tests, then timed beside the portable kernels and cuDNN
       timeout 300 python -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/test_dropout.py \
