@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from fa_plugin import BUDGET_REASON, _argnames, _argvalues  # noqa: F401 (this folder: the parametrize marks' parsing)
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SHIM = HERE / "shim"
@@ -48,7 +50,6 @@ WORK = REPO / "out" / "flash_attn_suite"  # git-ignored: the test file, its CPU 
 DEFAULT_TEST = WORK / "test_flash_attn.py"  # --test-file replaces it
 CPU_DIR = WORK / "cpu"
 SOURCE_NOTE = "flash-attn 2's tests/test_flash_attn.py, unchanged"
-BUDGET_REASON = "fa-harness: budget exhausted"
 SEQLEN_PARAMS = ("seqlen", "seqlen_q", "seqlen_k")
 
 
@@ -90,17 +91,6 @@ def make_cpu_copy(test_file: Path, max_batch: int, repeats: int) -> Path:
 # ----------------------------------------------------------------------------------------------------------
 # Parametrization grid and sampling
 # ----------------------------------------------------------------------------------------------------------
-def _argnames(mark):
-    names = mark.args[0] if mark.args else mark.kwargs["argnames"]
-    if isinstance(names, str):
-        return [n.strip() for n in names.split(",") if n.strip()]
-    return list(names)
-
-
-def _argvalues(mark):
-    return list(mark.args[1] if len(mark.args) > 1 else mark.kwargs["argvalues"])
-
-
 def _idval(val, argname, idx):
     """pytest's default id of one parameter value (IdMaker._idval_from_value, else argname + index)."""
     if hasattr(val, "values") and hasattr(val, "marks") and hasattr(val, "id"):

@@ -4,15 +4,7 @@ Names flash-attn 2 has here that flashtriton does not provide raise NotImplement
 (see _MISSING); anything else unknown raises AttributeError as usual.
 """
 
-from flashtriton import (  # noqa: F401
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
+from . import *  # noqa: F401,F403 (the package's flash_attn_* functions)
 from flashtriton.flash_attn_interface import (  # noqa: F401
     _flash_attn_backward,
     _flash_attn_forward,
