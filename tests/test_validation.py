@@ -467,6 +467,24 @@ def test_checks_are_remembered_per_signature(device, monkeypatch):
             flashtriton.flash_attn_func(q, k, v, causal=True, window_size=(3, 0), softcap=5.0)
 
 
+def test_window_none_is_unbounded(device):
+    """None for the whole window or for one side is unbounded (FlashAttention-4's spelling), the same call as -1,
+    in the dense, varlen and KV-cache entry points."""
+    q, k, v = qkv(device, b=2, s=24)
+    for none, ints in (((None, None), (-1, -1)), (None, (-1, -1)), ((5, None), (5, -1)), ((None, 3), (-1, 3))):
+        assert validation.check_window(none) == ints
+        assert torch.equal(flashtriton.flash_attn_func(q, k, v, window_size=none),
+                           flashtriton.flash_attn_func(q, k, v, window_size=ints))
+    cu = torch.tensor([0, 24, 48], dtype=torch.int32, device=device)
+    packed = [t.reshape(48, *t.shape[2:]) for t in (q, k, v)]
+    assert torch.equal(flashtriton.flash_attn_varlen_func(*packed, cu, cu, 24, 24, causal=True, window_size=(7, None)),
+                       flashtriton.flash_attn_varlen_func(*packed, cu, cu, 24, 24, causal=True, window_size=(7, -1)))
+    assert torch.equal(flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, causal=True, window_size=(None, None)),
+                       flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, causal=True))
+    with pytest.raises(TypeError, match="window_size must hold two ints"):
+        validation.check_window((None, 2.5))
+
+
 def test_sdpa_checks_are_remembered_per_signature(device, monkeypatch):
     """As `test_checks_are_remembered_per_signature`, for `scaled_dot_product_attention`."""
     q, k, v = (t.transpose(1, 2) for t in qkv(device, b=2))

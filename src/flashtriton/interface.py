@@ -90,8 +90,8 @@ def flash_attn_func(
             small shapes; None without dropout, as the kernels never form them). The lse is
             differentiable (d lse_i / d s_ij = softmax_ij, what ring attention's merge of partial results needs);
             a row that sees no key has lse -inf, a constant: q, k, v get no gradient from it.
-        window_size: (left, right): query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (-1:
-            unbounded on that side; with causal the right side is 0). A row that sees no key returns 0.
+        window_size: (left, right): query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (-1 or
+            None: unbounded on that side; with causal the right side is 0). A row that sees no key returns 0.
         softcap: > 0 caps the scaled scores: softcap * tanh(scores / softcap) (0 or None: off).
         alibi_slopes: fp32 (nheads,) or (batch, nheads): adds -slope * |i + Sk - Sq - j| to the scores (after
             softcap). window_size, softcap, alibi_slopes and learnable_sink run on every kernel family, the

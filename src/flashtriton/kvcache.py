@@ -145,7 +145,7 @@ def flash_attn_with_kvcache(
         causal: bool. Whether to apply the bottom-right causal mask drawn above.
         window_size: (left, right). Sliding-window attention: query i sees key j iff
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (seqlen_k of each sequence,
-            after the append); -1 is unbounded on that side; with causal=True the right side is 0. Only the
+            after the append); -1 (or None) is unbounded on that side; with causal=True the right side is 0. Only the
             window's keys are read from the cache (its tiles and pages), so a step costs the window, not the
             cache. A row whose window holds no key returns 0 (lse -inf).
         softcap: float > 0 caps the scores: softcap * tanh(scores / softcap), before the mask and ALiBi

@@ -141,12 +141,16 @@ def _integer_tensor(t) -> bool:
 def check_window(window_size) -> tuple[int, int]:
     """flash-attn's window_size: two ints >= -1 (-1 = unbounded on that side) -> a tuple. As flash-attn indexes
     it, a tuple or list, or a 1-D integer tensor of two (flash-attn's tests draw it with torch.randint; its values
-    are read on the host: a sync for a GPU tensor); sides may be 0-d integer tensors."""
+    are read on the host: a sync for a GPU tensor); sides may be 0-d integer tensors. None, for the whole window or
+    a side, is unbounded (FlashAttention-4's spelling)."""
+    if window_size is None:
+        return -1, -1
     if _integer_tensor(window_size) and window_size.dim() == 1 and window_size.numel() == 2:
         window_size = window_size.tolist()
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a tuple of two ints (left, right), -1 for unbounded, got {window_size!r}")
-    window_size = [side.item() if _integer_tensor(side) and side.dim() == 0 else side for side in window_size]
+    window_size = [-1 if side is None else side.item() if _integer_tensor(side) and side.dim() == 0 else side
+                   for side in window_size]
     for side in window_size:
         if isinstance(side, bool) or not isinstance(side, numbers.Integral):
             raise TypeError(f"window_size must hold two ints, got {window_size!r}")
