@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtriton
-from flashtriton import validation
+from flashtriton import kvcache, validation
 
 
 def qkv(device, b=1, s=8, h=2, d=16, dtype=torch.float16):
@@ -467,7 +467,7 @@ def test_checks_are_remembered_per_signature(device, monkeypatch):
             flashtriton.flash_attn_func(q, k, v, causal=True, window_size=(3, 0), softcap=5.0)
 
 
-def test_window_none_is_unbounded(device):
+def test_window_none_is_unbounded(device, monkeypatch):
     """None for the whole window or for one side is unbounded (FlashAttention-4's spelling), the same call as -1,
     in the dense, varlen and KV-cache entry points."""
     q, k, v = qkv(device, b=2, s=24)
@@ -479,8 +479,11 @@ def test_window_none_is_unbounded(device):
     packed = [t.reshape(48, *t.shape[2:]) for t in (q, k, v)]
     assert torch.equal(flashtriton.flash_attn_varlen_func(*packed, cu, cu, 24, 24, causal=True, window_size=(7, None)),
                        flashtriton.flash_attn_varlen_func(*packed, cu, cu, 24, 24, causal=True, window_size=(7, -1)))
-    assert torch.equal(flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, causal=True, window_size=(None, None)),
-                       flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, causal=True))
+    planned = flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, causal=True)
+    with monkeypatch.context() as m:  # a None side keys the plan an explicit -1 made
+        m.setattr(kvcache, "_unplanned_call", lambda *a, **kw: pytest.fail("None took the unplanned path"))
+        assert torch.equal(flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, causal=True, window_size=(None, None)),
+                           planned)
     with pytest.raises(TypeError, match="window_size must hold two ints"):
         validation.check_window((None, 2.5))
 

@@ -62,6 +62,10 @@ def call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         seqlens = cache_seqlens
     else:
         raise Unplanned
+    if window_size is None:  # (None, as a side too: unbounded, keyed as -1, the same call)
+        window_size = (-1, -1)
+    elif type(window_size) in (tuple, list) and len(window_size) == 2 and None in window_size:
+        window_size = tuple(-1 if side is None else side for side in window_size)
     if not (type(window_size) in (tuple, list) and len(window_size) == 2 and type(window_size[0]) is int
             and type(window_size[1]) is int and type(num_splits) is int and type(rotary_interleaved) is bool
             and (softmax_scale is None or type(softmax_scale) in (float, int))
