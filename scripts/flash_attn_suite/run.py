@@ -167,7 +167,7 @@ def sample(grid, per_test: int, seed: int, k_expr: str | None, limits: dict | No
                 return None
         pid = "-".join(ids[i] for (_, _, ids), i in zip(dims, idx))
         item = f"{fname}[{pid}]" if dims else fname
-        if not match([item, fname, module_name, f"{module_name}.py", "fa_tests"] + (["parametrize"] if dims else [])):
+        if not match([item, fname, module_name, f"{module_name}.py", "flash_attn_suite"] + (["parametrize"] if dims else [])):
             return None
         return pid
 
