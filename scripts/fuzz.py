@@ -10,7 +10,7 @@ inputs the test suite's grid misses.
     TRITON_INTERPRET=1 .venv/bin/python scripts/fuzz.py --pad-head-dims     # head dims padded as on Hopper
 
 Each case draws shapes (GQA / MQA, Sq != Sk, head dims 1..256 with a V head dim of its own, empty sequences),
-causal, a window, softcap, ALiBi ((H,) or (B, H)), sinks, dropout (the reference on the call's recovered mask) and a
+causal, a window (its unbounded sides spelled -1 or None), softcap, ALiBi ((H,) or (B, H)), sinks, dropout (the reference on the call's recovered mask) and a
 softmax scale; judges out, lse and the gradients
 as tests/accuracy.py does (against torch's own error in the dtype); prints every failure with the seed that
 reproduces it (`--seed N --cases 1`), and exits 1 if any failed.
@@ -54,7 +54,13 @@ def draw(rng: random.Random, device: str) -> dict:
     )
     if case["causal"]:
         case["window"] = (case["window"][0], 0)
+    case["none_window"] = rng.random() < 0.25  # the call spells unbounded sides None (FlashAttention-4's way)
     return case
+
+
+def call_window(case: dict) -> tuple:
+    """The call's window_size: the case's, its unbounded sides as None where the case says so."""
+    return tuple(None if case.get("none_window") and side == -1 else side for side in case["window"])
 
 
 def dense_reference(q, k, v, case, slopes, sinks, dtype, keep=None):
@@ -90,7 +96,7 @@ def run_case(case: dict, seed: int, device: str) -> None:
         slopes = (torch.rand(b, hq, generator=gen) * 0.5).to(device)
     sinks = (torch.randn(hq, generator=gen)).to(device) if case["sink"] else None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sinks.clone().requires_grad_()] if case["sink"] else [])
-    kwargs = dict(softmax_scale=case["scale"], causal=case["causal"], window_size=case["window"],
+    kwargs = dict(softmax_scale=case["scale"], causal=case["causal"], window_size=call_window(case),
                   softcap=case["softcap"], alibi_slopes=slopes, return_attn_probs=True,
                   learnable_sink=leaves[3] if case["sink"] else None, dropout_p=case["dropout"])
     with testing.record_dropout() as calls:
@@ -281,7 +287,7 @@ def run_decode_case(case: dict, seed: int, device: str) -> None:
     out, lse = flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device),
         cache_batch_idx=batch_idx, block_table=block_table, softmax_scale=case["scale"], causal=case["causal"],
-        window_size=case["window"], softcap=case["softcap"], alibi_slopes=slopes, num_splits=rng.choice([0, 1, 3]),
+        window_size=call_window(case), softcap=case["softcap"], alibi_slopes=slopes, num_splits=rng.choice([0, 1, 3]),
         return_softmax_lse=True, learnable_sink=sinks)
     got_k, got_v = logical(k_cache), logical(v_cache)
     for i in range(b):
