@@ -266,7 +266,8 @@ def scaled_dot_product_attention(
     is a (B, Hq, Sq, Dv) view of a (B, Sq, Hq, Dv) tensor, as torch's flash backend returns it.
 
     attn_mask: bool (True: attend) or float (0: attend, -inf: not), broadcastable to (B, Hq, Sq, Sk), of one of
-    these kinds (its values read on the host: a sync a call, two more to pack a key-padding mask's keys):
+    these kinds (its values read on the host: a sync a call, one more for a causal or band mask, two more to pack
+    a key-padding mask's keys):
     - a key-padding mask, as encoders and `nn.MultiheadAttention`'s key_padding_mask give it: the same for every
       query and head, e.g. (B, 1, 1, Sk) or an expanded (B, 1, Sq, Sk). Each row of queries attends to its batch
       entry's kept keys (gathered and run as a packed batch; a batch entry without a kept key gives 0, as torch's
@@ -377,7 +378,7 @@ def _read_mask(attn_mask: torch.Tensor, is_causal: bool, batch: int, seqlen_q: i
     """What an attn_mask asks of `scaled_dot_product_attention` (its docstring lists the kinds): (the (B, Sk) bool
     keys a key-padding mask keeps, or None; causal; the diagonal bottom-right (flash-attn's) rather than top-left;
     window_size). Raises NotImplementedError for any other mask.
-    Reads the mask's values: one device-to-host sync (two or three for a mask that differs between queries)."""
+    Reads the mask's values: one device-to-host sync (two for a mask that differs between queries)."""
     if is_causal:
         raise NotImplementedError("flashtriton's scaled_dot_product_attention takes attn_mask or is_causal=True, "
                                   "not both")
@@ -407,10 +408,6 @@ def _band(keep: torch.Tensor, seqlen_q: int, seqlen_k: int) -> tuple[bool, bool,
     the same for every batch entry and head: causal top-left (query i sees keys j <= i) or bottom-right (j <= i +
     Sk - Sq), or a band i + d - left <= j <= i + d + right, d = Sk - Sq, each side >= 0 or unbounded;
     NotImplementedError for any other."""
-    if (keep.shape[0] > 1 or keep.shape[1] > 1) and not (keep == keep[:1, :1]).all():
-        raise NotImplementedError("flashtriton's scaled_dot_product_attention takes an attn_mask that differs "
-                                  "between queries only if it is the same for every batch entry and head (a causal "
-                                  "or a band mask); combined with key padding it is not taken")
     rows = keep[0, 0].expand(seqlen_q, seqlen_k)
     # each row's first and last seen key and how many it sees (vectors: nothing of size Sq x Sk but a byte copy)
     seen = rows.to(torch.uint8)
@@ -426,7 +423,12 @@ def _band(keep: torch.Tensor, seqlen_q: int, seqlen_k: int) -> tuple[bool, bool,
     band_first, band_last = (i - left).clamp(min=0), (i + right).clamp(max=seqlen_k - 1)
     band_count = (band_last - band_first + 1).clamp(min=0)
     is_band = ((count == band_count) & (~some | ((first == band_first) & (last == band_last)))).all()
-    right, left, is_band = torch.stack((right, left, is_band.long())).tolist()  # (one sync)
+    uniform = (keep == keep[:1, :1]).all()  # the same for every batch entry and head
+    right, left, is_band, uniform = torch.stack((right, left, is_band.long(), uniform.long())).tolist()  # (one sync)
+    if not uniform:
+        raise NotImplementedError("flashtriton's scaled_dot_product_attention takes an attn_mask that differs "
+                                  "between queries only if it is the same for every batch entry and head (a causal "
+                                  "or a band mask); combined with key padding it is not taken")
     if is_band:
         d = seqlen_k - seqlen_q
         unbounded_left, unbounded_right = left >= seqlen_q - 1, right >= seqlen_k - 1
